@@ -1,0 +1,1 @@
+"""ARPO workbench library."""

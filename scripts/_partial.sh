@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Idempotent set-up on Debian/Ubuntu: Chromium (apt), the project venv (.venv) and the tiny model.
+# Fast when already done: pip runs only when pyproject.toml or this file changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+say() { printf '[setup] %s\n' "$*" >&2; }
+sudo_if_needed() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
+
+# 1. The browser: Debian's Chromium and its matching ChromeDriver.
+if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
+  say "installing chromium and chromium-driver with apt"
+  sudo_if_needed apt-get update -qq
+  sudo_if_needed env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
+fi
+
+# 2. The Python environment.
+PY="${ARPO_PYTHON:-$(command -v python3.11 || command -v python3)}"
+if [ ! -x .venv/bin/python ]; then
+  say "creating .venv with $PY"
+  "$PY" -m venv .venv
+fi
+stamp=".venv/.setup-$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+if [ ! -f "$stamp" ]; then
+  say "installing Python packages (first time: a few minutes)"
+  .venv/bin/python -m pip install -q --upgrade pip
+  # The CPU-runnable torch/torchvision pair (torchvision is needed by the Qwen-VL processors).
+  .venv/bin/python -m pip install -q "torch==2.14.1" "torchvision==0.29.1"
+  .venv/bin/python -m pip install -q -e ".[notebooks,dev]"
+  .venv/bin/python -m ipykernel install --sys-prefix --name python3 >/dev/null
+  rm -f .venv/.setup-*
+  touch "$stamp"
+fi
+
+# 3. The tiny UI-TARS-architecture models the smoke run and the tests use (deterministic, seconds).
