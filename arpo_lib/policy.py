@@ -1,0 +1,236 @@
+"""The in-process Hugging Face policy: batched generation with behaviour log-probs, and
+log-probs of given tokens for training, computed only at assistant-token positions.
+
+Loads any UI-TARS checkpoint (Qwen2-VL or Qwen2.5-VL architecture) the real way:
+`AutoProcessor` + `AutoModelForImageTextToText`. The tiny locally built models go through the
+same code.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from arpo_lib.actions import MAX_PIXELS, MIN_PIXELS, ParsedResponse, parse_response
+from arpo_lib.prompt import Segment, TokenConversation
+
+COORD_MODE_BY_MODEL_TYPE = {"qwen2_vl": "qwen2vl", "qwen2_5_vl": "qwen25vl"}
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The model path does not exist or is not a checkpoint directory."""
+
+
+@dataclass
+class Generation:
+    """One sampled response."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    """Log-prob of each sampled token under softmax(logits / temperature) (the behaviour policy)."""
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _image_processor_limits(processor: Any) -> tuple[int, int, int]:
+    """(factor, min_pixels, max_pixels) the image processor really resizes with."""
+    ip = processor.image_processor
+    size = getattr(ip, "size", None) or {}
+    min_pixels = getattr(ip, "min_pixels", None) or size.get("shortest_edge") or MIN_PIXELS
+    max_pixels = getattr(ip, "max_pixels", None) or size.get("longest_edge") or MAX_PIXELS
+    factor = int(getattr(ip, "patch_size", 14)) * int(getattr(ip, "merge_size", 2))
+    return factor, int(min_pixels), int(max_pixels)
+
+
+class HFPolicy:
+    """A UI-TARS policy run in this process with transformers."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        device: str = "auto",
+        compute_dtype: str = "auto",
+        coord_mode: str = "auto",
+        history_images: int = 15,
+        max_new_tokens: int = 256,
+        gradient_checkpointing: bool = False,
+    ):
+        from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+
+        path = str(path)
+        if Path(path).exists() and not (Path(path) / "config.json").is_file():
+            raise ModelNotFoundError(f"{path} is not a model directory (no config.json)")
+        if not Path(path).exists() and (path.startswith((".", "/")) or path.startswith("models/")):
+            hint = " Run `./workbench setup` to build the tiny models." if "tiny" in path else ""
+            raise ModelNotFoundError(f"model path {path} does not exist.{hint}")
+        self.path = path
+        self.device = resolve_device(device)
+        if compute_dtype == "auto":
+            compute_dtype = "bfloat16" if self.device.type == "cuda" else "float32"
+        self.compute_dtype = getattr(torch, compute_dtype)
+        config = AutoConfig.from_pretrained(path)
+        if coord_mode == "auto":
+            coord_mode = COORD_MODE_BY_MODEL_TYPE.get(config.model_type, "qwen25vl")
+        self.coord_mode = coord_mode
+        self.processor = AutoProcessor.from_pretrained(path)
+        self.tokenizer = self.processor.tokenizer
+        # fp32 master weights; bf16 (if asked) only inside autocast.
+        self.model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).to(self.device)
+        self.model.eval()
+        if gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.history_images = history_images
+        self.max_new_tokens = max_new_tokens
+        self.eos_ids = [i for i in (self.tokenizer.convert_tokens_to_ids("<|im_end|>"),
+                                    self.tokenizer.convert_tokens_to_ids("<|endoftext|>")) if i is not None]
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[-1]
+        self.resize = _image_processor_limits(self.processor)
+
+    # -- conversation and parsing ----------------------------------------------------------
+    def new_conversation(self, instruction: str) -> TokenConversation:
+        return TokenConversation(self.processor, instruction, history_images=self.history_images)
+
+    def parse(self, text: str, image_size: tuple[int, int]) -> ParsedResponse:
+        """Parse a response with this model's coordinate convention and resize limits."""
+        factor, min_pixels, max_pixels = self.resize
+        return parse_response(text, image_size, coord_mode=self.coord_mode,
+                              factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
+
+    def _autocast(self):
+        enabled = self.compute_dtype != torch.float32
+        return torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=enabled)
+
+    # -- generation ------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(
+        self,
+        segments: Sequence[Segment],
+        *,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_new_tokens: int | None = None,
+    ) -> list[Generation]:
+        """Sample one response for each context (batched, left-padded).
+
+        temperature 0 = greedy. Behaviour log-probs are log softmax(logits / T) of the sampled
+        tokens (T = 1 for greedy); with top_p < 1 they ignore the nucleus truncation.
+        """
+        from transformers import GenerationConfig
+
+        if not segments:
+            return []
+        max_new_tokens = max_new_tokens or self.max_new_tokens
+        lengths = [len(s) for s in segments]
+        width = max(lengths)
+        ids = torch.full((len(segments), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(segments), width), dtype=torch.long)
+        mm = torch.zeros((len(segments), width), dtype=torch.int)
+        for row, seg in enumerate(segments):
+            ids[row, width - len(seg):] = torch.tensor(seg.input_ids)
+            attention[row, width - len(seg):] = 1
+            mm[row, width - len(seg):] = torch.tensor(seg.mm_token_type_ids, dtype=torch.int)
+        inputs: dict[str, Any] = {"input_ids": ids, "attention_mask": attention, "mm_token_type_ids": mm}
+        pixels = [p for s in segments for p in s.pixel_values]
+        if pixels:
+            inputs["pixel_values"] = torch.cat(pixels)
+            inputs["image_grid_thw"] = torch.stack([g for s in segments for g in s.image_grid_thw])
+        inputs = {k: v.to(self.device) for k, v in inputs.items()}
+        greedy = temperature <= 0
+        gen_config = GenerationConfig(
+            do_sample=not greedy, temperature=None if greedy else temperature,
+            top_p=None if greedy or top_p >= 1 else top_p, top_k=None,
+            max_new_tokens=max_new_tokens, eos_token_id=self.eos_ids, pad_token_id=self.pad_id,
+        )
+        with self._autocast():
+            out = self.model.generate(**inputs, generation_config=gen_config,
+                                      return_dict_in_generate=True, output_logits=True)
+        new_tokens = out.sequences[:, width:]  # (B, N)
+        logits = torch.stack(out.logits, dim=1).float()  # (B, N, V)
+        scale = 1.0 if greedy else temperature
+        logprobs = torch.log_softmax(logits / scale, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        results = []
+        for row in range(len(segments)):
+            toks = new_tokens[row].tolist()
+            n = len(toks)
+            for i, t in enumerate(toks):
+                if t in self.eos_ids:
+                    n = i + 1
+                    break
+            toks = toks[:n]
+            text = self.tokenizer.decode(toks, skip_special_tokens=True)
+            results.append(Generation(text=text, token_ids=toks, logprobs=logprobs[row, :n].tolist()))
+        return results
+
+    # -- training --------------------------------------------------------------------------
+    def sequence_logprobs(self, segments: Sequence[Segment], temperature: float = 1.0) -> list[torch.Tensor]:
+        """Log-probs (with grad) of every loss-masked token of each segment: a list of (n_i,) tensors.
+
+        Runs the decoder once per micro-batch and applies the LM head only at the positions that
+        predict a trained token: full-vocabulary logits over a multi-image sequence never exist.
+        """
+        batch = _right_pad(segments, self.pad_id)
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        targets = batch.pop("loss_mask").bool()  # (B, T)
+        with self._autocast():
+            hidden = self.model.model(**batch).last_hidden_state  # (B, T, H)
+        # hidden at t-1 predicts token t
+        pred_mask = torch.zeros_like(targets)
+        pred_mask[:, :-1] = targets[:, 1:]
+        selected = hidden[pred_mask]  # (N, H)
+        with self._autocast():
+            logits = self.model.lm_head(selected)
+        logits = logits.float() / temperature
+        tokens = batch["input_ids"][targets]  # (N,)
+        token_logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        counts = targets.sum(dim=1).tolist()
+        return list(torch.split(token_logprobs, counts))
+
+    # -- persistence -----------------------------------------------------------------------
+    def save(self, directory: str | Path) -> None:
+        """Save model + processor in the Hugging Face layout (loadable by this class, vLLM, ...)."""
+        directory = Path(directory)
+        self.model.save_pretrained(directory)
+        self.processor.save_pretrained(directory)
+        (directory / "arpo_policy.json").write_text(json.dumps({"coord_mode": self.coord_mode}))
+
+
+def _right_pad(segments: Sequence[Segment], pad_id: int) -> dict[str, torch.Tensor]:
+    width = max(len(s) for s in segments)
+    n = len(segments)
+    ids = torch.full((n, width), pad_id, dtype=torch.long)
+    attention = torch.zeros((n, width), dtype=torch.long)
+    mm = torch.zeros((n, width), dtype=torch.int)
+    mask = torch.zeros((n, width), dtype=torch.long)
+    for row, seg in enumerate(segments):
+        L = len(seg)
+        ids[row, :L] = torch.tensor(seg.input_ids)
+        attention[row, :L] = 1
+        mm[row, :L] = torch.tensor(seg.mm_token_type_ids, dtype=torch.int)
+        mask[row, :L] = torch.tensor(seg.loss_mask)
+    out = {"input_ids": ids, "attention_mask": attention, "mm_token_type_ids": mm, "loss_mask": mask}
+    pixels = [p for s in segments for p in s.pixel_values]
+    if pixels:
+        out["pixel_values"] = torch.cat(pixels)
+        out["image_grid_thw"] = torch.stack([g for s in segments for g in s.image_grid_thw])
+    return out
+
+
+def masked_logprobs_to_padded(per_seq: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[(n_i,)] -> ((B, T) values, (B, T) mask) for `algo.policy_loss`."""
+    width = max((t.numel() for t in per_seq), default=0)
+    values = torch.zeros(len(per_seq), max(width, 1), device=per_seq[0].device if per_seq else "cpu")
+    mask = torch.zeros_like(values)
+    for row, t in enumerate(per_seq):
+        values[row, : t.numel()] = t
+        mask[row, : t.numel()] = 1
+    return values, mask
