@@ -1,0 +1,20 @@
+"""The algorithm, as pure functions: rewards, group advantages, the clipped loss, and ARPO's replay.
+
+    reward    = trajectory_reward(task_score, format_ok)           # one number per trajectory
+    advantage = group_advantages(rewards_of_one_group)             # (G,) -> (G,)
+    loss, m   = policy_loss(logprobs, old_logprobs, adv, mask)     # (B, T) tokens -> scalar
+    ReplayBuffer: per-task successes injected into all-failed groups (arpo_lib/algo/replay.py)
+"""
+from arpo_lib.algo.advantages import group_advantages, is_all_failed
+from arpo_lib.algo.loss import AGGREGATIONS, policy_loss
+from arpo_lib.algo.replay import ReplayBuffer
+from arpo_lib.algo.rewards import trajectory_reward
+
+__all__ = [
+    "AGGREGATIONS",
+    "ReplayBuffer",
+    "group_advantages",
+    "is_all_failed",
+    "policy_loss",
+    "trajectory_reward",
+]

@@ -1,0 +1,400 @@
+"""ARPO's training loop: sample tasks, roll out G times each, score, replay, advantages, update.
+
+    for step in range(cfg.train.steps):
+        tasks   = task_batch(step)                      # seeded epoch permutations
+        trajs   = rollouts(tasks x G)                   # parallel browsers, batched generation
+        groups  = per task: replay.maybe_inject(...)    # ARPO: rescue all-failed groups
+                  then replay.add(fresh trajectories)
+        adv     = group_advantages(rewards)             # per group, Bessel std
+        update  = PPO clipped loss, one epoch, `updates_per_batch` optimizer steps
+        metrics -> metrics.jsonl; checkpoint (model, optimizer, replay buffer, RNG, data order)
+
+Departures from the original, on purpose:
+- Infrastructure failures (a crashed browser/VM) are dropped from their group, not scored 0.
+- Sequences with advantage exactly 0 are counted in the loss normaliser but not run through the
+  model: their loss and gradient are exactly zero, so the result is the same at lower cost.
+- `algo.old_logprobs=recompute` (default, as ARPO) recomputes old log-probs with the current
+  policy before the update; `behaviour` uses the log-probs stored at sampling time instead.
+- Checkpoints include the replay buffer and the data order; `resume` continues exactly.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from arpo_lib.algo import ReplayBuffer, group_advantages, is_all_failed, policy_loss
+from arpo_lib.config import RunConfig, config_from_dict, save_config
+from arpo_lib.envs.worker import EnvPool
+from arpo_lib.policy import HFPolicy
+from arpo_lib.prompt import Segment
+from arpo_lib.rollout import EpisodeRequest, RolloutEngine, Trajectory, load_trajectory
+from arpo_lib.tracking import Tracker
+
+
+def stable_seed(*parts: Any) -> int:
+    """A seed from any parts, identical across processes and Python versions."""
+    return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF
+
+
+def task_batch(tasks: list[str], step: int, tasks_per_batch: int, seed: int) -> list[str]:
+    """Tasks of rollout batch `step`: consecutive slices of seeded per-epoch permutations.
+
+    Depends only on (tasks, step, tasks_per_batch, seed), so a resumed run continues the same order.
+    """
+    out = []
+    for pos in range(step * tasks_per_batch, (step + 1) * tasks_per_batch):
+        epoch, offset = divmod(pos, len(tasks))
+        order = list(tasks)
+        random.Random(stable_seed(seed, "epoch", epoch)).shuffle(order)
+        out.append(order[offset])
+    return out
+
+
+def append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    """Append one line and fsync: a killed run loses at most the line being written."""
+    with open(path, "a") as fh:
+        fh.write(json.dumps(record) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Read complete lines (a torn last line from a crash is ignored)."""
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return out
+
+
+@dataclass
+class Group:
+    task: str
+    trajectories: list[Trajectory]
+    advantages: list[float]
+    injected: bool
+    all_failed: bool
+
+
+class Trainer:
+    """Runs ARPO (or GRPO with `algo.replay.enabled=false`) for a `RunConfig`."""
+
+    def __init__(self, cfg: RunConfig, *, resume: bool = False, policy: HFPolicy | None = None):
+        self.cfg = cfg
+        self.run_dir = cfg.run_dir
+        self.ckpt_dir = self.run_dir / "checkpoints"
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.step = 0
+        checkpoint = latest_checkpoint(self.ckpt_dir) if resume else None
+        if resume and checkpoint is None and self.metrics_path.exists():
+            print(f"[arpo] no complete checkpoint in {self.ckpt_dir}; starting from step 0")
+        if not resume and self.metrics_path.exists():
+            raise FileExistsError(f"{self.run_dir} already holds a run: resume it or choose another name")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, self.run_dir / "config.yaml")
+
+        model_path = str(checkpoint / "model") if checkpoint else cfg.model.path
+        self.policy = policy or HFPolicy(
+            model_path, device=cfg.model.device, compute_dtype=cfg.model.compute_dtype,
+            coord_mode=cfg.model.coord_mode, history_images=cfg.model.history_images,
+            max_new_tokens=cfg.model.max_new_tokens, gradient_checkpointing=cfg.model.gradient_checkpointing,
+        )
+        if checkpoint is not None and policy is not None:
+            self.policy.model.load_state_dict(_load_model_state(checkpoint / "model", self.policy))
+        self.optimizer = torch.optim.AdamW(self.policy.model.parameters(), lr=cfg.train.lr,
+                                           weight_decay=cfg.train.weight_decay)
+        total_updates = max(1, cfg.train.steps * cfg.train.updates_per_batch)
+        warmup = math.ceil(cfg.train.warmup_ratio * total_updates)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda u: min(1.0, (u + 1) / warmup) if warmup > 0 else 1.0)
+        rp = cfg.algo.replay
+        self.replay: ReplayBuffer[dict[str, Any]] = ReplayBuffer(
+            capacity_per_task=rp.capacity_per_task, success_threshold=rp.success_threshold,
+            enabled=rp.enabled, seed=stable_seed(cfg.train.seed, "replay"),
+            std_threshold=rp.std_threshold, mean_threshold=rp.mean_threshold)
+        self.ref_model = None
+        if cfg.algo.kl_coef > 0:
+            import copy
+            self.ref_model = copy.deepcopy(self.policy.model).eval().requires_grad_(False)
+        if checkpoint is not None:
+            self._load_checkpoint(checkpoint)
+        self.tracker = Tracker(cfg)
+        self._pool: EnvPool | None = None
+
+    # -- environment pool (shared with evaluation) -------------------------------------------
+    @property
+    def pool(self) -> EnvPool:
+        if self._pool is None:
+            opts = dict(self.cfg.env.options)
+            opts.setdefault("max_steps", self.cfg.env.max_steps)
+            self._pool = EnvPool(self.cfg.env.workers, opts, timeout_s=self.cfg.env.step_timeout_s)
+        return self._pool
+
+    def engine(self) -> RolloutEngine:
+        return RolloutEngine(self.policy, self.pool, max_steps=self.cfg.env.max_steps,
+                             format_coef=self.cfg.algo.format_coef, format_penalty=self.cfg.algo.format_penalty)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+        self.tracker.finish()
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the loop ------------------------------------------------------------------------------
+    def train(self, steps: int | None = None) -> list[dict[str, Any]]:
+        """Run until `cfg.train.steps` rollout batches are done (or `steps` more); returns their metrics."""
+        from tqdm.auto import tqdm
+
+        end = self.cfg.train.steps if steps is None else min(self.cfg.train.steps, self.step + steps)
+        history = []
+        bar = tqdm(total=end, initial=self.step, desc="ARPO" if self.replay.enabled else "GRPO",
+                   disable=not self.cfg.logging.progress)
+        while self.step < end:
+            metrics = self.train_step()
+            history.append(metrics)
+            bar.update(1)
+            bar.set_postfix(success=f"{metrics['success_rate']:.2f}", loss=f"{metrics['loss']:.4f}",
+                            injected=metrics["replay_injections"])
+        bar.close()
+        return history
+
+    def train_step(self) -> dict[str, Any]:
+        cfg = self.cfg
+        step = self.step
+        t0 = time.monotonic()
+        tasks = task_batch(cfg.env.tasks, step, cfg.train.tasks_per_batch, cfg.train.seed)
+        requests = [EpisodeRequest(task, stable_seed(cfg.train.seed, step, task, i), i)
+                    for task in tasks for i in range(cfg.rollout.group_size)]
+        rollout_dir = self.run_dir / "rollouts" / f"step_{step:06d}"
+        if rollout_dir.exists():  # a step being redone after a crash
+            shutil.rmtree(rollout_dir)
+        torch.manual_seed(stable_seed(cfg.train.seed, "sample", step))
+        engine = self.engine()
+        trajs = engine.run(requests, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                           out_dir=rollout_dir, progress=cfg.logging.progress, description=f"rollout {step}")
+        t_rollout = time.monotonic() - t0
+
+        groups = self.make_groups(tasks, trajs)
+        t1 = time.monotonic()
+        update = self.update(groups)
+        t_update = time.monotonic() - t1
+
+        fresh = [t for t in trajs if t.status == "ok"]
+        self.step += 1
+        metrics = {
+            "step": self.step,
+            "tasks": tasks,
+            "success_rate": _mean([float(t.success) for t in fresh]),
+            "mean_task_score": _mean([t.task_score for t in fresh]),
+            "mean_reward": _mean([t.reward for t in fresh]),
+            "format_error_rate": _mean([float(not t.format_ok) for t in fresh]),
+            "mean_steps": _mean([t.num_steps for t in fresh]),
+            "env_errors": sum(t.status != "ok" for t in trajs),
+            "all_failed_groups": _mean([float(g.all_failed) for g in groups]),
+            "replay_injections": sum(g.injected for g in groups),
+            "replay_size": len(self.replay),
+            "env_steps": engine.env_steps,
+            "env_steps_per_s": engine.env_steps / max(t_rollout, 1e-9),
+            "lr": self.scheduler.get_last_lr()[0],
+            **update,
+            "seconds_rollout": round(t_rollout, 3),
+            "seconds_update": round(t_update, 3),
+        }
+        append_jsonl(self.metrics_path, metrics)
+        self.tracker.log(metrics, step=self.step)
+        if self.step % cfg.train.checkpoint_every == 0 or self.step == cfg.train.steps:
+            self.save_checkpoint()
+        return metrics
+
+    def make_groups(self, tasks: list[str], trajs: list[Trajectory]) -> list[Group]:
+        """Per task: drop infrastructure failures, inject a replayed success into all-failed groups
+        (ARPO), store fresh successes, compute advantages."""
+        groups = []
+        for task in dict.fromkeys(tasks):
+            fresh = [t for t in trajs if t.task == task and t.status == "ok"]
+            if len(fresh) < 2:
+                continue  # no comparison possible (all but one rollout hit infrastructure failures)
+            refs = [{"dir": t.directory, "score": t.task_score, "reward": t.reward} for t in fresh]
+            scores = [t.task_score for t in fresh]
+            all_failed = is_all_failed(scores, self.replay.std_threshold, self.replay.mean_threshold)
+            new_refs, _, injected = self.replay.maybe_inject(task, refs, scores)
+            group = list(fresh)
+            if injected:
+                for i, (old, new) in enumerate(zip(refs, new_refs)):
+                    if old["dir"] != new["dir"]:
+                        replayed = load_trajectory(new["dir"], self.policy.processor)
+                        replayed.replayed = True
+                        group[i] = replayed
+            for t in fresh:  # after injection, with the fresh (pre-replacement) group
+                self.replay.add(task, {"dir": t.directory, "score": t.task_score, "reward": t.reward}, t.task_score)
+            adv = group_advantages(torch.tensor([t.reward for t in group], dtype=torch.float64),
+                                   eps=self.cfg.algo.adv_eps).tolist()
+            groups.append(Group(task, group, adv, injected, all_failed))
+        return groups
+
+    # -- the policy update -----------------------------------------------------------------------
+    def update(self, groups: list[Group]) -> dict[str, Any]:
+        """One PPO epoch over the batch, split into `updates_per_batch` optimizer steps."""
+        cfg = self.cfg
+        items = [(seg, adv) for g in groups for t, adv in zip(g.trajectories, g.advantages)
+                 for seg in t.segments if any(seg.loss_mask)]
+        stats = {"loss": 0.0, "clip_fraction": 0.0, "grad_norm": 0.0, "tokens": 0, "sequences": len(items),
+                 "optimizer_steps": 0, "approx_kl": 0.0}
+        if not items:
+            return stats
+        rng = random.Random(stable_seed(cfg.train.seed, "shuffle", self.step))
+        rng.shuffle(items)
+        temperature = cfg.rollout.temperature
+        # Old log-probs for the whole batch before any update (ratio starts at 1, as ARPO).
+        old: dict[int, torch.Tensor] = {}
+        for seg, adv in items:
+            if adv != 0.0:
+                if cfg.algo.old_logprobs == "behaviour":
+                    old[id(seg)] = torch.tensor([lp for lp, m in zip(seg.behaviour_logprobs, seg.loss_mask) if m])
+                else:
+                    with torch.no_grad():
+                        old[id(seg)] = self.policy.sequence_logprobs([seg], temperature)[0].detach().cpu()
+        minibatches = [items[i::cfg.train.updates_per_batch] for i in range(cfg.train.updates_per_batch)]
+        self.policy.model.train()
+        losses, clips, norms, kls = [], [], [], []
+        for mb in minibatches:
+            if not mb:
+                continue
+            n_seq = len(mb)
+            n_tok = sum(sum(seg.loss_mask) for seg, _ in mb)
+            active = [(seg, adv) for seg, adv in mb if adv != 0.0]
+            self.optimizer.zero_grad(set_to_none=True)
+            mb_loss = 0.0
+            for start in range(0, len(active), cfg.train.micro_batch_size):
+                micro = active[start:start + cfg.train.micro_batch_size]
+                segs = [s for s, _ in micro]
+                new = self.policy.sequence_logprobs(segs, temperature)
+                logprobs = _pad(new)
+                old_lp = _pad([old[id(s)].to(logprobs.device) for s in segs])
+                mask = _pad([torch.ones_like(t) for t in new])
+                advs = torch.tensor([a for _, a in micro], dtype=logprobs.dtype, device=logprobs.device)
+                ref_lp = None
+                if self.ref_model is not None:
+                    with torch.no_grad():
+                        ref_lp = _pad(self._ref_logprobs(segs, temperature))
+                loss, m = policy_loss(logprobs, old_lp, advs, mask, clip_low=cfg.algo.clip_low,
+                                      clip_high=cfg.algo.clip_high, dual_clip=cfg.algo.dual_clip,
+                                      aggregation=cfg.algo.aggregation, ref_logprobs=ref_lp,
+                                      kl_coef=cfg.algo.kl_coef)
+                # Exact aggregation across micro-batches: weight by this micro-batch's share.
+                if cfg.algo.aggregation == "token-mean":
+                    weight = float(mask.sum()) / n_tok
+                else:
+                    weight = len(micro) / n_seq
+                (loss * weight).backward()
+                mb_loss += float(loss) * weight
+                clips.append(m.get("clip_fraction", 0.0))
+                kls.append(m.get("approx_kl", 0.0))
+            norm = torch.nn.utils.clip_grad_norm_(self.policy.model.parameters(), cfg.train.grad_clip)
+            self.optimizer.step()
+            self.scheduler.step()
+            losses.append(mb_loss)
+            norms.append(float(norm))
+            stats["optimizer_steps"] += 1
+            stats["tokens"] += n_tok
+        self.policy.model.eval()
+        stats.update(loss=_mean(losses), clip_fraction=_mean(clips), grad_norm=_mean(norms), approx_kl=_mean(kls))
+        return stats
+
+    def _ref_logprobs(self, segs: list[Segment], temperature: float) -> list[torch.Tensor]:
+        model, self.policy.model = self.policy.model, self.ref_model
+        try:
+            return self.policy.sequence_logprobs(segs, temperature)
+        finally:
+            self.policy.model = model
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def save_checkpoint(self) -> Path:
+        """Write model, optimizer, scheduler, replay buffer, RNG and step atomically."""
+        final = self.ckpt_dir / f"step_{self.step:06d}"
+        tmp = self.ckpt_dir / f".tmp_step_{self.step:06d}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        self.policy.save(tmp / "model")
+        torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
+                   tmp / "optimizer.pt")
+        self.replay.save(tmp / "replay.json")
+        state = {"step": self.step, "torch_rng": torch.get_rng_state().tolist(),
+                 "config": self.cfg.to_dict(), "time": time.time()}
+        (tmp / "trainer_state.json").write_text(json.dumps(state))
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+        (tmp / ".complete").write_text("ok\n")
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for old in sorted(p for p in self.ckpt_dir.glob("step_*") if p.is_dir())[:-self.cfg.train.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def _load_checkpoint(self, checkpoint: Path) -> None:
+        opt = torch.load(checkpoint / "optimizer.pt", weights_only=False)
+        self.optimizer.load_state_dict(opt["optimizer"])
+        self.scheduler.load_state_dict(opt["scheduler"])
+        self.replay = ReplayBuffer.load(checkpoint / "replay.json")
+        state = json.loads((checkpoint / "trainer_state.json").read_text())
+        self.step = int(state["step"])
+        torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
+        # Metric lines written after this checkpoint belong to steps that will be redone.
+        kept = [m for m in read_jsonl(self.metrics_path) if m.get("step", 0) <= self.step]
+        tmp = self.metrics_path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(m) + "\n" for m in kept))
+        os.replace(tmp, self.metrics_path)
+        print(f"[arpo] resumed {self.run_dir} at step {self.step} from {checkpoint.name}")
+
+
+def latest_checkpoint(ckpt_dir: Path) -> Path | None:
+    """The newest checkpoint with its `.complete` marker; partial ones are skipped."""
+    if not ckpt_dir.is_dir():
+        return None
+    complete = [p for p in ckpt_dir.glob("step_*") if (p / ".complete").is_file()]
+    return max(complete, key=lambda p: p.name) if complete else None
+
+
+def _load_model_state(model_dir: Path, policy: HFPolicy) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+
+
+def _pad(seqs: list[torch.Tensor]) -> torch.Tensor:
+    return torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True)
+
+
+def _mean(xs: list[float]) -> float:
+    return float(sum(xs) / len(xs)) if xs else 0.0
+
+
+def load_run_config(run_dir: str | Path) -> RunConfig:
+    """The config a run directory was started with."""
+    import yaml
+
+    return config_from_dict(yaml.safe_load((Path(run_dir) / "config.yaml").read_text()))
