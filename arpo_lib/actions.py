@@ -1,15 +1,126 @@
 """UI-TARS actions: parse model text into typed actions, format them back, convert to pyautogui.
 
-(skeleton: the parser is being written)
+A UI-TARS assistant turn reads ``Thought: ...`` then ``Action: click(start_box='(x,y)')``
+(several actions may follow one ``Action:``). :func:`parse_response` turns that text into
+:class:`Action` objects whose points are in SCREENSHOT pixels; :func:`format_action` /
+:func:`format_response` write them back in the model's own convention; :func:`to_pyautogui`
+turns one action into the code string (or ``'WAIT'``/``'DONE'``/``'FAIL'``) that OSWorld runs.
+
+Coordinate conventions (``coord_mode``):
+
+- ``"qwen25vl"`` (UI-TARS-1.5-7B, the ARPO checkpoint): the model sees the screenshot AFTER the
+  processor's :func:`smart_resize` (multiples of ``factor``=28, total pixels in
+  [``min_pixels``, ``max_pixels``]) and answers in absolute pixels of that resized image, so
+  ``x_screen = x / resized_width * width``. A 1920x1080 screenshot becomes 1932x1092.
+- ``"qwen2vl"`` (UI-TARS 1.0 / UI-TARS-2B-SFT): relative coordinates on a 0..1000 grid per axis,
+  ``x_screen = x / 1000 * width``.
+  Using the wrong mode mis-scales every click (the community replication ran the 2B Qwen2-VL
+  model with the 1.5 convention); the mode is therefore a required, validated choice.
+
+Where we depart from the original ``ui-tars`` package (``action_parser.py``):
+
+- It parses the action with ``ast`` on model text; we use a small hand-written scanner, so
+  untrusted output is never evaluated and cannot trigger catastrophic regex backtracking.
+  Input is capped at :data:`MAX_RESPONSE_CHARS`.
+- Its pyautogui generator has scaling bugs (a default ``scale_factor``, scroll points not
+  scaled), drops ``wait``, and types through the clipboard. Here every point goes through the
+  same conversion, ``wait`` becomes OSWorld's ``'WAIT'``, and text is typed with
+  ``pyautogui.write`` on a ``repr()``-escaped literal (so text cannot break out of the string).
+- Generated code holds only whitelisted pyautogui/time calls with literal arguments, coordinates
+  clipped into the screen, and key names from :data:`VALID_KEYS`.
+
+Lenient parsing choices (documented because they widen what counts as "valid format"):
+``Reflection:``/``Action_Summary:`` preambles, repeated ``Action:`` labels, trailing
+``<|im_end|>``, quoted or unquoted argument values, and an unescaped quote inside a quoted
+value when it is not followed by ``,`` or ``)`` are all accepted.
 """
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field
 
 ACTION_KINDS = (
     "click", "left_double", "right_single", "drag", "hotkey", "type", "scroll",
     "wait", "finished", "call_user",
 )
+
+MIN_PIXELS = 3136
+"""Smallest image (in pixels) the processor produces: 56 x 56."""
+MAX_PIXELS = 2116800
+"""ARPO's processor max_pixels: 1920x1080 screenshots are resized to 1932x1092."""
+MAX_RESPONSE_CHARS = 20_000
+"""Longer responses are rejected outright: no real action needs that much text."""
+COORD_MODES = ("qwen25vl", "qwen2vl")
+QWEN2VL_GRID = 1000
+"""Qwen2-VL UI-TARS models answer on a 0..1000 grid per axis."""
+MAX_COORD_FACTOR = 10
+"""A coordinate beyond this many times the model's coordinate space is a format error;
+slightly beyond the image is allowed (the model may overshoot) and clipped in to_pyautogui."""
+SCROLL_DIRECTIONS = ("up", "down", "left", "right")
+SCROLL_AMOUNT = 5
+"""Wheel clicks per scroll action (the amount OSWorld's UI-TARS agent uses). Up is positive."""
+TYPE_INTERVAL = 0.01
+"""Seconds between typed characters in pyautogui.write."""
+DRAG_DURATION = 0.5
+"""Seconds the drag takes (a drag with zero duration is missed by some applications)."""
+
+# Key names pyautogui understands (a subset of its KEY_NAMES, written out here so that
+# generated code never names a key pyautogui would silently ignore).
+_NAMED_KEYS = (
+    "enter", "return", "tab", "space", "backspace", "delete", "del", "insert", "esc", "escape",
+    "shift", "shiftleft", "shiftright", "ctrl", "ctrlleft", "ctrlright", "alt", "altleft",
+    "altright", "option", "optionleft", "optionright", "command", "win", "winleft", "winright",
+    "fn", "capslock", "numlock", "scrolllock", "up", "down", "left", "right", "home", "end",
+    "pageup", "pagedown", "pgup", "pgdn", "printscreen", "prtsc", "prtscr", "prntscrn", "print",
+    "pause", "apps", "clear", "help", "select", "execute", "volumeup", "volumedown",
+    "volumemute", "playpause", "nexttrack", "prevtrack", "stop", "browserback",
+    "browserforward", "browserrefresh", "browserhome", "browsersearch",
+    "add", "subtract", "multiply", "divide", "decimal", "separator",
+) + tuple(f"f{i}" for i in range(1, 25)) + tuple(f"num{i}" for i in range(10))
+_CHAR_KEYS = tuple("abcdefghijklmnopqrstuvwxyz0123456789!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~")
+VALID_KEYS = frozenset(_NAMED_KEYS + _CHAR_KEYS)
+"""Key names accepted in hotkey/press actions (after alias mapping)."""
+KEY_ALIASES = {
+    "control": "ctrl", "arrowup": "up", "arrowdown": "down", "arrowleft": "left",
+    "arrowright": "right", "page_up": "pageup", "page_down": "pagedown", "pgdown": "pgdn",
+    "spacebar": "space", "cmd": "command", "meta": "win", "super": "win", "windows": "win",
+    "bksp": "backspace", "ins": "insert", "plus": "+", "minus": "-",
+}
+"""Spellings models use for keys pyautogui names differently. On OSWorld's Ubuntu the
+meta/super key is pyautogui's 'win'."""
+
+# Special tokens models wrap boxes in; removed before reading the numbers.
+_BOX_TOKENS = ("<|box_start|>", "<|box_end|>", "<point>", "</point>", "<bbox>", "</bbox>")
+_TRAILING_TOKENS = ("<|im_end|>", "<|endoftext|>", "</s>")
+_NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
+_SEPARATORS = re.compile(r"[\s,]+")
+_ACTION_LABEL = re.compile(r"^[ \t]*Action[ \t]*:", re.MULTILINE)
+_REPEATED_LABEL = re.compile(r"Action[ \t]*:")
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_ESCAPES = {"n": "\n", "t": "\t", "'": "'", '"': '"', "\\": "\\"}
+
+# Argument names per action: each field maps to the spellings UI-TARS versions use.
+_POINT_ARGS = ("start_box", "point", "start_point")
+_END_ARGS = ("end_box", "end_point")
+_ARG_SPEC: dict[str, dict[str, tuple[str, ...]]] = {
+    "click": {"point": _POINT_ARGS},
+    "left_double": {"point": _POINT_ARGS},
+    "right_single": {"point": _POINT_ARGS},
+    "drag": {"point": _POINT_ARGS, "end_point": _END_ARGS},
+    "hotkey": {"keys": ("key", "hotkey", "keys")},
+    "press": {"keys": ("key",)},
+    "type": {"text": ("content", "text")},
+    "scroll": {"point": _POINT_ARGS, "direction": ("direction",)},
+    "wait": {},
+    "finished": {"text": ("content",)},
+    "call_user": {},
+}
+_REQUIRED = {
+    "click": ("point",), "left_double": ("point",), "right_single": ("point",),
+    "drag": ("point", "end_point"), "hotkey": ("keys",), "press": ("keys",),
+    "type": ("text",), "scroll": ("direction",),
+}
 
 
 class ActionParseError(ValueError):
@@ -26,3 +137,471 @@ class Action:
     text: str | None = None
     keys: list[str] = field(default_factory=list)
     direction: str | None = None
+
+
+@dataclass
+class ParsedResponse:
+    """A parsed assistant turn."""
+
+    thought: str
+    """Text of the Thought (or Reflection/Action_Summary preamble), stripped."""
+    actions: list[Action]
+    """One or more actions, in order."""
+    raw: str
+    """The text as received."""
+
+
+# --------------------------------------------------------------------------- coordinates
+
+def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = MIN_PIXELS,
+                 max_pixels: int = MAX_PIXELS) -> tuple[int, int]:
+    """(height, width) the Qwen2/2.5-VL processor resizes an image to.
+
+    Both sides become multiples of ``factor``, the aspect ratio is kept as closely as possible
+    and the pixel count is brought into [min_pixels, max_pixels]. Same results as
+    transformers' ``qwen2_vl`` ``smart_resize`` (including Python's round-half-even).
+    """
+    if height <= 0 or width <= 0:
+        raise ValueError(f"image sides must be positive, got height={height}, width={width}")
+    ratio = max(height, width) / min(height, width)
+    if ratio > 200:
+        raise ValueError(f"absolute aspect ratio must be smaller than 200, got {ratio}")
+    new_h = round(height / factor) * factor
+    new_w = round(width / factor) * factor
+    if new_h * new_w > max_pixels:
+        # Shrink both sides by the same scale, rounding down so we stay under the cap.
+        scale = math.sqrt(height * width / max_pixels)
+        new_h = max(factor, math.floor(height / scale / factor) * factor)
+        new_w = max(factor, math.floor(width / scale / factor) * factor)
+    elif new_h * new_w < min_pixels:
+        scale = math.sqrt(min_pixels / (height * width))
+        new_h = math.ceil(height * scale / factor) * factor
+        new_w = math.ceil(width * scale / factor) * factor
+    return new_h, new_w
+
+
+def _model_space(image_size: tuple[int, int], coord_mode: str, factor: int, min_pixels: int,
+                 max_pixels: int) -> tuple[int, int, int, int]:
+    """(width, height, model_width, model_height): the screenshot and the model's coord space."""
+    if coord_mode not in COORD_MODES:
+        raise ValueError(f"coord_mode must be one of {COORD_MODES}, got {coord_mode!r}")
+    try:
+        width, height = (int(v) for v in image_size)
+    except (TypeError, ValueError):
+        raise ValueError(f"image_size must be (width, height), got {image_size!r}") from None
+    if width <= 0 or height <= 0:
+        raise ValueError(f"image_size must be positive, got {image_size!r}")
+    if coord_mode == "qwen2vl":
+        return width, height, QWEN2VL_GRID, QWEN2VL_GRID
+    model_h, model_w = smart_resize(height, width, factor, min_pixels, max_pixels)
+    return width, height, model_w, model_h
+
+
+# --------------------------------------------------------------------------- scanning
+
+def _skip_space(text: str, i: int) -> int:
+    while i < len(text) and text[i].isspace():
+        i += 1
+    return i
+
+
+def _read_quoted(text: str, i: int) -> tuple[str, int]:
+    """Read a quoted value starting at text[i] (a quote); return (decoded value, index after).
+
+    Only \\n \\t \\' \\" \\\\ are decoded; other backslashes stay as typed. A quote of the opening
+    kind closes the value only when followed by optional spaces and ',', ')' or the end, so
+    that an unescaped apostrophe in "it's" survives.
+    """
+    quote = text[i]
+    out: list[str] = []
+    j = i + 1
+    n = len(text)
+    while j < n:
+        ch = text[j]
+        if ch == "\\" and j + 1 < n:
+            nxt = text[j + 1]
+            if nxt in _ESCAPES:
+                out.append(_ESCAPES[nxt])
+            else:
+                out.append(ch + nxt)
+            j += 2
+            continue
+        if ch == quote:
+            k = _skip_space(text, j + 1)
+            if k >= n or text[k] in ",)":
+                return "".join(out), j + 1
+        out.append(ch)
+        j += 1
+    raise ActionParseError(f"unterminated {quote} quote in action arguments")
+
+
+def _read_bare(text: str, i: int) -> tuple[str, int]:
+    """Read an unquoted value up to a ',' or ')' outside brackets; return (value, index)."""
+    depth = 0
+    j = i
+    n = len(text)
+    while j < n:
+        ch = text[j]
+        if ch in "([":
+            depth += 1
+        elif ch in ")]":
+            if depth == 0:
+                break
+            depth -= 1
+        elif ch == "," and depth == 0:
+            break
+        j += 1
+    if j >= n:
+        raise ActionParseError("unclosed '(' in action call")
+    return text[i:j].strip(), j
+
+
+def _read_call(text: str, i: int) -> tuple[str, dict[str, str], int]:
+    """Read ``name(arg=value, ...)`` at text[i]; return (name, args, index after ')')."""
+    m = _IDENT.match(text, i)
+    if not m:
+        snippet = text[i:i + 30]
+        raise ActionParseError(f"expected an action call, found {snippet!r}")
+    name = m.group(0)
+    if name not in _ARG_SPEC:
+        raise ActionParseError(f"unknown action {name[:40]!r}")
+    j = _skip_space(text, m.end())
+    if j >= len(text) or text[j] != "(":
+        raise ActionParseError(f"expected '(' after action name {name!r}")
+    j = _skip_space(text, j + 1)
+    args: dict[str, str] = {}
+    while True:
+        if j >= len(text):
+            raise ActionParseError(f"unclosed '(' in {name}(...)")
+        if text[j] == ")":
+            return name, args, j + 1
+        am = _IDENT.match(text, j)
+        k = _skip_space(text, am.end()) if am else j
+        if not am or k >= len(text) or text[k] != "=":
+            raise ActionParseError(f"{name}: expected 'argument=value', found {text[j:j + 30]!r}")
+        arg = am.group(0)
+        if arg in args:
+            raise ActionParseError(f"{name}: argument {arg!r} given twice")
+        k = _skip_space(text, k + 1)
+        if k < len(text) and text[k] in "'\"":
+            value, k = _read_quoted(text, k)
+        else:
+            value, k = _read_bare(text, k)
+        args[arg] = value
+        k = _skip_space(text, k)
+        if k < len(text) and text[k] == ",":
+            k = _skip_space(text, k + 1)
+        elif k < len(text) and text[k] != ")":
+            raise ActionParseError(f"{name}: expected ',' or ')' after argument {arg!r}")
+        j = k
+
+
+# --------------------------------------------------------------------------- values
+
+def _parse_box(value: str, what: str, space: tuple[int, int, int, int]) -> tuple[float, float]:
+    """Screenshot (x, y) of a point, or of a box's centre, from any UI-TARS box syntax."""
+    cleaned = value
+    for token in _BOX_TOKENS:
+        cleaned = cleaned.replace(token, " ")
+    cleaned = cleaned.strip()
+    if cleaned[:1] in "([" and cleaned[-1:] in ")]":
+        cleaned = cleaned[1:-1]
+    parts = [p for p in _SEPARATORS.split(cleaned) if p]
+    if len(parts) not in (2, 4) or not all(_NUMBER.fullmatch(p) for p in parts):
+        raise ActionParseError(f"{what}: cannot read a point or box from {value[:60]!r}")
+    width, height, model_w, model_h = space
+    nums = [float(p) for p in parts]
+    # Every number is checked, box corners included: a box with a bad corner is bad output.
+    for idx, v in enumerate(nums):
+        limit = model_w if idx % 2 == 0 else model_h
+        if not math.isfinite(v):
+            raise ActionParseError(f"{what}: coordinate {v} is not finite")
+        if v < 0:
+            raise ActionParseError(f"{what}: negative coordinate {v:g}")
+        if v > MAX_COORD_FACTOR * limit:
+            raise ActionParseError(f"{what}: coordinate {v:g} far outside the 0..{limit} range")
+    if len(nums) == 4:
+        x, y = (nums[0] + nums[2]) / 2, (nums[1] + nums[3]) / 2
+    else:
+        x, y = nums
+    return x / model_w * width, y / model_h * height
+
+
+def split_keys(spec: str) -> list[str]:
+    """'ctrl c' / 'Ctrl+Shift+T' -> lowercase key names (aliases mapped, e.g. arrowup -> up)."""
+    keys: list[str] = []
+    for token in spec.lower().split():
+        if token == "+" or "+" not in token:
+            parts = [token]
+        else:
+            # 'ctrl++' means ctrl and plus; other '+' are separators.
+            parts = [p for p in token.split("+") if p]
+            if token.endswith("++"):
+                parts.append("+")
+        keys.extend(KEY_ALIASES.get(p, p) for p in parts)
+    return keys
+
+
+def _check_keys(keys: list[str], what: str) -> None:
+    if not keys:
+        raise ActionParseError(f"{what} needs at least one key")
+    for key in keys:
+        if key not in VALID_KEYS:
+            raise ActionParseError(f"{what}: unknown key {key[:30]!r}")
+
+
+def _build_action(name: str, args: dict[str, str], space: tuple[int, int, int, int]) -> Action:
+    """Check a call's arguments against its action and convert them into an Action."""
+    spec = _ARG_SPEC[name]
+    alias_to_field = {alias: fld for fld, aliases in spec.items() for alias in aliases}
+    values: dict[str, str] = {}
+    for arg, value in args.items():
+        fld = alias_to_field.get(arg)
+        if fld is None:
+            raise ActionParseError(f"{name} got unexpected argument {arg[:30]!r}")
+        if fld in values:
+            raise ActionParseError(f"{name}: {fld} given twice (as {arg!r})")
+        values[fld] = value
+    for fld in _REQUIRED.get(name, ()):
+        if fld not in values:
+            raise ActionParseError(f"{name} needs {spec[fld][0]}")
+
+    action = Action(kind="hotkey" if name == "press" else name)
+    for fld in ("point", "end_point"):
+        if fld in values:
+            what = f"{name} {spec[fld][0]}"
+            setattr(action, fld, _parse_box(values[fld], what, space))
+    if "keys" in values:
+        action.keys = split_keys(values["keys"])
+        # press(key=) maps onto hotkey only for a single key: a combination would change meaning.
+        if name == "press" and len(action.keys) != 1:
+            raise ActionParseError(f"press takes one key, got {values['keys'][:30]!r}")
+        _check_keys(action.keys, name)
+    if "text" in values:
+        action.text = values["text"]
+    if "direction" in values:
+        direction = values["direction"].strip().lower()
+        if direction not in SCROLL_DIRECTIONS:
+            raise ActionParseError(f"scroll direction must be up/down/left/right, "
+                                   f"got {values['direction'][:30]!r}")
+        action.direction = direction
+    return action
+
+
+# --------------------------------------------------------------------------- parse
+
+def _split_thought(prefix: str) -> str:
+    """The thought from the text before 'Action:' (label removed)."""
+    m = re.search(r"Thought[ \t]*:", prefix)
+    if m:
+        return prefix[m.end():].strip()
+    return prefix.strip()
+
+
+def parse_response(text: str, image_size: tuple[int, int], coord_mode: str = "qwen25vl", *,
+                   min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS,
+                   factor: int = 28) -> ParsedResponse:
+    """Parse a UI-TARS assistant turn. ``image_size`` is the screenshot's (width, height).
+
+    Raises ActionParseError on any malformed model output, ValueError on bad arguments
+    (unknown coord_mode, bad image_size).
+    """
+    space = _model_space(image_size, coord_mode, factor, min_pixels, max_pixels)
+    if not isinstance(text, str):
+        raise ActionParseError(f"response must be text, got {type(text).__name__}")
+    if len(text) > MAX_RESPONSE_CHARS:
+        raise ActionParseError(f"response too long ({len(text)} > {MAX_RESPONSE_CHARS} chars)")
+    if "\x00" in text:
+        raise ActionParseError("response contains binary data (NUL characters)")
+    label = _ACTION_LABEL.search(text)
+    if label is None:
+        # Tolerate 'Thought: ... Action: ...' on one line.
+        pos = text.find("Action:")
+        if pos < 0:
+            raise ActionParseError("no 'Action:' found")
+        start, body_start = pos, pos + len("Action:")
+    else:
+        start, body_start = label.start(), label.end()
+    thought = _split_thought(text[:start])
+    body = text[body_start:].strip()
+    stripped = True
+    while stripped:
+        stripped = False
+        for token in _TRAILING_TOKENS:
+            if body.endswith(token):
+                body = body[: -len(token)].rstrip()
+                stripped = True
+    if not body:
+        raise ActionParseError("no action after 'Action:'")
+
+    actions: list[Action] = []
+    i = 0
+    while True:
+        i = _skip_space(body, i)
+        if i >= len(body):
+            break
+        if actions and body[i] == ";":  # tolerate 'a(); b()'
+            i = _skip_space(body, i + 1)
+        # Some outputs repeat the label before each action.
+        label = _REPEATED_LABEL.match(body, i)
+        if label:
+            i = _skip_space(body, label.end())
+        if i >= len(body):
+            break
+        name, args, i = _read_call(body, i)
+        actions.append(_build_action(name, args, space))
+    if not actions:
+        raise ActionParseError("no action after 'Action:'")
+    return ParsedResponse(thought=thought, actions=actions, raw=text)
+
+
+# --------------------------------------------------------------------------- format
+
+def _quote(text: str) -> str:
+    """Single-quoted value with exactly the escapes the parser decodes."""
+    escaped = (text.replace("\\", "\\\\").replace("'", "\\'")
+               .replace("\n", "\\n").replace("\t", "\\t"))
+    return f"'{escaped}'"
+
+
+def _format_point(point: tuple[float, float], space: tuple[int, int, int, int]) -> str:
+    width, height, model_w, model_h = space
+    x = max(0, round(point[0] / width * model_w))
+    y = max(0, round(point[1] / height * model_h))
+    return f"'({x},{y})'"
+
+
+def format_action(action: Action, image_size: tuple[int, int], coord_mode: str = "qwen25vl", *,
+                  min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS,
+                  factor: int = 28) -> str:
+    """UI-TARS text of an action, points rounded to the model's integer grid.
+
+    The inverse of parsing: ``parse_response('Action: ' + format_action(a, ...))`` gives ``a``
+    back up to that rounding. Raises ValueError on an incomplete Action.
+    """
+    space = _model_space(image_size, coord_mode, factor, min_pixels, max_pixels)
+    kind = action.kind
+    if kind not in ACTION_KINDS:
+        raise ValueError(f"unknown action kind {kind!r}")
+
+    def need(value: object, what: str) -> None:
+        if value is None:
+            raise ValueError(f"{kind} action needs {what}")
+
+    if kind in ("click", "left_double", "right_single"):
+        need(action.point, "point")
+        return f"{kind}(start_box={_format_point(action.point, space)})"
+    if kind == "drag":
+        need(action.point, "point")
+        need(action.end_point, "end_point")
+        return (f"drag(start_box={_format_point(action.point, space)}, "
+                f"end_box={_format_point(action.end_point, space)})")
+    if kind == "hotkey":
+        if not action.keys:
+            raise ValueError("hotkey action needs keys")
+        return f"hotkey(key={_quote(' '.join(action.keys))})"
+    if kind == "type":
+        need(action.text, "text")
+        return f"type(content={_quote(action.text)})"
+    if kind == "scroll":
+        if action.direction not in SCROLL_DIRECTIONS:
+            raise ValueError(f"scroll direction must be one of {SCROLL_DIRECTIONS}, "
+                             f"got {action.direction!r}")
+        box = "" if action.point is None else f"start_box={_format_point(action.point, space)}, "
+        return f"scroll({box}direction='{action.direction}')"
+    if kind == "finished":
+        return "finished()" if action.text is None else f"finished(content={_quote(action.text)})"
+    return f"{kind}()"  # wait, call_user
+
+
+def format_response(thought: str, actions: list[Action], image_size: tuple[int, int],
+                    coord_mode: str = "qwen25vl", *, min_pixels: int = MIN_PIXELS,
+                    max_pixels: int = MAX_PIXELS, factor: int = 28) -> str:
+    """A whole assistant turn: ``Thought: ...\\nAction: ...`` (actions separated by blank lines)."""
+    if not actions:
+        raise ValueError("a response needs at least one action")
+    body = "\n\n".join(format_action(a, image_size, coord_mode, min_pixels=min_pixels,
+                                     max_pixels=max_pixels, factor=factor) for a in actions)
+    return f"Thought: {thought}\nAction: {body}"
+
+
+# --------------------------------------------------------------------------- pyautogui
+
+PYAUTOGUI_FUNCTIONS = frozenset({
+    "click", "doubleClick", "rightClick", "moveTo", "dragTo", "mouseDown", "mouseUp",
+    "hotkey", "press", "write", "typewrite", "scroll", "keyDown", "keyUp",
+})
+"""The only pyautogui functions generated code calls (plus time.sleep)."""
+SPECIAL_ACTIONS = {"wait": "WAIT", "finished": "DONE", "call_user": "FAIL"}
+"""OSWorld's special action strings. call_user means "I cannot do this": OSWorld scores an
+infeasible task 1 only when the episode ends with FAIL."""
+
+
+def _screen_xy(point: tuple[float, float] | None, screen_size: tuple[int, int],
+               what: str) -> tuple[int, int]:
+    if point is None:
+        raise ActionParseError(f"{what} action has no point")
+    width, height = screen_size
+    x, y = (float(v) for v in point)
+    if not (math.isfinite(x) and math.isfinite(y)):
+        raise ActionParseError(f"{what}: non-finite point {point!r}")
+    # Clip: the model may overshoot the edge slightly; pyautogui must stay on screen.
+    return (int(round(min(max(x, 0.0), width - 1))), int(round(min(max(y, 0.0), height - 1))))
+
+
+def to_pyautogui(action: Action, screen_size: tuple[int, int] = (1920, 1080)) -> str:
+    """OSWorld pyautogui code for one action, or 'WAIT' / 'DONE' / 'FAIL'.
+
+    Points are taken as screen pixels (OSWorld's screenshot is the screen at full resolution).
+    Only calls from :data:`PYAUTOGUI_FUNCTIONS` and ``time.sleep`` appear, all with literal
+    arguments. A trailing newline in typed text is pressed as Enter. Horizontal scrolls are
+    shift + wheel (pyautogui.hscroll does not work on Linux/X11 in most applications).
+    Unknown keys raise ActionParseError instead of being dropped, so a bad hotkey counts as a
+    format failure rather than silently doing something else.
+    """
+    kind = action.kind
+    if kind in SPECIAL_ACTIONS:
+        return SPECIAL_ACTIONS[kind]
+    lines = ["import pyautogui"]
+    if kind in ("click", "left_double", "right_single"):
+        x, y = _screen_xy(action.point, screen_size, kind)
+        func = {"click": "click", "left_double": "doubleClick", "right_single": "rightClick"}[kind]
+        lines.append(f"pyautogui.{func}({x}, {y})")
+    elif kind == "drag":
+        x1, y1 = _screen_xy(action.point, screen_size, kind)
+        x2, y2 = _screen_xy(action.end_point, screen_size, kind)
+        lines.append(f"pyautogui.moveTo({x1}, {y1})")
+        lines.append(f"pyautogui.dragTo({x2}, {y2}, duration={DRAG_DURATION!r}, button='left')")
+    elif kind == "hotkey":
+        keys = [KEY_ALIASES.get(str(k).lower(), str(k).lower()) for k in action.keys]
+        _check_keys(keys, "hotkey")
+        if len(keys) == 1:
+            lines.append(f"pyautogui.press({keys[0]!r})")
+        else:
+            lines.append(f"pyautogui.hotkey({', '.join(repr(k) for k in keys)})")
+    elif kind == "type":
+        text = action.text or ""
+        enter = text.endswith("\n")
+        if enter:
+            text = text[:-1]
+        if text:
+            lines.append(f"pyautogui.write({text!r}, interval={TYPE_INTERVAL!r})")
+        if enter:
+            lines.append("pyautogui.press('enter')")
+    elif kind == "scroll":
+        if action.direction not in SCROLL_DIRECTIONS:
+            raise ActionParseError(f"scroll direction must be one of {SCROLL_DIRECTIONS}, "
+                                   f"got {action.direction!r}")
+        amount = SCROLL_AMOUNT if action.direction in ("up", "left") else -SCROLL_AMOUNT
+        where = ""
+        if action.point is not None:
+            x, y = _screen_xy(action.point, screen_size, kind)
+            where = f", x={x}, y={y}"
+        call = f"pyautogui.scroll({amount}{where})"
+        if action.direction in ("left", "right"):
+            lines += ["pyautogui.keyDown('shift')", call, "pyautogui.keyUp('shift')"]
+        else:
+            lines.append(call)
+    else:
+        raise ActionParseError(f"unknown action kind {kind!r}")
+    return "\n".join(lines)

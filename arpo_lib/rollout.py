@@ -262,7 +262,7 @@ class RolloutEngine:
         cmd, ep.pending = ep.pending, None
         try:
             value = self.pool.workers[ep.worker].recv()
-        except (EnvError, ValueError) as exc:
+        except EnvError as exc:
             self._env_failure(ep, exc)
             return
         if cmd == "reset":
@@ -314,5 +314,6 @@ class RolloutEngine:
             traj.reward = trajectory_reward(traj.task_score, traj.format_ok, self.format_coef, self.format_penalty)
             traj.segments = ep.conv.segments if ep.conv else []
         if out_dir is not None:
-            directory = Path(out_dir) / safe_name(traj.task) / f"{traj.sample}"
+            domain, _, name = traj.task.rpartition("/")
+            directory = Path(out_dir) / safe_name(domain or "default") / safe_name(name) / str(traj.sample)
             save_trajectory(traj, directory, ep.screenshots)

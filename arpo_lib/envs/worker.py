@@ -60,7 +60,7 @@ def _worker_main(conn: Any, env_options: dict[str, Any]) -> None:
                 else:
                     conn.send(("error", f"unknown command {cmd!r}"))
             except Exception as exc:  # reported to the engine, which decides what it means
-                kind = "env_error" if not isinstance(exc, (ValueError, TypeError)) or isinstance(exc, EnvError) else "error"
+                kind = "fatal" if _is_setup_error(exc) else "env_error"
                 if env is not None and kind == "env_error":
                     try:
                         env.close()
@@ -74,6 +74,18 @@ def _worker_main(conn: Any, env_options: dict[str, Any]) -> None:
                 env.close()
             except Exception:
                 pass
+
+
+class EnvSetupError(RuntimeError):
+    """The environment cannot be created at all (unknown name, missing browser, bad option):
+    retrying will not help, so the run stops with the worker's message."""
+
+
+def _is_setup_error(exc: BaseException) -> bool:
+    if isinstance(exc, EnvError):
+        return False
+    return isinstance(exc, (ValueError, TypeError, ImportError, FileNotFoundError)) or \
+        type(exc).__name__ == "BrowserNotFoundError"
 
 
 class EnvWorker:
@@ -123,7 +135,7 @@ class EnvWorker:
             return value
         if status == "env_error":
             raise EnvError(value)
-        raise ValueError(value)
+        raise EnvSetupError(value)
 
     def call(self, cmd: str, payload: Any = None) -> Any:
         self.send(cmd, payload)

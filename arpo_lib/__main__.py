@@ -1,0 +1,3 @@
+from arpo_lib.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,113 @@
+"""Environments by name: `make_env("miniwob/click-button", scale=3)` -> a `GUIEnv`.
+
+Families register a prefix and a factory; a name is `<prefix>/<task>`. Factories import their
+heavy dependencies (selenium, miniwob, OSWorld) when called, so importing this package is cheap
+and works on a machine without a browser.
+"""
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from arpo_lib.envs.base import EnvError, EnvSpec, GUIEnv, Observation
+
+__all__ = ["EnvError", "EnvSpec", "GUIEnv", "Observation", "make_env", "register_env", "list_envs"]
+
+_REGISTRY: dict[str, EnvSpec] = {}
+_TASK_LISTERS: dict[str, Callable[[], Sequence[str]]] = {}
+
+
+def register_env(
+    prefix: str,
+    factory: Callable[..., GUIEnv],
+    description: str = "",
+    tasks: Sequence[str] | Callable[[], Sequence[str]] = (),
+) -> EnvSpec:
+    """Register a family: `make_env(f"{prefix}/{task}", **options)` calls `factory(task, **options)`.
+
+    `tasks` lists the valid task names, or is a function returning them (called lazily, so a
+    family can discover its tasks without importing its backend at registration). An empty list
+    means any task name is passed to the factory, which validates it.
+    """
+    if not prefix or "/" in prefix:
+        raise ValueError(f"prefix must be a non-empty name without '/', got {prefix!r}")
+    if prefix in _REGISTRY:
+        raise ValueError(f"environment family {prefix!r} is already registered")
+    spec = EnvSpec(prefix=prefix, factory=factory, description=description,
+                   tasks=[] if callable(tasks) else list(tasks))
+    _REGISTRY[prefix] = spec
+    if callable(tasks):
+        _TASK_LISTERS[prefix] = tasks
+    return spec
+
+
+def _tasks(spec: EnvSpec) -> list[str]:
+    """The family's task names, resolving a lazy lister once."""
+    lister = _TASK_LISTERS.pop(spec.prefix, None)
+    if lister is not None:
+        spec.tasks = list(lister())
+    return spec.tasks
+
+
+def list_envs(prefix: str | None = None) -> list[str]:
+    """All registered names (`miniwob/click-button`, ...); a family without a task list shows as
+    `<prefix>/*`. With `prefix`, only that family."""
+    names = []
+    for spec in _REGISTRY.values():
+        if prefix is None or spec.prefix == prefix:
+            tasks = _tasks(spec)
+            names += [f"{spec.prefix}/{t}" for t in tasks] if tasks else [f"{spec.prefix}/*"]
+    return names
+
+
+def make_env(name: str, **options: Any) -> GUIEnv:
+    """Build the environment `<prefix>/<task>`; options go to the family's factory.
+
+    Raises ValueError for an unknown family or task, naming what exists.
+    """
+    prefix, _, task = name.partition("/")
+    spec = _REGISTRY.get(prefix)
+    if spec is None:
+        close = difflib.get_close_matches(prefix, list(_REGISTRY), n=3)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"Unknown environment family {prefix!r} in {name!r}.{hint} "
+                         f"Registered: {', '.join(sorted(_REGISTRY)) or 'none'}.")
+    if not task:
+        raise ValueError(f"{name!r} names no task: use '{prefix}/<task>', e.g. "
+                         f"{', '.join(list_envs(prefix)[:3])}")
+    tasks = _tasks(spec)
+    if tasks and task not in tasks and not _is_alias(prefix, task, tasks):
+        close = difflib.get_close_matches(task, tasks, n=5, cutoff=0.5)
+        hint = f" Did you mean: {', '.join(f'{prefix}/{t}' for t in close)}?" if close else ""
+        raise ValueError(f"Unknown {prefix} task {task!r}.{hint} {len(tasks)} tasks exist: "
+                         f"see arpo_lib.envs.list_envs({prefix!r}).")
+    return spec.factory(task, **options)
+
+
+def _is_alias(prefix: str, task: str, tasks: Sequence[str]) -> bool:
+    """Gymnasium-style ids (`miniwob/click-button-v1`) name the same task."""
+    return prefix == "miniwob" and task.removesuffix("-v1") in tasks
+
+
+# ---- built-in families ----------------------------------------------------------------------
+
+def _make_miniwob(task: str, **options: Any) -> GUIEnv:
+    from arpo_lib.envs.miniwob import MiniWoBEnv  # selenium/miniwob load only when built
+
+    return MiniWoBEnv(task, **options)
+
+
+def _miniwob_tasks() -> Sequence[str]:
+    from arpo_lib.envs.miniwob import miniwob_tasks  # reads the package's files, no import
+
+    return miniwob_tasks()
+
+
+register_env(
+    "miniwob",
+    _make_miniwob,
+    "MiniWoB++ web tasks in headless Chromium (options: scale, reward, max_steps, "
+    "wait_seconds, episode_max_time_s, headless)",
+    tasks=_miniwob_tasks,
+)

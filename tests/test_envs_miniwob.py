@@ -1,0 +1,236 @@
+"""MiniWoB++ backend and registry, against real headless Chromium.
+
+One browser at a time (the `env` fixture keeps a single environment open and swaps it when a
+test needs another task), so the module stays within ~1 minute on 2 cores.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from arpo_lib.actions import Action
+from arpo_lib.envs import EnvError, list_envs, make_env
+from arpo_lib.envs.miniwob import (
+    ALLOWED_KEYS, BrowserNotFoundError, MiniWoBEnv, ensure_chromium, to_miniwob_key,
+)
+
+pytestmark = pytest.mark.slow
+
+SCALE = 3
+
+
+def _have_browser() -> bool:
+    try:
+        ensure_chromium()
+        return True
+    except BrowserNotFoundError:
+        return False
+
+
+needs_browser = pytest.mark.skipif(not _have_browser(), reason="chromium/chromedriver not installed")
+
+
+# ---- no browser needed --------------------------------------------------------------------
+
+def test_import_does_not_load_browser_stack():
+    code = ("import sys, arpo_lib, arpo_lib.envs, arpo_lib.envs.miniwob; "
+            "assert not {'selenium', 'miniwob'} & set(sys.modules), 'heavy import'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_registry_lists_and_rejects_names():
+    names = list_envs("miniwob")
+    assert "miniwob/click-button" in names and "miniwob/enter-text" in names
+    assert not any("flight." in n for n in names)
+    with pytest.raises(ValueError, match="miniwob"):  # lists what is registered
+        make_env("minwob/click-button")
+    with pytest.raises(ValueError, match="miniwob/click-button"):  # close match offered
+        make_env("miniwob/click-buton")
+    with pytest.raises(ValueError, match="names no task"):
+        make_env("miniwob")
+
+
+def test_missing_browser_gives_setup_hint(monkeypatch):
+    monkeypatch.setenv("MINIWOB_CHROME_BINARY", "/nonexistent/chromium")
+    with pytest.raises(BrowserNotFoundError, match=r"workbench setup.*MINIWOB_CHROMEDRIVER"):
+        make_env("miniwob/click-test")
+
+
+@pytest.mark.parametrize("keys, expected", [
+    (["ctrl", "c"], "C-c"), (["ctrl c"], "C-c"), (["ctrl+A"], "C-a"), (["Enter"], "<Enter>"),
+    (["pagedown"], "<PageDown>"), (["arrowleft"], "<ArrowLeft>"), (["shift", "tab"], "S-<Tab>"),
+    (["Escape"], "<Escape>"), (["space"], "<Space>"), (["shift", "a"], "A"), (["cmd", "v"], "C-v"),
+    (["ctrl", "shift", "z"], "C-S-z"), (["a"], "a"), (["+"], "+"), (["backspace"], "<Backspace>"),
+])
+def test_key_mapping(keys, expected):
+    assert to_miniwob_key(keys) == expected
+    assert expected in ALLOWED_KEYS
+
+
+def test_key_mapping_rejects_nonsense():
+    assert to_miniwob_key(["ctrl"]) is None
+    assert to_miniwob_key(["a", "b"]) is None
+    assert to_miniwob_key(["hyperdrive"]) is None
+    assert to_miniwob_key(["ctrl", "w"]) not in ALLOWED_KEYS  # browser shortcut: refused
+
+
+# ---- real browser ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def env_pool():
+    """Keeps at most one browser open; `get(task)` swaps it when the task changes."""
+    state: dict[str, MiniWoBEnv] = {}
+
+    def get(task: str) -> MiniWoBEnv:
+        current = state.get("env")
+        if current is not None and current.task == task and current._env is not None:
+            return current
+        if current is not None:
+            current.close()
+        state["env"] = make_env(f"miniwob/{task}", scale=SCALE)
+        return state["env"]
+
+    yield get
+    if "env" in state:
+        state["env"].close()
+
+
+def _centre(element: dict) -> tuple[float, float]:
+    return element["left"] + element["width"] / 2, element["top"] + element["height"] / 2
+
+
+def _find(info: dict, **attrs) -> dict:
+    return next(e for e in info["dom_elements"] if all(e[k] == v for k, v in attrs.items()))
+
+
+def _not_black(image) -> bool:
+    return max(image.convert("L").getextrema()) > 50
+
+
+@needs_browser
+def test_click_test_screenshot_dom_and_terminal_screen(env_pool):
+    env = env_pool("click-test")
+    obs, info = env.reset(seed=0)
+    assert obs.screenshot.mode == "RGB"
+    assert obs.screenshot.size == (160 * SCALE, 210 * SCALE)
+    assert _not_black(obs.screenshot)
+    assert obs.instruction == "Click the button." and obs.step == 0
+    button = _find(info, tag="button")
+    assert button["width"] > 20 * SCALE  # screenshot pixels, not CSS px
+    # The wall-clock timer is lifted (ms in the JS) and survives the reset.
+    assert env.driver.execute_script("return core.EPISODE_MAX_TIME;") == 1e9
+
+    obs2, reward, terminated, truncated, info2 = env.step(Action("click", point=_centre(button)))
+    assert (reward, terminated, truncated) == (1.0, True, False)
+    assert info2["raw_reward"] == 1.0 and info2["task_done"]
+    assert _not_black(obs2.screenshot)  # the last real screen, not miniwob's black frame
+    assert obs2.screenshot.tobytes() == obs.screenshot.tobytes()
+    with pytest.raises(RuntimeError, match="reset"):
+        env.step(Action("click", point=_centre(button)))
+
+
+@needs_browser
+def test_robustness_step_cap_and_finished(env_pool):
+    env = env_pool("click-test")
+    env.max_steps = 4
+    try:
+        env.reset(seed=1)
+        # Off-page points are clipped, not fatal; right/double clicks on empty space are harmless.
+        for action in (Action("click", point=(-50, 99999)), Action("right_single", point=(400, 300)),
+                       Action("left_double", point=(400, 300))):
+            _, reward, terminated, truncated, info = env.step(action)
+            assert info["action_error"] is None and not terminated and not truncated
+        _, reward, terminated, truncated, _ = env.step(Action("wait"))
+        assert (reward, terminated, truncated) == (0.0, False, True)  # cap reached
+    finally:
+        env.max_steps = 15
+
+    env.reset(seed=2)
+    _, _, _, _, info = env.step(Action("hotkey", keys=["ctrl", "alt", "f4"]))
+    assert "unsupported" in info["action_error"]
+    _, _, _, _, info = env.step(Action("click"))  # no point: a no-op, not a crash
+    assert info["action_error"]
+    obs, reward, terminated, truncated, info = env.step(Action("finished"))
+    assert (reward, terminated, truncated) == (0.0, True, False) and not info["task_done"]
+    assert _not_black(obs.screenshot)
+
+
+@needs_browser
+def test_click_button_seeded_and_wrong_click(env_pool):
+    env = env_pool("click-button")
+    first = [env.reset(seed=s)[0].instruction for s in (5, 6)]
+    assert [env.reset(seed=s)[0].instruction for s in (5, 6)] == first
+    for seed in (0, 1):
+        obs, info = env.reset(seed=seed)
+        target = obs.instruction.split('"')[1]
+        button = _find(info, tag="button", text=target)
+        _, reward, terminated, _, info = env.step(Action("click", point=_centre(button)))
+        assert (reward, terminated) == (1.0, True)
+    obs, info = env.reset(seed=3)
+    target = obs.instruction.split('"')[1]
+    wrong = next(e for e in info["dom_elements"] if e["tag"] == "button" and e["text"] != target)
+    _, reward, terminated, _, info = env.step(Action("click", point=_centre(wrong)))
+    assert (reward, terminated, info["raw_reward"]) == (0.0, True, -1.0)
+
+
+@needs_browser
+def test_enter_text_with_select_all_and_newline(env_pool):
+    env = env_pool("enter-text")
+    obs, info = env.reset(seed=0)
+    target = obs.instruction.split('"')[1]
+    field = _find(info, tag="input_text")
+    env.step(Action("click", point=_centre(field)))
+    env.step(Action("type", text="wrong text"))
+    _, _, _, _, info = env.step(Action("hotkey", keys=["ctrl", "a"]))
+    assert info["action_error"] is None
+    _, _, terminated, _, info = env.step(Action("type", text=target + "\n"))
+    assert not terminated and _find(info, tag="input_text")["value"] == target
+    _, _, _, _, info = env.step(Action("hotkey", keys=["Enter"]))
+    assert info["action_error"] is None
+    _, reward, terminated, _, _ = env.step(Action("click", point=_centre(_find(info, tag="button"))))
+    assert (reward, terminated) == (1.0, True)
+
+
+@needs_browser
+def test_drag_box(env_pool):
+    env = env_pool("drag-box")
+    obs, info = env.reset(seed=0)
+    small, large = _find(info, id="draggableSmall"), _find(info, id="draggableLarge")
+    _, _, terminated, _, info = env.step(Action("drag", point=_centre(small), end_point=_centre(large)))
+    assert not terminated and info["action_error"] is None
+    moved = _find(info, id="draggableSmall")
+    assert abs(_centre(moved)[0] - _centre(large)[0]) < 2 * SCALE
+    _, reward, terminated, _, _ = env.step(Action("click", point=_centre(_find(info, tag="button"))))
+    assert (reward, terminated) == (1.0, True)
+
+
+@needs_browser
+def test_scroll(env_pool):
+    env = env_pool("scroll-text")
+    obs, info = env.reset(seed=3)  # seed 3: the text overflows its box (seed 0's does not)
+    area = _find(info, id="text-area")
+    scroll_top = "return document.getElementById('text-area').scrollTop;"
+    tops = []
+    for direction in ("down", "down", "up", "left", "right"):
+        _, _, terminated, _, info = env.step(Action("scroll", point=_centre(area), direction=direction))
+        assert info["action_error"] is None and not terminated
+        tops.append(env.driver.execute_script(scroll_top))
+    assert 0 < tops[0] < tops[1] and tops[2] < tops[1]
+
+
+@needs_browser
+def test_browser_crash_is_env_error_and_reset_recovers(env_pool):
+    env = env_pool("scroll-text")
+    env.reset(seed=0)
+    env.driver.quit()
+    with pytest.raises(EnvError):
+        env.step(Action("click", point=(10, 10)))
+    obs, _ = env.reset(seed=0)  # starts a fresh browser
+    assert _not_black(obs.screenshot)
+    assert env.driver.execute_script("return core.EPISODE_MAX_TIME;") == 1e9
+    env.close()
+    env.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        env.reset()
