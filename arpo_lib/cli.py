@@ -19,7 +19,7 @@ from pathlib import Path
 def _cmd_build_tiny_model(args: argparse.Namespace) -> int:
     from arpo_lib.tiny_model import build_tiny_model
 
-    path = build_tiny_model(args.out, variant=args.variant, seed=args.seed)
+    path = build_tiny_model(args.out, variant=args.variant, seed=args.seed, overwrite=True)
     print(f"built {path}")
     return 0
 

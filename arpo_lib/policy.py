@@ -95,6 +95,11 @@ class HFPolicy:
                                     self.tokenizer.convert_tokens_to_ids("<|endoftext|>")) if i is not None]
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[-1]
         self.resize = _image_processor_limits(self.processor)
+        # A response may never contain vision tokens (a random or weak model can sample them; the
+        # training forward pass would then expect image features for them).
+        self.suppress_ids = [i for i in self.tokenizer.convert_tokens_to_ids(
+            ["<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"])
+            if i is not None and i != self.tokenizer.unk_token_id]
 
     # -- conversation and parsing ----------------------------------------------------------
     def new_conversation(self, instruction: str) -> TokenConversation:
@@ -119,11 +124,14 @@ class HFPolicy:
         temperature: float = 1.0,
         top_p: float = 1.0,
         max_new_tokens: int | None = None,
+        contexts: Sequence[Any] | None = None,
     ) -> list[Generation]:
         """Sample one response for each context (batched, left-padded).
 
         temperature 0 = greedy. Behaviour log-probs are log softmax(logits / T) of the sampled
         tokens (T = 1 for greedy); with top_p < 1 they ignore the nucleus truncation.
+        `contexts` (instruction, screenshot, env info per episode) is unused here: the model
+        sees only the tokens. Scripted policies read it.
         """
         from transformers import GenerationConfig
 
@@ -150,12 +158,14 @@ class HFPolicy:
             do_sample=not greedy, temperature=None if greedy else temperature,
             top_p=None if greedy or top_p >= 1 else top_p, top_k=None,
             max_new_tokens=max_new_tokens, eos_token_id=self.eos_ids, pad_token_id=self.pad_id,
+            suppress_tokens=self.suppress_ids or None, return_dict_in_generate=True, output_logits=True,
         )
         with self._autocast():
-            out = self.model.generate(**inputs, generation_config=gen_config,
-                                      return_dict_in_generate=True, output_logits=True)
+            out = self.model.generate(**inputs, generation_config=gen_config)
         new_tokens = out.sequences[:, width:]  # (B, N)
-        logits = torch.stack(out.logits, dim=1).float()  # (B, N, V)
+        logits = torch.stack(out.logits, dim=1).float()  # (B, N, V) raw logits
+        if self.suppress_ids:  # the behaviour distribution excludes them, as sampling did
+            logits[..., self.suppress_ids] = float("-inf")
         scale = 1.0 if greedy else temperature
         logprobs = torch.log_softmax(logits / scale, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
         results = []
@@ -190,6 +200,8 @@ class HFPolicy:
         with self._autocast():
             logits = self.model.lm_head(selected)
         logits = logits.float() / temperature
+        if self.suppress_ids:  # the same distribution sampling used
+            logits[..., self.suppress_ids] = float("-inf")
         tokens = batch["input_ids"][targets]  # (N,)
         token_logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         counts = targets.sum(dim=1).tolist()

@@ -45,6 +45,16 @@ class EpisodeRequest:
 
 
 @dataclass
+class PolicyContext:
+    """What an episode looks like right now, beside its tokens (for policies that read the page)."""
+
+    instruction: str
+    screenshot: Image.Image
+    info: dict[str, Any]
+    step: int
+
+
+@dataclass
 class StepRecord:
     step: int
     response: str
@@ -178,6 +188,8 @@ class _Episode:
     pending: str | None = None
     """`reset` or `step` while a worker command is in flight."""
     pending_record: StepRecord | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+    """The environment's last info dict (scripted policies read `dom_elements` from it)."""
     started: float = 0.0
     step_started: float = 0.0
     done: bool = False
@@ -266,12 +278,12 @@ class RolloutEngine:
             self._env_failure(ep, exc)
             return
         if cmd == "reset":
-            obs, _info = value
+            obs, ep.info = value
             ep.traj.instruction = obs.instruction
             ep.conv = self.policy.new_conversation(obs.instruction)
             self._observe(ep, obs.screenshot)
             return
-        obs, reward, terminated, truncated, _info = value
+        obs, reward, terminated, truncated, ep.info = value
         self.env_steps += len(ep.pending_record.actions) if ep.pending_record else 1
         rec = ep.pending_record
         rec.reward, rec.terminated, rec.truncated = float(reward), bool(terminated), bool(truncated)
@@ -289,7 +301,9 @@ class RolloutEngine:
         ep.conv.add_observation(screenshot)
 
     def _act(self, live: list[_Episode], temperature: float, top_p: float) -> None:
-        gens = self.policy.generate([ep.conv.current for ep in live], temperature=temperature, top_p=top_p)
+        contexts = [PolicyContext(ep.traj.instruction, ep.screenshots[-1], ep.info, len(ep.traj.steps)) for ep in live]
+        gens = self.policy.generate([ep.conv.current for ep in live], temperature=temperature, top_p=top_p,
+                                    contexts=contexts)
         for ep, gen in zip(live, gens):
             ep.conv.add_response(gen.text, gen.token_ids, gen.logprobs)
             step = len(ep.traj.steps) + 1

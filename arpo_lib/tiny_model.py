@@ -41,7 +41,10 @@ Gotcha for callers (measured with transformers 5.23): the model needs ``mm_token
 (the processor returns it) to place image tokens with M-RoPE; when it is missing with images,
 forward raises and ``generate`` silently falls back to 1-D positions. ``generation_config.json``
 holds only the eos/pad/bos ids, so transformers' global sampling default ``top_k=50`` applies
-unless the caller passes ``top_k=0, top_p=1.0, temperature=...`` explicitly.
+unless the caller passes ``top_k=0, top_p=1.0, temperature=...`` explicitly. The random
+weights give a near-uniform next-token distribution, so sampling can emit ``<|image_pad|>`` and
+other vision tokens; fed back as completion tokens they break the forward pass (image features
+and image tokens no longer match). Policies should suppress those ids when sampling.
 """
 from __future__ import annotations
 
@@ -374,11 +377,11 @@ def _build_processor(variant: str, spec: TinyModelSpec, tokenizer):
 
 
 def _write_model(tmp: Path, variant: str, seed: int, spec: TinyModelSpec) -> None:
+    import tokenizers
     import torch
+    import transformers
     from transformers import (GenerationConfig, Qwen2_5_VLForConditionalGeneration,
                               Qwen2VLForConditionalGeneration)
-    import transformers
-    import tokenizers
 
     tokenizer = _build_tokenizer(spec)
     processor = _build_processor(variant, spec, tokenizer)

@@ -134,6 +134,7 @@ class Trainer:
             self._load_checkpoint(checkpoint)
         self.tracker = Tracker(cfg)
         self._pool: EnvPool | None = None
+        self._demos_seeded = checkpoint is not None
 
     # -- environment pool (shared with evaluation) -------------------------------------------
     @property
@@ -166,6 +167,8 @@ class Trainer:
         from tqdm.auto import tqdm
 
         end = self.cfg.train.steps if steps is None else min(self.cfg.train.steps, self.step + steps)
+        if self.step == 0:
+            self.seed_replay_with_demos()
         history = []
         bar = tqdm(total=end, initial=self.step, desc="ARPO" if self.replay.enabled else "GRPO",
                    disable=not self.cfg.logging.progress)
@@ -225,6 +228,29 @@ class Trainer:
         if self.step % cfg.train.checkpoint_every == 0 or self.step == cfg.train.steps:
             self.save_checkpoint()
         return metrics
+
+    def seed_replay_with_demos(self) -> int:
+        """Put `train.demo_replay` scripted demonstrations per task into the replay buffer (once,
+        before the first step; they are saved with the buffer). Returns how many were stored."""
+        n = self.cfg.train.demo_replay
+        if n <= 0 or self.step > 0 or self._demos_seeded or not self.replay.enabled:
+            return 0
+        from arpo_lib.scripted import SCRIPTED_TASKS, ScriptedPolicy
+
+        tasks = [t for t in self.cfg.env.tasks if t.split("/", 1)[-1] in SCRIPTED_TASKS]
+        skipped = sorted(set(self.cfg.env.tasks) - set(tasks))
+        if skipped:
+            print(f"[arpo] no scripted demonstrator for {skipped}; their replay starts empty")
+        engine = RolloutEngine(ScriptedPolicy(self.policy), self.pool, max_steps=self.cfg.env.max_steps,
+                               format_coef=self.cfg.algo.format_coef, format_penalty=self.cfg.algo.format_penalty)
+        requests = [EpisodeRequest(t, stable_seed(self.cfg.train.seed, "demo", t, i), i) for t in tasks for i in range(n)]
+        trajs = engine.run(requests, out_dir=self.run_dir / "demos", progress=self.cfg.logging.progress,
+                           description="demonstrations")
+        stored = sum(self.replay.add(t.task, {"dir": t.directory, "score": t.task_score, "reward": t.reward},
+                                     t.task_score) for t in trajs if t.status == "ok")
+        self._demos_seeded = True
+        print(f"[arpo] replay buffer seeded with {stored} of {len(trajs)} scripted demonstrations")
+        return stored
 
     def make_groups(self, tasks: list[str], trajs: list[Trajectory]) -> list[Group]:
         """Per task: drop infrastructure failures, inject a replayed success into all-failed groups

@@ -59,6 +59,15 @@ def run_evaluation(cfg: RunConfig, out_dir: Path) -> EvalResult:
                         progress=cfg.logging.progress)
 
 
+def print_metrics(history: list[dict[str, Any]]) -> None:
+    """One line per training step."""
+    keys = ["step", "success_rate", "mean_reward", "all_failed_groups", "replay_injections", "loss",
+            "clip_fraction", "grad_norm", "seconds_rollout", "seconds_update"]
+    print("  ".join(f"{k:>12}" for k in keys))
+    for m in history:
+        print("  ".join(f"{m[k]:>12.4g}" if isinstance(m[k], float) else f"{m[k]:>12}" for k in keys))
+
+
 class MemoryMonitor:
     """Samples the resident memory of this process and all its children (browsers, workers)."""
 

@@ -1,0 +1,47 @@
+"""Shared fixtures: the tiny models (built by `./workbench setup`, or here on demand) and browsers."""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+torch.set_num_threads(2)
+for _var, _cmd in (("MINIWOB_CHROME_BINARY", "chromium"), ("MINIWOB_CHROMEDRIVER", "chromedriver")):
+    if not os.environ.get(_var) and shutil.which(_cmd):
+        os.environ[_var] = shutil.which(_cmd)
+
+
+def _tiny_model(variant: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from arpo_lib.tiny_model import build_tiny_model, is_complete
+
+    shipped = REPO / "models" / f"tiny-uitars-{variant}"
+    if is_complete(shipped):
+        return shipped
+    return build_tiny_model(tmp_path_factory.mktemp("models") / f"tiny-{variant}", variant)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2vl(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _tiny_model("qwen2vl", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen25vl(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _tiny_model("qwen25vl", tmp_path_factory)
+
+
+@pytest.fixture(scope="session", params=["qwen2vl", "qwen25vl"])
+def tiny_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _tiny_model(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def chromium_available() -> bool:
+    if not (shutil.which("chromium") and shutil.which("chromedriver")):
+        pytest.skip("chromium/chromedriver not installed (./workbench setup installs them)")
+    return True
