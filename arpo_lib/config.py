@@ -32,6 +32,8 @@ class EnvConfig:
     """Step cap per episode; reaching it truncates the episode (ARPO: 15)."""
     workers: int = 2
     """Parallel environment worker processes (one browser / VM each)."""
+    envs_per_worker: int = 3
+    """Environments (one per task) a worker keeps open, so returning to a task reuses its browser."""
     step_timeout_s: float = 120.0
     """Longest an environment call (make/reset/step) may take before the worker counts as hung."""
 
@@ -210,6 +212,7 @@ def validate(cfg: RunConfig) -> None:
             _fail(key, f"{value!r} is not one of {list(allowed)}")
     positive = {
         "env.max_steps": cfg.env.max_steps, "env.workers": cfg.env.workers,
+        "env.envs_per_worker": cfg.env.envs_per_worker,
         "model.history_images": cfg.model.history_images, "model.max_new_tokens": cfg.model.max_new_tokens,
         "rollout.group_size": cfg.rollout.group_size, "train.tasks_per_batch": cfg.train.tasks_per_batch,
         "train.updates_per_batch": cfg.train.updates_per_batch,

@@ -206,6 +206,7 @@ class RolloutEngine:
         self.format_coef = format_coef
         self.format_penalty = format_penalty
         self.env_steps = 0
+        self._last_task: dict[int, str] = {}
 
     def run(
         self,
@@ -230,7 +231,7 @@ class RolloutEngine:
                 # 1. every idle worker starts the next episode
                 for w in range(len(self.pool)):
                     if w not in slots and queue:
-                        idx, req = queue.popleft()
+                        idx, req = self._next_for(w, queue)
                         ep = _Episode(req, w, Trajectory(task=req.task, seed=req.seed, sample=req.sample),
                                       started=time.monotonic())
                         slots[w] = (idx, ep)
@@ -256,6 +257,18 @@ class RolloutEngine:
         return [results[i] for i in range(len(requests))]
 
     # -- internals ---------------------------------------------------------------------------
+    def _next_for(self, worker: int, queue: deque) -> tuple[int, EpisodeRequest]:
+        """Prefer an episode of the task this worker ran last: its environment is still open."""
+        last = self._last_task.get(worker)
+        for pos, (_, req) in enumerate(queue):
+            if req.task == last:
+                item = queue[pos]
+                del queue[pos]
+                return item
+        item = queue.popleft()
+        self._last_task[worker] = item[1].task
+        return item
+
     def _send(self, ep: _Episode, cmd: str, payload: Any) -> None:
         try:
             self.pool.workers[ep.worker].send(cmd, payload)

@@ -47,17 +47,19 @@ def stable_seed(*parts: Any) -> int:
 
 
 def task_batch(tasks: list[str], step: int, tasks_per_batch: int, seed: int) -> list[str]:
-    """Tasks of rollout batch `step`: consecutive slices of seeded per-epoch permutations.
+    """Tasks of rollout batch `step`: distinct tasks, slices of a seeded per-epoch permutation.
 
-    Depends only on (tasks, step, tasks_per_batch, seed), so a resumed run continues the same order.
+    An epoch has len(tasks) // tasks_per_batch batches; the remainder of a permutation is left
+    out of that epoch (the next epoch's permutation differs), so a batch never holds a task twice.
+    Depends only on its arguments, so a resumed run continues the same order.
     """
-    out = []
-    for pos in range(step * tasks_per_batch, (step + 1) * tasks_per_batch):
-        epoch, offset = divmod(pos, len(tasks))
-        order = list(tasks)
-        random.Random(stable_seed(seed, "epoch", epoch)).shuffle(order)
-        out.append(order[offset])
-    return out
+    per_epoch = len(tasks) // tasks_per_batch
+    if per_epoch == 0:
+        raise ValueError(f"tasks_per_batch={tasks_per_batch} > {len(tasks)} tasks")
+    epoch, index = divmod(step, per_epoch)
+    order = list(tasks)
+    random.Random(stable_seed(seed, "epoch", epoch)).shuffle(order)
+    return order[index * tasks_per_batch:(index + 1) * tasks_per_batch]
 
 
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:
@@ -142,7 +144,8 @@ class Trainer:
         if self._pool is None:
             opts = dict(self.cfg.env.options)
             opts.setdefault("max_steps", self.cfg.env.max_steps)
-            self._pool = EnvPool(self.cfg.env.workers, opts, timeout_s=self.cfg.env.step_timeout_s)
+            self._pool = EnvPool(self.cfg.env.workers, opts, timeout_s=self.cfg.env.step_timeout_s,
+                                 cache_size=self.cfg.env.envs_per_worker)
         return self._pool
 
     def engine(self) -> RolloutEngine:

@@ -51,7 +51,8 @@ def run_evaluation(cfg: RunConfig, out_dir: Path) -> EvalResult:
                       max_new_tokens=cfg.model.max_new_tokens)
     opts = dict(cfg.env.options)
     opts.setdefault("max_steps", cfg.env.max_steps)
-    with EnvPool(cfg.env.workers, opts, timeout_s=cfg.env.step_timeout_s) as pool:
+    with EnvPool(cfg.env.workers, opts, timeout_s=cfg.env.step_timeout_s,
+                 cache_size=cfg.env.envs_per_worker) as pool:
         engine = RolloutEngine(policy, pool, max_steps=cfg.env.max_steps, format_coef=cfg.algo.format_coef,
                                format_penalty=cfg.algo.format_penalty)
         return evaluate(engine, cfg.eval.tasks or cfg.env.tasks, samples_per_task=cfg.eval.samples_per_task,

@@ -15,6 +15,7 @@ import os
 import signal
 import time
 import traceback
+from collections import OrderedDict
 from dataclasses import asdict
 from typing import Any
 
@@ -22,13 +23,22 @@ from arpo_lib.actions import Action
 from arpo_lib.envs.base import EnvError
 
 
-def _worker_main(conn: Any, env_options: dict[str, Any]) -> None:
+def _worker_main(conn: Any, env_options: dict[str, Any], cache_size: int = 1) -> None:
     # Own process group: the browser and its driver join it, so killing the group cleans up all.
     os.setsid()
     from arpo_lib.envs import make_env
 
+    # Open environments by task name, least recently used first: switching back to a task
+    # reuses its browser instead of starting a new one (~1 s).
+    envs: OrderedDict[str, Any] = OrderedDict()
     env = None
-    env_name = None
+
+    def close_quietly(e: Any) -> None:
+        try:
+            e.close()
+        except Exception:
+            pass
+
     try:
         while True:
             try:
@@ -40,12 +50,12 @@ def _worker_main(conn: Any, env_options: dict[str, Any]) -> None:
                     break
                 if cmd == "reset":
                     name, seed = payload
-                    if env is None or env_name != name:
-                        if env is not None:
-                            env.close()
-                            env = None
+                    env = envs.pop(name, None)
+                    if env is None:
+                        while len(envs) >= cache_size:
+                            close_quietly(envs.popitem(last=False)[1])
                         env = make_env(name, **env_options)
-                        env_name = name
+                    envs[name] = env
                     obs, info = env.reset(seed=seed)
                     conn.send(("ok", (obs, info)))
                 elif cmd == "step":
@@ -62,18 +72,16 @@ def _worker_main(conn: Any, env_options: dict[str, Any]) -> None:
             except Exception as exc:  # reported to the engine, which decides what it means
                 kind = "fatal" if _is_setup_error(exc) else "env_error"
                 if env is not None and kind == "env_error":
-                    try:
-                        env.close()
-                    except Exception:
-                        pass
-                    env, env_name = None, None
+                    # A broken environment is dropped; the next reset builds a fresh one.
+                    for name, e in list(envs.items()):
+                        if e is env:
+                            del envs[name]
+                    close_quietly(env)
+                    env = None
                 conn.send((kind, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}"))
     finally:
-        if env is not None:
-            try:
-                env.close()
-            except Exception:
-                pass
+        for e in envs.values():
+            close_quietly(e)
 
 
 class EnvSetupError(RuntimeError):
@@ -91,16 +99,17 @@ def _is_setup_error(exc: BaseException) -> bool:
 class EnvWorker:
     """A handle on one worker process."""
 
-    def __init__(self, env_options: dict[str, Any], timeout_s: float):
+    def __init__(self, env_options: dict[str, Any], timeout_s: float, cache_size: int = 1):
         self.env_options = env_options
         self.timeout_s = timeout_s
+        self.cache_size = cache_size
         self._ctx = mp.get_context("spawn")
         self.restarts = 0
         self._start()
 
     def _start(self) -> None:
         self.conn, child = self._ctx.Pipe()
-        self.process = self._ctx.Process(target=_worker_main, args=(child, self.env_options), daemon=True)
+        self.process = self._ctx.Process(target=_worker_main, args=(child, self.env_options, self.cache_size), daemon=True)
         self.process.start()
         child.close()
         self.busy = False
@@ -173,8 +182,9 @@ class EnvWorker:
 class EnvPool:
     """`n` worker processes sharing the same make_env options."""
 
-    def __init__(self, n: int, env_options: dict[str, Any] | None = None, timeout_s: float = 120.0):
-        self.workers = [EnvWorker(dict(env_options or {}), timeout_s) for _ in range(n)]
+    def __init__(self, n: int, env_options: dict[str, Any] | None = None, timeout_s: float = 120.0,
+                 cache_size: int = 1):
+        self.workers = [EnvWorker(dict(env_options or {}), timeout_s, cache_size) for _ in range(n)]
 
     def __len__(self) -> int:
         return len(self.workers)
