@@ -291,6 +291,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             _fail(key, f"expected an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-6" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                _fail(key, f"expected a number, got {value!r}")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             _fail(key, f"expected a number, got {value!r}")
         return float(value)

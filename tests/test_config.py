@@ -1,0 +1,79 @@
+"""The config tree: YAML files, dotted overrides, validation that names the key."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from arpo_lib.config import ConfigError, RunConfig, config_from_dict, field_docs, load_config, parse_overrides
+
+CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_load(path):
+    cfg = load_config(path)
+    assert cfg.name and cfg.env.tasks
+    assert config_from_dict(cfg.to_dict()) == cfg  # round trip through a run directory
+
+
+def test_overrides_are_typed_yaml_values():
+    cfg = load_config("configs/smoke.yaml", ["train.lr=3e-6", "algo.replay.enabled=false",
+                                               "env.tasks=[miniwob/click-test, miniwob/enter-text]", "train.steps=7"])
+    assert cfg.train.lr == 3e-6 and cfg.algo.replay.enabled is False and cfg.train.steps == 7
+    assert cfg.env.tasks == ["miniwob/click-test", "miniwob/enter-text"]
+    assert parse_overrides({"a.b": 1}) == {"a": {"b": 1}}
+
+
+@pytest.mark.parametrize("override, key", [
+    (["train.lrr=1"], "train.lrr"),
+    (["algo.replay.enable=false"], "algo.replay.enable"),
+    (["nope=1"], "nope"),
+])
+def test_unknown_keys_fail_naming_the_key_and_a_suggestion(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config("configs/smoke.yaml", override)
+
+
+def test_suggestion_for_typo():
+    with pytest.raises(ConfigError, match="did you mean lr"):
+        load_config(None, ["train.lrr=1"])
+
+
+@pytest.mark.parametrize("override, key", [
+    (["algo.aggregation=sum"], "algo.aggregation"),
+    (["rollout.group_size=1"], "rollout.group_size"),
+    (["train.updates_per_batch=100"], "train.updates_per_batch"),
+    (["rollout.temperature=0"], "rollout.temperature"),
+    (["train.lr=abc"], "train.lr"),
+    (["train.steps=1.5"], "train.steps"),
+    (["algo.replay.enabled=3"], "algo.replay.enabled"),
+    (["env.tasks=[]"], "env.tasks"),
+    (["name=../x"], "name"),
+    (["model.coord_mode=qwen3"], "model.coord_mode"),
+    (["logging.wandb=yes"], "logging.wandb"),
+    (["train"], "override"),
+])
+def test_impossible_values_fail_naming_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config("configs/smoke.yaml", override)
+
+
+def test_missing_config_file():
+    with pytest.raises(ConfigError, match="not found"):
+        load_config("configs/none.yaml")
+
+
+def test_every_field_has_a_docstring():
+    docs = field_docs()
+
+    def walk(cls, prefix=""):
+        for f in dataclasses.fields(cls):
+            key = prefix + f.name
+            assert docs.get(key), f"{key} has no docstring"
+            if dataclasses.is_dataclass(f.type) or (isinstance(f.type, str) and f.type.endswith("Config")):
+                inner = getattr(cls(), f.name)
+                if dataclasses.is_dataclass(inner):
+                    walk(type(inner), key + ".")
+    walk(RunConfig)
