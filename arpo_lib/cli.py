@@ -63,7 +63,11 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 def _cmd_smoke(args: argparse.Namespace) -> int:
     from arpo_lib.workflows import execute_notebook
 
+    from arpo_lib.workflows import format_summary
+
     out = execute_notebook("notebooks/smoke_test.ipynb", {"overrides": list(args.overrides)}, run_name=args.name)
+    summary = json.loads((out.parent / "summary.json").read_text())
+    print(format_summary(summary))
     print(f"executed notebook: {out}")
     return 0
 

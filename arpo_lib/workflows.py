@@ -70,9 +70,12 @@ def print_metrics(history: list[dict[str, Any]]) -> None:
 
 
 class MemoryMonitor:
-    """Samples the resident memory of this process and all its children (browsers, workers)."""
+    """Samples the memory of this process and all its children (browsers, workers).
 
-    def __init__(self, interval_s: float = 0.5):
+    Sums PSS (proportional set size): browser processes share most of their pages, and summing
+    RSS would count those many times over."""
+
+    def __init__(self, interval_s: float = 1.0):
         self.interval_s = interval_s
         self.peak_bytes = 0
         self._stop = threading.Event()
@@ -85,8 +88,8 @@ class MemoryMonitor:
         total = 0
         for proc in [me] + me.children(recursive=True):
             try:
-                total += proc.memory_info().rss
-            except psutil.Error:
+                total += proc.memory_full_info().pss
+            except (psutil.Error, AttributeError):
                 pass
         return total
 
@@ -146,8 +149,18 @@ def format_summary(summary: dict[str, Any]) -> str:
 def execute_notebook(notebook: str | Path, parameters: dict[str, Any], run_name: str | None = None,
                      out_dir: str | Path = "runs") -> Path:
     """Execute a notebook headlessly with papermill; the executed copy goes into the run directory."""
+    import logging
+
     import papermill
 
+    # Stream the cells' output while the notebook runs (papermill logs it at INFO).
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    pm_logger = logging.getLogger("papermill")
+    if not pm_logger.handlers:
+        pm_logger.addHandler(handler)
+    pm_logger.setLevel(logging.INFO)
+    pm_logger.propagate = False
     notebook = REPO_ROOT / notebook
     name = run_name or f"{notebook.stem.replace('_test', '')}-{time.strftime('%Y%m%d-%H%M%S')}"
     out = REPO_ROOT / out_dir / name / notebook.name
