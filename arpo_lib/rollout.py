@@ -52,6 +52,7 @@ class PolicyContext:
     screenshot: Image.Image
     info: dict[str, Any]
     step: int
+    task: str = ""
 
 
 @dataclass
@@ -314,7 +315,8 @@ class RolloutEngine:
         ep.conv.add_observation(screenshot)
 
     def _act(self, live: list[_Episode], temperature: float, top_p: float) -> None:
-        contexts = [PolicyContext(ep.traj.instruction, ep.screenshots[-1], ep.info, len(ep.traj.steps)) for ep in live]
+        contexts = [PolicyContext(ep.traj.instruction, ep.screenshots[-1], ep.info, len(ep.traj.steps),
+                                  ep.request.task) for ep in live]
         gens = self.policy.generate([ep.conv.current for ep in live], temperature=temperature, top_p=top_p,
                                     contexts=contexts)
         for ep, gen in zip(live, gens):

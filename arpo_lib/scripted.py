@@ -178,8 +178,9 @@ def _fill_fields(fields: list[tuple[dict[str, Any], str, str]], submit: dict[str
             continue
         if field["focused"]:
             if field["value"]:
-                return (f"The {name} field holds the wrong text. I select it all to replace it.",
-                        [Action("hotkey", keys=["ctrl", "a"])])
+                # Selection is invisible in the DOM, so select and retype in one turn.
+                return (f'The {name} field holds the wrong text. I select it all and type "{text}".',
+                        [Action("hotkey", keys=["ctrl", "a"]), Action("type", text=text)])
             return f'The {name} field has the focus. I type "{text}".', [Action("type", text=text)]
         previous = fields[i - 1][0] if i else None
         if previous is not None and previous["focused"]:
