@@ -141,6 +141,18 @@ class TrainConfig:
 
 
 @dataclass
+class WarmStartConfig:
+    demos_per_task: int = 0
+    """Scripted demonstrations per task for the supervised warm start (0 = no warm start)."""
+    steps: int = 0
+    """Supervised (SFT) steps on them before RL."""
+    lr: float = 3e-3
+    """AdamW learning rate of the warm start."""
+    batch_size: int = 4
+    """Sequences per warm-start step."""
+
+
+@dataclass
 class EvalConfig:
     tasks: list[str] | None = None
     """Tasks to evaluate; None = the training tasks."""
@@ -178,6 +190,8 @@ class RunConfig:
     """Rewards, advantages, loss and replay."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Optimisation schedule and checkpoints."""
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    """Optional supervised warm start on scripted demonstrations (before step 0)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Evaluation protocol."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -246,6 +260,10 @@ def validate(cfg: RunConfig) -> None:
         _fail("train.updates_per_batch", f"{cfg.train.updates_per_batch} mini-batches from a batch of {batch} trajectories")
     if cfg.train.demo_replay < 0:
         _fail("train.demo_replay", "must be >= 0")
+    if cfg.warm_start.demos_per_task < 0 or cfg.warm_start.steps < 0:
+        _fail("warm_start", "demos_per_task and steps must be >= 0")
+    if cfg.warm_start.steps > 0 and cfg.warm_start.demos_per_task == 0:
+        _fail("warm_start.demos_per_task", "warm_start.steps > 0 needs demonstrations (demos_per_task >= 1)")
     if "/" in cfg.name or cfg.name in ("", ".", ".."):
         _fail("name", f"{cfg.name!r} must be a plain directory name")
 

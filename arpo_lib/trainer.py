@@ -136,7 +136,10 @@ class Trainer:
             self._load_checkpoint(checkpoint)
         self.tracker = Tracker(cfg)
         self._pool: EnvPool | None = None
-        self._demos_seeded = checkpoint is not None
+        self._demos_seeded = self._warm_started = checkpoint is not None
+        self._demos: list[Trajectory] | None = None
+        self.seconds_warm_start = 0.0
+        """Demonstrations + supervised warm start, for the run summary."""
 
     # -- environment pool (shared with evaluation) -------------------------------------------
     @property
@@ -171,6 +174,7 @@ class Trainer:
 
         end = self.cfg.train.steps if steps is None else min(self.cfg.train.steps, self.step + steps)
         if self.step == 0:
+            self.warm_start()
             self.seed_replay_with_demos()
         history = []
         bar = tqdm(total=end, initial=self.step, desc="ARPO" if self.replay.enabled else "GRPO",
@@ -232,27 +236,62 @@ class Trainer:
             self.save_checkpoint()
         return metrics
 
+    def demonstrations(self) -> list[Trajectory]:
+        """Successful scripted demonstrations for the warm start and replay seeding, collected once
+        (`max(warm_start.demos_per_task, train.demo_replay)` per supported task) into <run>/demos."""
+        if self._demos is None:
+            from arpo_lib.sft import collect_demonstrations
+
+            n = max(self.cfg.warm_start.demos_per_task, self.cfg.train.demo_replay)
+            self._demos = collect_demonstrations(
+                self.policy, self.pool, self.cfg.env.tasks, n, seed=self.cfg.train.seed,
+                out_dir=self.run_dir / "demos", max_steps=self.cfg.env.max_steps,
+                progress=self.cfg.logging.progress) if n > 0 else []
+        return self._demos
+
+    def warm_start(self) -> list[float]:
+        """Supervised warm start before the first step (once; a resumed run has it in its weights)."""
+        ws = self.cfg.warm_start
+        if ws.steps <= 0 or self.step > 0 or self._warm_started:
+            return []
+        from arpo_lib.sft import supervised_warm_start
+
+        t0 = time.monotonic()
+        demos = self.demonstrations()
+        per_task: dict[str, int] = {}
+        chosen = []
+        for t in demos:
+            if per_task.get(t.task, 0) < ws.demos_per_task:
+                per_task[t.task] = per_task.get(t.task, 0) + 1
+                chosen.append(t)
+        losses = supervised_warm_start(self.policy, chosen, steps=ws.steps, lr=ws.lr, batch_size=ws.batch_size,
+                                       seed=self.cfg.train.seed, progress=self.cfg.logging.progress)
+        self._warm_started = True
+        self.seconds_warm_start = time.monotonic() - t0
+        append_jsonl(self.run_dir / "warm_start.jsonl", {"demos": len(chosen), "steps": ws.steps,
+                                                         "loss_first": losses[0], "loss_last": losses[-1]})
+        print(f"[arpo] warm start: {ws.steps} SFT steps on {len(chosen)} demonstrations, "
+              f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+        return losses
+
     def seed_replay_with_demos(self) -> int:
         """Put `train.demo_replay` scripted demonstrations per task into the replay buffer (once,
         before the first step; they are saved with the buffer). Returns how many were stored."""
         n = self.cfg.train.demo_replay
         if n <= 0 or self.step > 0 or self._demos_seeded or not self.replay.enabled:
             return 0
-        from arpo_lib.scripted import SCRIPTED_TASKS, ScriptedPolicy
-
-        tasks = [t for t in self.cfg.env.tasks if t.split("/", 1)[-1] in SCRIPTED_TASKS]
-        skipped = sorted(set(self.cfg.env.tasks) - set(tasks))
-        if skipped:
-            print(f"[arpo] no scripted demonstrator for {skipped}; their replay starts empty")
-        engine = RolloutEngine(ScriptedPolicy(self.policy), self.pool, max_steps=self.cfg.env.max_steps,
-                               format_coef=self.cfg.algo.format_coef, format_penalty=self.cfg.algo.format_penalty)
-        requests = [EpisodeRequest(t, stable_seed(self.cfg.train.seed, "demo", t, i), i) for t in tasks for i in range(n)]
-        trajs = engine.run(requests, out_dir=self.run_dir / "demos", progress=self.cfg.logging.progress,
-                           description="demonstrations")
-        stored = sum(self.replay.add(t.task, {"dir": t.directory, "score": t.task_score, "reward": t.reward},
-                                     t.task_score) for t in trajs if t.status == "ok")
+        per_task: dict[str, int] = {}
+        stored = 0
+        for t in self.demonstrations():
+            if per_task.get(t.task, 0) < n:
+                per_task[t.task] = per_task.get(t.task, 0) + 1
+                stored += self.replay.add(t.task, {"dir": t.directory, "score": t.task_score, "reward": t.reward},
+                                          t.task_score)
+        missing = sorted(set(self.cfg.env.tasks) - set(per_task))
+        if missing:
+            print(f"[arpo] no demonstrations for {missing}; their replay starts empty")
         self._demos_seeded = True
-        print(f"[arpo] replay buffer seeded with {stored} of {len(trajs)} scripted demonstrations")
+        print(f"[arpo] replay buffer seeded with {stored} scripted demonstrations")
         return stored
 
     def make_groups(self, tasks: list[str], trajs: list[Trajectory]) -> list[Group]:
@@ -336,7 +375,7 @@ class Trainer:
                 else:
                     weight = len(micro) / n_seq
                 (loss * weight).backward()
-                mb_loss += float(loss) * weight
+                mb_loss += loss.item() * weight
                 clips.append(m.get("clip_fraction", 0.0))
                 kls.append(m.get("approx_kl", 0.0))
             norm = torch.nn.utils.clip_grad_norm_(self.policy.model.parameters(), cfg.train.grad_clip)
