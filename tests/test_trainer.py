@@ -1,0 +1,168 @@
+"""The ARPO training loop on real MiniWoB++ tasks with the real tiny model."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from arpo_lib.config import load_config
+from arpo_lib.trainer import Trainer, latest_checkpoint, read_jsonl, task_batch
+
+REPO = Path(__file__).resolve().parent.parent
+TASKS = ["miniwob/click-test", "miniwob/click-button"]
+
+
+def test_task_batches_are_distinct_deterministic_and_cover_every_task():
+    tasks = [f"t{i}" for i in range(5)]
+    seen = []
+    for step in range(10):
+        batch = task_batch(tasks, step, 2, seed=3)
+        assert len(batch) == len(set(batch)) == 2
+        assert batch == task_batch(tasks, step, 2, seed=3)
+        seen += batch
+    assert set(seen) == set(tasks)
+    assert [task_batch(tasks, s, 2, 3) for s in range(4)] != [task_batch(tasks, s, 2, 4) for s in range(4)]
+
+
+def _cfg(tmp_path, model, *overrides):
+    return load_config("configs/smoke.yaml", [
+        f"model.path={model}", f"out_dir={tmp_path}", "name=t", f"env.tasks=[{','.join(TASKS)}]",
+        "env.workers=1", "env.max_steps=2", "model.max_new_tokens=24", "rollout.group_size=2",
+        "train.tasks_per_batch=2", "train.updates_per_batch=1", "train.steps=2", "train.lr=1e-3",
+        "warm_start.steps=0", "warm_start.demos_per_task=0", "train.demo_replay=0",
+        "logging.progress=false", *overrides])
+
+
+def _params(trainer):
+    return {k: v.detach().clone() for k, v in trainer.policy.model.state_dict().items()}
+
+
+@pytest.mark.slow
+def test_replay_rescues_all_failed_groups_and_the_update_changes_parameters(tmp_path, tiny_qwen2vl, chromium_available):
+    """The random tiny model fails every episode. GRPO then has zero advantages and learns
+    nothing; ARPO injects a stored success into each all-failed group and does learn."""
+    cfg = _cfg(tmp_path, tiny_qwen2vl, "train.steps=1", "train.demo_replay=1", "algo.replay.enabled=true")
+    with Trainer(cfg) as trainer:
+        before = _params(trainer)
+        (m,) = trainer.train()
+        after = _params(trainer)
+    assert m["all_failed_groups"] == 1.0 and m["success_rate"] == 0.0
+    assert m["replay_injections"] == 2 and m["loss"] != 0.0 and m["grad_norm"] > 0
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    replayed = [d for d in (tmp_path / "t" / "demos").rglob("meta.json")]
+    assert len(replayed) == 2  # one demonstration per task, referenced by the buffer
+
+    cfg = _cfg(tmp_path, tiny_qwen2vl, "name=grpo", "train.steps=1", "algo.replay.enabled=false")
+    with Trainer(cfg) as trainer:
+        before = _params(trainer)
+        (m,) = trainer.train()
+        after = _params(trainer)
+    assert m["replay_injections"] == 0 and m["loss"] == 0.0
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.slow
+def test_run_directory_metrics_and_checkpoints(tmp_path, tiny_qwen2vl, chromium_available):
+    cfg = _cfg(tmp_path, tiny_qwen2vl, "train.demo_replay=1", "train.keep_checkpoints=1")
+    with Trainer(cfg) as trainer:
+        trainer.train()
+    run = tmp_path / "t"
+    metrics = read_jsonl(run / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2]
+    for key in ("success_rate", "mean_reward", "all_failed_groups", "replay_injections", "loss", "clip_fraction",
+                "grad_norm", "tokens", "seconds_rollout", "seconds_update", "env_steps_per_s"):
+        assert key in metrics[0]
+    ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert ckpts == ["step_000002"]  # keep_checkpoints=1
+    ck = run / "checkpoints" / "step_000002"
+    for name in ("model/config.json", "model/model.safetensors", "optimizer.pt", "replay.json", "trainer_state.json", ".complete"):
+        assert (ck / name).is_file(), name
+    assert (run / "rollouts" / "step_000000" / "miniwob" / "click-test" / "0" / "traj.jsonl").is_file()
+
+
+@pytest.mark.slow
+def test_resume_continues_exactly(tmp_path, tiny_qwen2vl, chromium_available):
+    """2 steps straight == 1 step, stop, resume, 1 step: same metrics, weights, optimizer and buffer."""
+    straight = _cfg(tmp_path, tiny_qwen2vl, "name=straight", "train.demo_replay=1")
+    with Trainer(straight) as t:
+        t.train()
+        w_straight, buf_straight = _params(t), t.replay.state_dict()
+        opt_straight = t.optimizer.state_dict()
+    split = _cfg(tmp_path, tiny_qwen2vl, "name=split", "train.demo_replay=1")
+    with Trainer(split) as t:
+        t.train(steps=1)
+    with Trainer(split, resume=True) as t:
+        assert t.step == 1
+        t.train()
+        w_split, buf_split = _params(t), t.replay.state_dict()
+        opt_split = t.optimizer.state_dict()
+    drop = ("seconds_rollout", "seconds_update", "env_steps_per_s")
+    a = [{k: v for k, v in m.items() if k not in drop} for m in read_jsonl(tmp_path / "straight" / "metrics.jsonl")]
+    b = [{k: v for k, v in m.items() if k not in drop} for m in read_jsonl(tmp_path / "split" / "metrics.jsonl")]
+    assert a == b
+    for k in w_straight:
+        assert torch.allclose(w_straight[k], w_split[k], atol=1e-6), k
+    # Same buffer: contents (paths differ only by the run name), generator state and counters.
+    as_text = lambda buf, name: json.dumps(buf, sort_keys=True).replace(f"/{name}/", "/RUN/")
+    assert as_text(buf_straight, "straight") == as_text(buf_split, "split")
+    assert buf_straight["total_injections"] > 0
+    assert opt_straight["state"].keys() == opt_split["state"].keys()
+    for k in opt_straight["state"]:
+        assert torch.allclose(opt_straight["state"][k]["exp_avg"], opt_split["state"][k]["exp_avg"], atol=1e-6)
+
+
+def test_partial_checkpoint_is_skipped(tmp_path):
+    ck = tmp_path / "checkpoints"
+    (ck / "step_000001").mkdir(parents=True)
+    (ck / "step_000001" / ".complete").write_text("ok")
+    (ck / "step_000002").mkdir()  # killed while writing: no marker
+    (ck / ".tmp_step_000003").mkdir()
+    assert latest_checkpoint(ck).name == "step_000001"
+
+
+def test_torn_metrics_line_is_ignored(tmp_path):
+    p = tmp_path / "metrics.jsonl"
+    p.write_text('{"step": 1}\n{"step": 2}\n{"ste')
+    assert [m["step"] for m in read_jsonl(p)] == [1, 2]
+
+
+def test_existing_run_is_not_overwritten(tmp_path, tiny_qwen2vl):
+    cfg = _cfg(tmp_path, tiny_qwen2vl)
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "metrics.jsonl").write_text("")
+    with pytest.raises(FileExistsError, match="resume"):
+        Trainer(cfg)
+
+
+@pytest.mark.slow
+def test_killed_training_resumes_with_nothing_lost_or_repeated(tmp_path, tiny_qwen2vl, chromium_available):
+    """SIGKILL the trainer process after its first checkpoint, resume from the CLI, and check
+    every step's metric line appears exactly once."""
+    args = [f"model.path={tiny_qwen2vl}", f"out_dir={tmp_path}", "name=k", f"env.tasks=[{','.join(TASKS)}]",
+            "env.workers=1", "env.max_steps=2", "model.max_new_tokens=24", "rollout.group_size=2",
+            "train.tasks_per_batch=2", "train.updates_per_batch=1", "train.steps=4", "warm_start.steps=0",
+            "warm_start.demos_per_task=0", "train.demo_replay=1", "logging.progress=false"]
+    cmd = [sys.executable, "-m", "arpo_lib", "train", "--config", "configs/smoke.yaml", *args]
+    proc = subprocess.Popen(cmd, cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    run = tmp_path / "k"
+    deadline = time.time() + 240
+    while latest_checkpoint(run / "checkpoints") is None and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+    time.sleep(0.7)  # somewhere inside step 2
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done = subprocess.run([sys.executable, "-m", "arpo_lib", "resume", "--run", str(run)], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed" in done.stdout
+    steps = [m["step"] for m in read_jsonl(run / "metrics.jsonl")]
+    assert steps == [1, 2, 3, 4]
+    assert latest_checkpoint(run / "checkpoints").name == "step_000004"
