@@ -327,7 +327,7 @@ class Trainer:
         items = [(seg, adv) for g in groups for t, adv in zip(g.trajectories, g.advantages)
                  for seg in t.segments if any(seg.loss_mask)]
         stats = {"loss": 0.0, "clip_fraction": 0.0, "grad_norm": 0.0, "tokens": 0, "sequences": len(items),
-                 "optimizer_steps": 0, "approx_kl": 0.0}
+                 "optimizer_steps": 0, "approx_kl": 0.0, "kl": 0.0}
         if not items:
             return stats
         rng = random.Random(stable_seed(cfg.train.seed, "shuffle", self.step))
@@ -344,7 +344,7 @@ class Trainer:
                         old[id(seg)] = self.policy.sequence_logprobs([seg], temperature)[0].detach().cpu()
         minibatches = [items[i::cfg.train.updates_per_batch] for i in range(cfg.train.updates_per_batch)]
         self.policy.model.train()
-        losses, clips, norms, kls = [], [], [], []
+        losses, clips, norms, kls, ref_kls = [], [], [], [], []
         for mb in minibatches:
             if not mb:
                 continue
@@ -378,6 +378,7 @@ class Trainer:
                 mb_loss += loss.item() * weight
                 clips.append(m.get("clip_fraction", 0.0))
                 kls.append(m.get("approx_kl", 0.0))
+                ref_kls.append(m.get("kl", 0.0))
             norm = torch.nn.utils.clip_grad_norm_(self.policy.model.parameters(), cfg.train.grad_clip)
             self.optimizer.step()
             self.scheduler.step()
@@ -386,7 +387,8 @@ class Trainer:
             stats["optimizer_steps"] += 1
             stats["tokens"] += n_tok
         self.policy.model.eval()
-        stats.update(loss=_mean(losses), clip_fraction=_mean(clips), grad_norm=_mean(norms), approx_kl=_mean(kls))
+        stats.update(loss=_mean(losses), clip_fraction=_mean(clips), grad_norm=_mean(norms), approx_kl=_mean(kls),
+                     kl=_mean(ref_kls))
         return stats
 
     def _ref_logprobs(self, segs: list[Segment], temperature: float) -> list[torch.Tensor]:

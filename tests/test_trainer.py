@@ -166,3 +166,25 @@ def test_killed_training_resumes_with_nothing_lost_or_repeated(tmp_path, tiny_qw
     steps = [m["step"] for m in read_jsonl(run / "metrics.jsonl")]
     assert steps == [1, 2, 3, 4]
     assert latest_checkpoint(run / "checkpoints").name == "step_000004"
+
+
+def test_warmup_schedule(tmp_path, tiny_qwen2vl):
+    cfg = _cfg(tmp_path, tiny_qwen2vl, "train.steps=4", "train.warmup_ratio=0.5", "train.lr=1e-3")
+    t = Trainer(cfg)  # 4 updates, 2 of them warm-up: lr 0.5e-3, 1e-3, 1e-3, ...
+    lrs = []
+    for _ in range(4):
+        lrs.append(t.scheduler.get_last_lr()[0])
+        t.optimizer.step()
+        t.scheduler.step()
+    t.close()
+    assert lrs == pytest.approx([0.5e-3, 1e-3, 1e-3, 1e-3])
+
+
+@pytest.mark.slow
+def test_optional_kl_penalty_against_the_initial_policy(tmp_path, tiny_qwen2vl, chromium_available):
+    cfg = _cfg(tmp_path, tiny_qwen2vl, "train.steps=1", "train.demo_replay=1", "algo.kl_coef=0.1",
+               "train.updates_per_batch=2")
+    with Trainer(cfg) as trainer:
+        assert trainer.ref_model is not None
+        (m,) = trainer.train()
+    assert m["replay_injections"] > 0 and m["optimizer_steps"] == 2 and m["kl"] >= 0.0
