@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
+
+import torch
 
 from arpo_lib.rollout import EpisodeRequest, RolloutEngine, Trajectory
 from arpo_lib.trainer import stable_seed
@@ -115,13 +118,9 @@ def evaluate(
     description: str = "eval",
 ) -> EvalResult:
     """Run k episodes per task with seeds fixed by (seed, task, sample); same seeds every call."""
-    import time
-
     requests = [EpisodeRequest(task, stable_seed(seed, task, i), i) for task in tasks for i in range(samples_per_task)]
     t0 = time.monotonic()
     steps_before = engine.env_steps
-    import torch
-
     torch.manual_seed(stable_seed(seed, "eval-sampling"))
     trajs = engine.run(requests, temperature=temperature, out_dir=out_dir, progress=progress, description=description)
     result = summarize(trajs, samples_per_task)

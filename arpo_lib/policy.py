@@ -235,14 +235,3 @@ def _right_pad(segments: Sequence[Segment], pad_id: int) -> dict[str, torch.Tens
         out["pixel_values"] = torch.cat(pixels)
         out["image_grid_thw"] = torch.stack([g for s in segments for g in s.image_grid_thw])
     return out
-
-
-def masked_logprobs_to_padded(per_seq: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """[(n_i,)] -> ((B, T) values, (B, T) mask) for `algo.policy_loss`."""
-    width = max((t.numel() for t in per_seq), default=0)
-    values = torch.zeros(len(per_seq), max(width, 1), device=per_seq[0].device if per_seq else "cpu")
-    mask = torch.zeros_like(values)
-    for row, t in enumerate(per_seq):
-        values[row, : t.numel()] = t
-        mask[row, : t.numel()] = 1
-    return values, mask

@@ -15,6 +15,7 @@ only the path).
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -139,7 +140,7 @@ def save_trajectory(traj: Trajectory, directory: Path, screenshots: Sequence[Ima
         }))
     (directory / "traj.jsonl").write_text("\n".join(lines) + ("\n" if lines else ""))
     (directory / "result.txt").write_text(f"{traj.task_score}\n")
-    buf = __import__("io").BytesIO()
+    buf = io.BytesIO()
     torch.save([s.token_data() for s in traj.segments], buf)
     _atomic_write_bytes(directory / "tokens.pt", buf.getvalue())
     # meta.json last: its presence marks a complete trajectory directory.

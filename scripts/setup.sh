@@ -23,10 +23,12 @@ fi
 stamp=".venv/.setup-$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
   say "installing Python packages (first time: a few minutes)"
-  .venv/bin/python -m pip install -q --upgrade pip
+  # pip warns once per package about this machine's local wheel folders: not useful here.
+  quiet() { "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; }
+  quiet .venv/bin/python -m pip install -q --upgrade pip
   # The CPU-runnable torch/torchvision pair (torchvision is needed by the Qwen-VL processors).
-  .venv/bin/python -m pip install -q "torch==2.14.1" "torchvision==0.29.1"
-  .venv/bin/python -m pip install -q -e ".[notebooks,dev]"
+  quiet .venv/bin/python -m pip install -q "torch==2.14.1" "torchvision==0.29.1"
+  quiet .venv/bin/python -m pip install -q -e ".[notebooks,dev]"
   .venv/bin/python -m ipykernel install --sys-prefix --name python3 >/dev/null
   rm -f .venv/.setup-*
   touch "$stamp"
