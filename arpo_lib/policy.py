@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from arpo_lib.actions import MAX_PIXELS, MIN_PIXELS, ParsedResponse, parse_response
 from arpo_lib.prompt import Segment, TokenConversation
@@ -138,21 +137,10 @@ class HFPolicy:
         if not segments:
             return []
         max_new_tokens = max_new_tokens or self.max_new_tokens
-        lengths = [len(s) for s in segments]
-        width = max(lengths)
-        ids = torch.full((len(segments), width), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((len(segments), width), dtype=torch.long)
-        mm = torch.zeros((len(segments), width), dtype=torch.int)
-        for row, seg in enumerate(segments):
-            ids[row, width - len(seg):] = torch.tensor(seg.input_ids)
-            attention[row, width - len(seg):] = 1
-            mm[row, width - len(seg):] = torch.tensor(seg.mm_token_type_ids, dtype=torch.int)
-        inputs: dict[str, Any] = {"input_ids": ids, "attention_mask": attention, "mm_token_type_ids": mm}
-        pixels = [p for s in segments for p in s.pixel_values]
-        if pixels:
-            inputs["pixel_values"] = torch.cat(pixels)
-            inputs["image_grid_thw"] = torch.stack([g for s in segments for g in s.image_grid_thw])
-        inputs = {k: v.to(self.device) for k, v in inputs.items()}
+        batch = pad_segments(segments, self.pad_id, side="left")
+        batch.pop("loss_mask")
+        width = batch["input_ids"].shape[1]
+        inputs = {k: v.to(self.device) for k, v in batch.items()}
         greedy = temperature <= 0
         gen_config = GenerationConfig(
             do_sample=not greedy, temperature=None if greedy else temperature,
@@ -188,7 +176,7 @@ class HFPolicy:
         Runs the decoder once per micro-batch and applies the LM head only at the positions that
         predict a trained token: full-vocabulary logits over a multi-image sequence never exist.
         """
-        batch = _right_pad(segments, self.pad_id)
+        batch = pad_segments(segments, self.pad_id, side="right")
         batch = {k: v.to(self.device) for k, v in batch.items()}
         targets = batch.pop("loss_mask").bool()  # (B, T)
         with self._autocast():
@@ -216,20 +204,23 @@ class HFPolicy:
         (directory / "arpo_policy.json").write_text(json.dumps({"coord_mode": self.coord_mode}))
 
 
-def _right_pad(segments: Sequence[Segment], pad_id: int) -> dict[str, torch.Tensor]:
+def pad_segments(segments: Sequence[Segment], pad_id: int, side: str) -> dict[str, torch.Tensor]:
+    """Batch segments for the model: (B, T) ids / attention / mm types / loss mask padded on
+    `side` ("left" for generation, "right" for training), images concatenated in batch order."""
     width = max(len(s) for s in segments)
     n = len(segments)
-    ids = torch.full((n, width), pad_id, dtype=torch.long)
-    attention = torch.zeros((n, width), dtype=torch.long)
-    mm = torch.zeros((n, width), dtype=torch.int)
-    mask = torch.zeros((n, width), dtype=torch.long)
+    out = {
+        "input_ids": torch.full((n, width), pad_id, dtype=torch.long),
+        "attention_mask": torch.zeros((n, width), dtype=torch.long),
+        "mm_token_type_ids": torch.zeros((n, width), dtype=torch.int),
+        "loss_mask": torch.zeros((n, width), dtype=torch.long),
+    }
     for row, seg in enumerate(segments):
-        L = len(seg)
-        ids[row, :L] = torch.tensor(seg.input_ids)
-        attention[row, :L] = 1
-        mm[row, :L] = torch.tensor(seg.mm_token_type_ids, dtype=torch.int)
-        mask[row, :L] = torch.tensor(seg.loss_mask)
-    out = {"input_ids": ids, "attention_mask": attention, "mm_token_type_ids": mm, "loss_mask": mask}
+        cols = slice(width - len(seg), width) if side == "left" else slice(0, len(seg))
+        out["input_ids"][row, cols] = torch.tensor(seg.input_ids)
+        out["attention_mask"][row, cols] = 1
+        out["mm_token_type_ids"][row, cols] = torch.tensor(seg.mm_token_type_ids, dtype=torch.int)
+        out["loss_mask"][row, cols] = torch.tensor(seg.loss_mask)
     pixels = [p for s in segments for p in s.pixel_values]
     if pixels:
         out["pixel_values"] = torch.cat(pixels)

@@ -40,6 +40,19 @@ def tiny_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return _tiny_model(request.param, tmp_path_factory)
 
 
+def _have_browser() -> bool:
+    from arpo_lib.envs.miniwob import BrowserNotFoundError, ensure_chromium
+
+    try:
+        ensure_chromium()
+        return True
+    except BrowserNotFoundError:
+        return False
+
+
+needs_browser = pytest.mark.skipif(not _have_browser(), reason="chromium/chromedriver not installed")
+
+
 @pytest.fixture(scope="session")
 def chromium_available() -> bool:
     if not (shutil.which("chromium") and shutil.which("chromedriver")):

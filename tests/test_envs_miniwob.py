@@ -13,7 +13,7 @@ import pytest
 from arpo_lib.actions import Action
 from arpo_lib.envs import EnvError, list_envs, make_env
 from arpo_lib.envs.miniwob import (
-    ALLOWED_KEYS, BrowserNotFoundError, MiniWoBEnv, ensure_chromium, to_miniwob_key,
+    ALLOWED_KEYS, BrowserNotFoundError, MiniWoBEnv, to_miniwob_key,
 )
 
 pytestmark = pytest.mark.slow
@@ -21,15 +21,7 @@ pytestmark = pytest.mark.slow
 SCALE = 3
 
 
-def _have_browser() -> bool:
-    try:
-        ensure_chromium()
-        return True
-    except BrowserNotFoundError:
-        return False
-
-
-needs_browser = pytest.mark.skipif(not _have_browser(), reason="chromium/chromedriver not installed")
+from conftest import needs_browser  # noqa: E402
 
 
 # ---- no browser needed --------------------------------------------------------------------

@@ -9,7 +9,6 @@ import pytest
 from PIL import Image
 
 from arpo_lib.actions import MAX_PIXELS, MIN_PIXELS, parse_response
-from arpo_lib.envs.miniwob import BrowserNotFoundError, ensure_chromium
 from arpo_lib.scripted import (
     SCRIPTED_TASKS, ScriptedPolicy, infer_task, scripted_response, task_name,
 )
@@ -25,15 +24,7 @@ MODES = {
 }
 
 
-def _have_browser() -> bool:
-    try:
-        ensure_chromium()
-        return True
-    except BrowserNotFoundError:
-        return False
-
-
-needs_browser = pytest.mark.skipif(not _have_browser(), reason="chromium/chromedriver not installed")
+from conftest import needs_browser  # noqa: E402
 
 
 def _element(ref, tag, left, top, width, height, *, parent=0, text="", value="", id="", classes="",
