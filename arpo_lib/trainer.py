@@ -92,6 +92,18 @@ class Group:
     all_failed: bool
 
 
+def write_groups(path: Path, groups: list[Group]) -> None:
+    """What each group trained on: members (fresh or replayed), rewards, advantages (for the group view)."""
+    data = [{
+        "task": g.task, "all_failed": g.all_failed, "injected": g.injected,
+        "members": [{"dir": t.directory, "task_score": t.task_score, "reward": t.reward, "advantage": a,
+                     "replayed": t.replayed, "format_ok": t.format_ok, "num_steps": t.num_steps}
+                    for t, a in zip(g.trajectories, g.advantages)],
+    } for g in groups]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1))
+
+
 class Trainer:
     """Runs ARPO (or GRPO with `algo.replay.enabled=false`) for a `RunConfig`."""
 
@@ -205,6 +217,7 @@ class Trainer:
         t_rollout = time.monotonic() - t0
 
         groups = self.make_groups(tasks, trajs)
+        write_groups(rollout_dir / "groups.json", groups)
         t1 = time.monotonic()
         update = self.update(groups)
         t_update = time.monotonic() - t1
