@@ -34,6 +34,35 @@ class Generation:
     """Log-prob of each sampled token under softmax(logits / temperature) (the behaviour policy)."""
 
 
+class SeededGumbelSampler:
+    """A logits processor that turns greedy decoding into per-row seeded sampling.
+
+    For each row it adds Gumbel noise from that row's own generator to log softmax(logits / T)
+    (with suppressed and out-of-nucleus tokens at -inf); the argmax is then a sample from the
+    (nucleus-truncated) softmax(logits / T) -- the Gumbel-max trick.
+    """
+
+    def __init__(self, seeds: Sequence[int], temperature: float, top_p: float, suppress_ids: Sequence[int]):
+        self.generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
+        self.temperature = temperature
+        self.top_p = top_p
+        self.suppress_ids = list(suppress_ids)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        logp = torch.log_softmax(scores.float() / self.temperature, dim=-1)  # (B, V)
+        if self.suppress_ids:
+            logp[:, self.suppress_ids] = float("-inf")
+            logp = torch.log_softmax(logp, dim=-1)  # renormalise, as the behaviour log-probs do
+        if self.top_p < 1.0:
+            sorted_logp, order = logp.sort(dim=-1, descending=True)
+            cum = sorted_logp.exp().cumsum(dim=-1)
+            drop_sorted = (cum - sorted_logp.exp()) >= self.top_p  # keep the smallest set reaching top_p
+            logp = logp.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+        uniform = torch.stack([torch.rand(logp.shape[-1], generator=g) for g in self.generators]).to(logp.device)
+        gumbel = -torch.log(-torch.log(uniform.clamp(1e-20, 1.0 - 1e-7)))
+        return logp + gumbel
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -124,15 +153,20 @@ class HFPolicy:
         top_p: float = 1.0,
         max_new_tokens: int | None = None,
         contexts: Sequence[Any] | None = None,
+        seeds: Sequence[int] | None = None,
     ) -> list[Generation]:
         """Sample one response for each context (batched, left-padded).
 
-        temperature 0 = greedy. Behaviour log-probs are log softmax(logits / T) of the sampled
-        tokens (T = 1 for greedy); with top_p < 1 they ignore the nucleus truncation.
+        temperature 0 = greedy. Otherwise each row samples from softmax(logits / T) (nucleus-
+        truncated when top_p < 1) with ITS OWN random generator seeded by `seeds[row]` (drawn
+        from torch's global generator when not given): a row's sample does not depend on which
+        other episodes share the batch, so runs and resumes are reproducible whatever order the
+        environments answer in. Behaviour log-probs are log softmax(logits / T) of the sampled
+        tokens (T = 1 for greedy; the nucleus truncation is not reflected in them).
         `contexts` (instruction, screenshot, env info per episode) is unused here: the model
         sees only the tokens. Scripted policies read it.
         """
-        from transformers import GenerationConfig
+        from transformers import GenerationConfig, LogitsProcessorList
 
         if not segments:
             return []
@@ -142,14 +176,19 @@ class HFPolicy:
         width = batch["input_ids"].shape[1]
         inputs = {k: v.to(self.device) for k, v in batch.items()}
         greedy = temperature <= 0
+        processors = LogitsProcessorList()
+        if not greedy:
+            if seeds is None:
+                seeds = torch.randint(0, 2**31 - 1, (len(segments),)).tolist()
+            processors.append(SeededGumbelSampler(seeds, temperature, top_p, self.suppress_ids))
+        # Decoding is greedy over (possibly Gumbel-perturbed) scores: argmax of
+        # logits/T + Gumbel noise is an exact sample from softmax(logits/T).
         gen_config = GenerationConfig(
-            do_sample=not greedy, temperature=None if greedy else temperature,
-            top_p=None if greedy or top_p >= 1 else top_p, top_k=None,
-            max_new_tokens=max_new_tokens, eos_token_id=self.eos_ids, pad_token_id=self.pad_id,
+            do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=self.eos_ids, pad_token_id=self.pad_id,
             suppress_tokens=self.suppress_ids or None, return_dict_in_generate=True, output_logits=True,
         )
         with self._autocast():
-            out = self.model.generate(**inputs, generation_config=gen_config)
+            out = self.model.generate(**inputs, generation_config=gen_config, logits_processor=processors)
         new_tokens = out.sequences[:, width:]  # (B, N)
         logits = torch.stack(out.logits, dim=1).float()  # (B, N, V) raw logits
         if self.suppress_ids:  # the behaviour distribution excludes them, as sampling did

@@ -20,6 +20,7 @@ import json
 import os
 import re
 import time
+import zlib
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -318,8 +319,10 @@ class RolloutEngine:
     def _act(self, live: list[_Episode], temperature: float, top_p: float) -> None:
         contexts = [PolicyContext(ep.traj.instruction, ep.screenshots[-1], ep.info, len(ep.traj.steps),
                                   ep.request.task) for ep in live]
+        # Each episode samples with its own seed stream: (episode seed, sample, step).
+        seeds = [zlib.crc32(repr((ep.request.seed, ep.request.sample, len(ep.traj.steps))).encode()) for ep in live]
         gens = self.policy.generate([ep.conv.current for ep in live], temperature=temperature, top_p=top_p,
-                                    contexts=contexts)
+                                    contexts=contexts, seeds=seeds)
         for ep, gen in zip(live, gens):
             ep.conv.add_response(gen.text, gen.token_ids, gen.logprobs)
             step = len(ep.traj.steps) + 1

@@ -395,6 +395,7 @@ class ScriptedPolicy:
         top_p: float = 1.0,
         max_new_tokens: int | None = None,
         contexts: Sequence[Any] | None = None,
+        seeds: Sequence[int] | None = None,
     ) -> list[Any]:
         """One scripted response per (segment, context). `top_p` and `max_new_tokens` are
         accepted for interface compatibility and ignored (a script is never cut short)."""

@@ -146,3 +146,37 @@ def test_sequence_logprobs_has_gradient_and_batches(policy):
     together[0].sum().backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in policy.model.parameters())
     policy.model.zero_grad()
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(policy):
+    convs = []
+    for i in range(3):
+        conv = policy.new_conversation(f"Task {i}")
+        conv.add_observation(_shot(20 + i))
+        convs.append(conv)
+    batch = policy.generate([c.current for c in convs], temperature=1.0, seeds=[7, 8, 9])
+    alone = policy.generate([convs[1].current], temperature=1.0, seeds=[8])[0]
+    assert alone.token_ids == batch[1].token_ids
+    assert np.allclose(alone.logprobs, batch[1].logprobs, atol=1e-4)
+    other = policy.generate([convs[1].current], temperature=1.0, seeds=[123])[0]
+    assert other.token_ids != alone.token_ids  # a different seed samples something else
+
+
+def test_gumbel_sampler_samples_the_softmax():
+    from arpo_lib.policy import SeededGumbelSampler
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5]])
+    temperature = 0.7
+    probs = torch.softmax(logits / temperature, -1)[0]
+    n = 6000
+    counts = torch.zeros(5)
+    sampler = SeededGumbelSampler(range(n), temperature, 1.0, [])
+    # One row per seed: the same logits, n independent draws.
+    picks = sampler(None, logits.repeat(n, 1)).argmax(-1)
+    counts += torch.bincount(picks, minlength=5)
+    assert torch.allclose(counts / n, probs, atol=0.02), (counts / n, probs)
+    # Suppressed tokens and tokens outside the nucleus are never drawn.
+    nucleus = SeededGumbelSampler(range(n), 1.0, 0.6, [1])
+    picks = nucleus(None, logits.repeat(n, 1)).argmax(-1)
+    # Without token 1, token 0 holds 0.71 of the mass: the 0.6-nucleus is token 0 alone.
+    assert set(picks.tolist()) == {0}
