@@ -5,6 +5,7 @@
     resume  --run runs/smoke                                continue a run from its last checkpoint
     eval    --config configs/smoke.yaml [--model DIR] [key=value ...]
     smoke   [key=value ...]                                 execute notebooks/smoke_test.ipynb headlessly
+    notebook NAME [config=F] [overrides='[k=v, ...]'] [run_name=N]   execute any notebook headlessly
     config  [--config FILE] [key=value ...]                 print the resolved config and field docs
 """
 from __future__ import annotations
@@ -72,6 +73,30 @@ def _cmd_smoke(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_notebook(args: argparse.Namespace) -> int:
+    import yaml
+
+    from arpo_lib.workflows import execute_notebook
+
+    name = args.name if args.name.endswith(".ipynb") else f"{args.name}.ipynb"
+    path = Path("notebooks") / Path(name).name
+    params = {}
+    for item in args.parameters:
+        if "=" not in item:
+            print(f"error: parameter {item!r}: expected name=value (e.g. run_name=my-run)", file=sys.stderr)
+            return 2
+        key, raw = item.split("=", 1)
+        params[key] = yaml.safe_load(raw)
+    run_name = params.pop("run_name", None)
+    try:
+        out = execute_notebook(path, params, run_name=run_name)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"executed notebook: {out}")
+    return 0
+
+
 def _cmd_config(args: argparse.Namespace) -> int:
     import yaml
 
@@ -118,6 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", default=None, help="run name (default: smoke-<time>)")
     p.add_argument("overrides", nargs="*")
     p.set_defaults(func=_cmd_smoke)
+
+    p = sub.add_parser("notebook", help="execute a notebook headlessly (papermill) into its run directory")
+    p.add_argument("name", help="smoke_test, subset_training, evaluation or gpu_inference_server")
+    p.add_argument("parameters", nargs="*", help="config=FILE, overrides='[a.b=1, c=2]', run_name=NAME")
+    p.set_defaults(func=_cmd_notebook)
 
     p = sub.add_parser("config", help="print the resolved config (or --docs: every key with its doc)")
     p.add_argument("--config", default=None)

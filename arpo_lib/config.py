@@ -134,7 +134,8 @@ class TrainConfig:
     keep_checkpoints: int = 2
     """Complete checkpoints kept on disk (older ones are removed)."""
     eval_every: int = 0
-    """Evaluate every this many rollout batches (0 = only when asked)."""
+    """Evaluate every this many rollout batches and at the last one (0 = only when asked);
+    results go to <run>/eval/step_N and `eval_*` keys of the metrics line."""
     demo_replay: int = 0
     """Scripted demonstrations per task put into the replay buffer before training (0 = none).
     Lets a policy that never succeeds (the random tiny model) show replay rescuing all-failed groups."""
@@ -162,6 +163,29 @@ class EvalConfig:
     """Sampling temperature for evaluation (ARPO: 0.5-0.6)."""
     seed: int = 1000
     """Evaluation seeds start here (fixed, so evaluations compare)."""
+    baseline: str | None = None
+    """An evaluation directory (holding results.json) to compare against, e.g. the base model's."""
+
+
+@dataclass
+class ServeConfig:
+    backend: str = "hf"
+    """`hf`: our OpenAI-compatible server around the in-process transformers policy (CPU or GPU);
+    `vllm`: vLLM's OpenAI server (GPU, needs vllm installed)."""
+    host: str = "127.0.0.1"
+    """Address to bind; keep 127.0.0.1 unless the server must be reached from other machines."""
+    port: int = 0
+    """Port; 0 picks a free one."""
+    served_model_name: str | None = None
+    """Name clients use in requests (default: the model path's last component)."""
+    dtype: str = "auto"
+    """Weights dtype for vLLM (`auto`, `bfloat16`, `float16`, `float32`)."""
+    max_model_len: int = 32768
+    """Longest context vLLM reserves KV cache for (ARPO's 15 screenshots at 1080p need ~40k)."""
+    gpu_memory_utilization: float = 0.9
+    """Share of GPU memory vLLM may take."""
+    startup_timeout_s: float = 900.0
+    """How long to wait for the server's /health before giving up."""
 
 
 @dataclass
@@ -194,6 +218,8 @@ class RunConfig:
     """Optional supervised warm start on scripted demonstrations (before step 0)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Evaluation protocol."""
+    serve: ServeConfig = field(default_factory=ServeConfig)
+    """Model server (gpu_inference_server notebook)."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Experiment tracking and progress display."""
 
@@ -220,6 +246,7 @@ def validate(cfg: RunConfig) -> None:
         "algo.aggregation": (cfg.algo.aggregation, ("seq-mean-token-mean", "token-mean")),
         "algo.old_logprobs": (cfg.algo.old_logprobs, ("recompute", "behaviour")),
         "logging.wandb": (cfg.logging.wandb, ("disabled", "offline", "online")),
+        "serve.backend": (cfg.serve.backend, ("hf", "vllm")),
     }
     for key, (value, allowed) in choices.items():
         if value not in allowed:
@@ -258,6 +285,10 @@ def validate(cfg: RunConfig) -> None:
     batch = cfg.train.tasks_per_batch * cfg.rollout.group_size
     if cfg.train.updates_per_batch > batch:
         _fail("train.updates_per_batch", f"{cfg.train.updates_per_batch} mini-batches from a batch of {batch} trajectories")
+    if cfg.train.eval_every < 0:
+        _fail("train.eval_every", "must be >= 0")
+    if not 0 <= cfg.serve.port <= 65535:
+        _fail("serve.port", f"{cfg.serve.port} is not a port number")
     if cfg.train.demo_replay < 0:
         _fail("train.demo_replay", "must be >= 0")
     if cfg.warm_start.demos_per_task < 0 or cfg.warm_start.steps < 0:

@@ -180,8 +180,9 @@ class Trainer:
         self.close()
 
     # -- the loop ------------------------------------------------------------------------------
-    def train(self, steps: int | None = None) -> list[dict[str, Any]]:
-        """Run until `cfg.train.steps` rollout batches are done (or `steps` more); returns their metrics."""
+    def train(self, steps: int | None = None, on_step: Any = None) -> list[dict[str, Any]]:
+        """Run until `cfg.train.steps` rollout batches are done (or `steps` more); returns their
+        metrics. `on_step(metrics)` is called after each step (e.g. `workflows.print_step`)."""
         from tqdm.auto import tqdm
 
         end = self.cfg.train.steps if steps is None else min(self.cfg.train.steps, self.step + steps)
@@ -194,6 +195,8 @@ class Trainer:
         while self.step < end:
             metrics = self.train_step()
             history.append(metrics)
+            if on_step is not None:
+                on_step(metrics)
             bar.update(1)
             bar.set_postfix(success=f"{metrics['success_rate']:.2f}", loss=f"{metrics['loss']:.4f}",
                             injected=metrics["replay_injections"])
@@ -224,6 +227,9 @@ class Trainer:
 
         fresh = [t for t in trajs if t.status == "ok"]
         self.step += 1
+        evaluation = {}
+        if cfg.train.eval_every and (self.step % cfg.train.eval_every == 0 or self.step == cfg.train.steps):
+            evaluation = self.evaluate(f"step_{self.step:06d}")
         metrics = {
             "step": self.step,
             "tasks": tasks,
@@ -242,6 +248,7 @@ class Trainer:
             **update,
             "seconds_rollout": round(t_rollout, 3),
             "seconds_update": round(t_update, 3),
+            **evaluation,
         }
         append_jsonl(self.metrics_path, metrics)
         self.tracker.log(metrics, step=self.step)
@@ -306,6 +313,19 @@ class Trainer:
         self._demos_seeded = True
         print(f"[arpo] replay buffer seeded with {stored} scripted demonstrations")
         return stored
+
+    def evaluate(self, label: str) -> dict[str, Any]:
+        """Evaluate the current policy with the run's eval protocol into <run>/eval/<label>;
+        returns `eval_*` metrics for the metrics line."""
+        from arpo_lib.evaluate import evaluate
+
+        cfg = self.cfg
+        result = evaluate(self.engine(), cfg.eval.tasks or cfg.env.tasks, samples_per_task=cfg.eval.samples_per_task,
+                          temperature=cfg.eval.temperature, seed=cfg.eval.seed, out_dir=self.run_dir / "eval" / label,
+                          progress=cfg.logging.progress, description=f"eval {label}")
+        return {"eval_success_rate": result.success_rate, "eval_pass_at_k": result.pass_at_k,
+                "eval_format_error_rate": result.format_error_rate, "eval_mean_steps": result.mean_steps,
+                "seconds_eval": round(result.seconds, 3)}
 
     def make_groups(self, tasks: list[str], trajs: list[Trajectory]) -> list[Group]:
         """Per task: drop infrastructure failures, inject a replayed success into all-failed groups

@@ -9,6 +9,7 @@ import json
 import os
 import threading
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +19,41 @@ from arpo_lib.evaluate import EvalResult, evaluate
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+NOTEBOOK_PARAMETERS = ("config", "overrides", "run_name")
+"""Every notebook's papermill parameters: they map 1:1 onto the run config."""
+
+
+def check_parameters(namespace: dict[str, Any], allowed: tuple[str, ...] = NOTEBOOK_PARAMETERS) -> None:
+    """Fail on a misspelt papermill parameter instead of silently using a default.
+
+    papermill only warns about a parameter the notebook does not declare, and injects it as a
+    variable nobody reads. In a freshly started kernel (how papermill and nbval run notebooks),
+    the only public names before this call are the parameters, so any other one is a mistake.
+    In a kernel where the user already ran other cells, the check cannot tell and stays quiet.
+    """
+    ip = namespace.get("get_ipython")
+    fresh = ip is not None and ip().execution_count <= 3
+    if not fresh:
+        return
+    ignore = {"In", "Out", "get_ipython", "exit", "quit", "open"}
+    unknown = sorted(k for k, v in namespace.items() if not k.startswith("_") and k not in ignore
+                     and k not in allowed and not isinstance(v, types.ModuleType))
+    if unknown:
+        raise ValueError(f"unknown notebook parameter(s) {unknown}: this notebook takes {list(allowed)}; "
+                         "other settings go into `overrides` as dotted keys, e.g. -p overrides '[\"train.steps=5\"]'")
+
+
+def use_repo_root() -> Path:
+    """Run from the repository root (notebooks live in notebooks/, configs and runs at the top)."""
+    if Path.cwd().resolve() != REPO_ROOT:
+        os.chdir(REPO_ROOT)
+    return REPO_ROOT
+
+
 def prepare_run(config: str | None, overrides: list[str] | dict[str, Any] | None = None,
                 run_name: str | None = None, prefix: str = "run") -> RunConfig:
     """Load a config for a notebook or CLI run; the run name defaults to `<prefix>-<time>`."""
+    use_repo_root()
     overrides = list(overrides or []) if not isinstance(overrides, dict) else [f"{k}={v}" for k, v in overrides.items()]
     name = run_name or f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
     cfg = load_config(config, overrides + [f"name={name}"])
@@ -38,6 +71,109 @@ def evaluate_policy(trainer: Any, label: str, tasks: list[str] | None = None) ->
     print(f"evaluation '{label}' ({result.episodes} episodes, {result.seconds:.1f} s)")
     print(result.table())
     return result
+
+
+def open_trainer(cfg: RunConfig) -> Any:
+    """A Trainer for the run: resumes from its last checkpoint when the run directory exists."""
+    from arpo_lib.trainer import Trainer, latest_checkpoint
+
+    resume = (cfg.run_dir / "metrics.jsonl").exists() or latest_checkpoint(cfg.run_dir / "checkpoints") is not None
+    trainer = Trainer(cfg, resume=resume)
+    print(f"{'resuming' if resume else 'starting'} {cfg.run_dir} at step {trainer.step} of {cfg.train.steps} "
+          f"({'ARPO' if trainer.replay.enabled else 'GRPO'}, {len(cfg.env.tasks)} tasks)")
+    return trainer
+
+
+def print_step(metrics: dict[str, Any]) -> None:
+    """A one-line progress report per training step (the trainer's `on_step` callback)."""
+    line = (f"step {metrics['step']:>4}  success {metrics['success_rate']:.2f}  reward {metrics['mean_reward']:+.3f}  "
+            f"all-failed {metrics['all_failed_groups']:.2f}  injected {metrics['replay_injections']}  "
+            f"loss {metrics['loss']:+.4f}  ({metrics['seconds_rollout'] + metrics['seconds_update']:.1f} s)")
+    if "eval_success_rate" in metrics:
+        line += f"  | eval success {metrics['eval_success_rate']:.2f}"
+    print(line, flush=True)
+
+
+def training_report(trainer: Any) -> str:
+    """Final report of a training run: steps, success over time, evaluations, where things are."""
+    from arpo_lib.trainer import read_jsonl
+
+    metrics = read_jsonl(trainer.metrics_path)
+    evals = [m for m in metrics if "eval_success_rate" in m]
+    lines = [f"run: {trainer.run_dir}", f"steps: {trainer.step} / {trainer.cfg.train.steps}",
+             f"replay buffer: {len(trainer.replay)} trajectories over {trainer.replay.stats().get('tasks_with_successes', 0)} tasks, "
+             f"{sum(m['replay_injections'] for m in metrics)} injections"]
+    if metrics:
+        first, last = metrics[0], metrics[-1]
+        lines.append(f"train success: first step {first['success_rate']:.2f}, last step {last['success_rate']:.2f}, "
+                     f"mean {sum(m['success_rate'] for m in metrics) / len(metrics):.2f}")
+    for m in evals:
+        lines.append(f"eval at step {m['step']:>4}: success {m['eval_success_rate']:.2f}, pass@k {m['eval_pass_at_k']:.2f}, "
+                     f"format errors {m['eval_format_error_rate']:.2f}")
+    lines.append(f"checkpoints: {trainer.ckpt_dir}")
+    return "\n".join(lines)
+
+
+def deterministic_digest(summary: dict[str, Any]) -> str:
+    """The seed-determined numbers of a run, rounded (what nbval compares between executions)."""
+    keys = ["algorithm", "train_steps", "success_before", "success_after", "train_success_per_step",
+            "replay_injections", "eval_success_per_eval"]
+    out = []
+    for k in keys:
+        if k not in summary:
+            continue
+        v = summary[k]
+        if isinstance(v, float):
+            v = round(v, 2)
+        elif isinstance(v, list):
+            v = [round(x, 2) for x in v]
+        out.append(f"{k}: {v}")
+    return "\n".join(out)
+
+
+def run_digest(run_dir: str | Path) -> dict[str, Any]:
+    """Seed-determined numbers of a training run directory (for `deterministic_digest`)."""
+    from arpo_lib.config import config_from_dict
+    from arpo_lib.trainer import read_jsonl
+
+    import yaml
+
+    cfg = config_from_dict(yaml.safe_load((Path(run_dir) / "config.yaml").read_text()))
+    metrics = read_jsonl(Path(run_dir) / "metrics.jsonl")
+    return {
+        "algorithm": "ARPO" if cfg.algo.replay.enabled else "GRPO",
+        "train_steps": len(metrics),
+        "train_success_per_step": [m["success_rate"] for m in metrics],
+        "replay_injections": sum(m["replay_injections"] for m in metrics),
+        "eval_success_per_eval": [m["eval_success_rate"] for m in metrics if "eval_success_rate" in m],
+    }
+
+
+def eval_dirs(run_dir: str | Path) -> list[Path]:
+    """Evaluation directories of a run (each holds results.json), oldest first."""
+    found = [p.parent for p in (Path(run_dir) / "eval").glob("*/results.json")]
+    return sorted(found, key=lambda p: (p / "results.json").stat().st_mtime)
+
+
+def find_eval(path: str | Path) -> Path:
+    """An evaluation directory from a path to one, to its results.json, or to a run (its latest)."""
+    path = Path(path)
+    if path.is_file() and path.name == "results.json":
+        return path.parent
+    if (path / "results.json").is_file():
+        return path
+    found = eval_dirs(path)
+    if not found:
+        raise FileNotFoundError(f"no evaluation (results.json) in {path}")
+    return found[-1]
+
+
+def first_trajectory(eval_dir: str | Path) -> Path:
+    """The first episode directory (by domain/task/sample) of an evaluation."""
+    metas = sorted(Path(eval_dir).rglob("meta.json"))
+    if not metas:
+        raise FileNotFoundError(f"no trajectories under {eval_dir}")
+    return metas[0].parent
 
 
 def run_evaluation(cfg: RunConfig, out_dir: Path) -> EvalResult:
@@ -164,6 +300,10 @@ def execute_notebook(notebook: str | Path, parameters: dict[str, Any], run_name:
     pm_logger.setLevel(logging.INFO)
     pm_logger.propagate = False
     notebook = REPO_ROOT / notebook
+    declared = set(papermill.inspect_notebook(str(notebook)))
+    unknown = sorted(set(parameters) - declared - {"run_name"})
+    if unknown:
+        raise ValueError(f"{notebook.name} has no parameter(s) {unknown}; it takes {sorted(declared)}")
     name = run_name or f"{notebook.stem.replace('_test', '')}-{time.strftime('%Y%m%d-%H%M%S')}"
     out = REPO_ROOT / out_dir / name / notebook.name
     out.parent.mkdir(parents=True, exist_ok=True)

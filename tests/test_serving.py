@@ -1,0 +1,254 @@
+"""The OpenAI-compatible server on the tiny model, its launcher, and the client.
+
+The server tests start the real `python -m arpo_lib.serving` subprocess (marked slow); request
+parsing, the vLLM command line and the launcher's refusals are tested without one.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from arpo_lib.policy import HFPolicy
+from arpo_lib.serving import (
+    PortInUseError,
+    RequestError,
+    ServerError,
+    ServerRequestError,
+    ServerSpec,
+    VLLMNotInstalledError,
+    chat_completion,
+    decode_data_url,
+    encode_image,
+    parse_chat_request,
+    start_server,
+    stop_server,
+    ui_tars_messages,
+)
+
+INSTRUCTION = "Click the OK button"
+PREVIOUS = "Thought: The OK button is at the bottom.\nAction: click(start_box='(120,340)')"
+
+
+def _shot(seed: int, size: tuple[int, int] = (160, 200)) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8))
+
+
+def _post(url: str, data: bytes) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen2vl):
+    handle = start_server(tiny_qwen2vl, device="cpu", threads=1, max_new_tokens=12, served_model_name="tiny")
+    try:
+        handle.wait_healthy(timeout_s=60, poll_s=0.2)
+        yield handle
+    finally:
+        handle.stop()
+
+
+# -- requests, without a server --------------------------------------------------------------
+def test_request_parsing_converts_openai_messages():
+    req = parse_chat_request({"messages": [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "look"},
+                                     {"type": "image_url", "image_url": {"url": encode_image(_shot(0))}}]},
+    ], "temperature": 0, "max_tokens": 5, "logprobs": True})
+    assert req.messages[0]["content"] == [{"type": "text", "text": "be brief"}]
+    assert req.messages[1]["content"][1] == {"type": "image"}
+    assert np.array_equal(np.asarray(req.images[0]), np.asarray(_shot(0)))  # PNG round trip is exact
+    assert (req.temperature, req.max_tokens, req.logprobs) == (0.0, 5, True)
+
+
+@pytest.mark.parametrize("body, match", [
+    ([], "JSON object"),
+    ({}, "messages"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "role"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n=1"),
+    ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
+    ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, "neither text nor image_url"),
+])
+def test_bad_requests_are_refused(body, match):
+    with pytest.raises(RequestError, match=match):
+        parse_chat_request(body)
+
+
+@pytest.mark.parametrize("url", ["http://example.com/a.png", "file:///etc/passwd", "/tmp/a.png",
+                                 "data:text/plain;base64,aGk=", "data:image/png;base64,not-base64!"])
+def test_only_image_data_urls_are_accepted(url):
+    with pytest.raises(RequestError):
+        decode_data_url(url)
+
+
+def test_ui_tars_messages_keep_the_newest_screenshots():
+    msgs = ui_tars_messages(INSTRUCTION, [_shot(0), _shot(1), _shot(2)], ["r0", "r1"], history_images=2)
+    urls = [p["image_url"]["url"] for m in msgs for p in m["content"] if p["type"] == "image_url"]
+    assert urls == [encode_image(_shot(1)), encode_image(_shot(2))]
+    assert msgs[-1]["role"] == "user" and INSTRUCTION in msgs[1]["content"][0]["text"]
+
+
+# -- launcher, without a server --------------------------------------------------------------
+def test_vllm_command_has_the_flags_ui_tars_needs():
+    spec = ServerSpec("/models/UI-TARS-1.5-7B", backend="vllm", port=8123, options={"max_images": 15},
+                      extra_args=("--seed", "0"), python="/venvs/vllm/bin/python")
+    cmd = spec.command()
+    assert cmd[:3] == ["/venvs/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    flags = dict(zip(cmd[3::2], cmd[4::2]))
+    assert flags["--model"] == "/models/UI-TARS-1.5-7B" and flags["--port"] == "8123"
+    assert flags["--host"] == "127.0.0.1" and flags["--served-model-name"] == "UI-TARS-1.5-7B"
+    assert json.loads(cmd[cmd.index("--limit-mm-per-prompt") + 1]) == {"image": 15}
+    assert "--enable-prefix-caching" in cmd and cmd[-2:] == ["--seed", "0"]
+    assert {"--max-model-len", "--dtype", "--gpu-memory-utilization"} <= set(cmd)
+
+
+def test_unknown_backend_option_names_the_key():
+    with pytest.raises(ValueError, match="max_images"):
+        ServerSpec("m", backend="hf", options={"max_images": 3})
+    with pytest.raises(ValueError, match="backend"):
+        ServerSpec("m", backend="tgi")
+
+
+def test_vllm_backend_without_vllm_is_a_clear_error(tiny_qwen2vl):
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    with pytest.raises(VLLMNotInstalledError, match="vLLM is not installed"):
+        start_server(tiny_qwen2vl, backend="vllm")
+
+
+def test_taken_port_is_refused_before_starting(tiny_qwen2vl):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        with pytest.raises(PortInUseError, match=f"port {s.getsockname()[1]}.*already in use"):
+            start_server(tiny_qwen2vl, port=s.getsockname()[1])
+
+
+def test_stop_server_refuses_a_process_that_is_not_a_server():
+    other = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        with pytest.raises(ServerError, match="not a server"):
+            stop_server(other.pid)
+        assert other.poll() is None
+    finally:
+        other.kill()
+        other.wait()
+    assert stop_server(other.pid) is False  # gone: nothing to stop
+
+
+# -- the real server -------------------------------------------------------------------------
+@pytest.mark.slow
+def test_health_and_models(server):
+    assert server.health()
+    with urllib.request.urlopen(server.url + "/health") as resp:
+        assert resp.read() == b"ok"
+    with urllib.request.urlopen(server.base_url + "/models") as resp:
+        assert [m["id"] for m in json.loads(resp.read())["data"]] == ["tiny"]
+
+
+@pytest.mark.slow
+def test_greedy_completion_matches_the_in_process_policy(server, tiny_qwen2vl):
+    shots = [_shot(0), _shot(1)]
+    response = chat_completion(server.base_url, ui_tars_messages(INSTRUCTION, shots, [PREVIOUS]),
+                               model=server.model, temperature=0, max_tokens=12, logprobs=True)
+    choice = response["choices"][0]
+    assert response["object"] == "chat.completion" and response["model"] == "tiny"
+    assert choice["message"]["role"] == "assistant" and choice["finish_reason"] in ("stop", "length")
+
+    # The same conversation built token by token the way rollouts build it.
+    policy = HFPolicy(tiny_qwen2vl, device="cpu", max_new_tokens=12)
+    conv = policy.new_conversation(INSTRUCTION)
+    conv.add_observation(shots[0])
+    previous_ids = policy.tokenizer.encode(PREVIOUS) + [conv.eos_id]
+    conv.add_response(PREVIOUS, previous_ids, [0.0] * len(previous_ids))
+    conv.add_observation(shots[1])
+    expected = policy.generate([conv.current], temperature=0, max_new_tokens=12)[0]
+
+    assert choice["message"]["content"] == expected.text
+    assert choice["token_ids"] == expected.token_ids
+    assert response["usage"]["prompt_tokens"] == len(conv.current)
+    assert response["usage"]["completion_tokens"] == len(expected.token_ids)
+    served = [t["logprob"] for t in choice["logprobs"]["content"]]
+    assert all(math.isfinite(lp) and lp <= 0 for lp in served)
+    assert torch.allclose(torch.tensor(served), torch.tensor(expected.logprobs), atol=1e-4)
+
+
+@pytest.mark.slow
+def test_seeded_sampling_is_reproducible(server):
+    messages = [{"role": "user", "content": "hello"}]
+    runs = [chat_completion(server.base_url, messages, model=server.model, temperature=1.0, max_tokens=8, seed=7)
+            for _ in range(2)]
+    assert runs[0]["choices"][0]["message"] == runs[1]["choices"][0]["message"]
+    assert runs[0]["choices"][0]["logprobs"] is None and "token_ids" not in runs[0]["choices"][0]
+
+
+@pytest.mark.slow
+def test_server_answers_bad_requests_with_openai_errors(server):
+    url = server.base_url + "/chat/completions"
+    status, body = _post(url, b"{not json")
+    assert status == 400 and "not valid JSON" in body["error"]["message"]
+    status, body = _post(url, json.dumps({"model": "tiny"}).encode())
+    assert status == 400 and body["error"]["param"] == "messages"
+    remote = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/x.png"}}]}
+    with pytest.raises(ServerRequestError, match="400.*data: image URLs"):
+        chat_completion(server.base_url, [remote], model=server.model)
+    status, body = _post(server.url + "/v1/completions", b"{}")
+    assert status == 404 and "error" in body
+    assert server.health()  # still serving after all that
+
+
+@pytest.mark.slow
+def test_stop_leaves_no_process(tiny_qwen2vl, tmp_path):
+    handle = start_server(tiny_qwen2vl, device="cpu", threads=1, log_path=tmp_path / "server.log")
+    handle.wait_healthy(timeout_s=60, poll_s=0.2)
+    assert stop_server(handle.pid) is True  # as a later session would, from the saved pid
+    assert _gone(handle.pid) and not handle.health()
+    handle.stop()  # idempotent
+    assert "shutting down" in (tmp_path / "server.log").read_text()
+
+
+@pytest.mark.slow
+def test_missing_model_fails_fast_with_the_log_tail(tmp_path):
+    with start_server(tmp_path / "no-such-model", device="cpu", threads=1) as handle:
+        with pytest.raises(ServerError, match=r"(?s)exited with code 1.*no-such-model does not exist"):
+            handle.wait_healthy(timeout_s=45, poll_s=0.2)
+    assert _gone(handle.pid)
+
+
+def test_client_gives_up_on_an_unreachable_server():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound but not listening: connections are refused
+        with pytest.raises(ServerError, match="after 2 attempts"):
+            chat_completion(f"http://127.0.0.1:{port}/v1", [{"role": "user", "content": "x"}], model="m",
+                            retries=1, backoff_s=0.01)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
