@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import torch
 
+from arpo_lib.records import domain_of
 from arpo_lib.rollout import EpisodeRequest, RolloutEngine, Trajectory
 from arpo_lib.trainer import stable_seed
 
@@ -61,10 +62,6 @@ class EvalResult:
         rows.append(f"{'all':<32} {self.success_rate:>6.2f} {self.pass_at_k:>7.2f} {self.mean_steps:>6.1f} "
                     f"{self.format_error_rate:>8.2f} {self.env_errors:>8d}")
         return "\n".join(rows)
-
-
-def domain_of(task: str) -> str:
-    return task.split("/", 1)[0] if "/" in task else "default"
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

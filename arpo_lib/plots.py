@@ -22,6 +22,8 @@ from typing import Any, Sequence, Union
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from arpo_lib.records import domain_of, read_jsonl
+
 MetricsLike = Union[str, Path, Sequence[dict[str, Any]]]
 EvalLike = Union[str, Path, dict[str, Any], Any]
 
@@ -57,17 +59,7 @@ def load_metrics(run_dir_or_path: str | Path) -> list[dict[str, Any]]:
         path = path / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"no metrics file at {path}")
-    records = []
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict):
-            records.append(record)
-    return records
+    return read_jsonl(path)
 
 
 def load_eval(path: EvalLike) -> dict[str, Any]:
@@ -91,11 +83,6 @@ def _resolve_run(run: MetricsLike, default_name: str) -> tuple[str, list[dict[st
         name = p.name if p.is_dir() else p.parent.name
         return name or default_name, load_metrics(p)
     return default_name, list(run)
-
-
-def _domain_of(task: str) -> str:
-    """Same rule as `evaluate.domain_of` (not imported: it would pull in torch)."""
-    return task.split("/", 1)[0] if "/" in task else "default"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -165,7 +152,8 @@ def plot_training(
               if p[0] not in _OPTIONAL_PANELS or any(series(recs, p[0])[1] for _, recs in runs)]
     ncols = max(1, min(ncols, len(panels)))
     nrows = math.ceil(len(panels) / ncols)
-    fig = Figure(figsize=(4.2 * ncols, 3.0 * nrows))
+    # Constrained layout makes room for the suptitle and the outside legend; tight_layout does not.
+    fig = Figure(figsize=(4.2 * ncols, 3.0 * nrows), layout="constrained")
     axes = fig.subplots(nrows, ncols, squeeze=False)
     flat = list(axes.flat)
     for ax in flat[len(panels):]:
@@ -221,11 +209,10 @@ def plot_training(
                     handles.append(hh)
                     names.append(nn)
         if handles:
-            fig.legend(handles, names, loc="upper right", fontsize=9, ncol=len(names))
+            fig.legend(handles, names, loc="outside upper right", fontsize=9, ncol=len(names))
     title = " vs ".join(name for name, _ in runs)
     fig.suptitle(f"training: {title}" + (f" (moving average {smooth})" if smooth > 1 else ""),
                  fontsize=12)
-    fig.tight_layout(rect=(0, 0, 1, 0.95))
     return fig
 
 
@@ -245,7 +232,7 @@ def _per_domain(result: dict[str, Any]) -> dict[str, tuple[float, float]]:
     """
     grouped: dict[str, list[dict[str, Any]]] = {}
     for t in result.get("tasks", []):
-        grouped.setdefault(_domain_of(t["task"]), []).append(t)
+        grouped.setdefault(domain_of(t["task"]), []).append(t)
     stored = result.get("per_domain") or {}
     out = {}
     for domain in list(stored) + [d for d in grouped if d not in stored]:
@@ -311,7 +298,7 @@ def _eval_panel(
             ticks.append(k)
     ax.set_yticks(ys)
     ax.set_yticklabels(ticks, fontsize=8)
-    ax.invert_yaxis()  # first row on top, in the order of the results file
+    ax.set_ylim(n - 0.5, -0.5)  # inverted: first row on top, in the order of the results file
     ax.set_xlim(0, 1.4)  # room for the value labels right of a full bar or pass@k marker
     ax.set_xlabel("success rate", fontsize=8)
     ax.tick_params(axis="x", labelsize=8)
@@ -355,7 +342,7 @@ def plot_eval(
     heights = [max(1.5, 0.35 * len(names) * (2 if base_d is not None else 1) + 1.0) for _, names, _, _ in panels]
     longest = max((len(n) for _, names, _, _ in panels for n in names), default=10)
     width = min(16.0, 6.0 + 0.07 * longest)
-    fig = Figure(figsize=(width, sum(heights) + 0.8))
+    fig = Figure(figsize=(width, sum(heights) + 0.8), layout="constrained")
     axes = fig.subplots(len(panels), 1, squeeze=False, gridspec_kw={"height_ratios": heights})
     for ax, (what, names, ours_v, base_v) in zip(axes[:, 0], panels):
         _eval_panel(ax, names, ours_v, base_v, labels, what)
@@ -366,7 +353,6 @@ def plot_eval(
         title += (f"   |   {labels[1]}: success {base_d.get('success_rate', 0.0):.2f}, "
                   f"pass@k {base_d.get('pass_at_k', 0.0):.2f}   |   delta {delta:+.2f}")
     fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
     return fig
 
 

@@ -7,8 +7,9 @@ Three parts:
   `HFPolicy`. It exists so the rest of the workbench (evaluation, the "GPU inference server"
   notebook) can speak one protocol whether the model runs here with transformers or in vLLM.
   Departures from OpenAI: `n` must be 1, image URLs must be `data:` URLs (the server never fetches
-  anything), `top_logprobs` are not computed, and when `logprobs` is true the response also carries
-  `choices[0].token_ids` (the sampled ids, as vLLM can return them), which token-exact training needs.
+  anything), `top_logprobs` are not computed, and with `logprobs` or `return_token_ids` (vLLM's
+  extension) true the response carries `choices[0].token_ids`, as vLLM's does: the sampled ids,
+  which token-exact training needs.
 - The launcher (`start_server` -> `ServerHandle`): starts the HF server or vLLM's OpenAI server as
   a subprocess in its own process group, waits for `/health`, and stops the whole group.
 - The client (`chat_completion`, `encode_image`, `ui_tars_messages`): urllib only, bounded retries.
@@ -87,6 +88,8 @@ class ChatRequest:
     max_tokens: int | None = None
     seed: int | None = None
     logprobs: bool = False
+    return_token_ids: bool = False
+    """vLLM's extension (also implied by logprobs here): the sampled ids in choices[0].token_ids."""
 
 
 def decode_data_url(url: str) -> Image.Image:
@@ -162,16 +165,17 @@ def parse_chat_request(body: Any) -> ChatRequest:
         else:
             raise RequestError(f"messages[{i}].content must be a string or a list of parts", param="messages")
         messages.append({"role": msg["role"], "content": parts})
-    logprobs = body.get("logprobs", False)
-    if not isinstance(logprobs, bool):
-        raise RequestError("'logprobs' must be true or false", param="logprobs")
+    flags = {key: body.get(key, False) for key in ("logprobs", "return_token_ids")}
+    for key, value in flags.items():
+        if not isinstance(value, bool):
+            raise RequestError(f"'{key}' must be true or false", param=key)
     return ChatRequest(
         messages=messages, images=images,
         temperature=_number(body, "temperature", 1.0, 0.0, 100.0),
         top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
         max_tokens=_optional_int(body, "max_tokens", 1) or _optional_int(body, "max_completion_tokens", 1),
         seed=_optional_int(body, "seed", 0),
-        logprobs=logprobs,
+        **flags,
     )
 
 
@@ -206,16 +210,13 @@ class HFChatBackend:
 
     def complete(self, request: ChatRequest, model_name: str) -> dict[str, Any]:
         """The OpenAI chat.completion response for a validated request."""
-        import torch
-
-        expected = sum(p["type"] == "image" for m in request.messages for p in m["content"])
-        assert expected == len(request.images)
         segment = encode_prompt(self.policy.processor, request.messages, request.images)
         with self.lock:
-            if request.seed is not None:
-                torch.manual_seed(request.seed)
+            # A seeded request samples with its own generator (HFPolicy's per-row seeds), so its
+            # answer does not depend on what other requests drew before it.
             gen = self.policy.generate([segment], temperature=request.temperature, top_p=request.top_p,
-                                       max_new_tokens=request.max_tokens or self.max_new_tokens)[0]
+                                       max_new_tokens=request.max_tokens or self.max_new_tokens,
+                                       seeds=None if request.seed is None else [request.seed])[0]
         finished = bool(gen.token_ids) and gen.token_ids[-1] in self.policy.eos_ids
         choice: dict[str, Any] = {
             "index": 0,
@@ -231,6 +232,7 @@ class HFChatBackend:
                 content.append({"token": piece, "logprob": lp, "bytes": list(piece.encode("utf-8")),
                                 "top_logprobs": []})
             choice["logprobs"] = {"content": content}
+        if request.logprobs or request.return_token_ids:
             choice["token_ids"] = list(gen.token_ids)
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
@@ -259,7 +261,8 @@ class ChatServer(ThreadingHTTPServer):
 
 
 def _error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
-    kind = {400: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable"}.get(status, "server_error")
+    kinds = {400: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable"}
+    kind = kinds.get(status, "server_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
@@ -275,7 +278,8 @@ class ChatHandler(BaseHTTPRequestHandler):
     def _send(self, status: int, payload: Any, note: str = "") -> None:
         body = (payload if isinstance(payload, str) else json.dumps(payload)).encode("utf-8")
         self.send_response(status)
-        self.send_header("Content-Type", "text/plain; charset=utf-8" if isinstance(payload, str) else "application/json")
+        kind = "text/plain; charset=utf-8" if isinstance(payload, str) else "application/json"
+        self.send_header("Content-Type", kind)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
@@ -358,7 +362,8 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, served_model
         started = time.monotonic()
         policy = HFPolicy(model, device=device, compute_dtype=dtype, max_new_tokens=max_new_tokens)
         server.backend = HFChatBackend(policy, max_new_tokens=max_new_tokens)
-        log.write(f"arpo serving: model '{name}' loaded on {policy.device} in {time.monotonic() - started:.1f}s; ready\n")
+        took = time.monotonic() - started
+        log.write(f"arpo serving: model '{name}' loaded on {policy.device} in {took:.1f}s; ready\n")
         log.flush()
         while thread.is_alive():
             thread.join(1.0)
@@ -371,11 +376,13 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, served_model
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `python -m arpo_lib.serving`."""
-    p = argparse.ArgumentParser(prog="python -m arpo_lib.serving", description="OpenAI-compatible server for a UI-TARS policy")
+    p = argparse.ArgumentParser(prog="python -m arpo_lib.serving",
+                                description="OpenAI-compatible server for a UI-TARS policy")
     p.add_argument("--model", required=True, help="model directory (Hugging Face layout)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None, help="the name /v1/models reports (default: the directory name)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the name /v1/models reports (default: the directory name)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", help="compute dtype (auto: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="default max_tokens")
@@ -629,8 +636,8 @@ class ServerHandle:
                                   f"Command: {' '.join(self.spec.command())}\n"
                                   f"Last lines of {self.log_path}:\n{self.log_tail()}")
             if time.monotonic() >= deadline:
-                raise ServerError(f"the {self.spec.backend} server (pid {self.pid}) was not healthy at {self.url}/health "
-                                  f"after {timeout_s:.0f}s.\nLast lines of {self.log_path}:\n{self.log_tail()}")
+                raise ServerError(f"the {self.spec.backend} server (pid {self.pid}) was not healthy at "
+                                  f"{self.url}/health after {timeout_s:.0f}s.\nLast lines of {self.log_path}:\n{self.log_tail()}")
             time.sleep(poll_s)
 
     def stop(self, timeout_s: float = 15.0) -> None:
@@ -747,6 +754,7 @@ def chat_completion(
     max_tokens: int = 256,
     seed: int | None = None,
     logprobs: bool = False,
+    return_token_ids: bool = False,
     timeout_s: float = 30.0,
     retries: int = 2,
     backoff_s: float = 0.5,
@@ -760,6 +768,8 @@ def chat_completion(
                             "max_tokens": max_tokens, "logprobs": logprobs}
     if seed is not None:
         body["seed"] = seed
+    if return_token_ids:  # sent only when asked: servers without the extension may reject it
+        body["return_token_ids"] = True
     data = json.dumps(body).encode("utf-8")
     url = base_url.rstrip("/") + "/chat/completions"
     for attempt in range(retries + 1):

@@ -37,6 +37,7 @@ from arpo_lib.config import RunConfig, config_from_dict, save_config
 from arpo_lib.envs.worker import EnvPool
 from arpo_lib.policy import HFPolicy
 from arpo_lib.prompt import Segment
+from arpo_lib.records import append_jsonl, read_jsonl
 from arpo_lib.rollout import EpisodeRequest, RolloutEngine, Trajectory, load_trajectory
 from arpo_lib.tracking import Tracker
 
@@ -60,27 +61,6 @@ def task_batch(tasks: list[str], step: int, tasks_per_batch: int, seed: int) -> 
     order = list(tasks)
     random.Random(stable_seed(seed, "epoch", epoch)).shuffle(order)
     return order[index * tasks_per_batch:(index + 1) * tasks_per_batch]
-
-
-def append_jsonl(path: Path, record: dict[str, Any]) -> None:
-    """Append one line and fsync: a killed run loses at most the line being written."""
-    with open(path, "a") as fh:
-        fh.write(json.dumps(record) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Read complete lines (a torn last line from a crash is ignored)."""
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-    return out
 
 
 @dataclass

@@ -162,13 +162,26 @@ class _Painter:
         left, top, right, bottom = self.draw.textbbox((0, 0), text, font=font)
         return right - left, bottom - top
 
+    def fit(self, text: str, font: Any, width: float) -> str:
+        """``text`` shortened with … until it is at most ``width`` pixels wide."""
+        if self.text_size(text, font)[0] <= width:
+            return text
+        lo, hi = 0, len(text)  # longest prefix that fits, by bisection (labels can be long)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.text_size(text[:mid] + "…", font)[0] <= width:
+                lo = mid
+            else:
+                hi = mid - 1
+        return text[:lo] + "…"
+
     def box_text(self, xy: tuple[float, float], text: str, colour: tuple[int, int, int], *,
                  font: Any = None, anchor_right: bool = False) -> tuple[int, int]:
         """A filled label box with white text at xy (top-left, or top-right); returns its size."""
         font = font or self.font
-        text = _drawable(font, text)
-        tw, th = self.text_size(text, font)
         pad = max(2, round(self.u * 0.8))
+        text = self.fit(_drawable(font, text), font, self.size[0] - 2 * pad)
+        tw, th = self.text_size(text, font)
         w, h = tw + 2 * pad, th + 2 * pad
         x, y = xy
         if anchor_right:
@@ -200,7 +213,7 @@ class _Painter:
             self.dot(end, self.u * 1.2, colour)
             return
         ux, uy = dx / length, dy / length
-        head = min(self.u * 3.0, length * 0.6)
+        head = min(self.u * 4.0, length * 0.6)
         back = (end[0] - ux * head, end[1] - uy * head)
         wing = head * 0.55
         self.draw.polygon([end, (back[0] - uy * wing, back[1] + ux * wing),
@@ -253,7 +266,7 @@ class _Painter:
         if index is not None:
             self.box_text((x - r, y + r), str(index), colour, font=self.small, anchor_right=True)
 
-    def drag(self, action: Action) -> None:
+    def drag(self, action: Action, index: int | None) -> None:
         if action.point is None or action.end_point is None:
             self.badge("drag (no points)", DRAG_COLOUR)
             return
@@ -264,8 +277,11 @@ class _Painter:
         for p, clipped in ((start, start_clipped), (end, end_clipped)):
             if clipped:
                 self.clipped_mark(p, DRAG_COLOUR)
+        if index is not None:
+            self.box_text((start[0] - self.u * 2, start[1] + self.u * 2), str(index), DRAG_COLOUR,
+                          font=self.small, anchor_right=True)
 
-    def scroll(self, action: Action) -> None:
+    def scroll(self, action: Action, index: int | None) -> None:
         w, h = self.size
         if action.point is None:
             centre, clipped = ((w - 1) / 2.0, (h - 1) / 2.0), False
@@ -273,13 +289,14 @@ class _Painter:
             centre, clipped = _clip(action.point, self.size)
         vectors = {"up": (0, -1), "down": (0, 1), "left": (-1, 0), "right": (1, 0)}
         direction = (action.direction or "").lower()
-        length = self.u * 9.0
+        length = self.u * 15.0
         self.dot(centre, self.u * 1.2, SCROLL_COLOUR)
         if direction in vectors:
             vx, vy = vectors[direction]
             end, _ = _clip((centre[0] + vx * length, centre[1] + vy * length), self.size)
             self.arrow(centre, end, SCROLL_COLOUR)
-        self.box_text((centre[0] + self.u * 2, centre[1] + self.u * 2), f"scroll {direction or '?'}",
+        prefix = f"{index}. " if index is not None else ""
+        self.box_text((centre[0] + self.u * 2, centre[1] + self.u * 2), f"{prefix}scroll {direction or '?'}",
                       SCROLL_COLOUR, font=self.small)
         if clipped:
             self.clipped_mark(centre, SCROLL_COLOUR)
@@ -322,9 +339,9 @@ def draw_actions(image: Image.Image, actions: Sequence[Action | dict[str, Any]] 
         elif action.kind in ("click", "left_double", "right_single"):
             painter.point(action, index)
         elif action.kind == "drag":
-            painter.drag(action)
+            painter.drag(action, index)
         elif action.kind == "scroll":
-            painter.scroll(action)
+            painter.scroll(action, index)
         elif action.kind == "type":
             painter.label(f"{prefix}type: \"{escape_label(action.text)}\"", TYPE_COLOUR)
         elif action.kind in ("hotkey", "press"):

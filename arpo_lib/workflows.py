@@ -96,7 +96,7 @@ def print_step(metrics: dict[str, Any]) -> None:
 
 def training_report(trainer: Any) -> str:
     """Final report of a training run: steps, success over time, evaluations, where things are."""
-    from arpo_lib.trainer import read_jsonl
+    from arpo_lib.records import read_jsonl
 
     metrics = read_jsonl(trainer.metrics_path)
     evals = [m for m in metrics if "eval_success_rate" in m]
@@ -134,7 +134,7 @@ def deterministic_digest(summary: dict[str, Any]) -> str:
 def run_digest(run_dir: str | Path) -> dict[str, Any]:
     """Seed-determined numbers of a training run directory (for `deterministic_digest`)."""
     from arpo_lib.config import config_from_dict
-    from arpo_lib.trainer import read_jsonl
+    from arpo_lib.records import read_jsonl
 
     import yaml
 

@@ -133,7 +133,10 @@ def test_smoothing_draws_trailing_mean_over_raw_line() -> None:
 
 
 def test_eval_lines_add_a_panel_without_disturbing_training_curves() -> None:
-    recs = metrics(3) + [{"step": 2, "eval_success_rate": 0.3}, {"step": 3, "eval_success_rate": 0.6}]
+    # The trainer merges eval_* keys into its step line; a separate eval line must work too.
+    recs = metrics(3) + [{"step": 2, "eval_success_rate": 0.3}]
+    recs[2] = recs[2] | {"eval_success_rate": 0.6, "eval_pass_at_k": 1.0}
+    recs = recs[:2] + [recs[3], recs[2]]
     fig = plots.plot_training(recs)
     assert len(fig.axes) == 8
     assert list(panel(fig, titles()["eval_success_rate"]).lines[0].get_ydata()) == pytest.approx([0.3, 0.6])

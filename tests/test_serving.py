@@ -202,10 +202,16 @@ def test_greedy_completion_matches_the_in_process_policy(server, tiny_qwen2vl):
 @pytest.mark.slow
 def test_seeded_sampling_is_reproducible(server):
     messages = [{"role": "user", "content": "hello"}]
-    runs = [chat_completion(server.base_url, messages, model=server.model, temperature=1.0, max_tokens=8, seed=7)
-            for _ in range(2)]
+    # An unseeded request in between must not change what the seeded one samples.
+    runs = [chat_completion(server.base_url, messages, model=server.model, temperature=1.0, max_tokens=8, seed=seed)
+            for seed in (7, None, 7)]
+    runs.pop(1)
     assert runs[0]["choices"][0]["message"] == runs[1]["choices"][0]["message"]
     assert runs[0]["choices"][0]["logprobs"] is None and "token_ids" not in runs[0]["choices"][0]
+    with_ids = chat_completion(server.base_url, messages, model=server.model, temperature=1.0, max_tokens=8,
+                               seed=7, return_token_ids=True)["choices"][0]
+    assert with_ids["message"] == runs[0]["choices"][0]["message"] and with_ids["logprobs"] is None
+    assert len(with_ids["token_ids"]) == runs[0]["usage"]["completion_tokens"]
 
 
 @pytest.mark.slow

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from arpo_lib.config import load_config
-from arpo_lib.trainer import Trainer, latest_checkpoint, read_jsonl, task_batch
+from arpo_lib.records import read_jsonl
+from arpo_lib.trainer import Trainer, latest_checkpoint, task_batch
 
 REPO = Path(__file__).resolve().parent.parent
 TASKS = ["miniwob/click-test", "miniwob/click-button"]
