@@ -11,6 +11,7 @@ a finished run should not need it. The two small helpers that would otherwise be
 """
 from __future__ import annotations
 
+import io
 import json
 import math
 from pathlib import Path
@@ -23,6 +24,20 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from arpo_lib.records import domain_of, read_jsonl
+
+
+class ReportFigure(Figure):
+    """A Figure that shows itself as a PNG in any IPython/Jupyter output.
+
+    Our figures are built without pyplot (headless-safe, never shown twice), so no backend
+    registers a display hook for them; this `_repr_png_` makes a bare `plot_training(run)` at
+    the end of a cell render, in JupyterLab, Colab, papermill and nbval alike.
+    """
+
+    def _repr_png_(self) -> bytes:
+        buf = io.BytesIO()
+        self.savefig(buf, format="png", dpi=100)
+        return buf.getvalue()
 
 MetricsLike = Union[str, Path, Sequence[dict[str, Any]]]
 EvalLike = Union[str, Path, dict[str, Any], Any]
@@ -153,7 +168,7 @@ def plot_training(
     ncols = max(1, min(ncols, len(panels)))
     nrows = math.ceil(len(panels) / ncols)
     # Constrained layout makes room for the suptitle and the outside legend; tight_layout does not.
-    fig = Figure(figsize=(4.2 * ncols, 3.0 * nrows), layout="constrained")
+    fig = ReportFigure(figsize=(4.2 * ncols, 3.0 * nrows), layout="constrained")
     axes = fig.subplots(nrows, ncols, squeeze=False)
     flat = list(axes.flat)
     for ax in flat[len(panels):]:
@@ -342,7 +357,7 @@ def plot_eval(
     heights = [max(1.5, 0.35 * len(names) * (2 if base_d is not None else 1) + 1.0) for _, names, _, _ in panels]
     longest = max((len(n) for _, names, _, _ in panels for n in names), default=10)
     width = min(16.0, 6.0 + 0.07 * longest)
-    fig = Figure(figsize=(width, sum(heights) + 0.8), layout="constrained")
+    fig = ReportFigure(figsize=(width, sum(heights) + 0.8), layout="constrained")
     axes = fig.subplots(len(panels), 1, squeeze=False, gridspec_kw={"height_ratios": heights})
     for ax, (what, names, ours_v, base_v) in zip(axes[:, 0], panels):
         _eval_panel(ax, names, ours_v, base_v, labels, what)

@@ -637,7 +637,8 @@ class ServerHandle:
                                   f"Last lines of {self.log_path}:\n{self.log_tail()}")
             if time.monotonic() >= deadline:
                 raise ServerError(f"the {self.spec.backend} server (pid {self.pid}) was not healthy at "
-                                  f"{self.url}/health after {timeout_s:.0f}s.\nLast lines of {self.log_path}:\n{self.log_tail()}")
+                                  f"{self.url}/health after {timeout_s:.0f}s.\n"
+                                  f"Last lines of {self.log_path}:\n{self.log_tail()}")
             time.sleep(poll_s)
 
     def stop(self, timeout_s: float = 15.0) -> None:

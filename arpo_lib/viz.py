@@ -626,7 +626,7 @@ def filmstrip(traj_dir_or_frames: str | Path | Sequence[Frame], *, max_frames: i
     at 100 dpi (saved notebooks stay small). Long trajectories show ``max_frames`` frames
     spread evenly, first and last included. The default title is the task and instruction.
     """
-    from matplotlib.figure import Figure
+    from arpo_lib.plots import ReportFigure
 
     if isinstance(traj_dir_or_frames, (str, Path)):
         frames = load_frames(traj_dir_or_frames)
@@ -640,7 +640,7 @@ def filmstrip(traj_dir_or_frames: str | Path | Sequence[Frame], *, max_frames: i
     chars = max(12, thumb_width // 7)
     panel_w = thumb_width / 100
     panel_h = max(t.height for t in thumbs) / 100
-    fig = Figure(figsize=(panel_w * len(thumbs) + 0.2, panel_h + 0.45 + (0.25 if title else 0)), dpi=100,
+    fig = ReportFigure(figsize=(panel_w * len(thumbs) + 0.2, panel_h + 0.45 + (0.25 if title else 0)), dpi=100,
                  layout="constrained")
     axes = fig.subplots(1, len(thumbs), squeeze=False)[0]
     for ax, frame, thumb in zip(axes, shown or [None], thumbs):
@@ -667,7 +667,7 @@ def group_figure(run_dir: str | Path, step: int, task: str, *, thumb_width: int 
     top to bottom. The last frame shown is the last action (with its drawing), since the
     final screen alone does not say what the model did; a format failure shows its badge.
     """
-    from matplotlib.figure import Figure
+    from arpo_lib.plots import ReportFigure
 
     members = load_group(run_dir, step, task)
     rows = max(1, frames_per_member)
@@ -678,7 +678,7 @@ def group_figure(run_dir: str | Path, step: int, task: str, *, thumb_width: int 
         columns.append(acted[-rows:])
     heights = [thumbnail(f.image, thumb_width).height for col in columns for f in col] or [thumb_width]
     panel_h = max(heights) / 100
-    fig = Figure(figsize=(cols * thumb_width / 100 + 0.2, rows * (panel_h + 0.35) + 0.55), dpi=100,
+    fig = ReportFigure(figsize=(cols * thumb_width / 100 + 0.2, rows * (panel_h + 0.35) + 0.55), dpi=100,
                  layout="constrained")
     axes = fig.subplots(rows, cols, squeeze=False)
     for c in range(cols):

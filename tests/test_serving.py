@@ -63,8 +63,9 @@ def _gone(pid: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_qwen2vl):
-    handle = start_server(tiny_qwen2vl, device="cpu", threads=1, max_new_tokens=12, served_model_name="tiny")
+def server(tiny_qwen2vl, tmp_path_factory):
+    handle = start_server(tiny_qwen2vl, device="cpu", threads=1, max_new_tokens=12, served_model_name="tiny",
+                          log_path=tmp_path_factory.mktemp("server") / "server.log")
     try:
         handle.wait_healthy(timeout_s=60, poll_s=0.2)
         yield handle
@@ -241,7 +242,7 @@ def test_stop_leaves_no_process(tiny_qwen2vl, tmp_path):
 
 @pytest.mark.slow
 def test_missing_model_fails_fast_with_the_log_tail(tmp_path):
-    with start_server(tmp_path / "no-such-model", device="cpu", threads=1) as handle:
+    with start_server(tmp_path / "no-such-model", device="cpu", threads=1, log_path=tmp_path / "log") as handle:
         with pytest.raises(ServerError, match=r"(?s)exited with code 1.*no-such-model does not exist"):
             handle.wait_healthy(timeout_s=45, poll_s=0.2)
     assert _gone(handle.pid)
