@@ -186,6 +186,9 @@ class ServeConfig:
     """Share of GPU memory vLLM may take."""
     startup_timeout_s: float = 900.0
     """How long to wait for the server's /health before giving up."""
+    python: str | None = None
+    """Interpreter that runs the server (vLLM usually lives in its own virtual environment);
+    None = this one."""
 
 
 @dataclass

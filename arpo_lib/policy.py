@@ -20,6 +20,13 @@ from arpo_lib.prompt import Segment, TokenConversation
 COORD_MODE_BY_MODEL_TYPE = {"qwen2_vl": "qwen2vl", "qwen2_5_vl": "qwen25vl"}
 
 
+def coord_mode_for(path: str | Path) -> str:
+    """The UI-TARS coordinate convention of a checkpoint, from its architecture."""
+    from transformers import AutoConfig
+
+    return COORD_MODE_BY_MODEL_TYPE.get(AutoConfig.from_pretrained(str(path)).model_type, "qwen25vl")
+
+
 class ModelNotFoundError(FileNotFoundError):
     """The model path does not exist or is not a checkpoint directory."""
 
@@ -93,7 +100,7 @@ class HFPolicy:
         max_new_tokens: int = 256,
         gradient_checkpointing: bool = False,
     ):
-        from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+        from transformers import AutoModelForImageTextToText, AutoProcessor
 
         path = str(path)
         if Path(path).exists() and not (Path(path) / "config.json").is_file():
@@ -106,9 +113,8 @@ class HFPolicy:
         if compute_dtype == "auto":
             compute_dtype = "bfloat16" if self.device.type == "cuda" else "float32"
         self.compute_dtype = getattr(torch, compute_dtype)
-        config = AutoConfig.from_pretrained(path)
         if coord_mode == "auto":
-            coord_mode = COORD_MODE_BY_MODEL_TYPE.get(config.model_type, "qwen25vl")
+            coord_mode = coord_mode_for(path)
         self.coord_mode = coord_mode
         self.processor = AutoProcessor.from_pretrained(path)
         self.tokenizer = self.processor.tokenizer

@@ -176,6 +176,65 @@ def first_trajectory(eval_dir: str | Path) -> Path:
     return metas[0].parent
 
 
+def start_policy_server(cfg: RunConfig) -> Any:
+    """Start the model server the config describes (`serve.*`); its pid and url go to <run>/server.json."""
+    from arpo_lib import serving
+
+    s = cfg.serve
+    if s.backend == "hf":
+        options = {"device": cfg.model.device, "dtype": cfg.model.compute_dtype, "max_new_tokens": cfg.model.max_new_tokens}
+    else:
+        options = {"max_model_len": s.max_model_len, "max_images": cfg.model.history_images, "dtype": s.dtype,
+                   "gpu_memory_utilization": s.gpu_memory_utilization, "enable_prefix_caching": True}
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    print(f"starting the {s.backend} server for {cfg.model.path} (log: {cfg.run_dir / 'server.log'})")
+    server = serving.start_server(cfg.model.path, backend=s.backend, host=s.host, port=s.port or None,
+                                  served_model_name=s.served_model_name, log_path=cfg.run_dir / "server.log",
+                                  python=s.python, **options)
+    (cfg.run_dir / "server.json").write_text(json.dumps({
+        "pid": server.pid, "url": server.url, "base_url": server.base_url, "model": server.model,
+        "backend": s.backend, "log_path": str(server.log_path)}, indent=1))
+    return server
+
+
+def server_instructions(server: Any) -> str:
+    """How to reach a running server, with copy-paste examples."""
+    return (f"server pid {server.pid} is healthy at {server.url}\n"
+            f"  OpenAI base URL: {server.base_url}   model name: {server.model}\n"
+            f"  curl {server.url}/health\n"
+            f"  curl {server.base_url}/models\n"
+            f"  python: serving.chat_completion('{server.base_url}', serving.ui_tars_messages(instruction, [screenshot], []), "
+            f"model='{server.model}')\n"
+            f"  stop later: serving.stop_server({server.pid})")
+
+
+def server_smoke_request(server: Any, cfg: RunConfig, task: str | None = None) -> dict[str, Any]:
+    """Send the server one UI-TARS turn on a real MiniWoB++ screenshot (greedy); parse the reply."""
+    from arpo_lib import serving
+    from arpo_lib.actions import ActionParseError, parse_response
+    from arpo_lib.envs import make_env
+    from arpo_lib.policy import coord_mode_for
+
+    task = task or cfg.env.tasks[0]
+    opts = dict(cfg.env.options)
+    with make_env(task, **opts) as env:
+        obs, _ = env.reset(seed=cfg.eval.seed)
+    messages = serving.ui_tars_messages(obs.instruction, [obs.screenshot], [], history_images=cfg.model.history_images)
+    t0 = time.monotonic()
+    reply = serving.chat_completion(server.base_url, messages, model=server.model, temperature=0,
+                                    max_tokens=cfg.model.max_new_tokens, logprobs=True)
+    text = reply["choices"][0]["message"]["content"]
+    coord_mode = cfg.model.coord_mode if cfg.model.coord_mode != "auto" else coord_mode_for(cfg.model.path)
+    try:
+        actions = parse_response(text, obs.screenshot.size, coord_mode=coord_mode).actions
+        parsed = True
+    except ActionParseError as exc:
+        actions, parsed = [], f"no ({exc})"
+    return {"task": task, "instruction": obs.instruction, "response": text, "parsed": parsed is True,
+            "actions": [a.kind for a in actions], "seconds": round(time.monotonic() - t0, 2),
+            "usage": reply.get("usage")}
+
+
 def run_evaluation(cfg: RunConfig, out_dir: Path) -> EvalResult:
     """Evaluate `cfg.model.path` on the eval tasks (CLI `eval`)."""
     from arpo_lib.envs.worker import EnvPool
