@@ -36,7 +36,7 @@ class ReportFigure(Figure):
 
     def _repr_png_(self) -> bytes:
         buf = io.BytesIO()
-        self.savefig(buf, format="png", dpi=100)
+        self.savefig(buf, format="png", dpi=80)
         return buf.getvalue()
 
 MetricsLike = Union[str, Path, Sequence[dict[str, Any]]]

@@ -186,6 +186,22 @@ def test_enter_text_with_select_all_and_newline(env_pool):
 
 
 @needs_browser
+def test_screenshots_do_not_depend_on_capture_time(env_pool):
+    """A focused field's blinking caret made screenshots (and so seeded runs) time-dependent."""
+    import hashlib
+    import time
+
+    env = env_pool("enter-text")
+    _, info = env.reset(seed=0)
+    obs, *_ = env.step(Action("click", point=_centre(_find(info, tag="input_text"))))
+    digests = set()
+    for _ in range(6):
+        digests.add(hashlib.md5(env._grab_screen().tobytes()).hexdigest())
+        time.sleep(0.23)  # the caret blinked every ~0.5 s
+    assert len(digests) == 1
+
+
+@needs_browser
 def test_drag_box(env_pool):
     env = env_pool("drag-box")
     obs, info = env.reset(seed=0)

@@ -251,6 +251,17 @@ def _extra_chrome_args(args: list[str]) -> Iterator[None]:
             selenium_instance.webdriver = real
 
 
+# The blinking text caret made a screenshot depend on when it was taken (measured: the same page
+# hashed differently every ~0.5 s after focusing a field), so rollouts and evaluations were not
+# reproducible for a seed. The caret is hidden; focus stays visible through the focus outline.
+HIDE_CARET_JS = (
+    "if (!document.getElementById('arpo-no-caret')) {"
+    " var s = document.createElement('style'); s.id = 'arpo-no-caret';"
+    " s.textContent = '* { caret-color: transparent !important; }';"
+    " document.head.appendChild(s); }"
+)
+
+
 @functools.cache
 def _environment_class() -> type:
     """miniwob's MiniWoBEnvironment, with our Chrome flags and timer applied on every (re)start."""
@@ -271,6 +282,7 @@ def _environment_class() -> type:
                 # core.EPISODE_MAX_TIME lives in the page: set it again after each page load.
                 self.instance.driver.execute_script(
                     f"core.EPISODE_MAX_TIME = {self._episode_max_time_ms};")
+                self.instance.driver.execute_script(HIDE_CARET_JS)
             except BaseException:
                 # A driver that started but failed later (page load timeout) must not leak.
                 driver = getattr(getattr(self, "instance", None), "driver", None)
