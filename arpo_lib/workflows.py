@@ -57,7 +57,7 @@ def prepare_run(config: str | None, overrides: list[str] | dict[str, Any] | None
     overrides = list(overrides or []) if not isinstance(overrides, dict) else [f"{k}={v}" for k, v in overrides.items()]
     name = run_name or f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
     cfg = load_config(config, overrides + [f"name={name}"])
-    print(f"run directory: {cfg.run_dir.resolve()}")
+    print(f"run directory: {cfg.run_dir}")
     return cfg
 
 
