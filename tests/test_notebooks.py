@@ -96,3 +96,21 @@ def test_nbval_on_the_committed_notebooks():
                            "--nbval-sanitize-with", "tests/nbval_sanitize.cfg", "-p", "no:cacheprovider", "-q",
                            "notebooks/"], cwd=REPO, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-4000:]
+
+
+def test_check_parameters_unit():
+    import types
+
+    from arpo_lib.workflows import check_parameters
+
+    class _IP:
+        def __init__(self, n):
+            self.execution_count = n
+
+    fresh = {"get_ipython": lambda: _IP(3), "In": [], "config": "c", "overrides": [], "run_name": None,
+             "workflows": types.ModuleType("workflows"), "_hidden": 1}
+    check_parameters(fresh)  # only the declared parameters: fine
+    with pytest.raises(ValueError, match="'run_nme'"):
+        check_parameters({**fresh, "run_nme": "x"})
+    # A kernel where the user already ran many cells cannot be judged: no false alarm.
+    check_parameters({**fresh, "get_ipython": lambda: _IP(40), "cfg": object()})
