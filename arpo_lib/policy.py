@@ -101,7 +101,10 @@ class HFPolicy:
         gradient_checkpointing: bool = False,
     ):
         from transformers import AutoModelForImageTextToText, AutoProcessor
+        from transformers.utils import logging as hf_logging
 
+        # Loading/saving bars of a tiny model are noise in notebooks; our own messages say what happens.
+        hf_logging.disable_progress_bar()
         path = str(path)
         if Path(path).exists() and not (Path(path) / "config.json").is_file():
             raise ModelNotFoundError(f"{path} is not a model directory (no config.json)")
