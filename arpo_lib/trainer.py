@@ -126,6 +126,8 @@ class Trainer:
             self.ref_model = copy.deepcopy(self.policy.model).eval().requires_grad_(False)
         if checkpoint is not None:
             self._load_checkpoint(checkpoint)
+        if resume:
+            self._drop_metrics_after_step()
         self.tracker = Tracker(cfg)
         self._pool: EnvPool | None = None
         self._demos_seeded = self._warm_started = checkpoint is not None
@@ -446,12 +448,17 @@ class Trainer:
         state = json.loads((checkpoint / "trainer_state.json").read_text())
         self.step = int(state["step"])
         torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
-        # Metric lines written after this checkpoint belong to steps that will be redone.
+        print(f"[arpo] resumed {self.run_dir} at step {self.step} from {checkpoint.name}")
+
+    def _drop_metrics_after_step(self) -> None:
+        """Metric lines written after the checkpoint we start from belong to steps that will be
+        redone: drop them, so no step is logged twice."""
+        if not self.metrics_path.exists():
+            return
         kept = [m for m in read_jsonl(self.metrics_path) if m.get("step", 0) <= self.step]
         tmp = self.metrics_path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(m) + "\n" for m in kept))
         os.replace(tmp, self.metrics_path)
-        print(f"[arpo] resumed {self.run_dir} at step {self.step} from {checkpoint.name}")
 
 
 def latest_checkpoint(ckpt_dir: Path) -> Path | None:

@@ -189,3 +189,15 @@ def test_optional_kl_penalty_against_the_initial_policy(tmp_path, tiny_qwen2vl, 
         assert trainer.ref_model is not None
         (m,) = trainer.train()
     assert m["replay_injections"] > 0 and m["optimizer_steps"] == 2 and m["kl"] >= 0.0
+
+
+def test_resume_without_a_checkpoint_starts_over_without_duplicate_lines(tmp_path, tiny_qwen2vl):
+    """Killed before its first checkpoint: the metric lines already written are for steps that
+    will run again."""
+    cfg = _cfg(tmp_path, tiny_qwen2vl)
+    run = tmp_path / "t"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 0.0}\n')
+    t = Trainer(cfg, resume=True)
+    assert t.step == 0 and read_jsonl(run / "metrics.jsonl") == []
+    t.close()
