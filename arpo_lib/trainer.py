@@ -93,7 +93,7 @@ class Trainer:
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.step = 0
-        checkpoint = latest_checkpoint(self.ckpt_dir) if resume else None
+        checkpoint = usable_checkpoint(self.ckpt_dir) if resume else None
         if resume and checkpoint is None and self.metrics_path.exists():
             print(f"[arpo] no complete checkpoint in {self.ckpt_dir}; starting from step 0")
         if not resume and self.metrics_path.exists():
@@ -121,9 +121,11 @@ class Trainer:
             enabled=rp.enabled, seed=stable_seed(cfg.train.seed, "replay"),
             std_threshold=rp.std_threshold, mean_threshold=rp.mean_threshold)
         self.ref_model = None
-        if cfg.algo.kl_coef > 0:
-            import copy
-            self.ref_model = copy.deepcopy(self.policy.model).eval().requires_grad_(False)
+        if cfg.algo.kl_coef > 0:  # the reference is the model the run started from (cfg.model.path)
+            from transformers import AutoModelForImageTextToText
+
+            self.ref_model = AutoModelForImageTextToText.from_pretrained(cfg.model.path, dtype=torch.float32)
+            self.ref_model.to(self.policy.device).eval().requires_grad_(False)
         if checkpoint is not None:
             self._load_checkpoint(checkpoint)
         if resume:
@@ -428,10 +430,15 @@ class Trainer:
         state = {"step": self.step, "torch_rng": torch.get_rng_state().tolist(),
                  "config": self.cfg.to_dict(), "time": time.time()}
         (tmp / "trainer_state.json").write_text(json.dumps(state))
-        for f in tmp.rglob("*"):
+        manifest = {}
+        for f in sorted(tmp.rglob("*")):
             if f.is_file():
                 with open(f, "rb") as fh:
                     os.fsync(fh.fileno())
+                manifest[str(f.relative_to(tmp))] = f.stat().st_size
+        # The manifest lets a resume detect a checkpoint damaged after it was written (truncated
+        # or missing files) without loading gigabytes; `.complete` marks a finished write.
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
         (tmp / ".complete").write_text("ok\n")
         if final.exists():
             shutil.rmtree(final)
@@ -467,6 +474,38 @@ def latest_checkpoint(ckpt_dir: Path) -> Path | None:
         return None
     complete = [p for p in ckpt_dir.glob("step_*") if (p / ".complete").is_file()]
     return max(complete, key=lambda p: p.name) if complete else None
+
+
+def checkpoint_problem(checkpoint: Path) -> str | None:
+    """Why a checkpoint cannot be resumed from (None when it looks intact): unfinished, files
+    missing or of the wrong size, unreadable state or replay buffer."""
+    if not (checkpoint / ".complete").is_file():
+        return "unfinished (no .complete marker)"
+    try:
+        manifest = json.loads((checkpoint / "manifest.json").read_text())
+        for name, size in manifest.items():
+            path = checkpoint / name
+            if not path.is_file():
+                return f"{name} is missing"
+            if path.stat().st_size != size:
+                return f"{name} has {path.stat().st_size} bytes, expected {size}"
+        json.loads((checkpoint / "trainer_state.json").read_text())
+        ReplayBuffer.load(checkpoint / "replay.json")
+    except (OSError, ValueError) as exc:
+        return f"unreadable: {exc}"
+    return None
+
+
+def usable_checkpoint(ckpt_dir: Path) -> Path | None:
+    """The newest checkpoint that is complete and intact; damaged ones are reported and skipped."""
+    if not ckpt_dir.is_dir():
+        return None
+    for checkpoint in sorted((p for p in ckpt_dir.glob("step_*") if p.is_dir()), reverse=True):
+        problem = checkpoint_problem(checkpoint)
+        if problem is None:
+            return checkpoint
+        print(f"[arpo] skipping checkpoint {checkpoint.name}: {problem}")
+    return None
 
 
 def _load_model_state(model_dir: Path, policy: HFPolicy) -> dict[str, torch.Tensor]:

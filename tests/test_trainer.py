@@ -201,3 +201,26 @@ def test_resume_without_a_checkpoint_starts_over_without_duplicate_lines(tmp_pat
     t = Trainer(cfg, resume=True)
     assert t.step == 0 and read_jsonl(run / "metrics.jsonl") == []
     t.close()
+
+
+@pytest.mark.slow
+def test_damaged_checkpoint_is_detected_and_the_previous_one_used(tmp_path, tiny_qwen2vl, chromium_available):
+    from arpo_lib.trainer import checkpoint_problem, usable_checkpoint
+
+    cfg = _cfg(tmp_path, tiny_qwen2vl, "train.keep_checkpoints=2")
+    with Trainer(cfg) as t:
+        t.train()
+    ck = tmp_path / "t" / "checkpoints"
+    assert checkpoint_problem(ck / "step_000002") is None and usable_checkpoint(ck).name == "step_000002"
+    weights = ck / "step_000002" / "model" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # truncated, e.g. a disk filled up later
+    assert "model.safetensors" in checkpoint_problem(ck / "step_000002")
+    # Resuming skips the damaged step 2, goes back to step 1 and redoes step 2.
+    with Trainer(cfg, resume=True) as t:
+        assert t.step == 1
+        t.train()
+    assert [m["step"] for m in read_jsonl(tmp_path / "t" / "metrics.jsonl")] == [1, 2]
+    assert checkpoint_problem(ck / "step_000002") is None
+    # A damaged buffer is caught too.
+    (ck / "step_000002" / "replay.json").write_text("{not json")
+    assert "replay.json" in checkpoint_problem(ck / "step_000002")
