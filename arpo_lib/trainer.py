@@ -108,7 +108,7 @@ class Trainer:
             max_new_tokens=cfg.model.max_new_tokens, gradient_checkpointing=cfg.model.gradient_checkpointing,
         )
         if checkpoint is not None and policy is not None:
-            self.policy.model.load_state_dict(_load_model_state(checkpoint / "model", self.policy))
+            self.policy.model.load_state_dict(_load_model_state(checkpoint / "model"))
         self.optimizer = torch.optim.AdamW(self.policy.model.parameters(), lr=cfg.train.lr,
                                            weight_decay=cfg.train.weight_decay)
         total_updates = max(1, cfg.train.steps * cfg.train.updates_per_batch)
@@ -508,7 +508,8 @@ def usable_checkpoint(ckpt_dir: Path) -> Path | None:
     return None
 
 
-def _load_model_state(model_dir: Path, policy: HFPolicy) -> dict[str, torch.Tensor]:
+def _load_model_state(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Weights of a checkpoint's model, for a policy object the caller passed in."""
     from transformers import AutoModelForImageTextToText
 
     return AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).state_dict()
