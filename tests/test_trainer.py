@@ -49,22 +49,22 @@ def _params(trainer):
 def test_replay_rescues_all_failed_groups_and_the_update_changes_parameters(tmp_path, tiny_qwen2vl, chromium_available):
     """The random tiny model fails every episode. GRPO then has zero advantages and learns
     nothing; ARPO injects a stored success into each all-failed group and does learn."""
-    cfg = _cfg(tmp_path, tiny_qwen2vl, "train.steps=1", "train.demo_replay=1", "algo.replay.enabled=true")
-    with Trainer(cfg) as trainer:
-        before = _params(trainer)
-        (m,) = trainer.train()
-        after = _params(trainer)
+    def one_step(cfg):
+        with Trainer(cfg) as trainer:
+            before = _params(trainer)
+            (m,) = trainer.train()
+            return m, before, _params(trainer)
+
+    m, before, after = one_step(_cfg(tmp_path, tiny_qwen2vl, "train.steps=1", "train.demo_replay=1",
+                                     "algo.replay.enabled=true"))
     assert m["all_failed_groups"] == 1.0 and m["success_rate"] == 0.0
     assert m["replay_injections"] == 2 and m["loss"] != 0.0 and m["grad_norm"] > 0
     assert any(not torch.equal(before[k], after[k]) for k in before)
     replayed = [d for d in (tmp_path / "t" / "demos").rglob("meta.json")]
     assert len(replayed) == 2  # one demonstration per task, referenced by the buffer
 
-    cfg = _cfg(tmp_path, tiny_qwen2vl, "name=grpo", "train.steps=1", "algo.replay.enabled=false")
-    with Trainer(cfg) as trainer:
-        before = _params(trainer)
-        (m,) = trainer.train()
-        after = _params(trainer)
+    m, before, after = one_step(_cfg(tmp_path, tiny_qwen2vl, "name=grpo", "train.steps=1",
+                                     "algo.replay.enabled=false"))
     assert m["replay_injections"] == 0 and m["loss"] == 0.0
     assert all(torch.equal(before[k], after[k]) for k in before)
 
