@@ -15,6 +15,27 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
         os.fsync(fh.fileno())
 
 
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new file in `path` durable (the directory entry itself is data)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Replace `path` with `text` so that a crash leaves either the old or the new file."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """The complete JSON-object lines of a file; a line torn by a crash is skipped."""
     path = Path(path)

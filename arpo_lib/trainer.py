@@ -37,7 +37,7 @@ from arpo_lib.config import RunConfig, config_from_dict, save_config
 from arpo_lib.envs.worker import EnvPool
 from arpo_lib.policy import HFPolicy
 from arpo_lib.prompt import Segment
-from arpo_lib.records import append_jsonl, read_jsonl
+from arpo_lib.records import append_jsonl, atomic_write_text, fsync_dir, read_jsonl
 from arpo_lib.rollout import EpisodeRequest, RolloutEngine, Trajectory, load_trajectory
 from arpo_lib.tracking import Tracker
 
@@ -440,9 +440,11 @@ class Trainer:
         # or missing files) without loading gigabytes; `.complete` marks a finished write.
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
         (tmp / ".complete").write_text("ok\n")
+        fsync_dir(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
+        fsync_dir(self.ckpt_dir)
         for old in sorted(p for p in self.ckpt_dir.glob("step_*") if p.is_dir())[:-self.cfg.train.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
         return final
@@ -459,13 +461,14 @@ class Trainer:
 
     def _drop_metrics_after_step(self) -> None:
         """Metric lines written after the checkpoint we start from belong to steps that will be
-        redone: drop them, so no step is logged twice."""
+        redone: drop them, so no step is logged twice. Starting over from step 0 redoes the warm
+        start too, so its record goes as well."""
+        if self.step == 0:
+            (self.run_dir / "warm_start.jsonl").unlink(missing_ok=True)
         if not self.metrics_path.exists():
             return
         kept = [m for m in read_jsonl(self.metrics_path) if m.get("step", 0) <= self.step]
-        tmp = self.metrics_path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(m) + "\n" for m in kept))
-        os.replace(tmp, self.metrics_path)
+        atomic_write_text(self.metrics_path, "".join(json.dumps(m) + "\n" for m in kept))
 
 
 def latest_checkpoint(ckpt_dir: Path) -> Path | None:

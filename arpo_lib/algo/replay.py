@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from arpo_lib.algo.advantages import is_all_failed
+from arpo_lib.records import fsync_dir
 
 T = TypeVar("T")
 
@@ -233,6 +234,7 @@ class ReplayBuffer(Generic[T]):
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
+            fsync_dir(path.parent)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise

@@ -1,0 +1,149 @@
+"""Crash-safe runs: the trainer process is SIGKILLed at random moments, over many trials.
+
+Each trial starts a real training run (real browser, tiny model, warm start, demonstrations in the
+replay buffer), kills its whole process group at a random moment, sometimes kills the resume too,
+then resumes to the end. The result must equal an uninterrupted reference run exactly: every
+metric line once and identical (timings aside), the same task order and groups per step, the same
+replay buffer (contents, generator state, counters), the same optimizer state and weights.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from arpo_lib.records import read_jsonl
+from arpo_lib.trainer import latest_checkpoint
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 4
+TIMINGS = ("seconds_rollout", "seconds_update", "env_steps_per_s", "seconds_eval")
+
+
+def _train_args(model: Path, out: Path, name: str) -> list[str]:
+    return [sys.executable, "-m", "arpo_lib", "train", "--config", "configs/smoke.yaml",
+            f"model.path={model}", f"out_dir={out}", f"name={name}",
+            "env.tasks=[miniwob/click-test,miniwob/click-button]", "env.workers=1", "env.max_steps=2",
+            "model.max_new_tokens=24", "rollout.group_size=2", "train.tasks_per_batch=2",
+            "train.updates_per_batch=1", f"train.steps={STEPS}", "warm_start.steps=2",
+            "warm_start.demos_per_task=1", "train.demo_replay=1", "train.keep_checkpoints=2",
+            "logging.progress=false"]
+
+
+def _resume_args(run: Path) -> list[str]:
+    return [sys.executable, "-m", "arpo_lib", "resume", "--run", str(run)]
+
+
+def _start(cmd: list[str]) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    return subprocess.Popen(cmd, cwd=REPO, start_new_session=True, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def _run_to_end(cmd: list[str]) -> float:
+    start = time.monotonic()
+    proc = _start(cmd)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err.decode()[-3000:]
+    return time.monotonic() - start
+
+
+def _kill_after(cmd: list[str], seconds: float) -> bool:
+    """Start `cmd`, SIGKILL its process group after `seconds`; True if it was still running."""
+    proc = _start(cmd)
+    try:
+        proc.wait(timeout=seconds)
+        return False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return True
+    finally:
+        proc.stderr.close()
+
+
+def _where(run: Path, seconds: float) -> dict:
+    """When a kill landed: seconds after the start, the newest checkpoint and metric line then."""
+    ck = latest_checkpoint(run / "checkpoints")
+    lines = read_jsonl(run / "metrics.jsonl")
+    return {"at_s": round(seconds, 2), "checkpoint": ck.name if ck else None,
+            "metric_lines": len(lines)}
+
+
+def _final_state(run: Path) -> dict:
+    """Everything that must continue exactly, with the run's own name taken out of paths."""
+    ck = latest_checkpoint(run / "checkpoints")
+    metrics = [{k: v for k, v in m.items() if k not in TIMINGS} for m in read_jsonl(run / "metrics.jsonl")]
+    groups = [json.loads(p.read_text()) for p in sorted((run / "rollouts").glob("step_*/groups.json"))]
+    replay = json.loads((ck / "replay.json").read_text())
+    state = json.loads((ck / "trainer_state.json").read_text())
+    return {
+        "checkpoint": ck.name, "step": state["step"], "metrics": metrics,
+        "groups": json.loads(json.dumps(groups).replace(f"/{run.name}/", "/RUN/")),
+        "replay": json.loads(json.dumps(replay).replace(f"/{run.name}/", "/RUN/")),
+        "warm_start": read_jsonl(run / "warm_start.jsonl"),
+        "weights": load_file(ck / "model" / "model.safetensors"),
+        "optimizer": torch.load(ck / "optimizer.pt", weights_only=False),
+    }
+
+
+def _assert_same(a: dict, b: dict, trial: str) -> None:
+    for key in ("checkpoint", "step", "metrics", "groups", "replay", "warm_start"):
+        assert a[key] == b[key], f"{trial}: {key} differs"
+    for name, tensor in a["weights"].items():
+        assert torch.equal(tensor, b["weights"][name]), f"{trial}: weight {name} differs"
+    oa, ob = a["optimizer"]["optimizer"], b["optimizer"]["optimizer"]
+    assert oa["state"].keys() == ob["state"].keys()
+    for k in oa["state"]:
+        for field in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(torch.as_tensor(oa["state"][k][field]), torch.as_tensor(ob["state"][k][field])), \
+                f"{trial}: optimizer {field} differs"
+    assert a["optimizer"]["scheduler"] == b["optimizer"]["scheduler"]
+
+
+def test_sigkill_at_random_moments_then_resume_continues_exactly(tmp_path, tiny_qwen2vl, chromium_available,
+                                                                 figures, scale):
+    trials = scale(4, 40)
+    reference_seconds = _run_to_end(_train_args(tiny_qwen2vl, tmp_path, "reference"))
+    reference = _final_state(tmp_path / "reference")
+    assert reference["step"] == STEPS and [m["step"] for m in reference["metrics"]] == list(range(1, STEPS + 1))
+
+    rng = random.Random(20261122)
+    log = []
+    for trial in range(trials):
+        name = f"trial{trial}"
+        run = tmp_path / name
+        kills = []
+        # The first kill lands anywhere in a run's life (imports, warm start, rollouts, updates,
+        # checkpoint writes); every other trial also kills the first resume.
+        at = rng.uniform(1.5, 0.9 * reference_seconds)
+        if _kill_after(_train_args(tiny_qwen2vl, tmp_path, name), at):
+            kills.append(_where(run, at))
+        if trial % 2 and (run / "config.yaml").is_file():
+            at = rng.uniform(1.5, 0.9 * reference_seconds)
+            if _kill_after(_resume_args(run), at):
+                kills.append(_where(run, at))
+        if (run / "config.yaml").is_file():
+            _run_to_end(_resume_args(run))
+        else:  # killed before the run directory existed: a fresh start is the right recovery
+            _run_to_end(_train_args(tiny_qwen2vl, tmp_path, name))
+        ck = latest_checkpoint(run / "checkpoints")
+        _assert_same(reference, _final_state(run), f"trial {trial} (kills at {kills} s)")
+        log.append({"trial": trial, "kills": kills, "final": ck.name})
+        for p in run.glob("rollouts/*/*/*/*/*.png"):  # keep the temp dir small on long runs
+            p.unlink()
+    assert sum(len(t["kills"]) for t in log) >= trials  # (the resumes may finish before their kill)
+    figures.update(trials=trials, kills=sum(len(t["kills"]) for t in log), steps_per_run=STEPS,
+                   kills_before_first_checkpoint=sum(k["checkpoint"] is None for t in log for k in t["kills"]),
+                   reference_run_seconds=round(reference_seconds, 1), trial_log=log)
