@@ -237,6 +237,17 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
+def run_name_problem(name: str) -> str | None:
+    """Why `name` cannot be a run directory name (None if it can): it becomes a path, so only
+    letters, digits, `.`, `_` and `-`, not starting with `.` or `-`."""
+    from arpo_lib.records import safe_name
+
+    if not isinstance(name, str) or not name or safe_name(name) != name or name.startswith("-"):
+        return (f"{name!r} must be a plain directory name: letters, digits, '.', '_' and '-', "
+                f"at most 120 characters, not starting with '.' or '-' (e.g. {safe_name(name)!r})")
+    return None
+
+
 def _fail(key: str, msg: str) -> None:
     raise ConfigError(f"{key}: {msg}")
 
@@ -271,6 +282,14 @@ def validate(cfg: RunConfig) -> None:
         _fail("train.steps", f"must be >= 0, got {cfg.train.steps}")
     if not cfg.env.tasks:
         _fail("env.tasks", "the task list is empty")
+    from arpo_lib.envs import check_env_name
+
+    for key, tasks in (("env.tasks", cfg.env.tasks), ("eval.tasks", cfg.eval.tasks or [])):
+        for task in tasks:
+            try:
+                check_env_name(task)
+            except ValueError as exc:
+                _fail(key, str(exc))
     if cfg.rollout.temperature <= 0:
         _fail("rollout.temperature", "must be > 0 (training needs sampled rollouts and their log-probs)")
     if not 0 < cfg.rollout.top_p <= 1:
@@ -298,8 +317,9 @@ def validate(cfg: RunConfig) -> None:
         _fail("warm_start", "demos_per_task and steps must be >= 0")
     if cfg.warm_start.steps > 0 and cfg.warm_start.demos_per_task == 0:
         _fail("warm_start.demos_per_task", "warm_start.steps > 0 needs demonstrations (demos_per_task >= 1)")
-    if "/" in cfg.name or cfg.name in ("", ".", ".."):
-        _fail("name", f"{cfg.name!r} must be a plain directory name")
+    problem = run_name_problem(cfg.name)
+    if problem:
+        _fail("name", problem)
 
 
 # ----------------------------------------------------------------------------- loading

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,23 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
         if isinstance(record, dict):
             out.append(record)
     return out
+
+
+def safe_name(text: str) -> str:
+    """Any text (a task id, a label) as one safe path component: only `A-Za-z0-9._-`, never
+    empty, never `.` or `..`, never hidden, at most 120 characters."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", str(text)).strip("._") or "task"
+    return name[:120]
+
+
+def safe_join(base: str | os.PathLike[str], *parts: str) -> Path:
+    """`base/part/...` with each untrusted part made a safe component; the result is always
+    inside `base` (checked, not assumed)."""
+    base = Path(base)
+    path = base.joinpath(*(safe_name(p) for p in parts))
+    if not path.resolve().is_relative_to(base.resolve()):
+        raise ValueError(f"{parts!r} would leave {base}")
+    return path
 
 
 def domain_of(task: str) -> str:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import re
 import time
 import zlib
 from collections import deque
@@ -34,6 +33,7 @@ from arpo_lib.algo import trajectory_reward
 from arpo_lib.envs.base import EnvError
 from arpo_lib.envs.worker import EnvPool, action_payload
 from arpo_lib.prompt import Segment, TokenConversation
+from arpo_lib.records import safe_join
 
 
 @dataclass
@@ -108,12 +108,6 @@ class Trajectory:
             "status": self.status, "error": self.error, "num_steps": self.num_steps,
             "replayed": self.replayed, "seconds": round(self.seconds, 3),
         }
-
-
-def safe_name(text: str) -> str:
-    """A task name as one safe path component (no separators, no `..`)."""
-    name = re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("._") or "task"
-    return name[:120]
 
 
 # ----------------------------------------------------------------------------- storage
@@ -348,5 +342,5 @@ class RolloutEngine:
             traj.segments = ep.conv.segments if ep.conv else []
         if out_dir is not None:
             domain, _, name = traj.task.rpartition("/")
-            directory = Path(out_dir) / safe_name(domain or "default") / safe_name(name) / str(traj.sample)
+            directory = safe_join(out_dir, domain or "default", name, str(traj.sample))
             save_trajectory(traj, directory, ep.screenshots)

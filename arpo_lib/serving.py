@@ -786,9 +786,11 @@ def chat_completion(
                 pass
             if exc.code != 503 or attempt == retries:
                 raise ServerRequestError(f"{url} answered {exc.code}: {detail}", exc.code) from exc
-        except (urllib.error.URLError, ConnectionError) as exc:
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+            # TimeoutError: the server accepted the connection but did not answer in timeout_s.
             if attempt == retries:
-                raise ServerError(f"could not reach {url} after {retries + 1} attempts: {exc}") from exc
+                raise ServerError(f"could not reach {url} after {retries + 1} attempts "
+                                  f"({timeout_s:g} s timeout each): {exc}") from exc
         time.sleep(backoff_s * 2 ** attempt)
     raise AssertionError("unreachable")
 

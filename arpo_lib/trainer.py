@@ -37,7 +37,7 @@ from arpo_lib.config import RunConfig, config_from_dict, save_config
 from arpo_lib.envs.worker import EnvPool
 from arpo_lib.policy import HFPolicy
 from arpo_lib.prompt import Segment
-from arpo_lib.records import append_jsonl, atomic_write_text, fsync_dir, read_jsonl
+from arpo_lib.records import append_jsonl, atomic_write_text, fsync_dir, read_jsonl, safe_join
 from arpo_lib.rollout import EpisodeRequest, RolloutEngine, Trajectory, load_trajectory
 from arpo_lib.tracking import Tracker
 
@@ -305,7 +305,7 @@ class Trainer:
 
         cfg = self.cfg
         result = evaluate(self.engine(), cfg.eval.tasks or cfg.env.tasks, samples_per_task=cfg.eval.samples_per_task,
-                          temperature=cfg.eval.temperature, seed=cfg.eval.seed, out_dir=self.run_dir / "eval" / label,
+                          temperature=cfg.eval.temperature, seed=cfg.eval.seed, out_dir=safe_join(self.run_dir / "eval", label),
                           progress=cfg.logging.progress, description=f"eval {label}")
         return {"eval_success_rate": result.success_rate, "eval_pass_at_k": result.pass_at_k,
                 "eval_format_error_rate": result.format_error_rate, "eval_mean_steps": result.mean_steps,

@@ -13,8 +13,9 @@ import types
 from pathlib import Path
 from typing import Any
 
-from arpo_lib.config import RunConfig, load_config
+from arpo_lib.config import RunConfig, load_config, run_name_problem
 from arpo_lib.evaluate import EvalResult, evaluate
+from arpo_lib.records import safe_join
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -65,7 +66,7 @@ def prepare_run(config: str | None, overrides: list[str] | dict[str, Any] | None
 def evaluate_policy(trainer: Any, label: str, tasks: list[str] | None = None) -> EvalResult:
     """Evaluate the trainer's current policy with the run's eval protocol; writes <run>/eval/<label>."""
     cfg = trainer.cfg
-    out = cfg.run_dir / "eval" / label
+    out = safe_join(cfg.run_dir / "eval", label)
     result = evaluate(trainer.engine(), tasks or cfg.eval.tasks or cfg.env.tasks,
                       samples_per_task=cfg.eval.samples_per_task, temperature=cfg.eval.temperature,
                       seed=cfg.eval.seed, out_dir=out, progress=cfg.logging.progress, description=f"eval {label}")
@@ -365,6 +366,9 @@ def execute_notebook(notebook: str | Path, parameters: dict[str, Any], run_name:
     if unknown:
         raise ValueError(f"{notebook.name} has no parameter(s) {unknown}; it takes {sorted(declared)}")
     name = run_name or f"{notebook.stem.replace('_test', '')}-{time.strftime('%Y%m%d-%H%M%S')}"
+    problem = run_name_problem(name)
+    if problem:
+        raise ValueError(f"run_name: {problem}")
     out = REPO_ROOT / out_dir / name / notebook.name
     out.parent.mkdir(parents=True, exist_ok=True)
     papermill.execute_notebook(str(notebook), str(out), parameters={**parameters, "run_name": name},

@@ -12,7 +12,7 @@ from typing import Any
 
 from arpo_lib.envs.base import EnvError, EnvSpec, GUIEnv, Observation
 
-__all__ = ["EnvError", "EnvSpec", "GUIEnv", "Observation", "make_env", "register_env", "list_envs"]
+__all__ = ["EnvError", "EnvSpec", "GUIEnv", "Observation", "make_env", "register_env", "list_envs", "check_env_name"]
 
 _REGISTRY: dict[str, EnvSpec] = {}
 _TASK_LISTERS: dict[str, Callable[[], Sequence[str]]] = {}
@@ -66,6 +66,14 @@ def make_env(name: str, **options: Any) -> GUIEnv:
 
     Raises ValueError for an unknown family or task, naming what exists.
     """
+    spec, task = check_env_name(name)
+    return spec.factory(task, **options)
+
+
+def check_env_name(name: str) -> tuple[EnvSpec, str]:
+    """(family, task) of a name, without building anything; ValueError naming what exists."""
+    if not isinstance(name, str):
+        raise ValueError(f"an environment name must be a string, got {name!r}")
     prefix, _, task = name.partition("/")
     spec = _REGISTRY.get(prefix)
     if spec is None:
@@ -82,7 +90,7 @@ def make_env(name: str, **options: Any) -> GUIEnv:
         hint = f" Did you mean: {', '.join(f'{prefix}/{t}' for t in close)}?" if close else ""
         raise ValueError(f"Unknown {prefix} task {task!r}.{hint} {len(tasks)} tasks exist: "
                          f"see arpo_lib.envs.list_envs({prefix!r}).")
-    return spec.factory(task, **options)
+    return spec, task
 
 
 def _is_alias(prefix: str, task: str, tasks: Sequence[str]) -> bool:

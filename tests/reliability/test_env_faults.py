@@ -82,7 +82,7 @@ def scripted(tiny_qwen2vl):
 
 
 def test_random_browser_faults_never_become_policy_failures(scripted, chromium_available, figures, scale):
-    batches, per_task = scale(3, 25), scale(3, 4)
+    batches, per_task = scale(3, 15), scale(3, 4)
     all_trajs, faults = [], []
     with EnvPool(2, {"scale": 2, "max_steps": 12}, timeout_s=TIMEOUT_S) as pool:
         engine = RolloutEngine(scripted, pool, max_steps=12)

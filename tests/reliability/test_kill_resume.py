@@ -114,7 +114,7 @@ def _assert_same(a: dict, b: dict, trial: str) -> None:
 
 def test_sigkill_at_random_moments_then_resume_continues_exactly(tmp_path, tiny_qwen2vl, chromium_available,
                                                                  figures, scale):
-    trials = scale(4, 40)
+    trials = scale(4, 20)
     reference_seconds = _run_to_end(_train_args(tiny_qwen2vl, tmp_path, "reference"))
     reference = _final_state(tmp_path / "reference")
     assert reference["step"] == STEPS and [m["step"] for m in reference["metrics"]] == list(range(1, STEPS + 1))

@@ -1,0 +1,99 @@
+"""Soak: many episodes through the rollout engine with several browsers, bounded in time.
+
+Memory (PSS of this process and every child), open file descriptors and processes are sampled
+after each batch. The tasks rotate through more tasks than each worker keeps open, so browsers are
+closed and started all the time: leaks in that path show up as growth. After the pool closes,
+no worker or browser process is left.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import psutil
+import pytest
+import torch
+
+from arpo_lib.envs.worker import EnvPool
+from arpo_lib.policy import HFPolicy
+from arpo_lib.rollout import EpisodeRequest, RolloutEngine
+
+pytestmark = pytest.mark.slow
+
+TASKS = ["miniwob/click-test", "miniwob/click-button", "miniwob/enter-text", "miniwob/focus-text"]
+
+
+def _tree() -> list[psutil.Process]:
+    me = psutil.Process(os.getpid())
+    return [me] + me.children(recursive=True)
+
+
+def _sample() -> dict[str, float]:
+    pss = fds = procs = 0
+    for proc in _tree():
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            pss += proc.memory_full_info().pss
+            fds += proc.num_fds()
+            procs += 1
+        except psutil.Error:
+            pass
+    return {"pss_mb": pss / 2**20, "fds": fds, "procs": procs}
+
+
+def _is_resource_tracker(proc: psutil.Process) -> bool:
+    """multiprocessing's helper process, which lives as long as this process by design."""
+    try:
+        return any("resource_tracker" in part for part in proc.cmdline())
+    except psutil.Error:
+        return False
+
+
+def _slope(ys: list[float]) -> float:
+    """Least-squares slope per sample."""
+    n = len(ys)
+    mx, my = (n - 1) / 2, sum(ys) / n
+    return sum((i - mx) * (y - my) for i, y in enumerate(ys)) / max(sum((i - mx) ** 2 for i in range(n)), 1e-9)
+
+
+def test_soak_no_growth_in_memory_files_or_processes(tiny_qwen2vl, chromium_available, figures, scale):
+    budget_s = scale(90, 900)
+    warmup_batches = 3
+    policy = HFPolicy(tiny_qwen2vl, device="cpu", max_new_tokens=24)
+    samples, episodes, batch = [], 0, 0
+    start = time.monotonic()
+    with EnvPool(2, {"scale": 2, "max_steps": 3}, timeout_s=60, cache_size=1) as pool:
+        engine = RolloutEngine(policy, pool, max_steps=3)
+        while time.monotonic() - start < budget_s or batch < warmup_batches + 4:
+            # Each batch visits every task: with one open browser per worker, most episodes
+            # switch task and so close one browser and start another.
+            requests = [EpisodeRequest(TASKS[(batch + i) % len(TASKS)], 10_000 + batch * 8 + i, i % 2)
+                        for i in range(8)]
+            torch.manual_seed(batch)
+            trajs = engine.run(requests, progress=False)
+            assert all(t.status == "ok" for t in trajs), [t.error for t in trajs if t.error]
+            episodes += len(trajs)
+            batch += 1
+            samples.append(_sample())
+        workers = {w.process.pid for w in pool.workers}
+        restarts = pool.restarts
+    time.sleep(0.5)
+    left = [p for p in _tree()[1:] if p.status() != psutil.STATUS_ZOMBIE and not _is_resource_tracker(p)]
+    assert not left, f"processes left after the pool closed: {left}"
+
+    steady = samples[warmup_batches:]
+    pss = [s["pss_mb"] for s in steady]
+    mb_per_100 = _slope(pss) * 100 / 8  # per 100 episodes (8 per batch)
+    # No growth: the open files and processes come back to the same counts after every batch,
+    # and memory does not trend upwards (a browser's PSS moves by tens of MB from batch to batch,
+    # hence a tolerance rather than zero).
+    assert max(s["procs"] for s in steady) <= min(s["procs"] for s in steady) + 2
+    assert max(s["fds"] for s in steady) <= min(s["fds"] for s in steady) + 16
+    assert mb_per_100 < 25, f"memory grows by {mb_per_100:.1f} MB per 100 episodes: {pss}"
+    figures.update(seconds_budget=budget_s, batches=batch, episodes=episodes, workers=len(workers),
+                   worker_restarts=restarts, pss_mb_first=round(pss[0]), pss_mb_last=round(pss[-1]),
+                   pss_mb_min=round(min(pss)), pss_mb_max=round(max(pss)),
+                   pss_slope_mb_per_100_episodes=round(mb_per_100, 2),
+                   fds_range=[min(s["fds"] for s in steady), max(s["fds"] for s in steady)],
+                   procs_range=[min(s["procs"] for s in steady), max(s["procs"] for s in steady)])
