@@ -217,6 +217,9 @@ class ServeConfig:
     """vLLM without CUDA graphs / compilation: starts faster, generates slower."""
     weight_sync: bool = False
     """Start vLLM so that a trainer can reload its weights in place (rollout.weight_sync=reload)."""
+    keep_running: bool = False
+    """gpu_inference_server notebook: leave the server running at the end (for evaluation.ipynb with
+    rollout.backend=server); stop it later with serving.stop_server(pid from <run>/server.json)."""
 
 
 @dataclass

@@ -192,6 +192,7 @@ class Trainer:
 
     def _push_weights(self) -> None:
         """Make the server generate with the current weights (rollout.weight_sync)."""
+        from arpo_lib.server_policy import policy_for
         from arpo_lib.weight_sync import reload_weights
 
         t0 = time.monotonic()
@@ -203,8 +204,11 @@ class Trainer:
                 raise RuntimeError("rollout.weight_sync=restart needs the server this trainer started "
                                    "(leave rollout.server_url unset)")
             self.server.stop()
-            self._server_policy.close()
+            old = self._server_policy
+            old.close()
             self._server_policy = policy_for(self.cfg, self._start_server(model_dir))
+            for counter in ("requests", "prompt_mismatches", "inexact"):  # totals over the run
+                setattr(self._server_policy, counter, getattr(old, counter))
         self._served_version = self._weights_version
         self.seconds_sync += time.monotonic() - t0
 

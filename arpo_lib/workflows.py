@@ -210,7 +210,18 @@ def server_instructions(server: Any) -> str:
             f"  curl {server.base_url}/models\n"
             f"  python: serving.chat_completion('{server.base_url}', serving.ui_tars_messages(instruction, [screenshot], []), "
             f"model='{server.model}')\n"
+            f"  evaluate with it: ./workbench notebook evaluation "
+            f"overrides='[rollout.backend=server, rollout.server_url={server.base_url}]'\n"
             f"  stop later: serving.stop_server({server.pid})")
+
+
+def finish_server(server: Any, cfg: RunConfig) -> str:
+    """The notebook's last step: stop the server, or leave it running with `serve.keep_running`."""
+    if cfg.serve.keep_running:
+        return (f"left running (serve.keep_running): pid {server.pid} at {server.base_url}; "
+                f"stop it with serving.stop_server({server.pid})")
+    server.stop()
+    return f"stopped (pid {server.pid}); healthy now: {server.health()}"
 
 
 def server_smoke_request(server: Any, cfg: RunConfig, task: str | None = None) -> dict[str, Any]:

@@ -231,11 +231,26 @@ def test_evaluation_notebook_pointed_at_the_server_by_parameters(server, served_
     from arpo_lib.workflows import execute_notebook
 
     out = execute_notebook("notebooks/evaluation.ipynb", {"overrides": [
-        f"model.path={served_model}", "env.tasks=[miniwob/click-test]", "eval.samples_per_task=2", "env.workers=1",
+        f"model.path={served_model}", f"out_dir={tmp_path}", "env.tasks=[miniwob/click-test]",
+        "eval.samples_per_task=2", "env.workers=1",
         "rollout.backend=server", f"rollout.server_url={server.base_url}", "logging.progress=false"]},
         run_name="eval-vllm", out_dir=tmp_path)
     text = out.read_text()
     assert "generating with tiny-warm at" in text and "success" in text
+
+
+def test_inference_server_notebook_starts_vllm_by_parameters(served_model, vllm_python, tmp_path, monkeypatch):
+    from arpo_lib.workflows import execute_notebook
+
+    monkeypatch.setenv("ARPO_VLLM_PYTHON", vllm_python)
+    out = execute_notebook("notebooks/gpu_inference_server.ipynb", {"overrides": [
+        f"model.path={served_model}", f"out_dir={tmp_path}", "env.tasks=[miniwob/click-button]", "serve.backend=vllm", "serve.device=cpu",
+        "serve.dtype=float32", "serve.max_model_len=4096", "serve.enforce_eager=true", "model.history_images=5"]},
+        run_name="serve-vllm", out_dir=tmp_path)
+    text = out.read_text()
+    assert "backend vllm: reply parsed as an action: True" in text and "stopped (pid" in text
+    server = __import__("json").loads((tmp_path / "serve-vllm" / "server.json").read_text())
+    assert server["backend"] == "vllm" and not Path(f"/proc/{server['pid']}").exists()
 
 
 def test_stop_leaves_no_server_process(server):
