@@ -83,17 +83,24 @@ def test_soak_no_growth_in_memory_files_or_processes(tiny_qwen2vl, chromium_avai
     assert not left, f"processes left after the pool closed: {left}"
 
     steady = samples[warmup_batches:]
+    per_100 = 100 / 8  # samples are per batch of 8 episodes
     pss = [s["pss_mb"] for s in steady]
-    mb_per_100 = _slope(pss) * 100 / 8  # per 100 episodes (8 per batch)
-    # No growth: the open files and processes come back to the same counts after every batch,
-    # and memory does not trend upwards (a browser's PSS moves by tens of MB from batch to batch,
-    # hence a tolerance rather than zero).
+    fds = [s["fds"] for s in steady]
+    mb_per_100 = _slope(pss) * per_100
+    fds_per_100 = _slope(fds) * per_100
+    # No growth: processes come back to the same count after every batch; open files and memory
+    # move with what the browsers are doing (sockets, shared memory, caches: tens of descriptors
+    # and MB from batch to batch), so the test is on the trend, not on single samples.
     assert max(s["procs"] for s in steady) <= min(s["procs"] for s in steady) + 2
-    assert max(s["fds"] for s in steady) <= min(s["fds"] for s in steady) + 16
+    assert fds_per_100 < 20, f"open files grow by {fds_per_100:.2f} per 100 episodes: {fds}"
+    assert max(fds) - min(fds) <= 96, fds
     assert mb_per_100 < 25, f"memory grows by {mb_per_100:.1f} MB per 100 episodes: {pss}"
+    every = max(1, len(steady) // 40)
     figures.update(seconds_budget=budget_s, batches=batch, episodes=episodes, workers=len(workers),
                    worker_restarts=restarts, pss_mb_first=round(pss[0]), pss_mb_last=round(pss[-1]),
                    pss_mb_min=round(min(pss)), pss_mb_max=round(max(pss)),
                    pss_slope_mb_per_100_episodes=round(mb_per_100, 2),
+                   fds_slope_per_100_episodes=round(fds_per_100, 3),
+                   pss_mb_series=[round(x) for x in pss[::every]], fds_series=fds[::every],
                    fds_range=[min(s["fds"] for s in steady), max(s["fds"] for s in steady)],
                    procs_range=[min(s["procs"] for s in steady), max(s["procs"] for s in steady)])
