@@ -3,7 +3,7 @@
     ./workbench reliability          # long variants (ARPO_LONG_TESTS=1), then this script
     python scripts/reliability_report.py [FIGURES_DIR] [OUT]
 
-Only figures of passing tests are recorded (tests/reliability/conftest.py), so every number in the
+Only figures of passing tests are recorded (the `figures` fixture in tests/conftest.py), so every number in the
 report is from a run in which its test passed.
 """
 from __future__ import annotations

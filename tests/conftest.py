@@ -1,9 +1,12 @@
 """Shared fixtures: the tiny models (built by `./workbench setup`, or here on demand) and browsers."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -78,3 +81,42 @@ def warm_tiny_qwen2vl(tiny_qwen2vl, chromium_available, tmp_path_factory: pytest
     supervised_warm_start(policy, demos, steps=150, lr=3e-3, batch_size=4, seed=0, progress=False)
     policy.save(out)
     return out
+
+
+# ---- reliability tests (tests/reliability): short variants in CI, ARPO_LONG_TESTS=1 for the long
+# ones; each records its figures (faults injected, trials, inputs, soak slope) with `figures` into
+# runs/reliability/<test>.json, which `./workbench reliability` renders into docs/reliability.md.
+LONG = os.environ.get("ARPO_LONG_TESTS", "") not in ("", "0")
+FIGURES_DIR = Path(os.environ.get("ARPO_FIGURES_DIR", REPO / "runs" / "reliability"))
+
+
+def _scale(short: Any, long: Any) -> Any:
+    return long if LONG else short
+
+
+@pytest.fixture
+def scale():
+    """`scale(short, long)`: the CI-sized value, or the long one under ARPO_LONG_TESTS=1."""
+    return _scale
+
+
+@pytest.fixture
+def figures(request: pytest.FixtureRequest):
+    """A dict the test fills with its measured figures; written when the test passes."""
+    record: dict[str, Any] = {"test": request.node.nodeid, "variant": "long" if LONG else "short"}
+    start = time.monotonic()
+    yield record
+    report = getattr(request.node, "rep_call", None)
+    if report is None or not report.passed:
+        return  # figures of a failed test are not evidence of anything
+    record["seconds"] = round(time.monotonic() - start, 1)
+    FIGURES_DIR.mkdir(parents=True, exist_ok=True)
+    (FIGURES_DIR / f"{request.node.name}.json").write_text(json.dumps(record, indent=1, default=str))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call":
+        item.rep_call = report
