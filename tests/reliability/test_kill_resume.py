@@ -27,7 +27,7 @@ from arpo_lib.trainer import latest_checkpoint
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 4
+STEPS = 5
 TIMINGS = ("seconds_rollout", "seconds_update", "env_steps_per_s", "seconds_eval")
 
 
@@ -59,16 +59,24 @@ def _run_to_end(cmd: list[str]) -> float:
     return time.monotonic() - start
 
 
-def _kill_after(cmd: list[str], seconds: float) -> bool:
-    """Start `cmd`, SIGKILL its process group after `seconds`; True if it was still running."""
+def _kill_at(cmd: list[str], run: Path, after_lines: int, extra_s: float) -> float | None:
+    """Start `cmd`; once the run's metrics file has `after_lines` lines (0: at once), wait
+    `extra_s` more and SIGKILL the process group. Returns the seconds from start to the kill,
+    or None if the process finished first."""
+    start = time.monotonic()
     proc = _start(cmd)
     try:
-        proc.wait(timeout=seconds)
-        return False
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        return True
+        while len(read_jsonl(run / "metrics.jsonl")) < after_lines:
+            if proc.poll() is not None:
+                return None
+            time.sleep(0.05)
+        try:
+            proc.wait(timeout=extra_s)
+            return None
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return time.monotonic() - start
     finally:
         proc.stderr.close()
 
@@ -117,6 +125,8 @@ def test_sigkill_at_random_moments_then_resume_continues_exactly(tmp_path, tiny_
     trials = scale(4, 20)
     reference_seconds = _run_to_end(_train_args(tiny_qwen2vl, tmp_path, "reference"))
     reference = _final_state(tmp_path / "reference")
+    step_seconds = max(0.5, sum(m["seconds_rollout"] + m["seconds_update"]
+                                for m in read_jsonl(tmp_path / "reference" / "metrics.jsonl")) / STEPS)
     assert reference["step"] == STEPS and [m["step"] for m in reference["metrics"]] == list(range(1, STEPS + 1))
 
     rng = random.Random(20261122)
@@ -125,14 +135,20 @@ def test_sigkill_at_random_moments_then_resume_continues_exactly(tmp_path, tiny_
         name = f"trial{trial}"
         run = tmp_path / name
         kills = []
-        # The first kill lands anywhere in a run's life (imports, warm start, rollouts, updates,
-        # checkpoint writes); every other trial also kills the first resume.
-        at = rng.uniform(1.5, 0.9 * reference_seconds)
-        if _kill_after(_train_args(tiny_qwen2vl, tmp_path, name), at):
-            kills.append(_where(run, at))
-        if trial % 2 and (run / "config.yaml").is_file():
-            at = rng.uniform(1.5, 0.9 * reference_seconds)
-            if _kill_after(_resume_args(run), at):
+        # Kills land in every phase: a quarter anywhere in a run's life (imports, demonstrations,
+        # warm start), the rest after a random number of finished steps plus a random part of a
+        # step (rollouts, the update, the checkpoint write). Every other trial also kills the
+        # first resume.
+        for attempt, cmd in enumerate([_train_args(tiny_qwen2vl, tmp_path, name), _resume_args(run)]):
+            if attempt == 1 and not (trial % 2 and (run / "config.yaml").is_file()):
+                break
+            done = len(read_jsonl(run / "metrics.jsonl"))
+            if rng.random() < 0.25:
+                after, extra = 0, rng.uniform(1.5, 0.9 * reference_seconds)
+            else:
+                after, extra = rng.randint(min(done, STEPS - 1), STEPS - 1), rng.uniform(0.0, 1.2 * step_seconds)
+            at = _kill_at(cmd, run, after, extra)
+            if at is not None:
                 kills.append(_where(run, at))
         if (run / "config.yaml").is_file():
             _run_to_end(_resume_args(run))
@@ -143,7 +159,9 @@ def test_sigkill_at_random_moments_then_resume_continues_exactly(tmp_path, tiny_
         log.append({"trial": trial, "kills": kills, "final": ck.name})
         for p in run.glob("rollouts/*/*/*/*/*.png"):  # keep the temp dir small on long runs
             p.unlink()
-    assert sum(len(t["kills"]) for t in log) >= trials  # (the resumes may finish before their kill)
+    assert sum(len(t["kills"]) for t in log) >= trials // 2  # (a run may finish before its kill)
     figures.update(trials=trials, kills=sum(len(t["kills"]) for t in log), steps_per_run=STEPS,
                    kills_before_first_checkpoint=sum(k["checkpoint"] is None for t in log for k in t["kills"]),
+                   kills_by_checkpoint={c: sum((k["checkpoint"] or "none") == c for t in log for k in t["kills"])
+                                        for c in sorted({k["checkpoint"] or "none" for t in log for k in t["kills"]})},
                    reference_run_seconds=round(reference_seconds, 1), trial_log=log)
