@@ -45,9 +45,9 @@ def test_api_key_comes_from_a_named_environment_variable(hf_server, warm_tiny_qw
     monkeypatch.delenv("ARPO_TEST_KEY", raising=False)
     with pytest.raises(ServerError, match="ARPO_TEST_KEY is not set"):
         ServerPolicy(hf_server.base_url, warm_tiny_qwen2vl, api_key_env="ARPO_TEST_KEY")
-    monkeypatch.setenv("ARPO_TEST_KEY", "sk-not-logged-anywhere-123456")
+    monkeypatch.setenv("ARPO_TEST_KEY", "planted-key-not-logged-anywhere-123456")
     policy = ServerPolicy(hf_server.base_url, warm_tiny_qwen2vl, api_key_env="ARPO_TEST_KEY")
-    assert "sk-not" not in repr(vars(policy))  # the key is read when sending, never kept
+    assert "planted-key" not in repr(vars(policy))  # the key is read when sending, never kept
     policy.close()
 
 
