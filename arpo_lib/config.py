@@ -350,6 +350,9 @@ def validate(cfg: RunConfig) -> None:
             not (cfg.serve.backend == "vllm" and cfg.serve.weight_sync):
         _fail("rollout.weight_sync", "reload needs a vLLM server started with serve.weight_sync=true "
                                      "(serve.backend=vllm); use restart for the hf server")
+    if cfg.rollout.weight_sync == "restart" and cfg.rollout.server_url is not None:
+        _fail("rollout.weight_sync", "restart works only with the server the run starts itself "
+                                     "(leave rollout.server_url unset); use reload for a running vLLM")
     if cfg.rollout.constrained and cfg.rollout.backend != "server":
         _fail("rollout.constrained", "constrained decoding needs rollout.backend=server (vLLM)")
     if cfg.rollout.constrained and cfg.algo.old_logprobs != "recompute":

@@ -168,13 +168,17 @@ class Trainer:
 
         r = self.cfg.rollout
         if self._server_policy is None:
-            url = r.server_url
-            if url is None:  # this trainer runs its own server, on the weights it holds now
+            if r.server_url is None:  # this trainer runs its own server, on the weights it holds now
                 model_dir = self._save_served_weights() if r.weight_sync != "none" else self.policy.path
-                url = self._start_server(model_dir)
-            self._server_policy = policy_for(self.cfg, url)
-            self._served_version = self._weights_version
-        elif self._served_version != self._weights_version and r.weight_sync != "none":
+                self._server_policy = policy_for(self.cfg, self._start_server(model_dir))
+                self._served_version = self._weights_version
+            else:  # someone else's server: what it holds is unknown, so it gets our weights first
+                self._server_policy = policy_for(self.cfg, r.server_url)
+                self._served_version = None
+            if r.weight_sync == "none" and self._weights_version > 0:
+                print("[arpo] warning: rollout.weight_sync=none, so the server does not have the weights "
+                      "of the warm start or of the updates: rollouts are off-policy")
+        if self._served_version != self._weights_version and r.weight_sync != "none":
             self._push_weights()
         return self._server_policy
 

@@ -54,6 +54,15 @@ def test_suggestion_for_typo():
     (["model.coord_mode=qwen3"], "model.coord_mode"),
     (["logging.wandb=yes"], "logging.wandb"),
     (["train"], "override"),
+    (["rollout.backend=vllm"], "rollout.backend"),
+    (["rollout.weight_sync=sometimes"], "rollout.weight_sync"),
+    (["rollout.backend=server", "rollout.server_url=http://h:1/v1", "rollout.weight_sync=restart"],
+     "rollout.weight_sync"),
+    (["rollout.backend=server", "rollout.weight_sync=reload"], "rollout.weight_sync"),  # hf server: no reload
+    (["rollout.constrained=true"], "rollout.constrained"),
+    (["rollout.backend=server", "rollout.constrained=true", "algo.old_logprobs=behaviour"], "algo.old_logprobs"),
+    (["rollout.api_key_env=sk-abc123"], "rollout.api_key_env"),
+    (["serve.device=tpu"], "serve.device"),
 ])
 def test_impossible_values_fail_naming_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
