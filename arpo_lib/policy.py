@@ -76,7 +76,7 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def _image_processor_limits(processor: Any) -> tuple[int, int, int]:
+def image_processor_limits(processor: Any) -> tuple[int, int, int]:
     """(factor, min_pixels, max_pixels) the image processor really resizes with."""
     ip = processor.image_processor
     size = getattr(ip, "size", None) or {}
@@ -84,6 +84,18 @@ def _image_processor_limits(processor: Any) -> tuple[int, int, int]:
     max_pixels = getattr(ip, "max_pixels", None) or size.get("longest_edge") or MAX_PIXELS
     factor = int(getattr(ip, "patch_size", 14)) * int(getattr(ip, "merge_size", 2))
     return factor, int(min_pixels), int(max_pixels)
+
+
+def special_token_ids(tokenizer: Any) -> tuple[list[int], list[int]]:
+    """(end-of-turn ids, ids a response must never contain). A response may never contain vision
+    tokens: a random or weak model can sample them, and the training forward pass would then
+    expect image features for them."""
+    eos = [i for i in (tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>"))
+           if i is not None]
+    suppress = [i for i in tokenizer.convert_tokens_to_ids(
+        ["<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"])
+        if i is not None and i != tokenizer.unk_token_id]
+    return eos, suppress
 
 
 class HFPolicy:
@@ -128,15 +140,9 @@ class HFPolicy:
             self.model.gradient_checkpointing_enable()
         self.history_images = history_images
         self.max_new_tokens = max_new_tokens
-        self.eos_ids = [i for i in (self.tokenizer.convert_tokens_to_ids("<|im_end|>"),
-                                    self.tokenizer.convert_tokens_to_ids("<|endoftext|>")) if i is not None]
+        self.eos_ids, self.suppress_ids = special_token_ids(self.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[-1]
-        self.resize = _image_processor_limits(self.processor)
-        # A response may never contain vision tokens (a random or weak model can sample them; the
-        # training forward pass would then expect image features for them).
-        self.suppress_ids = [i for i in self.tokenizer.convert_tokens_to_ids(
-            ["<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"])
-            if i is not None and i != self.tokenizer.unk_token_id]
+        self.resize = image_processor_limits(self.processor)
 
     # -- conversation and parsing ----------------------------------------------------------
     def new_conversation(self, instruction: str) -> TokenConversation:

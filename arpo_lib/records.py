@@ -25,16 +25,21 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Replace `path` with `text` so that a crash leaves either the old or the new file."""
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Replace `path` with `data` so that a crash leaves either the old or the new file."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as fh:
-        fh.write(text)
+    with open(tmp, "wb") as fh:
+        fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """`atomic_write_bytes` for UTF-8 text."""
+    atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import time
 import zlib
 from collections import deque
@@ -33,7 +32,7 @@ from arpo_lib.algo import trajectory_reward
 from arpo_lib.envs.base import EnvError
 from arpo_lib.envs.worker import EnvPool, action_payload
 from arpo_lib.prompt import Segment, TokenConversation
-from arpo_lib.records import safe_join
+from arpo_lib.records import atomic_write_bytes, safe_join
 
 
 @dataclass
@@ -116,15 +115,6 @@ class Trajectory:
 
 # ----------------------------------------------------------------------------- storage
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
 def save_trajectory(traj: Trajectory, directory: Path, screenshots: Sequence[Image.Image]) -> None:
     """Write a trajectory in the OSWorld layout plus tokens.pt and meta.json."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -141,9 +131,9 @@ def save_trajectory(traj: Trajectory, directory: Path, screenshots: Sequence[Ima
     (directory / "result.txt").write_text(f"{traj.task_score}\n")
     buf = io.BytesIO()
     torch.save([s.token_data() for s in traj.segments], buf)
-    _atomic_write_bytes(directory / "tokens.pt", buf.getvalue())
+    atomic_write_bytes(directory / "tokens.pt", buf.getvalue())
     # meta.json last: its presence marks a complete trajectory directory.
-    _atomic_write_bytes(directory / "meta.json", json.dumps(traj.summary(), indent=1).encode())
+    atomic_write_bytes(directory / "meta.json", json.dumps(traj.summary(), indent=1).encode())
     traj.directory = str(directory)
 
 

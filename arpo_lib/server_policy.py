@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from arpo_lib.actions import ParsedResponse, parse_response
-from arpo_lib.policy import Generation, coord_mode_for
+from arpo_lib.policy import Generation, coord_mode_for, image_processor_limits, special_token_ids
 from arpo_lib.prompt import Segment, TokenConversation
 from arpo_lib.serving import ServerError, chat_completion, ui_tars_messages
 
@@ -84,14 +84,8 @@ class ServerPolicy:
         if api_key_env and not os.environ.get(api_key_env):
             raise ServerError(f"the API key variable {api_key_env} is not set in the environment")
         self.served_model = served_model or self._first_model()
-        from arpo_lib.policy import _image_processor_limits
-
-        self.resize = _image_processor_limits(self.processor)
-        self.eos_ids = [i for i in (self.tokenizer.convert_tokens_to_ids("<|im_end|>"),
-                                    self.tokenizer.convert_tokens_to_ids("<|endoftext|>")) if i is not None]
-        self.suppress_ids = [i for i in self.tokenizer.convert_tokens_to_ids(
-            ["<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"])
-            if i is not None and i != self.tokenizer.unk_token_id]
+        self.resize = image_processor_limits(self.processor)
+        self.eos_ids, self.suppress_ids = special_token_ids(self.tokenizer)
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="arpo-client")
         self._lock = threading.Lock()
         self.requests = 0

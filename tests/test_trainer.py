@@ -224,3 +224,22 @@ def test_damaged_checkpoint_is_detected_and_the_previous_one_used(tmp_path, tiny
     # A damaged buffer is caught too.
     (ck / "step_000002" / "replay.json").write_text("{not json")
     assert "replay.json" in checkpoint_problem(ck / "step_000002")
+
+
+def test_infrastructure_failures_are_dropped_from_groups_and_never_stored(tmp_path, tiny_qwen2vl):
+    from arpo_lib.rollout import Trajectory
+
+    with Trainer(_cfg(tmp_path, tiny_qwen2vl, "algo.replay.enabled=true")) as trainer:
+        def traj(task, status, score, i):
+            return Trajectory(task=task, seed=i, sample=i, status=status, task_score=score, reward=score,
+                              directory=str(tmp_path / f"{task[-4:]}{i}"))
+
+        a, b = TASKS
+        trajs = [traj(a, "ok", 1.0, 0), traj(a, "env_error", 0.0, 1), traj(a, "ok", 0.0, 2),
+                 traj(b, "ok", 1.0, 3), traj(b, "env_error", 0.0, 4)]  # b: one usable rollout only
+        groups = trainer.make_groups([a, b], trajs)
+    assert [g.task for g in groups] == [a]  # b cannot be compared: skipped, not scored
+    assert [t.status for t in groups[0].trajectories] == ["ok", "ok"]
+    assert groups[0].advantages[0] > 0 > groups[0].advantages[1]
+    stored = [e["item"]["dir"] for task in (a, b) for e in trainer.replay.state_dict()["tasks"].get(task, [])]
+    assert stored == [str(tmp_path / f"{a[-4:]}0")]  # the success; never an infrastructure failure

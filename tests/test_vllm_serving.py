@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from PIL import Image
 
 from arpo_lib.envs.worker import EnvPool
 from arpo_lib.policy import HFPolicy

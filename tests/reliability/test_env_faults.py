@@ -16,7 +16,6 @@ import time
 import psutil
 import pytest
 
-from arpo_lib.algo.replay import ReplayBuffer
 from arpo_lib.envs.worker import EnvPool
 from arpo_lib.evaluate import summarize
 from arpo_lib.policy import HFPolicy
@@ -121,7 +120,6 @@ def test_random_browser_faults_never_become_policy_failures(scripted, chromium_a
     assert errors, "faults were injected but no episode reported an infrastructure failure"
     # Success statistics exclude infrastructure failures: every fresh episode succeeded.
     assert summarize(all_trajs).success_rate == 1.0
-    # Groups (as the trainer builds them) keep only the ok trajectories.
     kinds = {}
     for f in faults:
         kinds[f"{f['kind']} {f['process']}"] = kinds.get(f"{f['kind']} {f['process']}", 0) + 1

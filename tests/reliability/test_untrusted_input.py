@@ -2,7 +2,6 @@
 that are down or hang, and secrets that must never be written anywhere."""
 from __future__ import annotations
 
-import os
 import re
 import socket
 import subprocess
