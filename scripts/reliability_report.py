@@ -34,6 +34,30 @@ SECTIONS = [
 ]
 
 
+def soak_plot(figures_dir: Path, out: Path) -> bool:
+    """Memory and open files over the soak run, as a PNG beside the report."""
+    file = figures_dir / "test_soak_no_growth_in_memory_files_or_processes.json"
+    if not file.is_file():
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = json.loads(file.read_text())
+    pss, fds = data["pss_mb_series"], data["fds_series"]
+    episodes = [round(i * data["episodes"] / max(len(pss), 1)) for i in range(len(pss))]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.2))
+    a.plot(episodes, pss, marker=".")
+    a.set(title="PSS of the process tree", xlabel="episodes (sampled)", ylabel="MB", ylim=(0, max(pss) * 1.15))
+    b.plot(episodes, fds, marker=".", color="tab:orange")
+    b.set(title="open file descriptors", xlabel="episodes (sampled)", ylim=(0, max(fds) * 1.15))
+    fig.suptitle(f"soak: {data['episodes']} episodes, {data['workers']} browsers ({data['variant']} variant)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+    return True
+
+
 def render(figures_dir: Path) -> str:
     lines = ["## Measured figures", "",
              f"Rendered {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {platform.machine()} "
@@ -65,7 +89,10 @@ def main(argv: list[str]) -> int:
     out = Path(argv[1]) if len(argv) > 1 else REPO / "docs" / "reliability.md"
     text = out.read_text() if out.is_file() else "# Reliability\n\n<!-- figures -->\n"
     head = text.split("<!-- figures -->")[0]
-    out.write_text(head + "<!-- figures -->\n" + render(figures_dir.resolve()))
+    body = render(figures_dir.resolve())
+    if soak_plot(figures_dir, out.with_name("reliability-soak.png")):
+        body += "\n![soak: memory and open files stay flat](reliability-soak.png)\n"
+    out.write_text(head + "<!-- figures -->\n" + body)
     print(f"wrote {out}")
     return 0
 
