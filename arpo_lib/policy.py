@@ -98,7 +98,22 @@ def special_token_ids(tokenizer: Any) -> tuple[list[int], list[int]]:
     return eos, suppress
 
 
-class HFPolicy:
+class UITarsConversations:
+    """What every policy backend shares: conversations built with the model's processor and
+    responses parsed in the model's coordinate convention. Needs `processor`, `history_images`,
+    `coord_mode` and `resize` on the instance."""
+
+    def new_conversation(self, instruction: str) -> TokenConversation:
+        return TokenConversation(self.processor, instruction, history_images=self.history_images)
+
+    def parse(self, text: str, image_size: tuple[int, int]) -> ParsedResponse:
+        """Parse a response with this model's coordinate convention and resize limits."""
+        factor, min_pixels, max_pixels = self.resize
+        return parse_response(text, image_size, coord_mode=self.coord_mode,
+                              factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
+
+
+class HFPolicy(UITarsConversations):
     """A UI-TARS policy run in this process with transformers."""
 
     def __init__(
@@ -143,16 +158,6 @@ class HFPolicy:
         self.eos_ids, self.suppress_ids = special_token_ids(self.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[-1]
         self.resize = image_processor_limits(self.processor)
-
-    # -- conversation and parsing ----------------------------------------------------------
-    def new_conversation(self, instruction: str) -> TokenConversation:
-        return TokenConversation(self.processor, instruction, history_images=self.history_images)
-
-    def parse(self, text: str, image_size: tuple[int, int]) -> ParsedResponse:
-        """Parse a response with this model's coordinate convention and resize limits."""
-        factor, min_pixels, max_pixels = self.resize
-        return parse_response(text, image_size, coord_mode=self.coord_mode,
-                              factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
 
     def _autocast(self):
         enabled = self.compute_dtype != torch.float32

@@ -26,9 +26,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Sequence
 
-from arpo_lib.actions import ParsedResponse, parse_response
-from arpo_lib.policy import Generation, coord_mode_for, image_processor_limits, special_token_ids
-from arpo_lib.prompt import Segment, TokenConversation
+from arpo_lib.policy import (
+    Generation, UITarsConversations, coord_mode_for, image_processor_limits, special_token_ids,
+)
+from arpo_lib.prompt import Segment
 from arpo_lib.serving import ServerError, chat_completion, ui_tars_messages
 
 # The UI-TARS action grammar as a regular expression, for constrained decoding (vLLM's
@@ -45,7 +46,7 @@ _CALLS = [
 ACTION_REGEX = r"(Thought: [^\n]{1,400}\n)?Action: (" + "|".join(_CALLS) + ")"
 
 
-class ServerPolicy:
+class ServerPolicy(UITarsConversations):
     """UI-TARS generation through an OpenAI-compatible endpoint, for the rollout engine."""
 
     def __init__(
@@ -94,15 +95,7 @@ class ServerPolicy:
         self.inexact = 0
         """Responses without server token ids / log-probs (re-tokenized here)."""
 
-    # -- what the engine uses, as HFPolicy ----------------------------------------------------
-    def new_conversation(self, instruction: str) -> TokenConversation:
-        return TokenConversation(self.processor, instruction, history_images=self.history_images)
-
-    def parse(self, text: str, image_size: tuple[int, int]) -> ParsedResponse:
-        factor, min_pixels, max_pixels = self.resize
-        return parse_response(text, image_size, coord_mode=self.coord_mode,
-                              factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
-
+    # -- generation (conversations and parsing come from UITarsConversations) -----------------
     def generate(
         self,
         segments: Sequence[Segment],
