@@ -37,6 +37,19 @@ class EnvConfig:
     """Environments (one per task) a worker keeps open, so returning to a task reuses its browser."""
     step_timeout_s: float = 120.0
     """Longest an environment call (make/reset/step) may take before the worker counts as hung."""
+    backend: str = "local"
+    """Where environment workers run: `local` (one process per environment on this machine) or
+    `ray` (one Ray actor per environment, on any node of a Ray cluster)."""
+    python: str | None = None
+    """Interpreter of the environment workers; None = this one. OSWorld's desktop-env lives in
+    its own environment (scripts/setup_osworld.sh): `auto` finds it for osworld tasks."""
+    ray_address: str | None = None
+    """Ray cluster to join (`auto`, `ray://host:10001`); None starts a local Ray for the run."""
+    ray_resource: str | None = None
+    """Custom Ray resource each environment actor needs, one unit each (ARPO: a per-node resource
+    that only the CPU nodes hosting VMs advertise, e.g. `env_slot`). None = CPUs only."""
+    ray_num_cpus: float = 0.5
+    """CPUs each environment actor reserves in Ray's accounting (the browser/VM's real use differs)."""
 
 
 @dataclass
@@ -186,6 +199,25 @@ class EvalConfig:
     """Evaluation seeds start here (fixed, so evaluations compare)."""
     baseline: str | None = None
     """An evaluation directory (holding results.json) to compare against, e.g. the base model's."""
+    osworld_results: bool = True
+    """Also write the results in OSWorld's own layout (<eval>/osworld/pyautogui/screenshot/<model>/...),
+    which OSWorld's show_result.py reads."""
+
+
+@dataclass
+class SelectConfig:
+    k: int = 16
+    """Rollouts of the base policy per task (ARPO: 16)."""
+    min_successes: int = 1
+    """A task is kept when it succeeds at least this often in k rollouts (ARPO: 1)."""
+    temperature: float = 1.0
+    """Sampling temperature of the selection rollouts."""
+    seed: int = 0
+    """Seeds of the selection episodes."""
+    max_env_retries: int = 2
+    """Re-runs of an episode lost to an infrastructure failure before giving up on it."""
+    tasks: list[str] | None = None
+    """Candidate tasks; None = env.tasks."""
 
 
 @dataclass
@@ -252,6 +284,8 @@ class RunConfig:
     """Optional supervised warm start on scripted demonstrations (before step 0)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Evaluation protocol."""
+    select: SelectConfig = field(default_factory=SelectConfig)
+    """Task selection (filtering) with the base policy."""
     serve: ServeConfig = field(default_factory=ServeConfig)
     """Model server (gpu_inference_server notebook)."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -292,6 +326,7 @@ def validate(cfg: RunConfig) -> None:
         "algo.old_logprobs": (cfg.algo.old_logprobs, ("recompute", "behaviour")),
         "logging.wandb": (cfg.logging.wandb, ("disabled", "offline", "online")),
         "serve.backend": (cfg.serve.backend, ("hf", "vllm")),
+        "env.backend": (cfg.env.backend, ("local", "ray")),
     }
     for key, (value, allowed) in choices.items():
         if value not in allowed:
@@ -305,6 +340,7 @@ def validate(cfg: RunConfig) -> None:
         "train.micro_batch_size": cfg.train.micro_batch_size, "eval.samples_per_task": cfg.eval.samples_per_task,
         "algo.replay.capacity_per_task": cfg.algo.replay.capacity_per_task,
         "train.keep_checkpoints": cfg.train.keep_checkpoints,
+        "select.k": cfg.select.k, "select.min_successes": cfg.select.min_successes,
     }
     for key, value in positive.items():
         if value < 1:
@@ -315,10 +351,13 @@ def validate(cfg: RunConfig) -> None:
         _fail("env.tasks", "the task list is empty")
     from arpo_lib.envs import PLANNED_FAMILIES, check_env_name
 
-    for key, tasks in (("env.tasks", cfg.env.tasks), ("eval.tasks", cfg.eval.tasks or [])):
+    for key, tasks in (("env.tasks", cfg.env.tasks), ("eval.tasks", cfg.eval.tasks or []),
+                       ("select.tasks", cfg.select.tasks or [])):
         for task in tasks:
             if isinstance(task, str) and task.partition("/")[0] in PLANNED_FAMILIES:
                 continue  # checked when the family exists; building it says why it does not yet
+            if is_task_set_name(task):
+                continue  # expanded by resolve_task_sets when the run starts (needs the task data)
             try:
                 check_env_name(task)
             except ValueError as exc:
@@ -370,9 +409,44 @@ def validate(cfg: RunConfig) -> None:
         _fail("warm_start", "demos_per_task and steps must be >= 0")
     if cfg.warm_start.steps > 0 and cfg.warm_start.demos_per_task == 0:
         _fail("warm_start.demos_per_task", "warm_start.steps > 0 needs demonstrations (demos_per_task >= 1)")
+    if cfg.select.min_successes > cfg.select.k:
+        _fail("select.min_successes", f"{cfg.select.min_successes} successes cannot come from k={cfg.select.k} rollouts")
+    if cfg.select.max_env_retries < 0:
+        _fail("select.max_env_retries", "must be >= 0")
+    if cfg.env.ray_num_cpus < 0:
+        _fail("env.ray_num_cpus", "must be >= 0")
+    if cfg.env.backend == "local" and (cfg.env.ray_address or cfg.env.ray_resource):
+        _fail("env.backend", "env.ray_address / env.ray_resource are set but env.backend is local (set env.backend=ray)")
     problem = run_name_problem(cfg.name)
     if problem:
         _fail("name", problem)
+
+
+def is_task_set_name(name: Any) -> bool:
+    """`osworld/<set>` names a task set (train128, subset32, ...), not one task."""
+    if not isinstance(name, str) or not name.startswith("osworld/"):
+        return False
+    from arpo_lib.envs.osworld_tasks import TASK_SETS
+
+    return name.split("/", 1)[1] in TASK_SETS
+
+
+def resolve_task_sets(cfg: RunConfig) -> RunConfig:
+    """Expand task-set names (`osworld/subset32`) in env.tasks, eval.tasks and select.tasks into
+    task names, in place. Needs the task data: a ConfigError says how to fetch it."""
+    if not any(is_task_set_name(t) for t in cfg.env.tasks + (cfg.eval.tasks or []) + (cfg.select.tasks or [])):
+        return cfg
+    from arpo_lib.envs.osworld_tasks import expand_task_names
+
+    try:
+        cfg.env.tasks = expand_task_names(cfg.env.tasks)
+        if cfg.eval.tasks:
+            cfg.eval.tasks = expand_task_names(cfg.eval.tasks)
+        if cfg.select.tasks:
+            cfg.select.tasks = expand_task_names(cfg.select.tasks)
+    except (FileNotFoundError, ValueError) as exc:
+        raise ConfigError(f"env.tasks: {exc}") from exc
+    return cfg
 
 
 # ----------------------------------------------------------------------------- loading

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from arpo_lib.algo import ReplayBuffer, group_advantages, is_all_failed, policy_loss
-from arpo_lib.config import RunConfig, config_from_dict, save_config
+from arpo_lib.config import RunConfig, config_from_dict, resolve_task_sets, save_config
 from arpo_lib.envs.worker import EnvPool
 from arpo_lib.policy import HFPolicy
 from arpo_lib.prompt import Segment
@@ -84,11 +84,34 @@ def write_groups(path: Path, groups: list[Group]) -> None:
     path.write_text(json.dumps(data, indent=1))
 
 
+def pool_for(cfg: RunConfig) -> Any:
+    """The run's environment workers: local processes or Ray actors (env.backend), in the
+    interpreter env.python names (`auto`: OSWorld's own environment for osworld tasks)."""
+    from arpo_lib.envs.worker import make_pool
+
+    opts = dict(cfg.env.options)
+    opts.setdefault("max_steps", cfg.env.max_steps)
+    python = cfg.env.python
+    if python == "auto":
+        python = None
+        tasks = cfg.env.tasks + (cfg.eval.tasks or []) + (cfg.select.tasks or [])
+        if any(t.startswith("osworld/") for t in tasks):
+            from arpo_lib.envs.osworld import find_osworld_python
+
+            python = find_osworld_python()
+            if python is None:
+                raise RuntimeError("env.python=auto: no interpreter with desktop_env found "
+                                   "(run scripts/setup_osworld.sh or set $ARPO_OSWORLD_PYTHON)")
+    return make_pool(cfg.env.workers, opts, cfg.env.step_timeout_s, cfg.env.envs_per_worker,
+                     backend=cfg.env.backend, python=python, ray_address=cfg.env.ray_address,
+                     ray_resource=cfg.env.ray_resource, ray_num_cpus=cfg.env.ray_num_cpus)
+
+
 class Trainer:
     """Runs ARPO (or GRPO with `algo.replay.enabled=false`) for a `RunConfig`."""
 
     def __init__(self, cfg: RunConfig, *, resume: bool = False, policy: HFPolicy | None = None):
-        self.cfg = cfg
+        self.cfg = resolve_task_sets(cfg)
         self.run_dir = cfg.run_dir
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.metrics_path = self.run_dir / "metrics.jsonl"
@@ -148,10 +171,7 @@ class Trainer:
     @property
     def pool(self) -> EnvPool:
         if self._pool is None:
-            opts = dict(self.cfg.env.options)
-            opts.setdefault("max_steps", self.cfg.env.max_steps)
-            self._pool = EnvPool(self.cfg.env.workers, opts, timeout_s=self.cfg.env.step_timeout_s,
-                                 cache_size=self.cfg.env.envs_per_worker)
+            self._pool = pool_for(self.cfg)
         return self._pool
 
     def engine(self) -> RolloutEngine:

@@ -5,15 +5,16 @@ go through the same code.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
 import time
 import types
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
-from arpo_lib.config import RunConfig, load_config, run_name_problem
+from arpo_lib.config import RunConfig, load_config, resolve_task_sets, run_name_problem
 from arpo_lib.evaluate import EvalResult, evaluate
 from arpo_lib.records import safe_join
 
@@ -70,6 +71,7 @@ def evaluate_policy(trainer: Any, label: str, tasks: list[str] | None = None) ->
     result = evaluate(trainer.engine(), tasks or cfg.eval.tasks or cfg.env.tasks,
                       samples_per_task=cfg.eval.samples_per_task, temperature=cfg.eval.temperature,
                       seed=cfg.eval.seed, out_dir=out, progress=cfg.logging.progress, description=f"eval {label}")
+    export_results(cfg, out)
     print(f"evaluation '{label}' ({result.episodes} episodes, {result.seconds:.1f} s)")
     print(result.table())
     return result
@@ -251,12 +253,16 @@ def server_smoke_request(server: Any, cfg: RunConfig, task: str | None = None) -
             "usage": reply.get("usage")}
 
 
-def run_evaluation(cfg: RunConfig, out_dir: Path) -> EvalResult:
-    """Evaluate `cfg.model.path` on the eval tasks (CLI `eval`)."""
-    from arpo_lib.envs.worker import EnvPool
+@contextlib.contextmanager
+def base_policy_engine(cfg: RunConfig) -> Iterator[Any]:
+    """A rollout engine for `cfg.model.path` without a trainer (evaluation, task selection):
+    the in-process model, or a server (the one at rollout.server_url, or one started for the
+    duration); environment workers as configured (env.backend, env.python)."""
     from arpo_lib.policy import HFPolicy
     from arpo_lib.rollout import RolloutEngine
+    from arpo_lib.trainer import pool_for
 
+    resolve_task_sets(cfg)
     server = None
     if cfg.rollout.backend == "server":
         # Generation on the server: only the processor is loaded here (a GPU's memory stays vLLM's).
@@ -273,21 +279,54 @@ def run_evaluation(cfg: RunConfig, out_dir: Path) -> EvalResult:
         policy = HFPolicy(cfg.model.path, device=cfg.model.device, compute_dtype=cfg.model.compute_dtype,
                           coord_mode=cfg.model.coord_mode, history_images=cfg.model.history_images,
                           max_new_tokens=cfg.model.max_new_tokens)
-    opts = dict(cfg.env.options)
-    opts.setdefault("max_steps", cfg.env.max_steps)
     try:
-        with EnvPool(cfg.env.workers, opts, timeout_s=cfg.env.step_timeout_s,
-                     cache_size=cfg.env.envs_per_worker) as pool:
-            engine = RolloutEngine(policy, pool, max_steps=cfg.env.max_steps, format_coef=cfg.algo.format_coef,
-                                   format_penalty=cfg.algo.format_penalty)
-            return evaluate(engine, cfg.eval.tasks or cfg.env.tasks, samples_per_task=cfg.eval.samples_per_task,
-                            temperature=cfg.eval.temperature, seed=cfg.eval.seed, out_dir=out_dir,
-                            progress=cfg.logging.progress)
+        with pool_for(cfg) as pool:
+            yield RolloutEngine(policy, pool, max_steps=cfg.env.max_steps, format_coef=cfg.algo.format_coef,
+                                format_penalty=cfg.algo.format_penalty)
     finally:
         if cfg.rollout.backend == "server":
             policy.close()
         if server is not None:
             server.stop()
+
+
+def run_evaluation(cfg: RunConfig, out_dir: Path) -> EvalResult:
+    """Evaluate `cfg.model.path` on the eval tasks (CLI `eval`)."""
+    with base_policy_engine(cfg) as engine:
+        result = evaluate(engine, cfg.eval.tasks or cfg.env.tasks, samples_per_task=cfg.eval.samples_per_task,
+                          temperature=cfg.eval.temperature, seed=cfg.eval.seed, out_dir=out_dir,
+                          progress=cfg.logging.progress)
+    export_results(cfg, out_dir)
+    return result
+
+
+def export_results(cfg: RunConfig, eval_dir: Path) -> Path | None:
+    """With eval.osworld_results, mirror an evaluation into OSWorld's layout (<eval>/osworld)."""
+    if not cfg.eval.osworld_results:
+        return None
+    from arpo_lib.osworld_results import export_osworld_results
+
+    model = cfg.serve.served_model_name or Path(cfg.model.path).name
+    return export_osworld_results(eval_dir, Path(eval_dir) / "osworld", model)
+
+
+def run_task_selection(cfg: RunConfig, out_dir: Path | None = None) -> Any:
+    """ARPO's task selection with the base policy (`cfg.select`): k rollouts per task, keep tasks
+    with at least `min_successes` successes. Resumable; writes <run>/selection by default."""
+    from arpo_lib.task_selection import select_tasks
+
+    out_dir = Path(out_dir) if out_dir is not None else cfg.run_dir / "selection"
+    with base_policy_engine(cfg) as engine:
+        s = cfg.select
+        result = select_tasks(engine, s.tasks or cfg.env.tasks, out_dir, k=s.k, min_successes=s.min_successes,
+                              seed=s.seed, temperature=s.temperature, max_env_retries=s.max_env_retries,
+                              progress=cfg.logging.progress)
+    print(f"task selection: kept {len(result.kept)} of {len(result.tasks)} tasks "
+          f"({result.seconds:.0f} s); written to {out_dir}")
+    if result.incomplete:
+        print(f"warning: {len(result.incomplete)} task(s) have fewer than k valid episodes "
+              f"(infrastructure failures): {result.incomplete[:5]}")
+    return result
 
 
 def print_metrics(history: list[dict[str, Any]]) -> None:
