@@ -7,6 +7,9 @@
     smoke   [key=value ...]                                 execute notebooks/smoke_test.ipynb headlessly
     notebook NAME [config=F] [overrides='[k=v, ...]'] [run_name=N]   execute any notebook headlessly
     config  [--config FILE] [key=value ...]                 print the resolved config and field docs
+    osworld-tasks fetch [--source S] [--force] | list [SET] [--ids] | verify    OSWorld task data
+    select-tasks --config F [--out DIR] [key=value ...]      ARPO's task selection (select.k rollouts per task)
+    export-osworld EVAL_DIR [--model NAME] [--out DIR]     an evaluation in OSWorld's result layout
 """
 from __future__ import annotations
 
@@ -111,6 +114,78 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_osworld_tasks(args: argparse.Namespace) -> int:
+    from arpo_lib.envs import osworld_tasks as ot
+
+    try:
+        if args.action == "fetch":
+            if ot.is_fetched() and not args.force:
+                print(f"already fetched: {ot.tasks_root()} (--force fetches again)")
+                return 0
+            expect = ot.PINNED_EXPECTATIONS if args.pinned else None
+            root = ot.fetch_tasks(args.source, force=args.force, progress=not args.no_progress, expect=expect)
+            manifest = ot.read_manifest(root)
+            commit = (manifest["commit"] or "unknown commit")[:12]
+            print(f"OSWorld tasks: {root} ({commit}, {manifest['task_count']} tasks, {manifest['file_count']} files)")
+            print("  " + ", ".join(f"{d} {n}" for d, n in manifest["domains"].items()))
+            for warning in manifest["warnings"]:
+                print(f"  warning: {warning}")
+        elif args.action == "list" and args.set is None:
+            fetched = ot.is_fetched()
+            for name, description in ot.TASK_SETS.items():
+                size = len(ot.task_set(name)) if fetched else "-"
+                print(f"{name:<10} {size:>5}  {description}")
+            if not fetched:
+                print(f"(not fetched: {ot.FETCH_HINT})")
+        elif args.action == "list":
+            by_domain = ot.task_set_by_domain(args.set)
+            if args.ids:
+                print("\n".join(f"{ot.ENV_PREFIX}/{t}" for ids in by_domain.values() for t in ids))
+                return 0
+            name = args.set.removeprefix(f"{ot.ENV_PREFIX}/")
+            print(f"{name}: {ot.TASK_SETS[name]}")
+            print(f"  from {ot.task_set_source(name)}")
+            print(f"  {'domain':<22} {'tasks':>5}")
+            for domain, ids in by_domain.items():
+                print(f"  {domain:<22} {len(ids):>5}")
+            print(f"  {'total':<22} {sum(len(ids) for ids in by_domain.values()):>5}")
+        else:
+            problems = ot.verify_cache()
+            if problems:
+                print("\n".join(problems))
+                print(f"the cache {ot.tasks_root()} is damaged ({len(problems)} problems): "
+                      "fetch again with `arpo osworld-tasks fetch --force`")
+                return 1
+            manifest = ot.read_manifest()
+            print(f"ok: {manifest['file_count']} files match {ot.tasks_root() / ot.MANIFEST} "
+                  f"(tree sha256 {manifest['tree_sha256'][:16]}...)")
+    except (ot.TaskDataError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _cmd_select_tasks(args: argparse.Namespace) -> int:
+    from arpo_lib.config import load_config
+    from arpo_lib.workflows import run_task_selection
+
+    cfg = load_config(args.config, args.overrides)
+    out = Path(args.out) if args.out else cfg.run_dir / "selection"
+    result = run_task_selection(cfg, out)
+    print(result.table())
+    print(f"kept tasks: {out / 'kept_tasks.yaml'} (train on them: --config with env.tasks from that file)")
+    return 0
+
+
+def _cmd_export_osworld(args: argparse.Namespace) -> int:
+    from arpo_lib.osworld_results import export_osworld_results
+
+    eval_dir = Path(args.eval_dir)
+    out = export_osworld_results(eval_dir, Path(args.out) if args.out else eval_dir / "osworld_results", args.model)
+    print(f"OSWorld layout: {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="arpo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -154,6 +229,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--docs", action="store_true")
     p.add_argument("overrides", nargs="*")
     p.set_defaults(func=_cmd_config)
+
+    p = sub.add_parser("osworld-tasks", help="OSWorld task data (ARPO's fork, pinned): fetch, list task sets, verify")
+    tasks_sub = p.add_subparsers(dest="action", required=True)
+    q = tasks_sub.add_parser("fetch", help="download, validate and cache evaluation_examples/")
+    q.add_argument("--source", default=None,
+                   help="http(s)/file URL, tarball or checkout directory (default: the pinned GitHub tarball)")
+    q.add_argument("--force", action="store_true", help="replace a complete cache")
+    q.add_argument("--pinned", action="store_true",
+                   help="check ARPO's counts (128 list per domain, 369 tasks, set sizes) for a local source too")
+    q.add_argument("--no-progress", action="store_true", help="no download progress bar")
+    q = tasks_sub.add_parser("list", help="the task sets, or one set's per-domain table")
+    q.add_argument("set", nargs="?", default=None, help="train128, subset32, smoke4, chrome10 or test_all")
+    q.add_argument("--ids", action="store_true", help="print the set's env names (osworld/<task_id>) instead")
+    tasks_sub.add_parser("verify", help="re-check the cache against its manifest (sha256 of every file)")
+    p.set_defaults(func=_cmd_osworld_tasks)
+
+    p = sub.add_parser("select-tasks", help="ARPO's task selection: k rollouts of the base policy per task, "
+                                            "keep tasks with a success (resumable)")
+    p.add_argument("--config", default="configs/smoke.yaml")
+    p.add_argument("--out", help="output directory (default: <run>/selection); rerun to resume")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. select.k=16 model.path=...")
+    p.set_defaults(func=_cmd_select_tasks)
+
+    p = sub.add_parser("export-osworld", help="mirror an evaluation directory into OSWorld's result layout")
+    p.add_argument("eval_dir")
+    p.add_argument("--model", default="model", help="model name in the layout (results/pyautogui/screenshot/<model>)")
+    p.add_argument("--out", help="result root (default: <eval_dir>/osworld_results)")
+    p.set_defaults(func=_cmd_export_osworld)
 
     args = parser.parse_args(argv)
     from arpo_lib.config import ConfigError

@@ -200,12 +200,14 @@ class EvalConfig:
     baseline: str | None = None
     """An evaluation directory (holding results.json) to compare against, e.g. the base model's."""
     osworld_results: bool = True
-    """Also write the results in OSWorld's own layout (<eval>/osworld/pyautogui/screenshot/<model>/...),
+    """Also write the results in OSWorld's own layout (<eval>/osworld_results/pyautogui/screenshot/<model>/...),
     which OSWorld's show_result.py reads."""
 
 
 @dataclass
 class SelectConfig:
+    enabled: bool = False
+    """Run the task-selection section of evaluation.ipynb (the CLI's select-tasks always runs)."""
     k: int = 16
     """Rollouts of the base policy per task (ARPO: 16)."""
     min_successes: int = 1

@@ -85,23 +85,25 @@ def export_osworld_results(eval_dir: str | Path, root: str | Path, model: str, *
         if d.exists():
             shutil.rmtree(d)
     stamp = time.strftime("%Y%m%d@%H%M%S")
+    size = (1920, 1080)
     for src, meta in metas:
         dst = safe_join(model_dirs[meta["sample"]], osworld_domain(meta["task"]), _example_id(meta["task"]))
         dst.mkdir(parents=True, exist_ok=True)
         lines = []
         for line in (src / "traj.jsonl").read_text().splitlines():
             rec = json.loads(line)
-            n = rec["step_num"] + 1  # our step_k.png is the screen the model saw before action k+1
+            n = rec["step_num"]  # action n was taken on step_{n-1}.png; step_n.png is the screen after it
+            seen = src / f"step_{n - 1}.png"
+            if seen.is_file():
+                with Image.open(seen) as im:
+                    size = im.size
+            # (without screenshots, coordinates are clipped to OSWorld's default screen)
             shot = src / f"step_{n}.png"
-            name = f"step_{n}_{stamp}.png"
+            name: str | None = f"step_{n}_{stamp}.png"
             if shot.is_file():
                 _link_or_copy(shot, dst / name)
-                with Image.open(shot) as im:
-                    size = im.size
-            else:  # the final screen of some backends is not kept (MiniWoB's is black)
+            else:  # no screen after the last action (a format failure ended the episode)
                 name = None
-                with Image.open(src / f"step_{rec['step_num']}.png") as im:
-                    size = im.size
             lines.append(json.dumps({
                 "step_num": n, "action_timestamp": stamp, "action": "\n".join(_pyautogui_codes(rec["action"], size)),
                 "response": rec["response"], "reward": rec["reward"], "done": rec["done"],

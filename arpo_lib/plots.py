@@ -417,3 +417,40 @@ def save_figure(fig: Figure, path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100, bbox_inches="tight")
     return path
+
+
+# ----------------------------------------------------------------------------------------------------
+# Task selection
+
+
+def plot_selection(selection: str | Path | dict[str, Any]) -> Figure:
+    """Successes out of k per task (kept tasks in colour, dropped ones grey) and the kept share
+    per domain. `selection`: a selection directory, its selection.json, or that dict."""
+    if not isinstance(selection, dict):
+        path = Path(selection)
+        path = path / "selection.json" if path.is_dir() else path
+        selection = json.loads(path.read_text())
+    tasks, k = selection["tasks"], selection["k"]
+    domains = selection.get("per_domain", {})
+    height = max(2.0, 0.3 * len(tasks) + 1.0)
+    fig = ReportFigure(figsize=(11, height + 0.6), layout="constrained")
+    ax_t, ax_d = fig.subplots(1, 2, width_ratios=[2, 1])
+    names = [t["task"] for t in tasks]
+    ax_t.barh(range(len(tasks)), [t["successes"] for t in tasks],
+              color=["C2" if t["kept"] else "0.7" for t in tasks])
+    ax_t.set_yticks(range(len(tasks)), names, fontsize=8)
+    ax_t.invert_yaxis()
+    ax_t.set_xlim(0, k)
+    ax_t.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax_t.axvline(selection["min_successes"] - 0.5, color="C3", lw=1, ls="--")
+    ax_t.set_xlabel(f"successes in k={k} rollouts (kept: >= {selection['min_successes']})")
+    if domains:
+        ax_d.barh(range(len(domains)), [d["kept_share"] for d in domains.values()], color="C0")
+        ax_d.set_yticks(range(len(domains)), list(domains), fontsize=8)
+        ax_d.invert_yaxis()
+        ax_d.set_xlim(0, 1)
+        ax_d.set_xlabel("share of tasks kept")
+    else:
+        _no_data(ax_d)
+    fig.suptitle(f"task selection: kept {len(selection['kept'])} of {len(tasks)} tasks", fontsize=11)
+    return fig

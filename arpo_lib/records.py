@@ -1,6 +1,7 @@
 """Small torch-free helpers for the run directory's records (metrics.jsonl, task names)."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -76,5 +77,23 @@ def safe_join(base: str | os.PathLike[str], *parts: str) -> Path:
 
 
 def domain_of(task: str) -> str:
-    """`miniwob/click-test` -> `miniwob`; a task name without a prefix belongs to `default`."""
-    return task.split("/", 1)[0] if "/" in task else "default"
+    """`miniwob/click-test` -> `miniwob`; `osworld/<id>` -> its OSWorld domain (`chrome`, `gimp`,
+    ...) when the task data is fetched, else `osworld`; a name without a prefix -> `default`."""
+    family, _, rest = task.partition("/")
+    if not rest:
+        return "default"
+    if family == "osworld":
+        from arpo_lib.envs.osworld_tasks import tasks_root
+
+        return _osworld_domain(rest, str(tasks_root()))
+    return family
+
+
+@functools.lru_cache(maxsize=4096)
+def _osworld_domain(task_id: str, root: str) -> str:
+    from arpo_lib.envs.osworld_tasks import task_domain
+
+    try:
+        return task_domain(task_id, Path(root))
+    except (OSError, KeyError, ValueError):
+        return "osworld"

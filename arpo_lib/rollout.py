@@ -294,7 +294,9 @@ class RolloutEngine:
         rec.seconds = time.monotonic() - ep.step_started
         ep.traj.steps.append(rec)
         if terminated or truncated:
-            ep.traj.task_score = float(reward) if terminated else 0.0
+            # The env scores truncated episodes too: OSWorld's checker judges the final state
+            # whatever ended the episode (as OSWorld and ARPO do); MiniWoB gives 0 there.
+            ep.traj.task_score = float(reward)
             ep.done = True
             ep.screenshots.append(obs.screenshot)  # the last real screen (the env keeps it)
         else:

@@ -102,9 +102,10 @@ def pool_for(cfg: RunConfig) -> Any:
             if python is None:
                 raise RuntimeError("env.python=auto: no interpreter with desktop_env found "
                                    "(run scripts/setup_osworld.sh or set $ARPO_OSWORLD_PYTHON)")
+    ray = {"ray_address": cfg.env.ray_address, "ray_resource": cfg.env.ray_resource,
+           "ray_num_cpus": cfg.env.ray_num_cpus} if cfg.env.backend == "ray" else {}
     return make_pool(cfg.env.workers, opts, cfg.env.step_timeout_s, cfg.env.envs_per_worker,
-                     backend=cfg.env.backend, python=python, ray_address=cfg.env.ray_address,
-                     ray_resource=cfg.env.ray_resource, ray_num_cpus=cfg.env.ray_num_cpus)
+                     backend=cfg.env.backend, python=python, **ray)
 
 
 class Trainer:

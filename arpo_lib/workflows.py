@@ -301,13 +301,14 @@ def run_evaluation(cfg: RunConfig, out_dir: Path) -> EvalResult:
 
 
 def export_results(cfg: RunConfig, eval_dir: Path) -> Path | None:
-    """With eval.osworld_results, mirror an evaluation into OSWorld's layout (<eval>/osworld)."""
+    """With eval.osworld_results, mirror an evaluation into OSWorld's layout (<eval>/osworld_results;
+    not <eval>/osworld, which holds the osworld family's own trajectories)."""
     if not cfg.eval.osworld_results:
         return None
     from arpo_lib.osworld_results import export_osworld_results
 
     model = cfg.serve.served_model_name or Path(cfg.model.path).name
-    return export_osworld_results(eval_dir, Path(eval_dir) / "osworld", model)
+    return export_osworld_results(eval_dir, Path(eval_dir) / "osworld_results", model)
 
 
 def run_task_selection(cfg: RunConfig, out_dir: Path | None = None) -> Any:

@@ -17,7 +17,7 @@ def _traj(root: Path, task: str, sample: int, score: float, status: str = "ok", 
         kind = {"kind": "click", "point": [10.0 + i, 20.0], "end_point": None, "keys": [], "text": None,
                 "direction": None}
         last = i == steps - 1
-        t.steps.append(StepRecord(step=i, response=f"Action: click({i})", actions=[kind] if not last else
+        t.steps.append(StepRecord(step=i + 1, response=f"Action: click({i})", actions=[kind] if not last else
                                   [{**kind, "kind": "finished", "point": None}], parse_error=None,
                                   reward=score if last else 0.0, terminated=last, truncated=False, seconds=0.1))
     shots = [Image.new("RGB", (64, 48), (i * 40, 0, 0)) for i in range(steps + 1)]
@@ -41,8 +41,9 @@ def test_one_sample_per_task_gives_osworld_layout(tmp_path):
     for x in lines:
         shot = example / x["screenshot_file"]
         assert shot.is_file() and x["screenshot_file"].startswith(f"step_{x['step_num']}_")
-    # the screenshot after action 1 is our step_1.png
+    # the screenshot after action 1 is our step_1.png (action 1 was taken on step_0.png)
     assert Image.open(example / lines[0]["screenshot_file"]).getpixel((0, 0)) == (40, 0, 0)
+    assert Image.open(example / lines[1]["screenshot_file"]).getpixel((0, 0)) == (80, 0, 0)
     # an infrastructure failure is unfinished (no result.txt), as OSWorld's scripts treat it
     assert not (model_dir / "miniwob" / "enter-text" / "result.txt").exists()
     assert read_osworld_results(model_dir) == {"miniwob": [0.0, 1.0]}

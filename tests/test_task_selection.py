@@ -138,3 +138,13 @@ def test_real_selection_with_miniwob(tiny_qwen2vl, chromium_available, tmp_path,
     assert res.kept == ["miniwob/click-test"]
     kept = tmp_path / "sel" / "selection" / "kept_tasks.yaml"
     assert load_config(kept).env.tasks == ["miniwob/click-test"]
+
+
+def test_selection_plot(tmp_path):
+    from arpo_lib.plots import plot_selection
+
+    select_tasks(FakeEngine(_by_rule), ["x/a", "x/b", "x/c"], tmp_path, k=4, progress=False)
+    fig = plot_selection(tmp_path)
+    ax = fig.axes[0]
+    assert [p.get_width() for p in ax.patches] == [2, 0, 4]
+    assert fig._repr_png_().startswith(b"\x89PNG")

@@ -16,10 +16,9 @@ __all__ = ["EnvError", "EnvSpec", "GUIEnv", "Observation", "make_env", "register
 
 _REGISTRY: dict[str, EnvSpec] = {}
 _TASK_LISTERS: dict[str, Callable[[], Sequence[str]]] = {}
-PLANNED_FAMILIES = {
-    "osworld": "the OSWorld backend (desktop_env VMs) is not built yet: see the README, 'What does not work yet'",
-}
-"""Families that configs may name already (configs/osworld_*.yaml) but that cannot be built yet."""
+_DYNAMIC: set[str] = set()
+PLANNED_FAMILIES: dict[str, str] = {}
+"""Families that configs may name already but that cannot be built yet: prefix -> why not."""
 
 
 def register_env(
@@ -27,12 +26,14 @@ def register_env(
     factory: Callable[..., GUIEnv],
     description: str = "",
     tasks: Sequence[str] | Callable[[], Sequence[str]] = (),
+    cache_tasks: bool = True,
 ) -> EnvSpec:
     """Register a family: `make_env(f"{prefix}/{task}", **options)` calls `factory(task, **options)`.
 
     `tasks` lists the valid task names, or is a function returning them (called lazily, so a
     family can discover its tasks without importing its backend at registration). An empty list
-    means any task name is passed to the factory, which validates it.
+    means any task name is passed to the factory, which validates it. `cache_tasks=False` asks
+    the lister again every time (for task lists that change while a process runs: fetched data).
     """
     if not prefix or "/" in prefix:
         raise ValueError(f"prefix must be a non-empty name without '/', got {prefix!r}")
@@ -43,11 +44,15 @@ def register_env(
     _REGISTRY[prefix] = spec
     if callable(tasks):
         _TASK_LISTERS[prefix] = tasks
+        if not cache_tasks:
+            _DYNAMIC.add(prefix)
     return spec
 
 
 def _tasks(spec: EnvSpec) -> list[str]:
     """The family's task names, resolving a lazy lister once."""
+    if spec.prefix in _DYNAMIC:
+        return list(_TASK_LISTERS[spec.prefix]())
     lister = _TASK_LISTERS.pop(spec.prefix, None)
     if lister is not None:
         spec.tasks = list(lister())
@@ -125,4 +130,38 @@ register_env(
     "MiniWoB++ web tasks in headless Chromium (options: scale, reward, max_steps, "
     "wait_seconds, episode_max_time_s, headless)",
     tasks=_miniwob_tasks,
+)
+
+
+def _make_osworld(task: str, **options: Any) -> GUIEnv:
+    """`task_config=<dict>` gives the task itself (its id must be `task`), else the id is loaded."""
+    from arpo_lib.envs.osworld import OSWorldEnv  # desktop_env loads only when an env is built
+
+    task_config = options.pop("task_config", None)
+    if task_config is not None and task_config.get("id") != task:
+        raise ValueError(f"task_config is task {task_config.get('id')!r}, not {task!r}")
+    return OSWorldEnv(task if task_config is None else task_config, **options)
+
+
+def _osworld_tasks() -> Sequence[str]:
+    """Task ids of the fetched OSWorld task data plus the fake tasks; empty (any id accepted,
+    the loader says what is missing) while no data has been fetched."""
+    try:
+        from arpo_lib.envs.osworld_tasks import cached_task_ids  # stdlib only; [] when not fetched
+    except ImportError:
+        return []
+    ids = list(cached_task_ids())
+    from arpo_lib.envs.osworld_fake import FAKE_TASKS  # stdlib + PIL only
+
+    return ids + [t for t in FAKE_TASKS if t not in ids] if ids else []
+
+
+register_env(
+    "osworld",
+    _make_osworld,
+    "OSWorld desktop tasks in desktop_env VMs (options: provider, screen_size, max_steps, path_to_vm, "
+    "cache_root, pause_s, boot_retries, backoff_s, allow_no_kvm, desktop_env_class, task_loader, "
+    "task_config)",
+    tasks=_osworld_tasks,
+    cache_tasks=False,  # `osworld-tasks fetch` may run while a notebook kernel lives
 )

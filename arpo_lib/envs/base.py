@@ -35,7 +35,8 @@ class GUIEnv(abc.ABC):
     """A GUI task environment: `reset` -> (Observation, info); `step(Action)` -> 5-tuple.
 
     `step` returns (observation, reward, terminated, truncated, info):
-    - reward is 0 until the episode ends, then the task's score (binary 0/1 or raw, per backend option);
+    - reward is 0 until the episode ends, then the task's score (binary 0/1 or raw, per backend
+      option), also when the step cap ended it (OSWorld checks the final state either way);
     - terminated: the task ended (solved, failed, or the agent said finished/call_user);
     - truncated: the step cap was reached first.
     After either flag, call `reset` before stepping again.

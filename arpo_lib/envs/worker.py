@@ -1,31 +1,61 @@
 """Environment worker processes: one environment (one browser or VM) per process.
 
-The rollout engine talks to workers over pipes with three commands: reset, step, close.
-Calls are sent to all workers first and answered afterwards, so browsers work in parallel while
-the policy batches its model calls across environments. A worker that does not answer within
-the timeout, or whose process died, is killed and restarted; the episode it was running is
-reported as an infrastructure failure (`EnvError`), never as a policy failure.
+The rollout engine talks to workers over pipes with three commands: reset, step, close (and
+`ping`, which reports the worker's interpreter and process). Calls are sent to all workers first
+and answered afterwards, so browsers work in parallel while the policy batches its model calls
+across environments. A worker that does not answer within the timeout, or whose process died, is
+killed and restarted; the episode it was running is reported as an infrastructure failure
+(`EnvError`), never as a policy failure.
 
-This module must not import torch: spawned workers stay light (~50 MB + the browser).
+Two ways to start a worker, one protocol:
+- `python=None` (the default): a `multiprocessing` spawn child of this interpreter, on a pipe.
+- `python="/path/to/other/venv/bin/python"`: the worker runs in ANOTHER interpreter
+  (`python -m arpo_lib.envs.worker`), for backends whose packages cannot live beside ours
+  (OSWorld's `desktop-env` pins old torch/numpy). It sees only this package (on PYTHONPATH) and
+  its own site-packages, and connects back over a unix socket in a private directory with a
+  random key it reads from stdin. Everything after the connection (the command loop, timeouts,
+  restarts, killing the process group) is the same code for both.
+
+`make_pool` picks the backend: these local processes, or Ray actors (`arpo_lib.envs.ray_pool`)
+that each hold one local worker on a cluster node.
+
+This module must not import torch: workers stay light (~50 MB + the browser).
 """
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import multiprocessing as mp
 import os
+import secrets
+import shutil
 import signal
+import subprocess
+import sys
+import tempfile
+import threading
 import time
 import traceback
 from collections import OrderedDict
 from dataclasses import asdict
-from typing import Any
+from multiprocessing.connection import Client, Listener
+from typing import TYPE_CHECKING, Any
 
+import arpo_lib
 from arpo_lib.actions import Action
 from arpo_lib.envs.base import EnvError
+
+if TYPE_CHECKING:
+    from arpo_lib.envs.ray_pool import RayEnvPool
+
+CONNECT_TIMEOUT_S = 60.0
+"""Longest a worker in another interpreter may take to start and connect back."""
 
 
 def _worker_main(conn: Any, env_options: dict[str, Any], cache_size: int = 1) -> None:
     # Own process group: the browser and its driver join it, so killing the group cleans up all.
     os.setsid()
+    _exit_with_parent()
     from arpo_lib.envs import make_env
 
     # Open environments by task name, least recently used first: switching back to a task
@@ -67,6 +97,8 @@ def _worker_main(conn: Any, env_options: dict[str, Any], cache_size: int = 1) ->
                         if result[2] or result[3]:
                             break
                     conn.send(("ok", result))
+                elif cmd == "ping":
+                    conn.send(("ok", worker_facts()))
                 else:
                     conn.send(("error", f"unknown command {cmd!r}"))
             except Exception as exc:  # reported to the engine, which decides what it means
@@ -84,9 +116,39 @@ def _worker_main(conn: Any, env_options: dict[str, Any], cache_size: int = 1) ->
             close_quietly(e)
 
 
+def _exit_with_parent() -> None:
+    """Kill this worker's process group (itself, the browser, the VM client) when the process
+    that started it disappears. An idle worker sees EOF on its connection anyway; this covers a
+    worker stuck inside a browser call when its parent is SIGKILLed (a Ray actor killed on
+    timeout, a trainer killed by the OOM killer)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+
+    threading.Thread(target=watch, daemon=True, name="arpo-exit-with-parent").start()
+
+
+def worker_facts() -> dict[str, Any]:
+    """What the `ping` command answers: which interpreter and process serve this environment."""
+    return {
+        "executable": sys.executable,
+        "prefix": sys.prefix,
+        "version": sys.version.split()[0],
+        "pid": os.getpid(),
+        "pgid": os.getpgid(0),
+        "sys_path": list(sys.path),
+        "torch_loaded": "torch" in sys.modules,
+        "torch_importable": importlib.util.find_spec("torch") is not None,
+    }
+
+
 class EnvSetupError(RuntimeError):
-    """The environment cannot be created at all (unknown name, missing browser, bad option):
-    retrying will not help, so the run stops with the worker's message."""
+    """The environment cannot be created at all (unknown name, missing browser, bad option, an
+    interpreter that does not exist or cannot import arpo_lib): retrying will not help, so the run
+    stops with the worker's message."""
 
 
 def _is_setup_error(exc: BaseException) -> bool:
@@ -96,24 +158,193 @@ def _is_setup_error(exc: BaseException) -> bool:
         type(exc).__name__ == "BrowserNotFoundError"
 
 
-class EnvWorker:
-    """A handle on one worker process."""
+class _InterpreterProcess:
+    """A worker started with another interpreter, seen through the part of
+    `multiprocessing.Process` that `EnvWorker` uses (pid, is_alive, exitcode, kill, join)."""
 
-    def __init__(self, env_options: dict[str, Any], timeout_s: float, cache_size: int = 1):
+    def __init__(self, popen: subprocess.Popen):
+        self.popen = popen
+        self.pid = popen.pid
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
+
+    def kill(self) -> None:
+        self.popen.kill()
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _resolve_interpreter(python: str | None) -> str | None:
+    """None when `python` is this interpreter (the spawn path), else its absolute path.
+
+    Paths are compared without resolving symlinks: every venv's python links to the same base
+    interpreter, but each venv is a different environment."""
+    if python is None or os.path.abspath(python) == os.path.abspath(sys.executable):
+        return None
+    path = python if os.sep in python else shutil.which(python)
+    if not path or not os.path.isfile(path) or not os.access(path, os.X_OK):
+        raise EnvSetupError(f"environment worker interpreter {python!r} does not exist or is not executable")
+    path = os.path.abspath(path)
+    return None if path == os.path.abspath(sys.executable) else path
+
+
+def _interpreter_env() -> dict[str, str]:
+    """Our environment, but with only this package on the path: none of our venv's packages."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONHOME", "PYTHONPATH", "VIRTUAL_ENV")}
+    package = os.path.dirname(os.path.abspath(arpo_lib.__file__))
+    root = os.path.dirname(package)
+    if os.path.basename(root) in ("site-packages", "dist-packages"):
+        # Installed into our venv (not editable): that directory would bring all our packages
+        # along, so the worker gets one that holds a link to this package alone, under the
+        # user's cache (a fixed name in /tmp could be planted by another user).
+        digest = hashlib.sha256(package.encode()).hexdigest()[:12]
+        root = os.path.join(os.path.expanduser("~"), ".cache", "arpo-workbench", "worker-path", digest)
+        link = os.path.join(root, "arpo_lib")
+        if not os.path.islink(link):
+            os.makedirs(root, exist_ok=True)
+            staging = f"{link}.{os.getpid()}"
+            os.symlink(package, staging)
+            os.replace(staging, link)
+    env["PYTHONPATH"] = root
+    return env
+
+
+def _dup_or_devnull(fd: int) -> int:
+    try:
+        return os.dup(fd)
+    except OSError:  # this process runs without that stream
+        return os.open(os.devnull, os.O_WRONLY)
+
+
+def _tail(path: str, limit: int = 4000) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - limit))
+            return f.read().decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+class EnvWorker:
+    """A handle on one worker process.
+
+    `python`: run the worker with this interpreter (another venv's python) instead of a spawn
+    child of ours; None, or our own `sys.executable`, keeps the spawn path.
+    `fresh_interpreter`: start `python -m arpo_lib.envs.worker` even with our own interpreter.
+    For hosts whose main module is not ours: a spawn child re-imports the parent's `__main__`,
+    which in a Ray actor is Ray's worker script (+65 MB and a Ray import per worker).
+    """
+
+    def __init__(self, env_options: dict[str, Any], timeout_s: float, cache_size: int = 1, *,
+                 python: str | None = None, fresh_interpreter: bool = False):
         self.env_options = env_options
         self.timeout_s = timeout_s
         self.cache_size = cache_size
+        self.python = _resolve_interpreter(python)
+        if self.python is None and fresh_interpreter:
+            self.python = os.path.abspath(sys.executable)
         self._ctx = mp.get_context("spawn")
         self.restarts = 0
         self._start()
 
     def _start(self) -> None:
-        self.conn, child = self._ctx.Pipe()
-        self.process = self._ctx.Process(target=_worker_main, args=(child, self.env_options, self.cache_size), daemon=True)
-        self.process.start()
-        child.close()
+        if self.python is None:
+            self.conn, child = self._ctx.Pipe()
+            self.process = self._ctx.Process(target=_worker_main, args=(child, self.env_options, self.cache_size),
+                                             daemon=True)
+            self.process.start()
+            child.close()
+        else:
+            self._start_interpreter()
         self.busy = False
 
+    # -- the other-interpreter path --------------------------------------------------------------
+    def _start_interpreter(self) -> None:
+        # The directory holds the socket and the start-up output, and lives only until the worker
+        # connected: nothing is left on disk however the worker or this process ends later.
+        private_dir = tempfile.mkdtemp(prefix="arpo-envworker-")  # mode 0700: ours only
+        address = os.path.join(private_dir, "worker.sock")
+        startup_log = os.path.join(private_dir, "startup.log")
+        authkey = secrets.token_bytes(32)
+        env = _interpreter_env()
+        # Once connected, the worker writes to our stdout/stderr, as a spawn child does.
+        console = (_dup_or_devnull(1), _dup_or_devnull(2))
+        try:
+            with Listener(address, family="AF_UNIX", authkey=authkey) as listener:  # closing removes the socket
+                with open(startup_log, "wb") as log:
+                    try:
+                        popen = subprocess.Popen(
+                            [self.python, "-m", "arpo_lib.envs.worker", address, *map(str, console)],
+                            stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, pass_fds=console, env=env)
+                    except OSError as exc:
+                        raise EnvSetupError(f"cannot start environment worker interpreter {self.python!r}: {exc}") \
+                            from exc
+                self.process = _InterpreterProcess(popen)
+                try:
+                    popen.stdin.write(authkey.hex().encode() + b"\n")  # never argv: other users can read that
+                    popen.stdin.close()
+                except OSError:
+                    pass  # it died at once; _accept reports why
+                self.conn = self._accept(listener, address, authkey, startup_log, env["PYTHONPATH"])
+        finally:
+            for fd in console:
+                os.close(fd)
+            shutil.rmtree(private_dir, ignore_errors=True)
+        self.conn.send((self.env_options, self.cache_size))
+
+    def _accept(self, listener: Listener, address: str, authkey: bytes, startup_log: str, pythonpath: str) -> Any:
+        """The worker's connection, waiting while it lives and at most CONNECT_TIMEOUT_S."""
+        box: dict[str, Any] = {}
+
+        def accept() -> None:
+            try:
+                box["conn"] = listener.accept()
+            except Exception as exc:
+                box["error"] = exc
+
+        thread = threading.Thread(target=accept, daemon=True, name="arpo-envworker-accept")
+        thread.start()
+        deadline = time.monotonic() + CONNECT_TIMEOUT_S
+        failure = None
+        while thread.is_alive():
+            thread.join(0.05)
+            if not thread.is_alive():
+                break
+            if not self.process.is_alive():
+                failure = f"exited with code {self.process.exitcode} before connecting"
+            elif time.monotonic() > deadline:
+                failure = f"did not connect within {CONNECT_TIMEOUT_S:.0f} s"
+            if failure:
+                try:  # accept() has no timeout: connecting ourselves ends it
+                    Client(address, family="AF_UNIX", authkey=authkey).close()
+                except Exception:
+                    pass
+                thread.join(5)
+                break
+        if failure is None and "error" in box:
+            failure = f"failed to connect: {box['error']!r}"
+        if failure is None:
+            return box["conn"]
+        if "conn" in box:
+            box["conn"].close()
+        self.process.join(0.5)  # let its last words reach the log
+        self.conn = None
+        self.kill()
+        raise EnvSetupError(f"the environment worker in {self.python} {failure} (it needs pillow and the "
+                            f"environment's own packages; arpo_lib comes from PYTHONPATH={pythonpath}). "
+                            f"Its output:\n{_tail(startup_log) or '(nothing)'}")
+
+    # -- the protocol (both paths) ----------------------------------------------------------------
     def send(self, cmd: str, payload: Any = None) -> None:
         try:
             self.conn.send((cmd, payload))
@@ -157,7 +388,8 @@ class EnvWorker:
 
     def kill(self) -> None:
         try:
-            self.conn.close()
+            if self.conn is not None:
+                self.conn.close()
         except Exception:
             pass
         # The browser and driver are in the worker's process group: they must not outlive it.
@@ -180,11 +412,17 @@ class EnvWorker:
 
 
 class EnvPool:
-    """`n` worker processes sharing the same make_env options."""
+    """`n` worker processes sharing the same make_env options (and interpreter, see EnvWorker)."""
 
     def __init__(self, n: int, env_options: dict[str, Any] | None = None, timeout_s: float = 120.0,
-                 cache_size: int = 1):
-        self.workers = [EnvWorker(dict(env_options or {}), timeout_s, cache_size) for _ in range(n)]
+                 cache_size: int = 1, *, python: str | None = None):
+        self.workers: list[EnvWorker] = []
+        try:
+            for _ in range(n):
+                self.workers.append(EnvWorker(dict(env_options or {}), timeout_s, cache_size, python=python))
+        except BaseException:
+            self.close()
+            raise
 
     def __len__(self) -> int:
         return len(self.workers)
@@ -204,5 +442,52 @@ class EnvPool:
         self.close()
 
 
+def make_pool(n: int, env_options: dict[str, Any] | None = None, timeout_s: float = 120.0, cache_size: int = 1, *,
+              backend: str = "local", python: str | None = None, ray_address: str | None = None,
+              ray_resource: str | None = None, ray_num_cpus: float | None = None) -> EnvPool | RayEnvPool:
+    """The environment pool a run's config asks for.
+
+    backend="local": worker processes on this machine (`EnvPool`); "ray": one Ray actor per
+    environment (`RayEnvPool`), placed on nodes that advertise `ray_resource` when given, on the
+    cluster at `ray_address` ("auto", "ray://host:10001") or a private local Ray when None.
+    `python` is the workers' interpreter in both (see EnvWorker).
+    """
+    if backend == "local":
+        given = [k for k, v in (("ray_address", ray_address), ("ray_resource", ray_resource),
+                                ("ray_num_cpus", ray_num_cpus)) if v is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} only apply to backend='ray' (backend is 'local')")
+        return EnvPool(n, env_options, timeout_s, cache_size, python=python)
+    if backend == "ray":
+        from arpo_lib.envs.ray_pool import RayEnvPool
+
+        extra = {} if ray_num_cpus is None else {"num_cpus": ray_num_cpus}
+        return RayEnvPool(n, env_options, timeout_s, cache_size, address=ray_address, resource=ray_resource,
+                          python=python, **extra)
+    raise ValueError(f"unknown environment backend {backend!r}: use 'local' or 'ray'")
+
+
 def action_payload(actions: list[Action]) -> list[dict[str, Any]]:
     return [asdict(a) for a in actions]
+
+
+def _serve(address: str, stdout_fd: int, stderr_fd: int) -> None:
+    """The worker side of the other-interpreter path: connect back, then the common loop."""
+    authkey = bytes.fromhex(sys.stdin.readline().strip())
+    conn = Client(address, family="AF_UNIX", authkey=authkey)
+    # Connected: from now on write where the parent writes (start-up errors went to its log).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(stdout_fd, 1)
+    os.dup2(stderr_fd, 2)
+    os.close(stdout_fd)
+    os.close(stderr_fd)
+    env_options, cache_size = conn.recv()
+    _worker_main(conn, env_options, cache_size)
+
+
+if __name__ == "__main__":
+    # Run the copy imported under the package name, so pickled classes have one identity.
+    from arpo_lib.envs import worker as _module
+
+    _module._serve(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))

@@ -1,0 +1,930 @@
+"""OSWorld task data: the ARPO fork's `evaluation_examples/`, fetched once, validated, cached.
+
+ARPO trains and evaluates on task files from its authors' OSWorld fork (FanbinLu/OSWorld, the
+commit pinned by ARPO's `OSWorld` submodule). This module brings exactly that directory onto the
+machine and names the task sets the workbench uses. Standard library only: no torch, no OSWorld.
+
+Layout of the fork's `evaluation_examples/` (and of `test_data/osworld/evaluation_examples/`):
+
+    examples/<domain>/<task_id>.json      one task: id, snapshot, instruction, config, evaluator, ...
+    test_all.json                         meta list {domain: [task_id, ...]}: all 369 test tasks
+    test_success_uitars1.5_wo_impossible.json   ARPO's 128 training tasks (same format)
+    test_small.json, ...                  other meta lists
+
+The cache, `~/.cache/arpo-workbench/osworld-tasks/<commit12>/` (root overridable with
+`$ARPO_OSWORLD_TASKS`), holds `evaluation_examples/` and `manifest.json` (source, commit, archive
+sha256, per-domain counts, sha256 of every file). A fetch extracts into a staging directory,
+validates everything, writes the manifest and only then renames the directory into place: a
+failed fetch leaves the previous cache (or none), never a partial one.
+
+Task sets (`task_set(name)` -> `["osworld/<task_id>", ...]`, in the meta list's order):
+
+- `train128`: ARPO's 128 training tasks (`test_success_uitars1.5_wo_impossible.json`).
+- `test_all`: all 369 OSWorld test tasks (`test_all.json`).
+- `subset32`: ARPO's subset run (`examples/osworld_subset32.sh`) trains on
+  `test_success_middle_difficult.json`. Where the fetched tree has that file, `subset32` is that
+  list. Where it does not, `subset32` is drawn from `train128` by a fixed rule: each domain gets
+  32 x (its share of train128) tasks, rounded down, and the remaining places go to the domains
+  with the largest fractional parts (ties: domain name order); within a domain the tasks with the
+  smallest sha256("arpo-workbench/subset32:<task_id>") are taken. On ARPO's 128 this gives
+  chrome 4, gimp 5, libreoffice_calc 3, libreoffice_impress 3, libreoffice_writer 3,
+  multi_apps 3, os 3, thunderbird 2, vlc 1, vs_code 5.
+- `smoke4`: 2 os + 2 chrome tasks of train128 that are quick to set up: feasible (evaluator is
+  not `infeasible`) and set up only with local steps (launch, execute, command, open,
+  activate_window, sleep: no download, no web tabs, no accounts), fewest setup steps first, then
+  task id. On ARPO's 128 (resolved against a third-party copy of the list and task files, as the
+  fork itself could not be reached when this was written) these are chrome 2ad9387a (new
+  bookmarks folder), chrome 2ae9ba84 (rename the Chrome profile), os 94d95f96 (install Spotify),
+  os 28cc3b7e (turn the volume up).
+- `chrome10`: 10 of train128's 18 chrome tasks, those with the smallest
+  sha256("arpo-workbench/chrome10:<task_id>").
+
+A rule-based set takes all candidates when there are fewer than its size (small fixtures); a
+fetch of the pinned commit checks that every set has exactly its size.
+
+Note on the data: "wo_impossible" notwithstanding, the 128 list holds infeasible tasks
+(evaluator func "infeasible": 26 of 128 in the copy checked), which score 1 when the agent's
+last action is FAIL.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import hashlib
+import http.client
+import json
+import lzma
+import os
+import re
+import shutil
+import tarfile
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import uuid
+import zlib
+from collections.abc import Iterator, Mapping, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from arpo_lib.records import atomic_write_text, fsync_dir
+
+OSWORLD_TASKS_REPO = "FanbinLu/OSWorld"
+OSWORLD_TASKS_COMMIT = "7a6409d7f54e335181398b10038ddf3beda9ab33"
+"""The `OSWorld` submodule commit of dvlab-research/ARPO (its only commit touching the submodule)."""
+OSWORLD_TASKS_URL = f"https://codeload.github.com/{OSWORLD_TASKS_REPO}/tar.gz/{OSWORLD_TASKS_COMMIT}"
+ENV_VAR = "ARPO_OSWORLD_TASKS"
+"""Overrides the cache root (the directory holding one `<commit12>/` per pinned commit)."""
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = 1
+EXAMPLES = "evaluation_examples"
+ENV_PREFIX = "osworld"
+
+TEST_ALL_LIST = "test_all.json"
+TRAIN_LIST = "test_success_uitars1.5_wo_impossible.json"
+SUBSET32_LIST = "test_success_middle_difficult.json"
+REQUIRED_LISTS = (TEST_ALL_LIST, TRAIN_LIST)
+"""Meta lists a fetched tree must have. These and SUBSET32_LIST (when present) are checked
+strictly; problems in other meta lists are recorded as warnings in the manifest."""
+
+FETCH_HINT = ("fetch it with `./workbench osworld-tasks fetch` (or `python -m arpo_lib osworld-tasks "
+              "fetch`; offline: `--source <OSWorld tarball or checkout>`)")
+
+DOWNLOAD_TIMEOUT_S = 60.0
+"""Socket timeout of each connect/read."""
+DOWNLOAD_ATTEMPTS = 4
+DOWNLOAD_BACKOFF_S = 2.0
+"""Wait before retry k (1-based) is DOWNLOAD_BACKOFF_S * 2**(k-1)."""
+MAX_ARCHIVE_BYTES = 2 << 30
+MAX_EXAMPLES_BYTES = 256 << 20
+"""evaluation_examples/ is a few MB; more than this is not OSWorld task data."""
+LOCAL_SETUP_STEPS = frozenset({"launch", "execute", "command", "open", "activate_window", "sleep"})
+"""Setup steps that need nothing outside the VM (smoke4's criterion)."""
+
+
+class TaskDataError(RuntimeError):
+    """The task data could not be fetched or is not valid; the message says what was wrong."""
+
+
+class UnknownTaskError(KeyError, ValueError):
+    """A task id that the cache does not hold (both a KeyError and a ValueError)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Expectations:
+    """What a fetched tree must contain beyond internal consistency."""
+
+    lists: Mapping[str, Mapping[str, int] | int] = dataclasses.field(default_factory=dict)
+    """Meta-list file -> its per-domain counts, or its total."""
+    set_sizes: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    """Task-set name -> the number of tasks it must resolve to."""
+
+
+PINNED_EXPECTATIONS = Expectations(
+    lists={
+        TRAIN_LIST: {"chrome": 18, "gimp": 19, "libreoffice_calc": 12, "libreoffice_impress": 13,
+                     "libreoffice_writer": 11, "multi_apps": 11, "os": 12, "thunderbird": 7,
+                     "vlc": 6, "vs_code": 19},
+        TEST_ALL_LIST: 369,
+    },
+    set_sizes={"train128": 128, "test_all": 369, "subset32": 32, "smoke4": 4, "chrome10": 10},
+)
+"""The ARPO paper's numbers; applied when the data is known to be the pinned commit."""
+
+TASK_SETS: dict[str, str] = {
+    "train128": f"ARPO's 128 training tasks ({TRAIN_LIST})",
+    "subset32": f"ARPO's 32-task subset run ({SUBSET32_LIST} if present, else a fixed "
+                "per-domain draw from train128)",
+    "smoke4": "2 os + 2 chrome tasks of train128 with quick, local-only setup",
+    "chrome10": "10 chrome tasks of train128 (fixed hash draw)",
+    "test_all": f"all OSWorld test tasks ({TEST_ALL_LIST}, 369)",
+}
+"""Task-set name -> what it is; `task_set(name)` resolves it against the cache."""
+
+_UUID = re.compile(r"^[0-9a-fA-F]{8}(-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}$")
+_SET_LIKE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+# ---- where the cache is ---------------------------------------------------------------------
+
+def cache_root() -> Path:
+    """The directory holding one `<commit12>/` per pinned commit (`$ARPO_OSWORLD_TASKS` or
+    `~/.cache/arpo-workbench/osworld-tasks`)."""
+    override = os.environ.get(ENV_VAR)
+    if override:
+        return Path(override).expanduser()
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "arpo-workbench" / "osworld-tasks"
+
+
+def tasks_root() -> Path:
+    """The cache of the pinned commit: holds `manifest.json` and `evaluation_examples/`."""
+    return cache_root() / OSWORLD_TASKS_COMMIT[:12]
+
+
+def examples_dir(root: Path | None = None) -> Path:
+    """`evaluation_examples/` of the cache (what OSWorld's scripts call the examples root)."""
+    return Path(root or tasks_root()) / EXAMPLES
+
+
+def _read_manifest(root: Path) -> dict[str, Any]:
+    path = root / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(f"OSWorld task data is not fetched (no {path}): {FETCH_HINT}")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        manifest = None
+    usable = (isinstance(manifest, dict) and manifest.get("format") == MANIFEST_FORMAT
+              and isinstance(manifest.get("tasks"), dict))
+    if not usable:
+        raise FileNotFoundError(f"{path} is not a usable manifest (format {MANIFEST_FORMAT}): "
+                                "fetch again with `arpo osworld-tasks fetch --force`")
+    return manifest
+
+
+def is_fetched(root: Path | None = None) -> bool:
+    """Whether a complete cache (one with a manifest) exists. Never raises."""
+    try:
+        _read_manifest(Path(root or tasks_root()))
+        return True
+    except Exception:  # noqa: BLE001 - a yes/no question about the disk
+        return False
+
+
+def cached_task_ids(root: Path | None = None) -> list[str]:
+    """Every task id under `examples/` of the cache, sorted; [] when nothing is fetched.
+    Never raises (the environment registry calls it to list `osworld/<id>` names)."""
+    try:
+        tasks = _read_manifest(Path(root or tasks_root()))["tasks"]
+        return sorted(str(t) for t in tasks)
+    except Exception:  # noqa: BLE001 - listing must not break the registry
+        return []
+
+
+# ---- reading tasks --------------------------------------------------------------------------
+
+def _strip_prefix(task_id: str) -> str:
+    return task_id[len(ENV_PREFIX) + 1:] if task_id.startswith(ENV_PREFIX + "/") else task_id
+
+
+def task_domain(task_id: str, root: Path | None = None) -> str:
+    """The domain (examples/ subdirectory) of a task id or `osworld/<id>` name."""
+    task_id = _strip_prefix(task_id)
+    tasks = _read_manifest(Path(root or tasks_root()))["tasks"]
+    if task_id not in tasks:
+        close = difflib.get_close_matches(task_id, list(tasks), n=3, cutoff=0.6)
+        hint = f" Close: {', '.join(close)}." if close else ""
+        raise UnknownTaskError(f"unknown OSWorld task id {task_id!r}.{hint} The cache holds "
+                               f"{len(tasks)} tasks (arpo osworld-tasks list).")
+    return tasks[task_id]
+
+
+def load_task(task_id: str, root: Path | None = None) -> dict[str, Any]:
+    """The task's JSON as OSWorld's `DesktopEnv.reset(task_config=...)` takes it.
+
+    FileNotFoundError (with the fetch command) when the data is not fetched; UnknownTaskError
+    (a ValueError and a KeyError) naming close ids when the id is unknown.
+    """
+    root = Path(root or tasks_root())
+    task_id = _strip_prefix(task_id)
+    domain = task_domain(task_id, root)
+    path = examples_dir(root) / "examples" / domain / f"{task_id}.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is listed in the manifest but missing: the cache is damaged; "
+                                "run `arpo osworld-tasks verify`, then `arpo osworld-tasks fetch --force`")
+    return json.loads(path.read_text())
+
+
+# ---- the task schema ------------------------------------------------------------------------
+
+def _steps_problems(steps: Any, where: str) -> list[str]:
+    if not isinstance(steps, list):
+        return [f"{where} must be a list of {{type, parameters}}, got {type(steps).__name__}"]
+    problems = []
+    for i, step in enumerate(steps):
+        if not isinstance(step, dict):
+            problems.append(f"{where}[{i}] must be an object, got {type(step).__name__}")
+            continue
+        if not isinstance(step.get("type"), str) or not step.get("type"):
+            problems.append(f"{where}[{i}].type must be a non-empty string")
+        if "parameters" in step and not isinstance(step["parameters"], dict):
+            problems.append(f"{where}[{i}].parameters must be an object")
+    return problems
+
+
+def _evaluator_problems(ev: Any) -> list[str]:
+    if not isinstance(ev, dict):
+        return [f"evaluator must be an object, got {type(ev).__name__}"]
+    func = ev.get("func")
+    problems = []
+    if isinstance(func, list):
+        n = len(func)
+        if n == 0 or not all(isinstance(f, str) and f for f in func):
+            problems.append("evaluator.func must be a non-empty string or a non-empty list of strings")
+        for key in ("result", "expected", "options"):
+            value = ev.get(key)
+            if key == "result" and value is None:
+                problems.append("evaluator.result is required when evaluator.func is a list")
+            elif value is not None and not (key == "options" and isinstance(value, dict)):
+                if not isinstance(value, list) or len(value) != n:
+                    problems.append(f"evaluator.{key} must be a list of {n} items, one per func")
+        if ev.get("conj", "and") not in ("and", "or"):
+            problems.append(f"evaluator.conj must be 'and' or 'or', got {ev.get('conj')!r}")
+    elif isinstance(func, str) and func:
+        if func != "infeasible" and not isinstance(ev.get("result"), dict):
+            problems.append(f"evaluator.result must be an object (func {func!r})")
+        for key in ("expected", "options"):
+            if key in ev and not isinstance(ev[key], dict):
+                problems.append(f"evaluator.{key} must be an object")
+    else:
+        problems.append("evaluator.func must be a non-empty string or a non-empty list of strings")
+    if "postconfig" in ev:
+        problems += _steps_problems(ev["postconfig"], "evaluator.postconfig")
+    return problems
+
+
+def validate_task(d: Any) -> list[str]:
+    """Problems with one task JSON (empty: valid).
+
+    Required: id, snapshot, instruction (non-empty strings) and evaluator {func, result, ...}
+    (result may be absent only for func "infeasible"; list-valued func needs result/expected of
+    the same length). Optional but typed: source (string or list), config and
+    evaluator.postconfig (lists of {type, parameters}), related_apps (list of strings),
+    trajectory (string), proxy and fixed_ip (booleans), possibility_of_env_change (string).
+    """
+    if not isinstance(d, dict):
+        return [f"a task must be a JSON object, got {type(d).__name__}"]
+    problems = []
+    for key in ("id", "snapshot", "instruction"):
+        if not isinstance(d.get(key), str) or not d.get(key).strip():
+            problems.append(f"{key} must be a non-empty string")
+    if "evaluator" not in d:
+        problems.append("evaluator is missing")
+    else:
+        problems += _evaluator_problems(d["evaluator"])
+    if "config" in d:
+        problems += _steps_problems(d["config"], "config")
+    source = d.get("source", "")
+    if not (isinstance(source, str) or (isinstance(source, list) and all(isinstance(s, str) for s in source))):
+        problems.append("source must be a string or a list of strings")
+    apps = d.get("related_apps", [])
+    if not (isinstance(apps, list) and all(isinstance(a, str) for a in apps)):
+        problems.append("related_apps must be a list of strings")
+    for key, typ in (("trajectory", str), ("proxy", bool), ("fixed_ip", bool), ("possibility_of_env_change", str)):
+        if key in d and not isinstance(d[key], typ):
+            problems.append(f"{key} must be a {typ.__name__}")
+    return problems
+
+
+# ---- task sets ------------------------------------------------------------------------------
+
+def _stable_rank(salt: str, task_id: str) -> str:
+    return hashlib.sha256(f"{salt}:{task_id}".encode()).hexdigest()
+
+
+def proportional_quota(counts: Mapping[str, int], k: int) -> dict[str, int]:
+    """How many of k places each domain gets: k x its share rounded down, then one more for the
+    domains with the largest remainders (ties: domain name). k >= total gives every task."""
+    total = sum(counts.values())
+    if k >= total:
+        return dict(counts)
+    quota = {d: k * n // total for d, n in counts.items()}
+    by_remainder = sorted(counts, key=lambda d: (-(k * counts[d] % total), d))
+    for d in by_remainder[: k - sum(quota.values())]:
+        quota[d] += 1
+    return quota
+
+
+def stable_subset(by_domain: Mapping[str, Sequence[str]], k: int, salt: str) -> dict[str, list[str]]:
+    """A reproducible k-task subset, proportional per domain (`proportional_quota`); within a
+    domain the tasks with the smallest sha256(f"{salt}:{task_id}"). Keeps the input order."""
+    quota = proportional_quota({d: len(ids) for d, ids in by_domain.items()}, k)
+    out = {}
+    for domain, ids in by_domain.items():
+        keep = set(sorted(ids, key=lambda t: _stable_rank(salt, t))[: quota[domain]])
+        if keep:
+            out[domain] = [t for t in ids if t in keep]
+    return out
+
+
+def _read_meta(ee: Path, name: str) -> dict[str, list[str]]:
+    path = ee / name
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist")
+    return json.loads(path.read_text())
+
+
+def _is_quick_local(task: dict[str, Any]) -> bool:
+    feasible = task.get("evaluator", {}).get("func") != "infeasible"
+    return feasible and all(step.get("type") in LOCAL_SETUP_STEPS for step in task.get("config", []))
+
+
+def _resolve_set(ee: Path, name: str) -> dict[str, list[str]]:
+    """domain -> task ids of a set, read from an `evaluation_examples/` directory."""
+    if name == "train128":
+        return _read_meta(ee, TRAIN_LIST)
+    if name == "test_all":
+        return _read_meta(ee, TEST_ALL_LIST)
+    if name == "subset32":
+        if (ee / SUBSET32_LIST).is_file():
+            return _read_meta(ee, SUBSET32_LIST)
+        return stable_subset(_read_meta(ee, TRAIN_LIST), 32, "arpo-workbench/subset32")
+    if name == "chrome10":
+        chrome = _read_meta(ee, TRAIN_LIST).get("chrome", [])
+        return stable_subset({"chrome": chrome}, 10, "arpo-workbench/chrome10") if chrome else {}
+    if name == "smoke4":
+        train = _read_meta(ee, TRAIN_LIST)
+        out = {}
+        for domain in ("os", "chrome"):
+            tasks = {t: json.loads((ee / "examples" / domain / f"{t}.json").read_text())
+                     for t in train.get(domain, [])}
+            quick = sorted((t for t, task in tasks.items() if _is_quick_local(task)),
+                           key=lambda t: (len(tasks[t].get("config", [])), t))[:2]
+            if quick:
+                out[domain] = [t for t in train[domain] if t in quick]
+        return {d: out[d] for d in train if d in out}
+    raise ValueError(f"unknown OSWorld task set {name!r}; sets: {', '.join(TASK_SETS)}")
+
+
+def task_set_by_domain(name: str, root: Path | None = None) -> dict[str, list[str]]:
+    """domain -> task ids of a set (`train128`, `subset32`, ...; `osworld/<set>` works too)."""
+    name = _strip_prefix(name)
+    if name not in TASK_SETS:
+        close = difflib.get_close_matches(name, list(TASK_SETS), n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"unknown OSWorld task set {name!r}.{hint} Sets: {', '.join(TASK_SETS)}")
+    root = Path(root or tasks_root())
+    _read_manifest(root)  # FileNotFoundError with the fetch hint when nothing is fetched
+    return _resolve_set(examples_dir(root), name)
+
+
+def task_set_source(name: str, root: Path | None = None) -> str:
+    """Where a set comes from in this cache: its meta-list file, or the rule that draws it."""
+    name = _strip_prefix(name)
+    sources = {"train128": TRAIN_LIST, "test_all": TEST_ALL_LIST,
+               "subset32": f"rule: 32 drawn per domain from {TRAIN_LIST} ({SUBSET32_LIST} is absent)",
+               "smoke4": f"rule: 2 os + 2 chrome quick local-setup tasks of {TRAIN_LIST}",
+               "chrome10": f"rule: 10 chrome tasks of {TRAIN_LIST} by sha256 rank"}
+    if name == "subset32" and (examples_dir(root) / SUBSET32_LIST).is_file():
+        return SUBSET32_LIST
+    if name not in sources:
+        raise ValueError(f"unknown OSWorld task set {name!r}; sets: {', '.join(TASK_SETS)}")
+    return sources[name]
+
+
+def task_set(name: str, root: Path | None = None) -> list[str]:
+    """Env names `osworld/<task_id>` of a set, in its meta list's order (domain by domain)."""
+    return [f"{ENV_PREFIX}/{t}" for ids in task_set_by_domain(name, root).values() for t in ids]
+
+
+def expand_task_names(names: Sequence[str], root: Path | None = None) -> list[str]:
+    """Replace every `osworld/<set>` by the set's env names, in place in the list.
+
+    `osworld/<task_id>` and names of other families (`miniwob/...`) pass through untouched, as do
+    duplicates. An `osworld/` name that looks like a set name (letters, digits, underscores)
+    but is not one raises ValueError listing the sets; the data is read only for set names.
+    """
+    out: list[str] = []
+    for name in names:
+        family, _, rest = name.partition("/")
+        if family == ENV_PREFIX and rest in TASK_SETS:
+            out += task_set(rest, root)
+        elif family == ENV_PREFIX and _SET_LIKE.match(rest) and not _UUID.match(rest):
+            close = difflib.get_close_matches(rest, list(TASK_SETS), n=1)
+            hint = f" Did you mean 'osworld/{close[0]}'?" if close else ""
+            raise ValueError(f"unknown OSWorld task set {name!r}.{hint} Sets: "
+                             f"{', '.join(f'osworld/{s}' for s in TASK_SETS)}; or name a task as osworld/<task_id>")
+        else:
+            out.append(name)
+    return out
+
+
+# ---- getting the archive --------------------------------------------------------------------
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+
+def _progress_bar(total: int | None, desc: str, enabled: bool):
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # tqdm is a dependency of the workbench, but the bar is cosmetic
+        return contextlib.nullcontext(_NoBar())
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=not enabled)
+
+
+def _download(url: str, path: Path, progress: bool) -> tuple[str, int]:
+    """Stream `url` into `path`; (sha256, bytes). Retries network errors and 5xx/429 with
+    exponential back-off; a 4xx other than 429 fails at once (a wrong URL will not heal)."""
+    request = urllib.request.Request(url, headers={"User-Agent": "arpo-workbench (osworld-tasks)"})
+    last: BaseException | None = None
+    for attempt in range(1, DOWNLOAD_ATTEMPTS + 1):
+        try:
+            with urllib.request.urlopen(request, timeout=DOWNLOAD_TIMEOUT_S) as resp, open(path, "wb") as fh:
+                length = resp.headers.get("Content-Length")
+                total = int(length) if length and length.isdigit() else None
+                digest, n = hashlib.sha256(), 0
+                with _progress_bar(total, "OSWorld tasks", progress) as bar:
+                    while chunk := resp.read(1 << 20):
+                        n += len(chunk)
+                        if n > MAX_ARCHIVE_BYTES:
+                            raise TaskDataError(f"{url} is larger than {MAX_ARCHIVE_BYTES} bytes: "
+                                                "not an OSWorld archive")
+                        fh.write(chunk)
+                        digest.update(chunk)
+                        bar.update(len(chunk))
+                if total is not None and n != total:
+                    raise http.client.IncompleteRead(b"", total - n)
+                return digest.hexdigest(), n
+        except urllib.error.HTTPError as exc:
+            if exc.code < 500 and exc.code != 429:
+                raise TaskDataError(f"could not download {url}: HTTP {exc.code} {exc.reason}") from exc
+            last = exc
+        except (urllib.error.URLError, http.client.HTTPException, OSError) as exc:
+            last = exc
+        if attempt < DOWNLOAD_ATTEMPTS:
+            time.sleep(DOWNLOAD_BACKOFF_S * 2 ** (attempt - 1))
+    reason = getattr(last, "reason", None) or last
+    raise TaskDataError(
+        f"could not download {url} after {DOWNLOAD_ATTEMPTS} attempts: {type(last).__name__}: {reason}. "
+        f"Without access to GitHub, fetch the archive elsewhere (or `git archive` a checkout of "
+        f"{OSWORLD_TASKS_REPO} at {OSWORLD_TASKS_COMMIT}) and run "
+        f"`arpo osworld-tasks fetch --source <file.tar.gz or checkout dir>`") from last
+
+
+def _safe_parts(name: str) -> tuple[str, ...]:
+    """The path components of an archive member name; TaskDataError for absolute or `..` paths."""
+    if name.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", name) or "\\" in name:
+        raise TaskDataError(f"archive member {name!r} has an absolute or non-POSIX path: refusing the archive")
+    parts = tuple(p for p in name.split("/") if p not in ("", "."))
+    if ".." in parts:
+        raise TaskDataError(f"archive member {name!r} leaves the archive ('..'): refusing the archive")
+    return parts
+
+
+def _link_target(rel: tuple[str, ...], linkname: str, symbolic: bool, top: tuple[str, ...]) -> tuple[str, ...]:
+    """Where a link member points, relative to evaluation_examples/; TaskDataError if outside.
+    A symbolic link is relative to its own directory, a hard link names an archive path."""
+    if linkname.startswith("/"):
+        raise TaskDataError(f"link {'/'.join(rel)} -> {linkname!r} is absolute: refusing the archive")
+    parts = list(rel[:-1]) if symbolic else []
+    raw = linkname.split("/")
+    if not symbolic:
+        prefix = list(top) + [EXAMPLES]
+        if raw[: len(prefix)] != prefix:
+            raise TaskDataError(f"hard link {'/'.join(rel)} -> {linkname!r} points outside {EXAMPLES}/")
+        raw = raw[len(prefix):]
+    for p in raw:
+        if p in ("", "."):
+            continue
+        if p == "..":
+            if not parts:
+                raise TaskDataError(f"link {'/'.join(rel)} -> {linkname!r} points outside {EXAMPLES}/")
+            parts.pop()
+        else:
+            parts.append(p)
+    return tuple(parts)
+
+
+def _extract_tar(archive: Path, out: Path) -> str | None:
+    """Extract only `evaluation_examples/` of a tarball into `out/evaluation_examples/`.
+
+    Every member name is checked (absolute paths and `..` refuse the whole archive). Only
+    directories and regular files are written (with our own permissions, never the archive's);
+    links inside evaluation_examples/ become copies of their target, links leaving it refuse
+    the archive, devices and fifos refuse it. Returns the commit the archive names (git
+    archive's pax comment or GitHub's `<repo>-<sha>/` top directory), or None.
+    """
+    dest = out / EXAMPLES
+    links: list[tuple[tuple[str, ...], tuple[str, ...]]] = []
+    top: tuple[str, ...] | None = None
+    written = 0
+    try:
+        with tarfile.open(archive, "r:*") as tar:
+            for member in tar:
+                parts = _safe_parts(member.name)
+                if parts[:1] == (EXAMPLES,):
+                    here, rel = (), parts[1:]
+                elif parts[1:2] == (EXAMPLES,):
+                    here, rel = parts[:1], parts[2:]
+                else:
+                    continue
+                if top is None:
+                    top = here
+                elif here != top:
+                    raise TaskDataError(f"archive has {EXAMPLES}/ under both {'/'.join(top) or '.'} and "
+                                        f"{'/'.join(here) or '.'}: refusing the archive")
+                target = dest.joinpath(*rel)
+                if member.isdir():
+                    target.mkdir(parents=True, exist_ok=True)
+                elif member.isfile():
+                    written += member.size
+                    if written > MAX_EXAMPLES_BYTES:
+                        raise TaskDataError(f"{EXAMPLES}/ in {archive} exceeds {MAX_EXAMPLES_BYTES} bytes")
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    src = tar.extractfile(member)
+                    with src, open(target, "wb") as fh:
+                        shutil.copyfileobj(src, fh)
+                elif member.issym() or member.islnk():
+                    links.append((rel, _link_target(rel, member.linkname, member.issym(), top)))
+                else:
+                    raise TaskDataError(f"archive member {member.name!r} is a device or fifo: refusing the archive")
+            commit = (tar.pax_headers or {}).get("comment")  # git archive writes the commit here
+    except (tarfile.TarError, EOFError, OSError, ValueError, zlib.error, lzma.LZMAError) as exc:
+        raise TaskDataError(f"could not read {archive} as a tar archive ({type(exc).__name__}: {exc})") from exc
+    if top is None:
+        raise TaskDataError(f"{archive} has no {EXAMPLES}/ directory (at its root or under one top directory)")
+    _materialise_links(dest, links)
+    if top and not commit:
+        m = re.search(r"-([0-9a-f]{40})$", top[0])
+        commit = m.group(1) if m else None
+    return commit if commit and re.fullmatch(r"[0-9a-f]{40}", commit) else None
+
+
+def _materialise_links(dest: Path, links: list[tuple[tuple[str, ...], tuple[str, ...]]]) -> None:
+    """Write each link as a copy of its target file (links to links resolve in later passes)."""
+    pending = list(links)
+    while pending:
+        left = [(rel, target) for rel, target in pending if not dest.joinpath(*target).is_file()]
+        for rel, target in pending:
+            if (rel, target) not in left:
+                dest.joinpath(*rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(dest.joinpath(*target), dest.joinpath(*rel))
+        if len(left) == len(pending):
+            rel, target = left[0]
+            raise TaskDataError(f"link {EXAMPLES}/{'/'.join(rel)} -> {'/'.join(target)} does not point to a "
+                                "regular file of the archive: refusing the archive")
+        pending = left
+
+
+def _copy_checkout(src: Path, out: Path) -> None:
+    """Copy a checkout's `evaluation_examples/` (regular files; links inside it as copies)."""
+    src_real = src.resolve()
+    dest = out / EXAMPLES
+    written = 0
+    for dirpath, dirnames, filenames in os.walk(src):
+        here = Path(dirpath)
+        rel_dir = here.relative_to(src)
+        for name in dirnames + filenames:
+            path = here / name
+            if path.is_symlink():
+                real = path.resolve()
+                if not real.is_relative_to(src_real):
+                    raise TaskDataError(f"{path} links outside {src}: refusing the source")
+                if real.is_dir():
+                    raise TaskDataError(f"{path} is a link to a directory: not supported, refusing the source")
+        (dest / rel_dir).mkdir(parents=True, exist_ok=True)
+        for name in filenames:
+            path = here / name
+            real = path.resolve()
+            if not real.is_file():
+                raise TaskDataError(f"{path} is not a regular file: refusing the source")
+            written += real.stat().st_size
+            if written > MAX_EXAMPLES_BYTES:
+                raise TaskDataError(f"{src} exceeds {MAX_EXAMPLES_BYTES} bytes: not OSWorld task data")
+            shutil.copyfile(real, dest / rel_dir / name)
+
+
+# ---- validation and manifest ----------------------------------------------------------------
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _file_hashes(ee: Path) -> dict[str, str]:
+    """`evaluation_examples/<rel>` -> sha256 of every file, sorted by path."""
+    return {f"{EXAMPLES}/{p.relative_to(ee).as_posix()}": _sha256_file(p)
+            for p in sorted(ee.rglob("*")) if p.is_file()}
+
+
+def _tree_sha256(files: Mapping[str, str]) -> str:
+    """sha256 of `sha256sum`-style lines `<sha>  <path>\\n`, sorted by path."""
+    return hashlib.sha256("".join(f"{h}  {p}\n" for p, h in sorted(files.items())).encode()).hexdigest()
+
+
+def _meta_shape_problem(data: Any) -> str | None:
+    if not isinstance(data, dict) or not all(
+            isinstance(k, str) and isinstance(v, list) and all(isinstance(t, str) for t in v) for k, v in data.items()):
+        return "is not a meta list {domain: [task_id, ...]}"
+    return None
+
+
+def _counts_problem(name: str, got: Mapping[str, list[str]], want: Mapping[str, int] | int) -> str | None:
+    total = sum(len(v) for v in got.values())
+    if isinstance(want, int):
+        return None if total == want else f"{name}: {total} tasks, expected {want}"
+    counts = {d: len(v) for d, v in got.items() if v}
+    if counts != {d: n for d, n in want.items() if n}:
+        return f"{name}: per-domain counts {counts} differ from the expected {dict(want)}"
+    return None
+
+
+def _validate_tree(ee: Path, expect: Expectations) -> dict[str, Any]:
+    """Check a staged `evaluation_examples/`; raise TaskDataError listing every problem.
+    Returns the manifest's data fields (tasks, domains, meta_lists, warnings)."""
+    problems: list[str] = []
+    warnings: list[str] = []
+    tasks: dict[str, str] = {}
+    examples = ee / "examples"
+    if not examples.is_dir():
+        raise TaskDataError(f"{EXAMPLES}/examples/ is missing: this is not OSWorld task data")
+    for path in sorted(examples.rglob("*")):
+        rel = path.relative_to(ee).as_posix()
+        if path.is_dir():
+            continue
+        if path.parent.parent != examples:
+            warnings.append(f"{rel}: not in examples/<domain>/, ignored")
+            continue
+        if path.suffix != ".json":
+            warnings.append(f"{rel}: not a .json file, ignored")
+            continue
+        try:
+            task = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            problems.append(f"{rel}: invalid JSON ({exc})")
+            continue
+        problems += [f"{rel}: {p}" for p in validate_task(task)]
+        if isinstance(task, dict) and task.get("id") != path.stem:
+            problems.append(f"{rel}: id {task.get('id')!r} differs from the file name")
+        if path.stem in tasks:
+            problems.append(f"{rel}: task id also in examples/{tasks[path.stem]}/")
+        tasks.setdefault(path.stem, path.parent.name)
+    if not tasks:
+        problems.append(f"{EXAMPLES}/examples/ holds no task files")
+
+    meta_lists: dict[str, dict[str, Any]] = {}
+    metas: dict[str, dict[str, list[str]]] = {}
+    strict = set(REQUIRED_LISTS) | {SUBSET32_LIST} | set(expect.lists)
+    for name in REQUIRED_LISTS:
+        if not (ee / name).is_file():
+            problems.append(f"{EXAMPLES}/{name} is missing")
+    for path in sorted(ee.glob("*.json")):
+        name = path.name
+        report = problems if name in strict else warnings
+        try:
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            report.append(f"{name}: invalid JSON ({exc})")
+            continue
+        shape = _meta_shape_problem(data)
+        if shape:
+            report.append(f"{name} {shape}")
+            continue
+        own = []
+        for domain, ids in data.items():
+            for t in ids:
+                if tasks.get(t) != domain:
+                    where = f"it is in examples/{tasks[t]}/" if t in tasks else "no such task file"
+                    own.append(f"{name}: {domain}/{t} is listed but examples/{domain}/{t}.json "
+                               f"does not exist ({where})")
+            if len(set(ids)) != len(ids):
+                own.append(f"{name}: {domain} lists a task twice")
+        report += own
+        if not own:
+            metas[name] = data
+        meta_lists[name] = {"total": sum(len(v) for v in data.values()),
+                            "domains": {d: len(v) for d, v in data.items()}}
+    if TRAIN_LIST in metas and TEST_ALL_LIST in metas:
+        test_all = {t for ids in metas[TEST_ALL_LIST].values() for t in ids}
+        extra = [t for ids in metas[TRAIN_LIST].values() for t in ids if t not in test_all]
+        if extra:
+            problems.append(f"{TRAIN_LIST}: {len(extra)} tasks are not in {TEST_ALL_LIST}, e.g. {extra[0]}")
+    for name, want in expect.lists.items():
+        if name in metas:
+            problem = _counts_problem(name, metas[name], want)
+            if problem:
+                problems.append(problem)
+        elif not (ee / name).is_file() and name not in REQUIRED_LISTS:
+            problems.append(f"{EXAMPLES}/{name} is missing")
+    if not problems:
+        for name, size in expect.set_sizes.items():
+            got = sum(len(v) for v in _resolve_set(ee, name).values())
+            if got != size:
+                problems.append(f"task set {name} resolves to {got} tasks, expected {size}")
+    if problems:
+        shown = "\n  ".join(problems[:20]) + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
+        raise TaskDataError(f"the OSWorld task data is not valid ({len(problems)} problems):\n  {shown}")
+    domains: dict[str, int] = {}
+    for domain in tasks.values():
+        domains[domain] = domains.get(domain, 0) + 1
+    return {"tasks": dict(sorted(tasks.items())), "domains": dict(sorted(domains.items())),
+            "meta_lists": meta_lists, "warnings": warnings}
+
+
+def verify_cache(root: Path | None = None) -> list[str]:
+    """Re-check the cache against its manifest: every file present with its sha256, no extra
+    files, the tree hash, the task index. Returns the problems (empty: intact)."""
+    root = Path(root or tasks_root())
+    try:
+        manifest = _read_manifest(root)
+        want = manifest["files"]
+    except (FileNotFoundError, KeyError) as exc:
+        return [f"no usable manifest: {exc}"]
+    ee = examples_dir(root)
+    got = _file_hashes(ee) if ee.is_dir() else {}
+    problems = [f"{p}: missing" for p in want if p not in got]
+    problems += [f"{p}: modified (sha256 {got[p][:12]}..., manifest {want[p][:12]}...)"
+                 for p in want if p in got and got[p] != want[p]]
+    problems += [f"{p}: not in the manifest" for p in got if p not in want]
+    if _tree_sha256(want) != manifest.get("tree_sha256"):
+        problems.append("manifest: its tree_sha256 does not match its own file list")
+    for task_id, domain in manifest.get("tasks", {}).items():
+        if f"{EXAMPLES}/examples/{domain}/{task_id}.json" not in want:
+            problems.append(f"manifest: task {domain}/{task_id} has no file entry")
+    return problems
+
+
+# ---- fetching -------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _locked(parent: Path, name: str) -> Iterator[None]:
+    """One fetch per cache directory at a time (advisory lock; no-op where fcntl is missing)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(parent / f".{name}.lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _resolve_source(source: str | os.PathLike[str] | None) -> tuple[str, str | Path]:
+    """("url", url) | ("tar", path) | ("dir", evaluation_examples path)."""
+    if source is None:
+        return "url", OSWORLD_TASKS_URL
+    text = os.fspath(source)
+    scheme = urllib.parse.urlparse(text).scheme.lower()
+    if scheme in ("http", "https"):
+        return "url", text
+    if scheme == "file":
+        text = urllib.request.url2pathname(urllib.parse.urlparse(text).path)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        if (path / EXAMPLES).is_dir():
+            return "dir", path / EXAMPLES
+        if path.name == EXAMPLES and (path / "examples").is_dir():
+            return "dir", path
+        raise TaskDataError(f"{path} is a directory without {EXAMPLES}/: give an OSWorld checkout, a tarball or a URL")
+    if path.is_file():
+        return "tar", path
+    raise TaskDataError(f"source {text!r} is neither an http(s) URL nor an existing file or directory")
+
+
+def fetch_tasks(
+    source: str | os.PathLike[str] | None = None,
+    dest: str | os.PathLike[str] | None = None,
+    force: bool = False,
+    progress: bool = True,
+    expect: Expectations | None = None,
+) -> Path:
+    """Fetch, validate and cache the OSWorld task data; returns the cache directory.
+
+    source: None (the pinned commit's GitHub tarball), an http(s) URL, a `file://` URL or path of
+        a tarball (gz/bz2/xz/plain; `evaluation_examples/` at its root or under one top dir), or
+        a checkout directory containing `evaluation_examples/`.
+    dest: the cache directory (default `tasks_root()`).
+    force: replace a complete cache; otherwise a complete cache makes this a no-op.
+    expect: counts to check; default PINNED_EXPECTATIONS when the data is known to be the pinned
+        commit (default source, or an archive that names that commit), else none beyond
+        internal consistency.
+
+    Only `evaluation_examples/` is extracted; every task and the strict meta lists are
+    validated; the manifest is written; then the directory is renamed into place. On any
+    failure the previous cache (or none) is left as it was and TaskDataError says why.
+    """
+    dest = Path(dest) if dest is not None else tasks_root()
+    if not force and is_fetched(dest):
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(dest.parent, dest.name):
+        if not force and is_fetched(dest):  # another process finished it while we waited
+            return dest
+        staging = dest.parent / f".staging-{dest.name}-{uuid.uuid4().hex[:8]}"
+        staging.mkdir()
+        try:
+            kind, where = _resolve_source(source)
+            archive_sha, commit = None, None
+            if kind == "url":
+                archive = staging / "archive.tar"
+                archive_sha, _ = _download(str(where), archive, progress)
+                commit = OSWORLD_TASKS_COMMIT if source is None else None
+                commit = _extract_tar(archive, staging) or commit
+                archive.unlink()
+            elif kind == "tar":
+                archive_sha = _sha256_file(Path(where))
+                commit = _extract_tar(Path(where), staging)
+            else:
+                _copy_checkout(Path(where), staging)
+            pinned = commit == OSWORLD_TASKS_COMMIT
+            if commit and not pinned and dest == tasks_root():
+                raise TaskDataError(f"the source is commit {commit}, but this workbench pins {OSWORLD_TASKS_COMMIT} "
+                                    f"and {dest} holds only that commit; to keep another commit, call "
+                                    "fetch_tasks(source, dest=<another directory>) from Python")
+            if expect is None:
+                expect = PINNED_EXPECTATIONS if pinned else Expectations()
+            info = _validate_tree(staging / EXAMPLES, expect)
+            files = _file_hashes(staging / EXAMPLES)
+            manifest = {
+                "format": MANIFEST_FORMAT,
+                "repo": OSWORLD_TASKS_REPO if pinned else None,
+                "commit": commit,
+                "source": str(where) if kind != "dir" else str(Path(where).resolve()),
+                "archive_sha256": archive_sha,
+                "fetched_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "expectations": dataclasses.asdict(expect),
+                "domains": info["domains"],
+                "task_count": len(info["tasks"]),
+                "file_count": len(files),
+                "tree_sha256": _tree_sha256(files),
+                "meta_lists": info["meta_lists"],
+                "warnings": info["warnings"],
+                "tasks": info["tasks"],
+                "files": files,
+            }
+            atomic_write_text(staging / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+            _swap_into_place(staging, dest)
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging, ignore_errors=True)
+    return dest
+
+
+def _swap_into_place(staging: Path, dest: Path) -> None:
+    """Rename `staging` to `dest`; an existing `dest` is moved aside first and restored if the
+    rename fails (a crash between the two renames leaves `.old-*`, which a later fetch removes)."""
+    for stale in dest.parent.glob(f".old-{dest.name}-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    old = None
+    if dest.exists():
+        old = dest.parent / f".old-{dest.name}-{uuid.uuid4().hex[:8]}"
+        os.replace(dest, old)
+    try:
+        os.replace(staging, dest)
+    except OSError:
+        if old is not None:
+            os.replace(old, dest)
+        raise
+    fsync_dir(dest.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def read_manifest(root: Path | None = None) -> dict[str, Any]:
+    """The cache's manifest (FileNotFoundError with the fetch command when nothing is fetched)."""
+    return _read_manifest(Path(root or tasks_root()))

@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# Idempotent set-up of a SEPARATE virtual environment for OSWorld's desktop_env, in which the OSWorld
+# environment workers run (arpo_lib is put on their PYTHONPATH; arpo_lib.envs.osworld imports no torch).
+#   bash scripts/setup_osworld.sh         -> builds the venv; prints its python on stdout
+#   bash scripts/setup_osworld.sh --vm    -> also pulls the Docker image and downloads the Ubuntu VM disk
+# Where: $ARPO_OSWORLD_VENV, default ~/.cache/arpo-workbench/venv-osworld (what
+# arpo_lib.envs.osworld.find_osworld_python() looks for); the VM disk goes to $ARPO_OSWORLD_VM, default
+# ~/.cache/arpo-workbench/osworld-vm/Ubuntu.qcow2 (what OSWorldEnv uses when path_to_vm is not given).
+# Why its own venv: desktop-env 1.0.2 pins torch 2.5.1, transformers 4.35.2, gymnasium 0.28.1 and
+# numpy 1.26.4 (259 packages, ~7 GB); none of that may enter the training environment's resolver.
+# Base interpreter: $ARPO_OSWORLD_BASE_PYTHON, else python3.11, python3.12 or python3.10.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+say() { printf '[setup-osworld] %s\n' "$*" >&2; }
+die() { say "ERROR: $*"; exit 1; }
+
+DESKTOP_ENV_VERSION="1.0.2"
+DOCKER_IMAGE="happysixd/osworld-docker"
+VM_URL="https://huggingface.co/datasets/xlangai/ubuntu_osworld/resolve/main/Ubuntu.qcow2.zip"
+
+WITH_VM=0
+for arg in "$@"; do
+  case "$arg" in
+    --vm) WITH_VM=1 ;;
+    -h|--help) sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 0 ;;
+    *) die "unknown argument $arg (see --help)" ;;
+  esac
+done
+
+CACHE="${XDG_CACHE_HOME:-$HOME/.cache}/arpo-workbench"
+VENV="${ARPO_OSWORLD_VENV:-$CACHE/venv-osworld}"
+VM="${ARPO_OSWORLD_VM:-$CACHE/osworld-vm/Ubuntu.qcow2}"
+mkdir -p "$(dirname "$VENV")"
+PY="${ARPO_OSWORLD_BASE_PYTHON:-$(command -v python3.11 || command -v python3.12 || command -v python3.10 || true)}"
+[ -n "$PY" ] && command -v "$PY" >/dev/null || die "no python3.10-3.12 found (set ARPO_OSWORLD_BASE_PYTHON)"
+VP="$VENV/bin/python"
+
+# 0. What the Docker provider needs on the host (warnings only: the venv is useful without them,
+#    e.g. for other providers or for reading the evaluators).
+if ! command -v docker >/dev/null; then
+  say "WARNING: no docker CLI: OSWorld's Docker provider needs a Docker engine (https://docs.docker.com/engine/install/)"
+elif ! docker info >/dev/null 2>&1; then
+  say "WARNING: the Docker engine is not reachable (is the daemon running, is this user in group docker?)"
+fi
+if [ ! -e /dev/kvm ]; then
+  say "WARNING: /dev/kvm does not exist: OSWorld VMs would run without hardware virtualisation (far too slow)"
+elif [ ! -r /dev/kvm ] || [ ! -w /dev/kvm ]; then
+  say "WARNING: /dev/kvm is not accessible to $(id -un): fine with a root Docker daemon, not with rootless Docker"
+fi
+
+# 1. The venv itself.
+if [ ! -x "$VP" ] || ! "$VP" -c 'import sys; assert (3, 10) <= sys.version_info[:2] <= (3, 12)' 2>/dev/null; then
+  if [ -e "$VENV" ]; then
+    # Only ever delete something that is a virtual environment (guards against a mistyped ARPO_OSWORLD_VENV).
+    [ -f "$VENV/pyvenv.cfg" ] || die "$VENV exists and is not a virtual environment: refusing to touch it"
+    say "removing unusable $VENV"; rm -rf "$VENV"
+  fi
+  say "creating $VENV with $PY"
+  "$PY" -m venv "$VENV"
+fi
+[ -f "$VENV/.gitignore" ] || printf '*\n' > "$VENV/.gitignore"
+
+# 2. The packages (first time: several minutes, ~7 GB). Fast when done: pip runs only when this file changed.
+stamp="$VENV/.setup-osworld-$(sha256sum < scripts/setup_osworld.sh | cut -c1-16)"
+if [ -f "$stamp" ]; then
+  say "packages up to date ($VENV, desktop-env $DESKTOP_ENV_VERSION)"
+else
+  t0=$SECONDS
+  # pip warns once per package about local wheel folders some machines configure: not useful here.
+  quiet() { "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; }
+  say "installing desktop-env==$DESKTOP_ENV_VERSION and pillow into $VENV"
+  quiet "$VP" -m pip install -q --upgrade pip
+  # pillow: arpo_lib's screenshots (desktop-env pins its own 11.0 line, which pip keeps).
+  quiet "$VP" -m pip install -q "desktop-env==$DESKTOP_ENV_VERSION" pillow || die "pip install failed"
+  say "checking the imports"
+  "$VP" -c 'import desktop_env.desktop_env, docker, PIL' || die "import check failed"
+  rm -f "$VENV"/.setup-osworld-*
+  touch "$stamp"
+  say "installed in $((SECONDS - t0)) s"
+fi
+
+# 3. Optional: the VM assets (the Docker image and the Ubuntu disk, ~12 GB zipped), fetched here rather
+#    than inside an environment's first reset, where they would exceed every worker timeout.
+if [ "$WITH_VM" = 1 ]; then
+  command -v docker >/dev/null || die "--vm needs the docker CLI"
+  say "pulling $DOCKER_IMAGE"
+  docker pull "$DOCKER_IMAGE" >&2 || die "docker pull $DOCKER_IMAGE failed"
+  if [ -f "$VM" ]; then
+    say "VM disk present: $VM"
+  else
+    mkdir -p "$(dirname "$VM")"
+    zip="$(dirname "$VM")/Ubuntu.qcow2.zip"
+    say "downloading $VM_URL (resumable) to $zip"
+    curl -fL --retry 5 -C - -o "$zip" "$VM_URL" || die "download failed (run again to resume)"
+    say "unzipping"
+    "$VP" -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])' "$zip" "$(dirname "$VM")" \
+      || die "unzip failed"
+    [ -f "$(dirname "$VM")/Ubuntu.qcow2" ] || die "the archive had no Ubuntu.qcow2"
+    [ "$(dirname "$VM")/Ubuntu.qcow2" = "$VM" ] || mv "$(dirname "$VM")/Ubuntu.qcow2" "$VM"
+    rm -f "$zip"
+    say "VM disk ready: $VM"
+  fi
+fi
+
+if [ "$VENV" = "$CACHE/venv-osworld" ]; then
+  say "done; find_osworld_python() finds $VP (environment workers with python: auto run there)"
+else
+  say "done; export ARPO_OSWORLD_VENV=$VENV (or ARPO_OSWORLD_PYTHON=$VP) so that find_osworld_python() finds it"
+fi
+echo "$VP"

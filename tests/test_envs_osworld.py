@@ -1,0 +1,638 @@
+"""OSWorld backend against the fake DesktopEnv (no Docker, no VM), and the fake against the real API.
+
+The fake's signatures are compared with desktop-env 1.0.2's source (the wheel is downloaded once
+from PyPI into the workbench cache and parsed, never imported) and, where an interpreter with
+desktop_env exists, with the installed class through inspect.
+"""
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import types
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+from PIL import Image
+
+from arpo_lib.actions import Action, to_pyautogui
+from arpo_lib.envs import EnvError, list_envs, make_env
+from arpo_lib.envs import osworld
+from arpo_lib.envs.osworld import (
+    CONTAINER_FILE, OSWorldEnv, OSWorldSetupError, find_osworld_python, remove_stale_cache_dirs,
+)
+from arpo_lib.envs.osworld_fake import (
+    BOOT_FAILURES_VAR, FAKE_DESKTOP_ENV, FAKE_TASK_LOADER, FakeDesktopEnv, load_fake_task,
+)
+from arpo_lib.envs.worker import EnvPool, EnvSetupError, _is_setup_error, action_payload
+
+REPO = Path(__file__).resolve().parent.parent
+ADAPTER_METHODS = ("__init__", "reset", "step", "evaluate", "close")
+"""The DesktopEnv methods OSWorldEnv calls: the fake must match them exactly."""
+BOX_CENTRE = (960, 540)  # inside fake-click's target box [860, 500, 1060, 580]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_fake():
+    FakeDesktopEnv.clear()
+    yield
+    FakeDesktopEnv.clear()
+
+
+def fake_env(tmp_path: Path, task: str | dict[str, Any] = "fake-click", **options: Any) -> OSWorldEnv:
+    config = load_fake_task(task) if isinstance(task, str) else task
+    options = {"provider": "fake", "desktop_env_class": FakeDesktopEnv, "cache_root": tmp_path / "cache",
+               "pause_s": 0, "backoff_s": 0, **options}
+    return OSWorldEnv(config, **options)
+
+
+def with_faults(task: str = "fake-click", **faults: Any) -> dict[str, Any]:
+    config = load_fake_task(task)
+    config["fake"] = faults
+    return config
+
+
+def calls(method: str, instance: int | None = None) -> list:
+    return [c for c in FakeDesktopEnv.calls if c.method == method and instance in (None, c.instance)]
+
+
+# ---- the fake has the real class's signatures ---------------------------------------------
+
+def _real_desktop_env_source() -> str:
+    """desktop_env/desktop_env.py of desktop-env 1.0.2, from its wheel (downloaded once, cached)."""
+    cache = osworld.workbench_cache() / "osworld-sdist"
+    wheels = sorted(cache.glob("desktop_env-1.0.2-*.whl"))
+    if not wheels:
+        try:
+            result = subprocess.run(
+                [sys.executable, "-m", "pip", "download", "desktop-env==1.0.2", "--no-deps",
+                 "--only-binary=:all:", "-d", str(cache)], capture_output=True, text=True, timeout=300)
+            detail = result.stderr[-300:]
+        except (OSError, subprocess.TimeoutExpired) as e:
+            detail = str(e)
+        wheels = sorted(cache.glob("desktop_env-1.0.2-*.whl"))
+        if not wheels:
+            pytest.skip(f"cannot download desktop-env 1.0.2 from PyPI: {detail}")
+    with zipfile.ZipFile(wheels[0]) as wheel:
+        return wheel.read("desktop_env/desktop_env.py").decode()
+
+
+def _ast_signatures(source: str, class_name: str) -> dict[str, list[tuple[str, str, str | None]]]:
+    """method -> [(parameter, kind, default as source text)] of a class, read with ast."""
+    cls = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef) and n.name == class_name)
+    signatures = {}
+    for fn in cls.body:
+        if not isinstance(fn, ast.FunctionDef) or fn.name not in ADAPTER_METHODS:
+            continue
+        a = fn.args
+        positional = a.posonlyargs + a.args
+        defaults = [None] * (len(positional) - len(a.defaults)) + list(a.defaults)
+        params = [(p.arg, "positional", ast.unparse(d) if d else None) for p, d in zip(positional, defaults)]
+        if a.vararg:
+            params.append((a.vararg.arg, "*args", None))
+        params += [(p.arg, "keyword", ast.unparse(d) if d else None) for p, d in zip(a.kwonlyargs, a.kw_defaults)]
+        if a.kwarg:
+            params.append((a.kwarg.arg, "**kwargs", None))
+        signatures[fn.name] = params
+    return signatures
+
+
+def test_fake_signatures_equal_desktop_env_1_0_2_source():
+    real = _ast_signatures(_real_desktop_env_source(), "DesktopEnv")
+    fake = _ast_signatures(Path(sys.modules[FakeDesktopEnv.__module__].__file__).read_text(), "FakeDesktopEnv")
+    assert set(real) == set(ADAPTER_METHODS), "desktop-env 1.0.2 lacks a method the adapter calls"
+    for method in ADAPTER_METHODS:
+        assert fake[method] == real[method], method
+    # What the adapter passes exists in the real signatures.
+    init = [p[0] for p in real["__init__"]]
+    assert set(osworld._MANAGED_KWARGS) <= set(init)
+    assert [p[0] for p in real["reset"]][:2] == ["self", "task_config"] and "pause" in [p[0] for p in real["step"]]
+
+
+_INSPECT_SCRIPT = """
+import inspect, json, sys
+from desktop_env.desktop_env import DesktopEnv
+print(json.dumps({m: [[p.name, str(p.kind), repr(p.default)]
+                      for p in inspect.signature(getattr(DesktopEnv, m)).parameters.values()]
+                  for m in sys.argv[1:]}))
+"""
+
+
+@pytest.mark.slow
+def test_fake_signatures_equal_installed_desktop_env():
+    import inspect
+
+    python = find_osworld_python()
+    if python is None:
+        pytest.skip("no interpreter with desktop_env (bash scripts/setup_osworld.sh builds one)")
+    result = subprocess.run([python, "-c", _INSPECT_SCRIPT, *ADAPTER_METHODS], capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    real = json.loads(result.stdout.strip().splitlines()[-1])
+    fake = {m: [[p.name, str(p.kind), repr(p.default)]
+                for p in inspect.signature(getattr(FakeDesktopEnv, m)).parameters.values()]
+            for m in ADAPTER_METHODS}
+    assert fake == real
+
+
+def test_modules_import_without_heavy_dependencies():
+    code = ("import sys, arpo_lib.envs; assert 'arpo_lib.envs.osworld' not in sys.modules; "
+            "import arpo_lib.envs.osworld, arpo_lib.envs.osworld_fake; "
+            "heavy = {'torch', 'transformers', 'desktop_env', 'docker', 'gymnasium', 'numpy'} & set(sys.modules); "
+            "assert not heavy, heavy")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+# ---- the adapter's contract ---------------------------------------------------------------
+
+def test_reset_boots_lazily_and_returns_the_screen(tmp_path):
+    env = fake_env(tmp_path)
+    assert FakeDesktopEnv.instances == []  # nothing boots before the first reset
+    obs, info = env.reset(seed=3)
+    assert isinstance(obs.screenshot, Image.Image) and obs.screenshot.mode == "RGB"
+    assert obs.screenshot.size == (1920, 1080)
+    assert obs.instruction == "Click the blue 'Submit' button." and obs.step == 0
+    assert info == {"task_id": "fake-click", "domain": "fake"}
+    assert env.name == "osworld/fake-click"
+    (init,) = calls("__init__")
+    assert init.args == {
+        "provider_name": "fake", "region": None, "path_to_vm": None, "snapshot_name": "init_state",
+        "action_space": "pyautogui", "cache_dir": str(env.cache_dir), "screen_size": (1920, 1080),
+        "headless": True, "require_a11y_tree": False, "require_terminal": False, "os_type": "Ubuntu",
+        "enable_proxy": False, "client_password": ""}
+    (reset,) = calls("reset")
+    assert reset.args["task_config"]["id"] == "fake-click" and reset.args["seed"] == 3
+    env.close()
+
+
+@pytest.mark.parametrize("action", [
+    Action("click", point=(100.4, 200.6)),
+    Action("click", point=(5000, -20)),  # clipped into the 1280x720 screen
+    Action("left_double", point=(10, 10)),
+    Action("right_single", point=(640, 360)),
+    Action("drag", point=(10, 10), end_point=(300, 400)),
+    Action("hotkey", keys=["ctrl", "c"]),
+    Action("type", text="it's \"quoted\"\n"),
+    Action("scroll", point=(50, 60), direction="left"),
+], ids=lambda a: a.kind)
+def test_step_sends_exactly_the_converted_code(tmp_path, action):
+    env = fake_env(tmp_path, screen_size=[1280, 720], max_steps=5)  # a YAML list is accepted
+    env.reset()
+    obs, reward, terminated, truncated, info = env.step(action)
+    expected = to_pyautogui(action, (1280, 720))
+    assert calls("step")[-1].args == {"action": expected, "pause": 0.0}
+    assert info["code"] == expected and info["action_error"] is None
+    assert (reward, terminated, truncated) == (0.0, False, False) and obs.step == 1
+    assert obs.screenshot.size == (1280, 720)
+    assert calls("evaluate") == []
+    env.close()
+
+
+@pytest.mark.parametrize("kind, code, ends", [("wait", "WAIT", False), ("finished", "DONE", True),
+                                               ("call_user", "FAIL", True)])
+def test_special_actions(tmp_path, kind, code, ends):
+    env = fake_env(tmp_path)
+    env.reset()
+    _, reward, terminated, truncated, info = env.step(Action(kind))
+    assert calls("step")[-1].args["action"] == code and info["code"] == code
+    assert terminated is ends and truncated is False
+    assert len(calls("evaluate")) == int(ends)
+    if ends:
+        assert info["score"] == reward == 0.0  # feasible task, nothing clicked
+    env.close()
+
+
+def test_scripted_success_scores_one_and_a_miss_zero(tmp_path):
+    env = fake_env(tmp_path)
+    env.reset()
+    assert env.step(Action("click", point=BOX_CENTRE))[1:4] == (0.0, False, False)
+    _, reward, terminated, _, info = env.step(Action("finished", text="done"))
+    assert (reward, terminated, info["score"]) == (1.0, True, 1.0)
+    with pytest.raises(RuntimeError, match="call reset"):
+        env.step(Action("wait"))
+    env.reset()  # same VM, new episode
+    env.step(Action("click", point=(10, 10)))
+    assert env.step(Action("finished"))[1] == 0.0
+    assert len(FakeDesktopEnv.instances) == 1
+    env.close()
+
+
+def test_typing_task_and_infeasible_task(tmp_path):
+    env = fake_env(tmp_path, "fake-type")
+    env.reset()
+    env.step(Action("type", text="hello world\n"))
+    assert env.step(Action("finished"))[1] == 1.0
+    env.close()
+    env = fake_env(tmp_path, "fake-infeasible")
+    env.reset()
+    assert env.step(Action("call_user"))[1] == 1.0  # OSWorld: infeasible scores 1 only after FAIL
+    env.reset()
+    assert env.step(Action("finished"))[1] == 0.0
+    env.close()
+
+
+def test_truncation_is_scored_too(tmp_path):
+    env = fake_env(tmp_path, max_steps=3)
+    env.reset()
+    env.step(Action("click", point=BOX_CENTRE))
+    assert env.step(Action("wait"))[1:4] == (0.0, False, False)
+    _, reward, terminated, truncated, info = env.step(Action("wait"))
+    assert (reward, terminated, truncated, info["score"]) == (1.0, False, True, 1.0)
+    assert len(calls("evaluate")) == 1
+    env.close()
+
+
+def test_refused_action_is_a_noop_step(tmp_path):
+    env = fake_env(tmp_path)
+    env.reset()
+    obs, reward, terminated, truncated, info = env.step(Action("hotkey", keys=["hyperdrive"]))
+    assert info["code"] is None and "hyperdrive" in info["action_error"]
+    assert calls("step") == [] and obs.step == 1 and not (terminated or truncated)
+    env.close()
+
+
+def test_accessibility_tree_on_request(tmp_path):
+    env = fake_env(tmp_path, require_a11y_tree=True)
+    _, info = env.reset()
+    assert "Submit" in info["accessibility_tree"]
+    assert calls("__init__")[0].args["require_a11y_tree"] is True
+    assert "accessibility_tree" in env.step(Action("wait"))[4]
+    env.close()
+
+
+def test_each_env_has_its_own_cache_dir_removed_on_close(tmp_path):
+    a, b = fake_env(tmp_path), fake_env(tmp_path)
+    a.reset()
+    b.reset()
+    assert a.cache_dir != b.cache_dir and a.cache_dir.parent == b.cache_dir.parent == tmp_path / "cache"
+    assert [c.args["cache_dir"] for c in calls("__init__")] == [str(a.cache_dir), str(b.cache_dir)]
+    assert (a.cache_dir / "fake-click").is_dir()  # DesktopEnv's per-task subdir, inside ours
+    a.close()
+    a.close()  # safe twice
+    assert not a.cache_dir.exists() and b.cache_dir.exists()
+    assert len(calls("close", 0)) == 1 and FakeDesktopEnv.instances[0].closed
+    with pytest.raises(RuntimeError, match="closed"):
+        a.reset()
+    b.close()
+
+
+def test_container_record_survives_only_a_failed_close(tmp_path):
+    class DockerLike(FakeDesktopEnv):
+        fail_close = False
+
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.provider = types.SimpleNamespace(container=types.SimpleNamespace(id="c0ffee"))
+
+        def close(self):
+            super().close()
+            if self.fail_close:
+                raise ConnectionError("docker daemon gone")
+
+    env = fake_env(tmp_path, desktop_env_class=DockerLike)
+    env.reset()
+    assert (env.cache_dir / CONTAINER_FILE).read_text() == "c0ffee"
+    env.close()
+    assert not env.cache_dir.exists()
+    env = fake_env(tmp_path, desktop_env_class=DockerLike)
+    env.reset()
+    DockerLike.fail_close = True
+    env.close()
+    assert (env.cache_dir / CONTAINER_FILE).read_text() == "c0ffee"  # kept for the janitor
+
+
+# ---- boots, retries, infrastructure failures ------------------------------------------------
+
+def test_failed_setups_are_retried_with_exponential_backoff(tmp_path, monkeypatch):
+    sleeps: list[float] = []
+    monkeypatch.setattr(osworld.time, "sleep", sleeps.append)
+    env = fake_env(tmp_path, with_faults(reset_failures=2), boot_retries=3, backoff_s=10)
+    obs, _ = env.reset()
+    assert obs.instruction and sleeps == [10, 20]
+    assert len(FakeDesktopEnv.instances) == 3  # a fresh DesktopEnv after each failure
+    assert [i.closed for i in FakeDesktopEnv.instances] == [True, True, False]
+    env.close()
+
+
+def test_boot_gives_up_with_env_error(tmp_path, monkeypatch):
+    monkeypatch.setenv(BOOT_FAILURES_VAR, "5")  # the constructor (VM boot) fails
+    env = fake_env(tmp_path, boot_retries=2)
+    with pytest.raises(EnvError, match="3 attempts.*failed to boot") as err:
+        env.reset()
+    assert not _is_setup_error(err.value)
+    monkeypatch.setenv(BOOT_FAILURES_VAR, "0")
+    assert env.reset()[0].step == 0  # the next reset tries again
+    env.close()
+
+
+@pytest.mark.parametrize("mode", ["raise", "no_screenshot"])
+def test_vm_death_mid_episode_is_an_infrastructure_failure(tmp_path, mode):
+    env = fake_env(tmp_path, with_faults(die_at_step=2, die_mode=mode))
+    env.reset()
+    env.step(Action("click", point=(5, 5)))
+    with pytest.raises(EnvError) as err:
+        env.step(Action("click", point=(6, 6)))
+    assert not _is_setup_error(err.value)
+    assert env.desktop_env is None and FakeDesktopEnv.instances[0].closed
+    with pytest.raises(RuntimeError, match="call reset"):
+        env.step(Action("wait"))
+    obs, _ = env.reset()  # a fresh VM
+    assert len(FakeDesktopEnv.instances) == 2 and obs.step == 0
+    assert env.step(Action("wait"))[0].step == 1
+    env.close()
+
+
+def test_evaluator_failure_is_an_infrastructure_failure(tmp_path):
+    env = fake_env(tmp_path, with_faults(evaluate_fails=True))
+    env.reset()
+    with pytest.raises(EnvError, match="evaluate"):
+        env.step(Action("finished"))
+    assert env.desktop_env is None
+    env.close()
+
+
+def test_wrong_screen_size_is_a_setup_error_not_retried(tmp_path):
+    class SmallScreen(FakeDesktopEnv):
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.screen_width, self.screen_height = 1280, 720
+
+    env = fake_env(tmp_path, desktop_env_class=SmallScreen, boot_retries=3)
+    with pytest.raises(OSWorldSetupError, match="1280x720 but screen_size is 1920x1080"):
+        env.reset()
+    assert len(FakeDesktopEnv.instances) == 1
+    env.close()
+
+
+def test_rejected_desktop_env_options_are_setup_errors(tmp_path):
+    env = fake_env(tmp_path, desktop_env_kwargs={"snapshot_name": "clean"})
+    env.reset()
+    assert calls("__init__")[0].args["snapshot_name"] == "clean"
+    env.close()
+    env = fake_env(tmp_path, desktop_env_kwargs={"no_such_option": 1}, boot_retries=3)
+    with pytest.raises(OSWorldSetupError, match="no_such_option") as err:
+        env.reset()
+    assert _is_setup_error(err.value) and len(FakeDesktopEnv.instances) == 1
+    env.close()
+    with pytest.raises(ValueError, match="screen_size"):
+        fake_env(tmp_path, desktop_env_kwargs={"screen_size": (10, 10)})
+
+
+# ---- preflight and installation errors ------------------------------------------------------
+
+def _docker_module(ping_error: Exception | None = None, image: bool = True,
+                   removed: list[str] | None = None) -> types.ModuleType:
+    """A stand-in for the docker package: from_env().ping()/images.get()/containers.get().remove()."""
+    module = types.ModuleType("docker")
+    module.errors = types.SimpleNamespace(ImageNotFound=type("ImageNotFound", (Exception,), {}),
+                                          NotFound=type("NotFound", (Exception,), {}))
+
+    def get_image(name: str) -> object:
+        if not image:
+            raise module.errors.ImageNotFound(name)
+        return object()
+
+    def get_container(cid: str) -> object:
+        return types.SimpleNamespace(remove=lambda force: removed.append(cid))
+
+    def ping() -> bool:
+        if ping_error:
+            raise ping_error
+        return True
+
+    client = types.SimpleNamespace(ping=ping, images=types.SimpleNamespace(get=get_image),
+                                   containers=types.SimpleNamespace(get=get_container), close=lambda: None)
+    module.from_env = lambda: client
+    return module
+
+
+@pytest.fixture
+def docker_host(tmp_path, monkeypatch):
+    """A machine where the Docker provider could run: docker package and engine, /dev/kvm, VM disk."""
+    monkeypatch.setitem(sys.modules, "docker", _docker_module())
+    kvm = tmp_path / "kvm"
+    kvm.touch()
+    monkeypatch.setattr(osworld, "KVM_DEVICE", str(kvm))
+    vm = tmp_path / "Ubuntu.qcow2"
+    vm.touch()
+    monkeypatch.setenv("ARPO_OSWORLD_VM", str(vm))
+    return types.SimpleNamespace(kvm=kvm, vm=vm)
+
+
+def test_preflight_passes_and_resolves_the_vm_image(tmp_path, docker_host):
+    env = fake_env(tmp_path, provider="docker")
+    env.reset()
+    assert calls("__init__")[0].args["path_to_vm"] == str(docker_host.vm.resolve())
+    env.close()
+
+
+@pytest.mark.parametrize("problem, error, message", [
+    ("no_package", ImportError, r"docker.*package is missing.*setup_osworld\.sh"),
+    ("no_engine", OSWorldSetupError, r"Docker engine is not usable.*Connection refused"),
+    ("no_image", OSWorldSetupError, r"docker pull happysixd/osworld-docker"),
+    ("no_kvm", OSWorldSetupError, r"/kvm does not exist.*allow_no_kvm=True"),
+    ("no_vm", OSWorldSetupError, r"VM disk image .* does not exist.*setup_osworld\.sh --vm"),
+])
+def test_preflight_errors_are_clear_setup_errors(tmp_path, monkeypatch, docker_host, problem, error, message):
+    if problem == "no_package":
+        monkeypatch.setitem(sys.modules, "docker", None)
+    elif problem == "no_engine":
+        monkeypatch.setitem(sys.modules, "docker", _docker_module(ping_error=ConnectionError("Connection refused")))
+    elif problem == "no_image":
+        monkeypatch.setitem(sys.modules, "docker", _docker_module(image=False))
+    elif problem == "no_kvm":
+        docker_host.kvm.unlink()
+    else:
+        docker_host.vm.unlink()
+    with pytest.raises(error, match=message) as err:
+        fake_env(tmp_path, provider="docker")
+    assert _is_setup_error(err.value)
+    assert FakeDesktopEnv.instances == [] and not (tmp_path / "cache").exists()  # nothing started
+
+
+def test_allow_no_kvm_warns_instead(tmp_path, docker_host):
+    docker_host.kvm.unlink()
+    with pytest.warns(UserWarning, match="kvm does not exist"):
+        env = fake_env(tmp_path, provider="docker", allow_no_kvm=True)
+    env.close()
+
+
+def test_missing_desktop_env_names_the_setup_script(tmp_path):
+    if importlib.util.find_spec("desktop_env") is not None:
+        pytest.skip("desktop_env is installed in this interpreter")
+    with pytest.raises(ImportError, match=r"setup_osworld\.sh.*FakeDesktopEnv") as err:
+        OSWorldEnv(load_fake_task("fake-click"), provider="fake", cache_root=tmp_path)
+    assert _is_setup_error(err.value)
+
+
+def test_stale_cache_dirs_of_dead_processes_are_cleaned(tmp_path, monkeypatch):
+    removed: list[str] = []
+    monkeypatch.setitem(sys.modules, "docker", _docker_module(removed=removed))
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    host = socket.gethostname()
+    root = tmp_path / "cache"
+    stale = root / f"{host}-{dead.pid}-abc"
+    live = root / f"{host}-{os.getpid()}-def"
+    elsewhere = root / f"otherhost-{dead.pid}-ghi"
+    for d in (stale, live, elsewhere):
+        d.mkdir(parents=True)
+    (stale / CONTAINER_FILE).write_text("deadbeef")
+    env = fake_env(tmp_path)  # building an environment cleans up
+    assert removed == ["deadbeef"] and not stale.exists() and live.exists() and elsewhere.exists()
+    env.close()
+    stale.mkdir()
+    (stale / CONTAINER_FILE).write_text("deadbeef")
+    monkeypatch.setitem(sys.modules, "docker", None)  # cannot remove the container: keep the record
+    assert remove_stale_cache_dirs(root) == [] and stale.exists()
+
+
+# ---- options, tasks, registry ---------------------------------------------------------------
+
+def test_task_configs_are_checked(tmp_path):
+    with pytest.raises(ValueError, match="lacks evaluator"):
+        fake_env(tmp_path, {"id": "x", "instruction": "do"})
+    with pytest.raises(ValueError, match="returned task 'fake-type' for 'fake-click'"):
+        OSWorldEnv("fake-click", provider="fake", desktop_env_class=FAKE_DESKTOP_ENV, cache_root=tmp_path,
+                   task_loader=lambda _: load_fake_task("fake-type"))
+    with pytest.raises(FileNotFoundError, match="no fake OSWorld task 'nope'"):
+        OSWorldEnv("nope", provider="fake", desktop_env_class=FAKE_DESKTOP_ENV, task_loader=FAKE_TASK_LOADER,
+                   cache_root=tmp_path)
+    with pytest.raises(ValueError, match="module:name"):
+        OSWorldEnv("fake-click", provider="fake", task_loader="no_colon", cache_root=tmp_path)
+    with pytest.raises(ImportError, match="has no 'nothing'"):
+        OSWorldEnv("fake-click", provider="fake", task_loader="arpo_lib.envs.osworld_fake:nothing",
+                   cache_root=tmp_path)
+    with pytest.raises(ValueError, match="max_steps"):
+        fake_env(tmp_path, max_steps=0)
+
+
+def test_make_env_with_a_loader_a_function_or_a_task_config(tmp_path):
+    assert list_envs("osworld")  # the registry can list the family (ids once the data is fetched)
+    common = {"provider": "fake", "desktop_env_class": FAKE_DESKTOP_ENV, "cache_root": str(tmp_path),
+              "pause_s": 0}
+    for options in ({"task_loader": FAKE_TASK_LOADER}, {"task_loader": load_fake_task},
+                    {"task_config": load_fake_task("fake-click")}):
+        env = make_env("osworld/fake-click", **common, **options)
+        assert isinstance(env, OSWorldEnv) and env.task_id == "fake-click"
+        env.reset()
+        env.step(Action("click", point=BOX_CENTRE))
+        assert env.step(Action("finished"))[1] == 1.0
+        env.close()
+    with pytest.raises(ValueError, match="task_config is task 'fake-type'"):
+        make_env("osworld/fake-click", **common, task_config=load_fake_task("fake-type"))
+
+
+def test_find_osworld_python(tmp_path, monkeypatch):
+    monkeypatch.delenv("ARPO_OSWORLD_PYTHON", raising=False)
+    monkeypatch.setenv("ARPO_OSWORLD_VENV", str(tmp_path / "venv"))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert find_osworld_python() is None
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.touch()
+    assert find_osworld_python() == str(python)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "desktop_env" else None)
+    assert find_osworld_python() == sys.executable
+    monkeypatch.setenv("ARPO_OSWORLD_PYTHON", "/opt/osworld/bin/python")
+    assert find_osworld_python() == "/opt/osworld/bin/python"
+
+
+def test_setup_script_is_valid_bash_and_pins_desktop_env():
+    script = REPO / "scripts" / "setup_osworld.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    text = script.read_text()
+    assert 'DESKTOP_ENV_VERSION="1.0.2"' in text and "venv-osworld" in text
+    bad = subprocess.run(["bash", str(script), "--no-such-flag"], capture_output=True, text=True)
+    assert bad.returncode != 0 and "unknown argument" in bad.stderr
+
+
+# ---- through the real environment worker processes ------------------------------------------
+
+def _worker_options(tmp_path: Path, **faults: Any) -> dict[str, Any]:
+    config = with_faults(log=str(tmp_path / "calls.jsonl"), **faults)
+    return {"desktop_env_class": FAKE_DESKTOP_ENV, "provider": "fake", "task_config": config,
+            "cache_root": str(tmp_path / "cache"), "pause_s": 0, "backoff_s": 0}
+
+
+def _logged(tmp_path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+
+
+def test_worker_runs_an_episode_and_reports_infrastructure_failures(tmp_path):
+    click, done = Action("click", point=BOX_CENTRE), Action("finished")
+    with EnvPool(1, _worker_options(tmp_path, die_at_step=3), timeout_s=60) as pool:
+        worker = pool.workers[0]
+        obs, info = worker.call("reset", ("osworld/fake-click", 0))
+        assert obs.screenshot.size == (1920, 1080) and info["task_id"] == "fake-click"
+        _, reward, terminated, _, info = worker.call("step", action_payload([click, done]))
+        assert (reward, terminated, info["score"]) == (1.0, True, 1.0)
+        worker.call("reset", ("osworld/fake-click", 1))
+        worker.call("step", action_payload([click, click]))
+        with pytest.raises(EnvError, match="the VM failed during step"):  # not a set-up error
+            worker.call("step", action_payload([click]))
+        obs, _ = worker.call("reset", ("osworld/fake-click", 2))  # a fresh environment
+        assert obs.step == 0 and worker.restarts == 0
+    log = _logged(tmp_path)
+    steps = [c["args"]["action"] for c in log if c["method"] == "step"]
+    assert steps[:2] == [to_pyautogui(click), "DONE"]
+    assert [c["result"] for c in log if c["method"] == "evaluate"] == [1.0]
+    assert sorted({c["instance"] for c in log if c["method"] == "__init__"}) == [0, 1]
+
+
+@pytest.mark.slow
+def test_worker_hang_and_setup_errors(tmp_path):
+    with EnvPool(1, _worker_options(tmp_path, hang_at_step=1, hang_s=120), timeout_s=3) as pool:
+        pool.workers[0].call("reset", ("osworld/fake-click", 0))
+        with pytest.raises(EnvError, match="timed out"):
+            pool.workers[0].call("step", action_payload([Action("wait")]))
+        assert pool.restarts == 1
+    options = {"desktop_env_class": FAKE_DESKTOP_ENV, "provider": "fake", "task_loader": FAKE_TASK_LOADER,
+               "cache_root": str(tmp_path / "cache")}
+    with EnvPool(1, options, timeout_s=60) as pool:
+        with pytest.raises(EnvSetupError, match="no-such-task"):
+            pool.workers[0].call("reset", ("osworld/no-such-task", 0))
+
+
+@pytest.mark.slow
+def test_worker_in_the_osworld_interpreter(tmp_path):
+    """Where desktop-env's own venv exists: the backend imports there without torch, an episode
+    with the fake runs in a worker on that interpreter, and the real DesktopEnv is imported and
+    its refusal of an unknown provider becomes a set-up error."""
+    python = find_osworld_python()
+    if python is None or os.path.abspath(python) == os.path.abspath(sys.executable):
+        pytest.skip("no separate interpreter with desktop_env (bash scripts/setup_osworld.sh builds one)")
+    with EnvPool(1, _worker_options(tmp_path), timeout_s=120, python=python) as pool:
+        worker = pool.workers[0]
+        worker.call("reset", ("osworld/fake-click", 0))
+        result = worker.call("step", action_payload([Action("click", point=BOX_CENTRE), Action("finished")]))
+        assert result[1] == 1.0
+        facts = worker.call("ping")
+        assert os.path.abspath(facts["executable"]) == os.path.abspath(python) and not facts["torch_loaded"]
+    options = {"provider": "no-such-provider", "task_loader": FAKE_TASK_LOADER, "cache_root": str(tmp_path)}
+    with EnvPool(1, options, timeout_s=300, python=python) as pool:
+        with pytest.raises(EnvSetupError, match="DesktopEnv could not be created"):
+            pool.workers[0].call("reset", ("osworld/fake-click", 0))
+
+
+def test_default_loader_reads_the_fetched_task_data(tmp_path, monkeypatch):
+    from arpo_lib.envs import osworld_tasks
+
+    monkeypatch.setenv(osworld_tasks.ENV_VAR, str(tmp_path / "no-tasks"))
+    with pytest.raises(FileNotFoundError, match="not fetched") as err:
+        OSWorldEnv("fake-click", provider="fake", desktop_env_class=FAKE_DESKTOP_ENV, cache_root=tmp_path)
+    assert _is_setup_error(err.value)
+    task = load_fake_task("fake-click")
+    del task["domain"]  # OSWorld's task files have none: it comes from the data's layout
+    monkeypatch.setattr(osworld_tasks, "load_task", lambda task_id: dict(task))
+    monkeypatch.setattr(osworld_tasks, "task_domain", lambda task_id: "chrome")
+    env = OSWorldEnv("fake-click", provider="fake", desktop_env_class=FAKE_DESKTOP_ENV, cache_root=tmp_path,
+                     pause_s=0)
+    assert env.reset()[1] == {"task_id": "fake-click", "domain": "chrome"}
+    env.close()

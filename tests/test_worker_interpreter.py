@@ -1,0 +1,157 @@
+"""Environment workers in another interpreter (`EnvWorker(python=...)`), as OSWorld needs.
+
+The other interpreter is a small venv with miniwob but NO torch, built once and cached under
+~/.cache/arpo-workbench/test-venv-envworker/ (rebuilt when broken). Real MiniWoB episodes run
+through it; the worker proves which interpreter serves it with the `ping` command.
+"""
+from __future__ import annotations
+
+import hashlib
+import multiprocessing
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from arpo_lib.actions import Action
+from arpo_lib.envs.base import EnvError
+from arpo_lib.envs.worker import EnvPool, EnvSetupError, EnvWorker, action_payload
+
+VENV = Path.home() / ".cache" / "arpo-workbench" / "test-venv-envworker"
+CHECK = "import miniwob, selenium, PIL, importlib.util as u; assert u.find_spec('torch') is None"
+
+
+def _venv_python(venv: Path) -> Path:
+    return venv / "bin" / "python"
+
+
+def _works(venv: Path) -> bool:
+    python = _venv_python(venv)
+    return python.is_file() and subprocess.run([python, "-c", CHECK], capture_output=True).returncode == 0
+
+
+@pytest.fixture(scope="module")
+def other_python() -> str:
+    """A torch-free venv with miniwob==1.1.0 (selenium, gymnasium, numpy, pillow)."""
+    if not _works(VENV):
+        shutil.rmtree(VENV, ignore_errors=True)
+        try:
+            subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", VENV],
+                           check=True, capture_output=True, timeout=120)
+            subprocess.run([_venv_python(VENV), "-m", "pip", "install", "-q", "miniwob==1.1.0"],
+                           check=True, capture_output=True, timeout=600)
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+            shutil.rmtree(VENV, ignore_errors=True)
+            output = (getattr(exc, "stderr", None) or b"").decode(errors="replace")
+            pytest.skip(f"cannot build the test venv (offline?): {output[-500:]}")
+        assert _works(VENV), "the test venv was built but cannot import miniwob (or has torch)"
+    return str(_venv_python(VENV))
+
+
+# ---- no browser, no venv ----------------------------------------------------------------------
+
+def test_missing_interpreter_is_a_setup_error_naming_it():
+    with pytest.raises(EnvSetupError, match="/nonexistent/bin/python.*does not exist"):
+        EnvPool(1, {}, python="/nonexistent/bin/python")
+
+
+def test_an_interpreter_that_cannot_start_the_worker_reports_its_output(tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho \"ModuleNotFoundError: No module named 'arpo_lib'\" >&2\nexit 3\n")
+    fake.chmod(0o755)
+    start = time.monotonic()
+    with pytest.raises(EnvSetupError, match=r"(?s)exited with code 3.*No module named 'arpo_lib'"):
+        EnvWorker({}, timeout_s=10, python=str(fake))
+    assert time.monotonic() - start < 10
+
+
+def test_our_own_interpreter_keeps_the_spawn_path():
+    worker = EnvWorker({}, timeout_s=30, python=sys.executable)
+    try:
+        assert worker.python is None and isinstance(worker.process, multiprocessing.process.BaseProcess)
+        assert worker.call("ping")["executable"] == sys.executable
+    finally:
+        worker.close()
+
+
+# ---- the torch-free venv ----------------------------------------------------------------------
+
+def test_worker_runs_in_the_other_interpreter_without_our_packages(other_python):
+    with EnvPool(1, {}, timeout_s=30, python=other_python) as pool:
+        facts = pool.workers[0].call("ping")
+    assert facts["executable"] == other_python
+    assert Path(facts["prefix"]) == VENV
+    assert not facts["torch_importable"] and not facts["torch_loaded"]
+    ours = {p for p in sys.path if "site-packages" in p}
+    assert ours and not ours & set(facts["sys_path"]), "our venv's packages leaked into the worker"
+    # The worker is a session leader: killing its group reaps what it started.
+    assert facts["pgid"] == facts["pid"]
+
+
+def test_timeout_kills_and_restarts_the_worker_in_the_same_interpreter(other_python):
+    with EnvPool(1, {}, timeout_s=1.0, python=other_python) as pool:
+        worker = pool.workers[0]
+        first = worker.call("ping")["pid"]
+        os.kill(first, signal.SIGSTOP)  # a hang: the worker never answers
+        start = time.monotonic()
+        with pytest.raises(EnvError, match="timed out after 1 s"):
+            worker.call("ping")
+        assert time.monotonic() - start < 5
+        assert pool.restarts == 1 and _gone(first)
+        again = worker.call("ping")
+        assert again["pid"] != first and again["executable"] == other_python
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _click_center(info: dict, element_id: str) -> Action:
+    (e,) = [e for e in info["dom_elements"] if e["id"] == element_id]
+    return Action("click", point=(e["left"] + e["width"] / 2, e["top"] + e["height"] / 2))
+
+
+@pytest.mark.slow
+def test_real_miniwob_episode_matches_the_local_worker(other_python, chromium_available):
+    """reset + a step in the torch-free venv give the same screens and score as our interpreter."""
+    results = {}
+    for backend, python in (("other", other_python), ("ours", None)):
+        with EnvPool(1, {"scale": 2, "max_steps": 3}, timeout_s=60, python=python) as pool:
+            worker = pool.workers[0]
+            obs, info = worker.call("reset", ("miniwob/click-test", 5))
+            assert obs.instruction == "Click the button." and obs.screenshot.size == (320, 420)
+            click = action_payload([_click_center(info, "subbtn")])
+            after, reward, terminated, truncated, _ = worker.call("step", click)
+            results[backend] = (obs.instruction, hashlib.sha256(obs.screenshot.tobytes()).hexdigest(),
+                                reward, terminated, truncated, hashlib.sha256(after.screenshot.tobytes()).hexdigest())
+    assert results["other"][2:5] == (1.0, True, False)
+    assert results["other"] == results["ours"]
+
+
+@pytest.mark.slow
+def test_killed_worker_is_an_env_error_and_its_browser_dies_with_it(other_python, chromium_available):
+    with EnvPool(1, {"scale": 2, "max_steps": 3}, timeout_s=60, python=other_python) as pool:
+        worker = pool.workers[0]
+        worker.call("reset", ("miniwob/click-test", 0))
+        old = worker.process.pid
+        browsers = [p for p in psutil.Process(old).children(recursive=True) if "chrom" in p.name()]
+        assert browsers
+        os.kill(old, signal.SIGKILL)  # the worker alone: its browser is left to the group kill
+        with pytest.raises(EnvError, match="worker (process died|connection lost)"):
+            worker.call("step", action_payload([Action("click", point=(10.0, 10.0))]))
+        assert pool.restarts == 1 and worker.process.pid != old
+        _, live = psutil.wait_procs(browsers, timeout=5)
+        assert all(p.status() == psutil.STATUS_ZOMBIE for p in live), "a browser outlived its worker"
+        # The new worker is in the same interpreter and runs episodes.
+        assert worker.call("ping")["executable"] == other_python
+        obs, _ = worker.call("reset", ("miniwob/click-test", 1))
+        assert obs.screenshot.size == (320, 420)
