@@ -45,7 +45,7 @@ FAST = ["train.steps=1", "warm_start.steps=20", "warm_start.demos_per_task=2", "
 @pytest.mark.parametrize("name, extra, expect", [
     ("smoke_test", [], "Smoke run summary"),
     ("subset_training", ["train.steps=2"], "eval at step"),
-    ("evaluation", [], "per domain"),
+    ("evaluation", ["select.k=2", "select.enabled=true"], "task selection: kept"),
     ("gpu_inference_server", [], "reply parsed as an action"),
 ])
 def test_notebook_executes_headlessly(tmp_path, tiny_qwen2vl, chromium_available, name, extra, expect):

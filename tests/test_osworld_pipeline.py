@@ -75,3 +75,48 @@ def test_subset_training_notebook_on_osworld_tasks(task_data, tmp_path, tiny_qwe
     import yaml
 
     assert sorted(yaml.safe_load((run / "config.yaml").read_text())["env"]["tasks"]) == sorted(task_data)
+
+
+def test_a_vm_dying_mid_episode_is_an_infrastructure_failure_and_rollouts_go_on(tmp_path, monkeypatch,
+                                                                                 tiny_qwen2vl):
+    """One task's VM dies at its 2nd step every time: its episodes are env_error (excluded from
+    groups, statistics and the replay buffer), the worker's VM is rebuilt, the other tasks run."""
+    import shutil
+
+    from arpo_lib import scripted
+    from arpo_lib.envs.worker import EnvPool
+    from arpo_lib.evaluate import summarize
+    from arpo_lib.policy import HFPolicy
+    from arpo_lib.rollout import EpisodeRequest, RolloutEngine
+
+    tree = tmp_path / "checkout"
+    shutil.copytree(FIXTURE / "evaluation_examples", tree / "evaluation_examples")
+    dying = "9edf2168-773d-465e-8f86-3491baf41e09"  # an os task of smoke4
+    path = tree / "evaluation_examples" / "examples" / "os" / f"{dying}.json"
+    task = json.loads(path.read_text())
+    task["fake"] = {"die_at_step": 2}
+    path.write_text(json.dumps(task))
+    monkeypatch.setenv(ot.ENV_VAR, str(tmp_path / "osworld-tasks"))
+    ot.fetch_tasks(tree, expect=FIXTURE_EXPECT, progress=False)
+    tasks = ot.task_set("smoke4")
+    # every response clicks twice, then says finished: 3 steps per episode
+    monkeypatch.setattr(scripted, "scripted_response", lambda task, instruction, info, step, *a, **k:
+                        "Thought: go.\nAction: click(start_box='(100,100)')" if step < 2 else
+                        "Thought: done.\nAction: finished(content='ok')")
+    policy = scripted.ScriptedPolicy(HFPolicy(tiny_qwen2vl, device="cpu", coord_mode="qwen25vl", max_new_tokens=8))
+    opts = {"provider": "fake", "desktop_env_class": "arpo_lib.envs.osworld_fake:FakeDesktopEnv",
+            "screen_size": [448, 252], "pause_s": 0, "backoff_s": 0, "max_steps": 5}
+    with EnvPool(2, opts, timeout_s=60) as pool:
+        engine = RolloutEngine(policy, pool, max_steps=5)
+        requests = [EpisodeRequest(t, 7 + i, i) for t in tasks for i in range(2)]
+        trajs = engine.run(requests, progress=False, out_dir=tmp_path / "out")
+    by_task = {t: [x for x in trajs if x.task == t] for t in tasks}
+    for t, xs in by_task.items():
+        if t == f"osworld/{dying}":
+            assert [x.status for x in xs] == ["env_error", "env_error"]
+            assert all("VM" in x.error or "ConnectionError" in x.error for x in xs)
+        else:
+            assert [x.status for x in xs] == ["ok", "ok"] and all(x.num_steps == 3 for x in xs)
+    result = summarize(trajs)
+    assert result.env_errors == 2 and result.episodes == 8
+    assert sum(r.samples for r in result.tasks) == 6  # the lost episodes count nowhere

@@ -179,3 +179,22 @@ def _exits(pid: int, within_s: float) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+@pytest.mark.slow
+def test_config_env_backend_ray_builds_actors_through_the_trainer_factory(ray_pool):
+    """`env.backend=ray` (+ `env.ray_resource`) in a run config gives Ray actors; the pool joins
+    the Ray that is already running and leaves it running."""
+    import ray
+
+    from arpo_lib.config import load_config
+    from arpo_lib.envs.ray_pool import RayEnvPool
+    from arpo_lib.trainer import pool_for
+
+    cfg = load_config(None, ["env.backend=ray", "env.workers=1", "env.ray_resource=env_slot",
+                             "env.ray_num_cpus=0", "env.options={scale: 2}"])
+    with pool_for(cfg) as pool:
+        assert isinstance(pool, RayEnvPool) and not pool.started_ray
+        obs, info = pool.workers[0].call("reset", ("miniwob/click-test", 3))
+        assert obs.screenshot.size == (320, 420) and obs.instruction
+    assert ray.is_initialized()
