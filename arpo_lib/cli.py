@@ -10,6 +10,7 @@
     osworld-tasks fetch [--source S] [--force] | list [SET] [--ids] | verify    OSWorld task data
     select-tasks --config F [--out DIR] [key=value ...]      ARPO's task selection (select.k rollouts per task)
     export-osworld EVAL_DIR [--model NAME] [--out DIR]     an evaluation in OSWorld's result layout
+    compare --config configs/learning_miniwob.yaml [key=value ...]   ARPO vs GRPO from one warm start
 """
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ from pathlib import Path
 def _cmd_build_tiny_model(args: argparse.Namespace) -> int:
     from arpo_lib.tiny_model import build_tiny_model
 
-    path = build_tiny_model(args.out, variant=args.variant, seed=args.seed, overwrite=True)
+    from arpo_lib.tiny_model import SIZES
+
+    path = build_tiny_model(args.out, variant=args.variant, seed=args.seed, overwrite=True, **SIZES[args.size])
     print(f"built {path}")
     return 0
 
@@ -186,6 +189,17 @@ def _cmd_export_osworld(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from arpo_lib.config import load_config
+    from arpo_lib.experiments import run_comparison
+
+    cfg = load_config(args.config, args.overrides)
+    report = run_comparison(cfg)
+    print((cfg.run_dir / "report.md").read_text())
+    print(f"experiment: {report['experiment']} (report.md, report.json, comparison.png)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="arpo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -194,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variant", default="qwen2vl", choices=["qwen2vl", "qwen25vl"])
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--size", default="tiny", choices=["tiny", "small"], help="tiny: ~0.4M parameters; small: ~3.6M")
     p.set_defaults(func=_cmd_build_tiny_model)
 
     p = sub.add_parser("train", help="train with ARPO (or GRPO: algo.replay.enabled=false)")
@@ -257,6 +272,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="model", help="model name in the layout (results/pyautogui/screenshot/<model>)")
     p.add_argument("--out", help="result root (default: <eval_dir>/osworld_results)")
     p.set_defaults(func=_cmd_export_osworld)
+
+    p = sub.add_parser("compare", help="ARPO vs GRPO from one warm start, several seeds (resumable)")
+    p.add_argument("--config", default="configs/learning_miniwob.yaml")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. compare.seeds=[0,1,2] name=my-exp")
+    p.set_defaults(func=_cmd_compare)
 
     args = parser.parse_args(argv)
     from arpo_lib.config import ConfigError

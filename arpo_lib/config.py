@@ -223,6 +223,14 @@ class SelectConfig:
 
 
 @dataclass
+class CompareConfig:
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    """Training seeds of the ARPO-vs-GRPO comparison (experiments.run_comparison); each arm runs each."""
+    algos: list[str] = field(default_factory=lambda: ["arpo", "grpo"])
+    """Arms: `arpo` (replay on) and/or `grpo` (replay off)."""
+
+
+@dataclass
 class ServeConfig:
     backend: str = "hf"
     """`hf`: our OpenAI-compatible server around the in-process transformers policy (CPU or GPU);
@@ -288,6 +296,8 @@ class RunConfig:
     """Evaluation protocol."""
     select: SelectConfig = field(default_factory=SelectConfig)
     """Task selection (filtering) with the base policy."""
+    compare: CompareConfig = field(default_factory=CompareConfig)
+    """ARPO against GRPO from one warm start (notebooks/arpo_vs_grpo.ipynb, `./workbench compare`)."""
     serve: ServeConfig = field(default_factory=ServeConfig)
     """Model server (gpu_inference_server notebook)."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -413,6 +423,10 @@ def validate(cfg: RunConfig) -> None:
         _fail("warm_start.demos_per_task", "warm_start.steps > 0 needs demonstrations (demos_per_task >= 1)")
     if cfg.select.min_successes > cfg.select.k:
         _fail("select.min_successes", f"{cfg.select.min_successes} successes cannot come from k={cfg.select.k} rollouts")
+    if not cfg.compare.seeds or len(set(cfg.compare.seeds)) != len(cfg.compare.seeds):
+        _fail("compare.seeds", f"need distinct seeds, got {cfg.compare.seeds}")
+    if not cfg.compare.algos or not set(cfg.compare.algos) <= {"arpo", "grpo"}:
+        _fail("compare.algos", f"arms are 'arpo' and/or 'grpo', got {cfg.compare.algos}")
     if cfg.select.max_env_retries < 0:
         _fail("select.max_env_retries", "must be >= 0")
     if cfg.env.ray_num_cpus < 0:

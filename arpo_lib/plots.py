@@ -454,3 +454,49 @@ def plot_selection(selection: str | Path | dict[str, Any]) -> Figure:
         _no_data(ax_d)
     fig.suptitle(f"task selection: kept {len(selection['kept'])} of {len(tasks)} tasks", fontsize=11)
     return fig
+
+
+# ----------------------------------------------------------------------------------------------------
+# ARPO vs GRPO
+
+
+def plot_comparison(report: dict[str, Any] | str | Path) -> Figure:
+    """The comparison of `experiments.run_comparison`: train-rollout success per step and the
+    share of all-failed groups (mean over seeds, band = min..max), and final evaluation success
+    per seed against the warm start. `report`: the dict, report.json, or the experiment dir."""
+    if not isinstance(report, dict):
+        path = Path(report)
+        report = json.loads((path / "report.json" if path.is_dir() else path).read_text())
+    fig = ReportFigure(figsize=(13, 3.6), layout="constrained")
+    ax_s, ax_f, ax_e = fig.subplots(1, 3)
+    colors = {"arpo": "C0", "grpo": "C1"}
+    for algo in report["arms"]:
+        runs = [r for r in report["runs"] if r["algo"] == algo]
+        for ax, key in ((ax_s, "train_success"), (ax_f, "all_failed_groups")):
+            curves = [moving_average(r[key], 3) for r in runs]
+            n = min(len(c) for c in curves)
+            if n == 0:
+                continue
+            steps = list(range(1, n + 1))
+            cols = [[c[i] for c in curves] for i in range(n)]
+            ax.plot(steps, [sum(c) / len(c) for c in cols], color=colors.get(algo), label=algo.upper())
+            ax.fill_between(steps, [min(c) for c in cols], [max(c) for c in cols], color=colors.get(algo), alpha=0.2)
+        finals = [r["eval"]["success_rate"] for r in runs]
+        x = list(report["arms"]).index(algo)
+        ax_e.bar(x, sum(finals) / len(finals), color=colors.get(algo), alpha=0.5, width=0.6)
+        ax_e.scatter([x] * len(finals), finals, color=colors.get(algo), zorder=3, s=18)
+    ax_s.set_title("train-rollout success (moving avg 3)", fontsize=10)
+    ax_f.set_title("share of all-failed groups", fontsize=10)
+    for ax in (ax_s, ax_f):
+        ax.set_xlabel("step")
+        ax.set_ylim(-0.02, 1.02)
+        ax.legend(fontsize=8)
+    warm = report["warm_start_eval"]["success_rate"]
+    ax_e.axhline(warm, color="0.4", ls="--", lw=1, label=f"warm start {warm:.2f}")
+    ax_e.set_xticks(range(len(report["arms"])), [a.upper() for a in report["arms"]])
+    ax_e.set_ylim(0, 1)
+    ax_e.set_title("final evaluation success (per seed)", fontsize=10)
+    ax_e.legend(fontsize=8)
+    fig.suptitle(f"ARPO vs GRPO: {len(report['tasks'])} tasks, {report['steps']} steps x "
+                 f"{report['rollouts_per_step']} rollouts, {len(report['runs'])} runs", fontsize=11)
+    return fig

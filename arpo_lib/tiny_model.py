@@ -408,6 +408,15 @@ def _write_model(tmp: Path, variant: str, seed: int, spec: TinyModelSpec) -> Non
     (tmp / BUILD_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
 
 
+SIZES: dict[str, dict[str, int]] = {
+    "tiny": {},
+    "small": {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 768},
+}
+"""Named TinyModelSpec presets: `tiny` (~0.4M parameters: tests and the smoke run) and `small`
+(~3.6M: the learning experiment, configs/learning_miniwob.yaml; the tiny model's sampled
+responses are mostly malformed at temperature 1 even after SFT)."""
+
+
 def build_tiny_model(
     out_dir: str | os.PathLike,
     variant: str = "qwen2vl",

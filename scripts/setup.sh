@@ -41,3 +41,8 @@ for variant in qwen2vl qwen25vl; do
     .venv/bin/python -m arpo_lib build-tiny-model --variant "$variant" --out "models/tiny-uitars-$variant"
   fi
 done
+# ... and the ~3.6M-parameter one of the ARPO-vs-GRPO experiment (configs/learning_miniwob.yaml).
+if [ ! -f "models/small-uitars-qwen2vl/.complete" ]; then
+  say "building models/small-uitars-qwen2vl"
+  .venv/bin/python -m arpo_lib build-tiny-model --variant qwen2vl --size small --out models/small-uitars-qwen2vl
+fi

@@ -11,10 +11,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
-EXPECTED = {"smoke_test.ipynb", "subset_training.ipynb", "evaluation.ipynb", "gpu_inference_server.ipynb"}
+EXPECTED = {"smoke_test.ipynb", "subset_training.ipynb", "evaluation.ipynb", "gpu_inference_server.ipynb",
+            "arpo_vs_grpo.ipynb"}
 
 
-def test_the_four_notebooks_exist():
+def test_the_five_notebooks_exist():
     assert {p.name for p in NOTEBOOKS} == EXPECTED
 
 

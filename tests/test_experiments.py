@@ -1,0 +1,75 @@
+"""The ARPO-vs-GRPO comparison: its report arithmetic on hand-made runs, its config checks, and
+one tiny end-to-end run (every stage, then a rerun that repeats nothing)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from arpo_lib.config import ConfigError, load_config
+from arpo_lib.experiments import comparison_report, report_digest, report_markdown
+
+
+def _run(algo, seed, final, train, failed, injected):
+    return {"algo": algo, "seed": seed, "seconds": 1.0,
+            "eval": {"success_rate": final, "pass_at_k": final, "episodes": 16, "env_errors": 0, "format_error_rate": 0.0},
+            "train_success": train, "all_failed_groups": failed, "replay_injections": injected}
+
+
+def test_report_means_spread_and_gain():
+    cfg = load_config("configs/learning_miniwob_short.yaml", ["compare.seeds=[0, 1]"])
+    warm = {"success_rate": 0.25, "pass_at_k": 0.5, "episodes": 16, "env_errors": 0, "format_error_rate": 0.1}
+    runs = [_run("arpo", 0, 0.5, [0.0, 0.25, 0.5, 0.75], [1, 0.5, 0.5, 0], [2, 1, 1, 0]),
+            _run("grpo", 0, 0.25, [0.0, 0.0, 0.25, 0.25], [1, 1, 0.5, 0.5], [0, 0, 0, 0]),
+            _run("arpo", 1, 0.75, [0.25, 0.25, 0.5, 1.0], [0.5, 0.5, 0, 0], [1, 1, 0, 0]),
+            _run("grpo", 1, 0.25, [0.0, 0.25, 0.25, 0.5], [1, 0.5, 0.5, 0.5], [0, 0, 0, 0])]
+    report = comparison_report(cfg, warm, runs, ["miniwob/click-test"])
+    arpo, grpo = report["arms"]["arpo"], report["arms"]["grpo"]
+    assert arpo["eval_success"]["mean"] == pytest.approx(0.625)
+    assert arpo["eval_success"]["std"] == pytest.approx(0.1767767, rel=1e-6)  # Bessel's correction
+    assert arpo["eval_gain_over_warm_start"]["mean"] == pytest.approx(0.375)
+    assert arpo["train_success_last_quarter"]["mean"] == pytest.approx(0.875)  # last 1 of 4 steps
+    assert arpo["all_failed_share"]["mean"] == pytest.approx(0.375)
+    assert arpo["replay_injections"]["mean"] == pytest.approx(3.0)
+    assert grpo["eval_success"] == {"mean": 0.25, "std": 0.0, "min": 0.25, "max": 0.25, "n": 2}
+    md = report_markdown(report)
+    assert "| ARPO | 0, 1 | 0.625 ± 0.177 | 0.625" not in md  # the range column is min–max
+    assert "| ARPO | 0, 1 | 0.625 ± 0.177 | 0.500–0.750 | +0.375 |" in md
+    assert "arpo-s1: eval 0.750, injections 2" in report_digest(report)
+    from arpo_lib.plots import plot_comparison
+
+    fig = plot_comparison(report)
+    assert len(fig.axes) == 3 and fig._repr_png_().startswith(b"\x89PNG")
+
+
+def test_compare_config_is_checked():
+    with pytest.raises(ConfigError, match="compare.algos"):
+        load_config(None, ["compare.algos=[ppo]"])
+    with pytest.raises(ConfigError, match="compare.seeds"):
+        load_config(None, ["compare.seeds=[1, 1]"])
+
+
+@pytest.mark.slow
+def test_tiny_comparison_end_to_end_and_rerun_repeats_nothing(tmp_path, tiny_qwen2vl, chromium_available):
+    from arpo_lib.experiments import run_comparison
+
+    cfg = load_config("configs/learning_miniwob_short.yaml", [
+        f"model.path={tiny_qwen2vl}", f"out_dir={tmp_path}", "name=exp", "compare.seeds=[0]", "train.steps=1",
+        "eval.samples_per_task=1", "env.tasks=[miniwob/click-test, miniwob/click-button]"])
+    report = run_comparison(cfg)
+    exp = tmp_path / "exp"
+    for path in ("warm_start/model/config.json", "selection/selection.json", "eval_warm_start/results.json",
+                 "arpo-s0/final.json", "grpo-s0/final.json", "report.md", "comparison.png"):
+        assert (exp / path).exists(), path
+    assert [r["algo"] for r in report["runs"]] == ["arpo", "grpo"]
+    # both arms started from the same weights, tasks and seeds: their first rollouts are identical
+    def first_batch(arm):
+        root = exp / arm / "rollouts" / "step_000000"
+        return {str(p.relative_to(root)): p.read_text() for p in sorted(root.rglob("traj.jsonl"))}
+
+    assert first_batch("arpo-s0") == first_batch("grpo-s0") != {}
+    assert json.loads((exp / "grpo-s0" / "final.json").read_text())["replay_injections"] == [0]
+    mtimes = {p: p.stat().st_mtime for p in exp.rglob("metrics.jsonl")}
+    again = run_comparison(cfg)
+    assert again["arms"] == report["arms"]
+    assert {p: p.stat().st_mtime for p in exp.rglob("metrics.jsonl")} == mtimes  # nothing was rerun
