@@ -199,6 +199,9 @@ class EvalConfig:
     """Evaluation seeds start here (fixed, so evaluations compare)."""
     baseline: str | None = None
     """An evaluation directory (holding results.json) to compare against, e.g. the base model's."""
+    policy: str = "model"
+    """Who acts in `eval` / evaluation.ipynb: `model` (model.path) or `scripted` (the DOM-reading
+    scripted agent of arpo_lib/scripted.py: an upper bound on the MiniWoB++ tasks it supports)."""
     osworld_results: bool = True
     """Also write the results in OSWorld's own layout (<eval>/osworld_results/pyautogui/screenshot/<model>/...),
     which OSWorld's show_result.py reads."""
@@ -339,6 +342,7 @@ def validate(cfg: RunConfig) -> None:
         "logging.wandb": (cfg.logging.wandb, ("disabled", "offline", "online")),
         "serve.backend": (cfg.serve.backend, ("hf", "vllm")),
         "env.backend": (cfg.env.backend, ("local", "ray")),
+        "eval.policy": (cfg.eval.policy, ("model", "scripted")),
     }
     for key, (value, allowed) in choices.items():
         if value not in allowed:
@@ -404,6 +408,8 @@ def validate(cfg: RunConfig) -> None:
     if cfg.rollout.weight_sync == "restart" and cfg.rollout.server_url is not None:
         _fail("rollout.weight_sync", "restart works only with the server the run starts itself "
                                      "(leave rollout.server_url unset); use reload for a running vLLM")
+    if cfg.eval.policy == "scripted" and cfg.rollout.backend != "hf":
+        _fail("eval.policy", "the scripted agent acts in this process: use rollout.backend=hf")
     if cfg.rollout.constrained and cfg.rollout.backend != "server":
         _fail("rollout.constrained", "constrained decoding needs rollout.backend=server (vLLM)")
     if cfg.rollout.constrained and cfg.algo.old_logprobs != "recompute":

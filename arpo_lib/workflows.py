@@ -254,10 +254,11 @@ def server_smoke_request(server: Any, cfg: RunConfig, task: str | None = None) -
 
 
 @contextlib.contextmanager
-def base_policy_engine(cfg: RunConfig) -> Iterator[Any]:
+def base_policy_engine(cfg: RunConfig, scripted: bool = False) -> Iterator[Any]:
     """A rollout engine for `cfg.model.path` without a trainer (evaluation, task selection):
     the in-process model, or a server (the one at rollout.server_url, or one started for the
-    duration); environment workers as configured (env.backend, env.python)."""
+    duration); environment workers as configured (env.backend, env.python). `scripted`: the
+    scripted agent acts instead (its tokens scored by the model), an upper-bound baseline."""
     from arpo_lib.policy import HFPolicy
     from arpo_lib.rollout import RolloutEngine
     from arpo_lib.trainer import pool_for
@@ -279,6 +280,10 @@ def base_policy_engine(cfg: RunConfig) -> Iterator[Any]:
         policy = HFPolicy(cfg.model.path, device=cfg.model.device, compute_dtype=cfg.model.compute_dtype,
                           coord_mode=cfg.model.coord_mode, history_images=cfg.model.history_images,
                           max_new_tokens=cfg.model.max_new_tokens)
+        if scripted:
+            from arpo_lib.scripted import ScriptedPolicy
+
+            policy = ScriptedPolicy(policy)
     try:
         with pool_for(cfg) as pool:
             yield RolloutEngine(policy, pool, max_steps=cfg.env.max_steps, format_coef=cfg.algo.format_coef,
@@ -291,8 +296,8 @@ def base_policy_engine(cfg: RunConfig) -> Iterator[Any]:
 
 
 def run_evaluation(cfg: RunConfig, out_dir: Path) -> EvalResult:
-    """Evaluate `cfg.model.path` on the eval tasks (CLI `eval`)."""
-    with base_policy_engine(cfg) as engine:
+    """Evaluate `cfg.model.path` (or the scripted agent: eval.policy) on the eval tasks (CLI `eval`)."""
+    with base_policy_engine(cfg, scripted=cfg.eval.policy == "scripted") as engine:
         result = evaluate(engine, cfg.eval.tasks or cfg.env.tasks, samples_per_task=cfg.eval.samples_per_task,
                           temperature=cfg.eval.temperature, seed=cfg.eval.seed, out_dir=out_dir,
                           progress=cfg.logging.progress)

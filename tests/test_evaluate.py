@@ -31,3 +31,18 @@ def test_summarize_excludes_infrastructure_failures():
     assert r.success_rate == pytest.approx(1 / 4) and r.pass_at_k == 0.5 and r.env_errors == 1
     assert r.per_domain == {"miniwob": pytest.approx(0.25)}
     assert "miniwob/a" in r.table()
+
+
+@pytest.mark.slow
+def test_scripted_agent_as_the_upper_bound_baseline(tiny_qwen2vl, chromium_available, tmp_path):
+    """`eval.policy=scripted`: the DOM-reading agent acts (an upper bound on its tasks); the
+    random tiny model alone solves nothing."""
+    from arpo_lib.config import ConfigError, load_config
+    from arpo_lib.workflows import run_evaluation
+
+    base = [f"model.path={tiny_qwen2vl}", "env.tasks=[miniwob/click-test, miniwob/enter-text]", "env.max_steps=6",
+            "env.options={scale: 2}", "eval.samples_per_task=2", "logging.progress=false", "eval.osworld_results=false"]
+    scripted = run_evaluation(load_config(None, base + ["eval.policy=scripted"]), tmp_path / "scripted")
+    assert scripted.success_rate == 1.0 and scripted.episodes == 4
+    with pytest.raises(ConfigError, match="eval.policy"):
+        load_config(None, base + ["eval.policy=scripted", "rollout.backend=server"])
