@@ -124,11 +124,11 @@ def test_real_selection_with_miniwob(tiny_qwen2vl, chromium_available, tmp_path,
     class Mixed(ScriptedPolicy):
         """Scripted on click-test, the random model elsewhere."""
 
-        def generate(self, segments, *, contexts=None, **kw):
+        def generate(self, segments, *, contexts=None, seeds=None, **kw):
             out = []
-            for seg, ctx in zip(segments, contexts):
+            for i, (seg, ctx) in enumerate(zip(segments, contexts)):
                 solver = super().generate if ctx.task == "miniwob/click-test" else self.base.generate
-                out += solver([seg], contexts=[ctx], **kw)
+                out += solver([seg], contexts=[ctx], seeds=None if seeds is None else [seeds[i]], **kw)
             return out
 
     monkeypatch.setattr("arpo_lib.policy.HFPolicy", lambda *a, **k: Mixed(base))
