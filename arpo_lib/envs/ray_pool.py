@@ -33,7 +33,7 @@ import socket
 from typing import Any
 
 from arpo_lib.envs.base import EnvError
-from arpo_lib.envs.worker import EnvSetupError, EnvWorker
+from arpo_lib.envs.worker import EnvSetupError, EnvWorker, answer
 
 DEFAULT_NUM_CPUS = 0.5
 """CPUs an environment actor reserves. The actor itself only forwards calls; the browser or VM
@@ -137,11 +137,7 @@ class RayEnvWorker:
         except ray.exceptions.RayError as exc:  # lost object, unpicklable answer, node failure
             self.restart()
             raise EnvError(f"environment actor call failed: {_first_line(exc)}") from exc
-        if status == "ok":
-            return value
-        if status == "env_error":
-            raise EnvError(value)
-        raise EnvSetupError(value)
+        return answer(status, value)
 
     def call(self, cmd: str, payload: Any = None) -> Any:
         self.send(cmd, payload)

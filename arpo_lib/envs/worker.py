@@ -151,6 +151,16 @@ class EnvSetupError(RuntimeError):
     stops with the worker's message."""
 
 
+def answer(status: str, value: Any) -> Any:
+    """A worker's (status, value) reply as the engine sees it: the value, EnvError (an
+    infrastructure failure of this episode) or EnvSetupError (the run cannot go on)."""
+    if status == "ok":
+        return value
+    if status == "env_error":
+        raise EnvError(value)
+    raise EnvSetupError(value)
+
+
 def _is_setup_error(exc: BaseException) -> bool:
     if isinstance(exc, EnvError):
         return False
@@ -371,11 +381,7 @@ class EnvWorker:
             raise
         finally:
             self.busy = False
-        if status == "ok":
-            return value
-        if status == "env_error":
-            raise EnvError(value)
-        raise EnvSetupError(value)
+        return answer(status, value)
 
     def call(self, cmd: str, payload: Any = None) -> Any:
         self.send(cmd, payload)
