@@ -70,6 +70,21 @@ class ModelConfig:
     """Longest response the policy may generate per step."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (for long multi-image sequences on a GPU)."""
+    kv_cache: bool = True
+    """Rollouts keep each episode's KV cache between steps and prefill only the new turn
+    (arpo_lib/fast/kv_generation.py); false = re-prefill the whole history every step."""
+    vision_attention: str = "batched"
+    """`batched`: the vision tower's window attention in a few SDPA calls
+    (arpo_lib/fast/vision_attention.py); `loop`: transformers' one call per window."""
+    logprob_chunk: int = 1024
+    """Training log-probs go through the LM head this many positions at a time, logits recomputed
+    in backward (arpo_lib/fast/logprobs.py); 0 = all positions at once."""
+    lora_rank: int = 0
+    """LoRA adapter rank on the language model's projections (0 = full fine-tuning)."""
+    lora_alpha: float = 32.0
+    """LoRA scaling numerator (the update is scaled by alpha / rank)."""
+    lora_dropout: float = 0.0
+    """Dropout on the LoRA adapters' input."""
 
 
 @dataclass
@@ -152,7 +167,14 @@ class TrainConfig:
     updates_per_batch: int = 2
     """Optimizer steps per rollout batch (the batch is split into this many mini-batches; ARPO: 2)."""
     micro_batch_size: int = 1
-    """Sequences per forward/backward (gradient accumulation inside a mini-batch)."""
+    """Sequences per forward/backward (gradient accumulation inside a mini-batch); used when
+    `token_budget` is 0."""
+    token_budget: int = 0
+    """Micro-batches sized by tokens instead: sequences sorted by length and grouped while
+    rows x longest <= this many tokens (arpo_lib/fast/batching.py). 0 = `micro_batch_size`."""
+    optimizer: str = "adamw"
+    """`adamw` (fused on CUDA) or `adafactor` (factored second moments: ~no optimizer state;
+    what lets a 7B full fine-tune fit, see arpo_lib/fast/memory.py)."""
     lr: float = 1e-6
     """AdamW learning rate (ARPO: 1e-6)."""
     weight_decay: float = 0.01
@@ -343,6 +365,8 @@ def validate(cfg: RunConfig) -> None:
         "serve.backend": (cfg.serve.backend, ("hf", "vllm")),
         "env.backend": (cfg.env.backend, ("local", "ray")),
         "eval.policy": (cfg.eval.policy, ("model", "scripted")),
+        "model.vision_attention": (cfg.model.vision_attention, ("batched", "loop")),
+        "train.optimizer": (cfg.train.optimizer, ("adamw", "adafactor")),
     }
     for key, (value, allowed) in choices.items():
         if value not in allowed:
@@ -363,6 +387,12 @@ def validate(cfg: RunConfig) -> None:
             _fail(key, f"must be >= 1, got {value}")
     if cfg.train.steps < 0:
         _fail("train.steps", f"must be >= 0, got {cfg.train.steps}")
+    for key, value in (("model.logprob_chunk", cfg.model.logprob_chunk), ("model.lora_rank", cfg.model.lora_rank),
+                       ("train.token_budget", cfg.train.token_budget)):
+        if value < 0:
+            _fail(key, f"must be >= 0, got {value}")
+    if cfg.model.lora_rank and cfg.algo.kl_coef > 0:
+        _fail("algo.kl_coef", "a KL reference model beside LoRA is not supported yet (set kl_coef 0 or lora_rank 0)")
     if not cfg.env.tasks:
         _fail("env.tasks", "the task list is empty")
     from arpo_lib.envs import PLANNED_FAMILIES, check_env_name

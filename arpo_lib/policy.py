@@ -15,6 +15,9 @@ from typing import Any, Sequence
 import torch
 
 from arpo_lib.actions import MAX_PIXELS, MIN_PIXELS, ParsedResponse, parse_response
+from arpo_lib.fast.logprobs import token_logprobs
+from arpo_lib.fast.memory import adapter_state_dict, apply_lora, load_adapter_state_dict, merged_state_dict
+from arpo_lib.fast.vision_attention import use_batched_vision_attention
 from arpo_lib.prompt import Segment, TokenConversation
 
 COORD_MODE_BY_MODEL_TYPE = {"qwen2_vl": "qwen2vl", "qwen2_5_vl": "qwen25vl"}
@@ -126,6 +129,12 @@ class HFPolicy(UITarsConversations):
         history_images: int = 15,
         max_new_tokens: int = 256,
         gradient_checkpointing: bool = False,
+        kv_cache: bool = True,
+        vision_attention: str = "batched",
+        logprob_chunk: int = 1024,
+        lora_rank: int = 0,
+        lora_alpha: float = 32.0,
+        lora_dropout: float = 0.0,
     ):
         from transformers import AutoModelForImageTextToText, AutoProcessor
         from transformers.utils import logging as hf_logging
@@ -152,12 +161,31 @@ class HFPolicy(UITarsConversations):
         self.model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).to(self.device)
         self.model.eval()
         if gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
+            # Non-reentrant: works with frozen inputs (LoRA) and checkpointed log-prob chunks.
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if vision_attention == "batched":
+            use_batched_vision_attention(self.model)
+        elif vision_attention != "loop":
+            raise ValueError(f"vision_attention must be 'batched' or 'loop', not {vision_attention!r}")
+        self.logprob_chunk = logprob_chunk
+        self.peft_model = None
+        """The PeftModel when LoRA is on (`self.model` is the same network with adapters inside)."""
+        if lora_rank > 0:
+            self.peft_model = apply_lora(self.model, lora_rank, lora_alpha, lora_dropout)
         self.history_images = history_images
         self.max_new_tokens = max_new_tokens
         self.eos_ids, self.suppress_ids = special_token_ids(self.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[-1]
         self.resize = image_processor_limits(self.processor)
+        self.kv_cache = kv_cache
+        from arpo_lib.fast.kv_generation import CachedGenerator
+
+        self.cached = CachedGenerator(self)
+        """Per-episode KV caches for rollouts (used when `generate` gets `cache_keys`)."""
+
+    def release(self, key: Any) -> None:
+        """Forget an episode's KV cache (the rollout engine calls this when an episode ends)."""
+        self.cached.release(key)
 
     def _autocast(self):
         enabled = self.compute_dtype != torch.float32
@@ -174,6 +202,7 @@ class HFPolicy(UITarsConversations):
         max_new_tokens: int | None = None,
         contexts: Sequence[Any] | None = None,
         seeds: Sequence[int] | None = None,
+        cache_keys: Sequence[Any] | None = None,
     ) -> list[Generation]:
         """Sample one response for each context (batched, left-padded).
 
@@ -185,12 +214,22 @@ class HFPolicy(UITarsConversations):
         tokens (T = 1 for greedy; the nucleus truncation is not reflected in them).
         `contexts` (instruction, screenshot, env info per episode) is unused here: the model
         sees only the tokens. Scripted policies read it.
+
+        `cache_keys` (one per live episode, e.g. from the rollout engine) switch on the KV-cached
+        path of `arpo_lib.fast.kv_generation` (when `kv_cache` is on): each episode's keys and
+        values are kept between calls and only its new tokens are prefilled. Without keys, or with
+        `kv_cache=False`, the whole sequence is prefilled (the naive path).
         """
         from transformers import GenerationConfig, LogitsProcessorList
 
         if not segments:
             return []
         max_new_tokens = max_new_tokens or self.max_new_tokens
+        if self.kv_cache and cache_keys is not None:
+            out = self.cached.generate(segments, cache_keys, temperature=temperature, top_p=top_p,
+                                       max_new_tokens=max_new_tokens, seeds=seeds)
+            return [Generation(self.tokenizer.decode(r.token_ids, skip_special_tokens=True), r.token_ids, r.logprobs)
+                    for r in out]
         batch = pad_segments(segments, self.pad_id, side="left")
         batch.pop("loss_mask")
         width = batch["input_ids"].shape[1]
@@ -233,7 +272,8 @@ class HFPolicy(UITarsConversations):
         """Log-probs (with grad) of every loss-masked token of each segment: a list of (n_i,) tensors.
 
         Runs the decoder once per micro-batch and applies the LM head only at the positions that
-        predict a trained token: full-vocabulary logits over a multi-image sequence never exist.
+        predict a trained token, `logprob_chunk` positions at a time (arpo_lib.fast.logprobs):
+        full-vocabulary logits over a multi-image sequence never exist.
         """
         batch = pad_segments(segments, self.pad_id, side="right")
         batch = {k: v.to(self.device) for k, v in batch.items()}
@@ -244,23 +284,47 @@ class HFPolicy(UITarsConversations):
         pred_mask = torch.zeros_like(targets)
         pred_mask[:, :-1] = targets[:, 1:]
         selected = hidden[pred_mask]  # (N, H)
-        with self._autocast():
-            logits = self.model.lm_head(selected)
-        logits = logits.float() / temperature
-        if self.suppress_ids:  # the same distribution sampling used
-            logits[..., self.suppress_ids] = float("-inf")
         tokens = batch["input_ids"][targets]  # (N,)
-        token_logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        with self._autocast():
+            token_lp = token_logprobs(selected, tokens, self.model.lm_head, temperature=temperature,
+                                      suppress_ids=self.suppress_ids, chunk=self.logprob_chunk)
         counts = targets.sum(dim=1).tolist()
-        return list(torch.split(token_logprobs, counts))
+        return list(torch.split(token_lp, counts))
 
     # -- persistence -----------------------------------------------------------------------
+    def load_adapter(self, directory: str | Path) -> None:
+        """Load the LoRA adapter a `save` wrote (resume: base weights + this adapter)."""
+        if self.peft_model is None:
+            raise ValueError("this policy has no LoRA adapter (model.lora_rank is 0)")
+        load_adapter_state_dict(self.peft_model, torch.load(Path(directory) / "adapter.pt", weights_only=True))
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """What the optimizer updates: all weights, or only the LoRA adapters."""
+        return [p for p in self.model.parameters() if p.requires_grad]
+
     def save(self, directory: str | Path) -> None:
-        """Save model + processor in the Hugging Face layout (loadable by this class, vLLM, ...)."""
+        """Save model + processor in the Hugging Face layout (loadable by this class, vLLM, ...).
+        With LoRA the weights are saved merged, and the adapter alone goes to adapter.pt."""
         directory = Path(directory)
-        self.model.save_pretrained(directory)
+        if self.peft_model is None:
+            self.model.save_pretrained(directory)
+        else:
+            self.model.save_pretrained(directory, state_dict=merged_state_dict(self.model))
+            torch.save(adapter_state_dict(self.peft_model), directory / "adapter.pt")
         self.processor.save_pretrained(directory)
         (directory / "arpo_policy.json").write_text(json.dumps({"coord_mode": self.coord_mode}))
+
+
+def policy_from_config(cfg: Any, path: str | Path | None = None, *, lora: bool = True) -> HFPolicy:
+    """An `HFPolicy` with every `model.*` switch of a RunConfig. `lora=False` for inference on
+    saved (merged) weights."""
+    m = cfg.model
+    return HFPolicy(
+        path or m.path, device=m.device, compute_dtype=m.compute_dtype, coord_mode=m.coord_mode,
+        history_images=m.history_images, max_new_tokens=m.max_new_tokens,
+        gradient_checkpointing=m.gradient_checkpointing, kv_cache=m.kv_cache, vision_attention=m.vision_attention,
+        logprob_chunk=m.logprob_chunk, lora_rank=m.lora_rank if lora else 0, lora_alpha=m.lora_alpha,
+        lora_dropout=m.lora_dropout)
 
 
 def pad_segments(segments: Sequence[Segment], pad_id: int, side: str) -> dict[str, torch.Tensor]:

@@ -234,6 +234,7 @@ class RolloutEngine:
                 # 3. finished episodes leave; the rest get their next action in one batch
                 for w, (idx, ep) in list(slots.items()):
                     if ep.done:
+                        self._release(ep)
                         self._finish(ep, out_dir)
                         results[idx] = ep.traj
                         del slots[w]
@@ -245,6 +246,8 @@ class RolloutEngine:
                     self._act(live, temperature, top_p)
         finally:
             bar.close()
+            for _, ep in slots.values():  # an exception left episodes open: drop their caches
+                self._release(ep)
         return [results[i] for i in range(len(requests))]
 
     # -- internals ---------------------------------------------------------------------------
@@ -259,6 +262,11 @@ class RolloutEngine:
         item = queue.popleft()
         self._last_task[worker] = item[1].task
         return item
+
+    def _release(self, ep: _Episode) -> None:
+        release = getattr(self.policy, "release", None)
+        if release is not None:
+            release(id(ep))
 
     def _send(self, ep: _Episode, cmd: str, payload: Any) -> None:
         try:
@@ -312,8 +320,9 @@ class RolloutEngine:
                     for ep in live]
         # Each episode samples with its own seed stream: (episode seed, sample, step).
         seeds = [zlib.crc32(repr((ep.request.seed, ep.request.sample, len(ep.traj.steps))).encode()) for ep in live]
+        # An in-process policy keeps each episode's KV cache between steps under these keys.
         gens = self.policy.generate([ep.conv.current for ep in live], temperature=temperature, top_p=top_p,
-                                    contexts=contexts, seeds=seeds)
+                                    contexts=contexts, seeds=seeds, cache_keys=[id(ep) for ep in live])
         for ep, gen in zip(live, gens):
             ep.conv.add_response(gen.text, gen.token_ids, gen.logprobs)
             step = len(ep.traj.steps) + 1

@@ -396,9 +396,11 @@ class ScriptedPolicy:
         max_new_tokens: int | None = None,
         contexts: Sequence[Any] | None = None,
         seeds: Sequence[int] | None = None,
+        cache_keys: Sequence[Any] | None = None,
     ) -> list[Any]:
         """One scripted response per (segment, context). `top_p` and `max_new_tokens` are
-        accepted for interface compatibility and ignored (a script is never cut short)."""
+        accepted for interface compatibility and ignored (a script is never cut short),
+        as are `cache_keys`."""
         import torch
 
         from arpo_lib.policy import Generation

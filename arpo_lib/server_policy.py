@@ -105,10 +105,12 @@ class ServerPolicy(UITarsConversations):
         max_new_tokens: int | None = None,
         contexts: Sequence[Any] | None = None,
         seeds: Sequence[int] | None = None,
+        cache_keys: Sequence[Any] | None = None,
     ) -> list[Generation]:
         """One response per episode, all requested concurrently. `contexts` (the engine's
         PolicyContext, with `screenshots` and `responses` so far) are required: the server gets
-        messages, not our tokens."""
+        messages, not our tokens. `cache_keys` are ignored: prefix reuse is the server's business
+        (vLLM's automatic prefix caching)."""
         if not segments:
             return []
         if contexts is None or len(contexts) != len(segments):

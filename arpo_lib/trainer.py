@@ -35,7 +35,9 @@ import torch
 from arpo_lib.algo import ReplayBuffer, group_advantages, is_all_failed, policy_loss
 from arpo_lib.config import RunConfig, config_from_dict, resolve_task_sets, save_config
 from arpo_lib.envs.worker import EnvPool
-from arpo_lib.policy import HFPolicy
+from arpo_lib.fast.batching import token_budget_batches
+from arpo_lib.fast.memory import make_optimizer
+from arpo_lib.policy import HFPolicy, policy_from_config
 from arpo_lib.prompt import Segment
 from arpo_lib.records import append_jsonl, atomic_write_text, fsync_dir, read_jsonl, safe_join
 from arpo_lib.rollout import EpisodeRequest, RolloutEngine, Trajectory, load_trajectory
@@ -125,16 +127,17 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, self.run_dir / "config.yaml")
 
-        model_path = str(checkpoint / "model") if checkpoint else cfg.model.path
-        self.policy = policy or HFPolicy(
-            model_path, device=cfg.model.device, compute_dtype=cfg.model.compute_dtype,
-            coord_mode=cfg.model.coord_mode, history_images=cfg.model.history_images,
-            max_new_tokens=cfg.model.max_new_tokens, gradient_checkpointing=cfg.model.gradient_checkpointing,
-        )
-        if checkpoint is not None and policy is not None:
+        lora = cfg.model.lora_rank > 0
+        # With LoRA a resume loads the base weights plus the saved adapter (the checkpoint's
+        # merged weights would apply the adapter twice).
+        model_path = str(checkpoint / "model") if checkpoint and not lora else cfg.model.path
+        self.policy = policy or policy_from_config(cfg, model_path)
+        if checkpoint is not None and lora:
+            self.policy.load_adapter(checkpoint / "model")
+        elif checkpoint is not None and policy is not None:
             self.policy.model.load_state_dict(_load_model_state(checkpoint / "model"))
-        self.optimizer = torch.optim.AdamW(self.policy.model.parameters(), lr=cfg.train.lr,
-                                           weight_decay=cfg.train.weight_decay)
+        self.optimizer = make_optimizer(cfg.train.optimizer, self.policy.trainable_parameters(), cfg.train.lr,
+                                        cfg.train.weight_decay)
         total_updates = max(1, cfg.train.steps * cfg.train.updates_per_batch)
         warmup = math.ceil(cfg.train.warmup_ratio * total_updates)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -473,8 +476,7 @@ class Trainer:
             active = [(seg, adv) for seg, adv in mb if adv != 0.0]
             self.optimizer.zero_grad(set_to_none=True)
             mb_loss = 0.0
-            for start in range(0, len(active), cfg.train.micro_batch_size):
-                micro = active[start:start + cfg.train.micro_batch_size]
+            for micro in self._micro_batches(active):
                 segs = [s for s, _ in micro]
                 new = self.policy.sequence_logprobs(segs, temperature)
                 logprobs = _pad(new)
@@ -499,7 +501,7 @@ class Trainer:
                 clips.append(m.get("clip_fraction", 0.0))
                 kls.append(m.get("approx_kl", 0.0))
                 ref_kls.append(m.get("kl", 0.0))
-            norm = torch.nn.utils.clip_grad_norm_(self.policy.model.parameters(), cfg.train.grad_clip)
+            norm = torch.nn.utils.clip_grad_norm_(self.policy.trainable_parameters(), cfg.train.grad_clip)
             self.optimizer.step()
             self.scheduler.step()
             losses.append(mb_loss)
@@ -511,6 +513,14 @@ class Trainer:
         stats.update(loss=_mean(losses), clip_fraction=_mean(clips), grad_norm=_mean(norms), approx_kl=_mean(kls),
                      kl=_mean(ref_kls))
         return stats
+
+    def _micro_batches(self, items: list[tuple[Segment, float]]) -> list[list[tuple[Segment, float]]]:
+        """Fixed-size micro-batches, or token-budget ones (train.token_budget)."""
+        budget = self.cfg.train.token_budget
+        if budget > 0:
+            return [[items[i] for i in b] for b in token_budget_batches([len(s) for s, _ in items], budget)]
+        size = self.cfg.train.micro_batch_size
+        return [items[i:i + size] for i in range(0, len(items), size)]
 
     def _ref_logprobs(self, segs: list[Segment], temperature: float) -> list[torch.Tensor]:
         model, self.policy.model = self.policy.model, self.ref_model

@@ -259,7 +259,7 @@ def base_policy_engine(cfg: RunConfig, scripted: bool = False) -> Iterator[Any]:
     the in-process model, or a server (the one at rollout.server_url, or one started for the
     duration); environment workers as configured (env.backend, env.python). `scripted`: the
     scripted agent acts instead (its tokens scored by the model), an upper-bound baseline."""
-    from arpo_lib.policy import HFPolicy
+    from arpo_lib.policy import policy_from_config
     from arpo_lib.rollout import RolloutEngine
     from arpo_lib.trainer import pool_for
 
@@ -277,9 +277,7 @@ def base_policy_engine(cfg: RunConfig, scripted: bool = False) -> Iterator[Any]:
         policy = policy_for(cfg, url)
         print(f"generating with {policy.served_model} at {url}")
     else:
-        policy = HFPolicy(cfg.model.path, device=cfg.model.device, compute_dtype=cfg.model.compute_dtype,
-                          coord_mode=cfg.model.coord_mode, history_images=cfg.model.history_images,
-                          max_new_tokens=cfg.model.max_new_tokens)
+        policy = policy_from_config(cfg, lora=False)
         if scripted:
             from arpo_lib.scripted import ScriptedPolicy
 
