@@ -70,6 +70,9 @@ class ModelConfig:
     """Longest response the policy may generate per step."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (for long multi-image sequences on a GPU)."""
+    checkpoint_every_n_layers: int = 1
+    """With gradient_checkpointing: checkpoint every n-th decoder layer only (1 = all, least memory;
+    larger = less recomputation where memory is left over; transformers >= 5.23)."""
     kv_cache: bool = True
     """Rollouts keep each episode's KV cache between steps and prefill only the new turn
     (arpo_lib/fast/kv_generation.py); false = re-prefill the whole history every step."""
@@ -377,7 +380,8 @@ def validate(cfg: RunConfig) -> None:
         "model.history_images": cfg.model.history_images, "model.max_new_tokens": cfg.model.max_new_tokens,
         "rollout.group_size": cfg.rollout.group_size, "train.tasks_per_batch": cfg.train.tasks_per_batch,
         "train.updates_per_batch": cfg.train.updates_per_batch,
-        "train.micro_batch_size": cfg.train.micro_batch_size, "eval.samples_per_task": cfg.eval.samples_per_task,
+        "train.micro_batch_size": cfg.train.micro_batch_size,
+        "model.checkpoint_every_n_layers": cfg.model.checkpoint_every_n_layers, "eval.samples_per_task": cfg.eval.samples_per_task,
         "algo.replay.capacity_per_task": cfg.algo.replay.capacity_per_task,
         "train.keep_checkpoints": cfg.train.keep_checkpoints,
         "select.k": cfg.select.k, "select.min_successes": cfg.select.min_successes,

@@ -129,6 +129,7 @@ class HFPolicy(UITarsConversations):
         history_images: int = 15,
         max_new_tokens: int = 256,
         gradient_checkpointing: bool = False,
+        checkpoint_every_n_layers: int = 1,
         kv_cache: bool = True,
         vision_attention: str = "batched",
         logprob_chunk: int = 1024,
@@ -161,8 +162,7 @@ class HFPolicy(UITarsConversations):
         self.model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).to(self.device)
         self.model.eval()
         if gradient_checkpointing:
-            # Non-reentrant: works with frozen inputs (LoRA) and checkpointed log-prob chunks.
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_activation_checkpointing(self.model, checkpoint_every_n_layers)
         if vision_attention == "batched":
             use_batched_vision_attention(self.model)
         elif vision_attention != "loop":
@@ -315,6 +315,19 @@ class HFPolicy(UITarsConversations):
         (directory / "arpo_policy.json").write_text(json.dumps({"coord_mode": self.coord_mode}))
 
 
+def enable_activation_checkpointing(model: Any, every_n_layers: int = 1) -> None:
+    """Recompute decoder-layer activations in backward, every `every_n_layers`-th layer (1 = all:
+    least memory; larger = less recomputation). Non-reentrant: works with frozen inputs (LoRA) and
+    with the checkpointed log-prob chunks."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.23
+        model.activation_checkpointing_enable(kwargs, every_n_layers=every_n_layers)
+    elif every_n_layers != 1:
+        raise ValueError("model.checkpoint_every_n_layers > 1 needs transformers >= 5.23")
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def policy_from_config(cfg: Any, path: str | Path | None = None, *, lora: bool = True) -> HFPolicy:
     """An `HFPolicy` with every `model.*` switch of a RunConfig. `lora=False` for inference on
     saved (merged) weights."""
@@ -322,7 +335,8 @@ def policy_from_config(cfg: Any, path: str | Path | None = None, *, lora: bool =
     return HFPolicy(
         path or m.path, device=m.device, compute_dtype=m.compute_dtype, coord_mode=m.coord_mode,
         history_images=m.history_images, max_new_tokens=m.max_new_tokens,
-        gradient_checkpointing=m.gradient_checkpointing, kv_cache=m.kv_cache, vision_attention=m.vision_attention,
+        gradient_checkpointing=m.gradient_checkpointing,
+        checkpoint_every_n_layers=m.checkpoint_every_n_layers, kv_cache=m.kv_cache, vision_attention=m.vision_attention,
         logprob_chunk=m.logprob_chunk, lora_rank=m.lora_rank if lora else 0, lora_alpha=m.lora_alpha,
         lora_dropout=m.lora_dropout)
 

@@ -1,0 +1,168 @@
+"""The training-side levers of arpo_lib/fast against their naive counterparts on the real tiny
+models: batched vision attention vs transformers' per-window loop, chunked log-probs vs all at
+once (values and gradients), token-budget micro-batches, LoRA and Adafactor."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from arpo_lib.fast.batching import padding_fraction, token_budget_batches
+from arpo_lib.fast.logprobs import token_logprobs
+from arpo_lib.fast.memory import make_optimizer, optimizer_state_bytes
+from arpo_lib.fast.vision_attention import use_batched_vision_attention, use_looped_vision_attention
+from arpo_lib.policy import HFPolicy, enable_activation_checkpointing
+
+
+def _shot(seed: int, size=(320, 420)) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8))
+
+
+def _segments(policy, n=2, steps=3):
+    segs = []
+    for i in range(n):
+        conv = policy.new_conversation(f"Click button {i}")
+        for step in range(steps):
+            conv.add_observation(_shot(10 * i + step, size=(320 + 56 * i, 420)))  # images of two sizes
+            g = policy.generate([conv.current], temperature=1.0, seeds=[i * 100 + step], max_new_tokens=12)[0]
+            conv.add_response(g.text, g.token_ids, g.logprobs)
+        segs.append(conv.current)
+    return segs
+
+
+def _logprobs_and_grads(policy, segs):
+    policy.model.zero_grad(set_to_none=True)
+    lps = policy.sequence_logprobs(segs)
+    torch.cat(lps).sum().backward()
+    grads = {n: p.grad.detach().clone() for n, p in policy.model.named_parameters() if p.grad is not None}
+    return [lp.detach() for lp in lps], grads
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_model):
+    torch.manual_seed(0)
+    return HFPolicy(tiny_model, device="cpu", max_new_tokens=12)
+
+
+def test_optimised_training_path_equals_naive(policy):
+    """Batched vision attention + chunked log-probs + gradient checkpointing give the naive
+    path's log-probs and gradients (all parameters, the vision tower's included)."""
+    segs = _segments(policy)
+    use_looped_vision_attention(policy.model)
+    policy.logprob_chunk = 0
+    naive_lp, naive_grads = _logprobs_and_grads(policy, segs)
+    use_batched_vision_attention(policy.model)
+    policy.logprob_chunk = 7  # several chunks, the last one partial
+    enable_activation_checkpointing(policy.model)
+    policy.model.train()
+    try:
+        fast_lp, fast_grads = _logprobs_and_grads(policy, segs)
+    finally:
+        policy.model.activation_checkpointing_disable()
+        policy.model.eval()
+        policy.logprob_chunk = 1024
+    for a, b in zip(naive_lp, fast_lp):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert naive_grads.keys() == fast_grads.keys()
+    assert any("visual" in n for n in naive_grads)
+    for name in naive_grads:
+        torch.testing.assert_close(naive_grads[name], fast_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_batched_vision_attention_makes_one_call_per_window_size(policy, monkeypatch):
+    import arpo_lib.fast.vision_attention as va
+
+    import types
+
+    segs = _segments(policy, n=1, steps=1)
+    calls = []
+    real = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(va, "F", types.SimpleNamespace(
+        scaled_dot_product_attention=lambda q, *a, **k: calls.append(q.shape) or real(q, *a, **k)))
+    with torch.no_grad():
+        policy.sequence_logprobs(segs)
+    windows_per_call = [shape[0] for shape in calls]
+    assert calls and max(windows_per_call) >= 1
+    depth = policy.model.config.vision_config.depth
+    assert len(calls) <= 4 * depth  # at most a handful of window sizes per layer
+
+
+def test_chunked_logprobs_gradient_matches_on_random_head():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=False)
+    hidden = torch.randn(23, 16, requires_grad=True)
+    tokens = torch.randint(0, 50, (23,))
+    full = token_logprobs(hidden, tokens, head, temperature=0.7, suppress_ids=[3, 4], chunk=0)
+    (g_full,) = torch.autograd.grad(full.square().sum(), hidden)
+    chunked = token_logprobs(hidden, tokens, head, temperature=0.7, suppress_ids=[3, 4], chunk=5)
+    (g_chunk,) = torch.autograd.grad(chunked.square().sum(), hidden)
+    torch.testing.assert_close(full, chunked)
+    torch.testing.assert_close(g_full, g_chunk)
+
+
+def test_token_budget_batches():
+    lengths = [100, 30, 400, 35, 90, 700]
+    batches = token_budget_batches(lengths, 300)
+    assert sorted(i for b in batches for i in b) == list(range(6))
+    for b in batches:
+        assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 300
+    assert [5] in batches and [2] in batches  # longer than the budget: alone
+    fixed = [[0, 1], [2, 3], [4, 5]]
+    assert padding_fraction(batches, lengths) < padding_fraction(fixed, lengths)
+    with pytest.raises(ValueError):
+        token_budget_batches(lengths, 0)
+
+
+def test_lora_trains_only_adapters_and_saves_merged_weights(tiny_qwen2vl, tmp_path):
+    torch.manual_seed(0)
+    policy = HFPolicy(tiny_qwen2vl, device="cpu", max_new_tokens=12, lora_rank=4, lora_alpha=8)
+    params = policy.trainable_parameters()
+    total = sum(p.numel() for p in policy.model.parameters())
+    assert params and sum(p.numel() for p in params) < 0.2 * total
+    names = [n for n, p in policy.model.named_parameters() if p.requires_grad]
+    assert all("lora_" in n and "language_model" in n for n in names)
+    frozen = {n: p.detach().clone() for n, p in policy.model.named_parameters() if not p.requires_grad}
+    segs = _segments(policy, n=1, steps=2)
+    optimizer = make_optimizer("adamw", params, lr=1e-2, weight_decay=0.0)
+    for _ in range(3):
+        optimizer.zero_grad()
+        (-torch.cat(policy.sequence_logprobs(segs)).mean()).backward()
+        optimizer.step()
+    for n, p in policy.model.named_parameters():
+        if n in frozen:
+            assert torch.equal(p, frozen[n]), n
+    with torch.no_grad():
+        trained = torch.cat(policy.sequence_logprobs(segs))
+    policy.save(tmp_path / "m")
+    assert (tmp_path / "m" / "adapter.pt").is_file()
+    merged = HFPolicy(tmp_path / "m", device="cpu")  # a plain model: the adapters folded in
+    assert not any("lora" in n for n, _ in merged.model.named_parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(torch.cat(merged.sequence_logprobs(segs)), trained, atol=1e-5, rtol=1e-5)
+    fresh = HFPolicy(tiny_qwen2vl, device="cpu", lora_rank=4, lora_alpha=8)  # resume: base + adapter
+    fresh.load_adapter(tmp_path / "m")
+    with torch.no_grad():
+        torch.testing.assert_close(torch.cat(fresh.sequence_logprobs(segs)), trained, atol=1e-5, rtol=1e-5)
+
+
+def test_adafactor_keeps_far_less_state_than_adamw(policy):
+    segs = _segments(policy, n=1, steps=1)
+    sizes = {}
+    for name in ("adamw", "adafactor"):
+        before = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
+        opt = make_optimizer(name, policy.trainable_parameters(), lr=1e-3, weight_decay=0.0)
+        opt.zero_grad()
+        (-torch.cat(policy.sequence_logprobs(segs)).mean()).backward()
+        opt.step()
+        sizes[name] = optimizer_state_bytes(opt)
+        changed = any(not torch.equal(p, before[n]) for n, p in policy.model.named_parameters())
+        with torch.no_grad():  # put the weights back for the other tests
+            for n, p in policy.model.named_parameters():
+                p.copy_(before[n])
+        policy.model.zero_grad(set_to_none=True)
+        assert changed, name
+    assert sizes["adafactor"] < 0.25 * sizes["adamw"]
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        make_optimizer("lion", policy.trainable_parameters(), lr=1e-3, weight_decay=0.0)
