@@ -136,6 +136,7 @@ class HFPolicy(UITarsConversations):
         lora_rank: int = 0,
         lora_alpha: float = 32.0,
         lora_dropout: float = 0.0,
+        model: Any = None,
     ):
         from transformers import AutoModelForImageTextToText, AutoProcessor
         from transformers.utils import logging as hf_logging
@@ -158,8 +159,11 @@ class HFPolicy(UITarsConversations):
         self.coord_mode = coord_mode
         self.processor = AutoProcessor.from_pretrained(path)
         self.tokenizer = self.processor.tokenizer
-        # fp32 master weights; bf16 (if asked) only inside autocast.
-        self.model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).to(self.device)
+        # fp32 master weights; bf16 (if asked) only inside autocast. A ready `model` (the benchmarks'
+        # random weights of the real shapes) replaces the checkpoint's; the processor still comes from `path`.
+        if model is None:
+            model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+        self.model = model.to(self.device)
         self.model.eval()
         if gradient_checkpointing:
             enable_activation_checkpointing(self.model, checkpoint_every_n_layers)
@@ -279,7 +283,7 @@ class HFPolicy(UITarsConversations):
         batch = {k: v.to(self.device) for k, v in batch.items()}
         targets = batch.pop("loss_mask").bool()  # (B, T)
         with self._autocast():
-            hidden = self.model.model(**batch).last_hidden_state  # (B, T, H)
+            hidden = self.model.model(**batch, use_cache=False).last_hidden_state  # (B, T, H)
         # hidden at t-1 predicts token t
         pred_mask = torch.zeros_like(targets)
         pred_mask[:, :-1] = targets[:, 1:]

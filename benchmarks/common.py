@@ -1,0 +1,213 @@
+"""Shared by the benchmarks: model shapes, synthetic multi-screenshot trajectories, FLOP counts,
+timing and the results file.
+
+Shapes: `tiny` is the locally built test model (CPU, seconds). `2b` and `7b` are UI-TARS-2B
+(Qwen2-VL-2B) and UI-TARS-1.5-7B (Qwen2.5-VL-7B) with random weights: their published config
+values, the tiny model's tokenizer for the special-token ids. Nothing is downloaded.
+"""
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = ROOT / "benchmarks" / "results"
+
+# Published config values (config.json of Qwen/Qwen2-VL-2B-Instruct and Qwen/Qwen2.5-VL-7B-Instruct).
+REAL_SHAPES: dict[str, dict[str, Any]] = {
+    "2b": dict(variant="qwen2vl", vocab=151936, spec=dict(
+        hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+        intermediate_size=8960, vision_depth=32, vision_embed_dim=1280, vision_num_heads=16,
+        vision_intermediate_size=5120)),
+    "7b": dict(variant="qwen25vl", vocab=152064, fullatt=[7, 15, 23, 31], spec=dict(
+        hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+        intermediate_size=18944, vision_depth=32, vision_embed_dim=1280, vision_num_heads=16,
+        vision_intermediate_size=3420)),
+}
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+"""Dense bf16 tensor-core peak by GPU family (no sparsity), for MFU."""
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+def tiny_model_dir(variant: str) -> Path:
+    path = ROOT / "models" / f"tiny-uitars-{variant}"
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is missing: run ./workbench setup (or ./workbench build-tiny-model)")
+    return path
+
+
+def build_policy(shape: str, device: str, **policy_kwargs: Any):
+    """(HFPolicy, screenshot size) for a shape. Real shapes get random weights built on the device
+    and 1080p screenshots at UI-TARS's pixel limits; `tiny` loads the local checkpoint."""
+    from arpo_lib.policy import HFPolicy
+
+    if shape in ("tiny", "tiny25"):
+        variant = "qwen2vl" if shape == "tiny" else "qwen25vl"
+        return HFPolicy(tiny_model_dir(variant), device=device, **policy_kwargs), (320, 420)
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from arpo_lib.tiny_model import TinyModelSpec, _build_config
+
+    real = REAL_SHAPES[shape]
+    path = tiny_model_dir(real["variant"])
+    tokenizer = AutoProcessor.from_pretrained(path).tokenizer
+    config = _build_config(real["variant"], TinyModelSpec(**real["spec"]), tokenizer)
+    config.text_config.vocab_size = real["vocab"]
+    if "fullatt" in real:
+        config.vision_config.fullatt_block_indexes = real["fullatt"]
+    with torch.device(device):
+        model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    policy = HFPolicy(path, device=device, model=model, **policy_kwargs)
+    ip = policy.processor.image_processor  # UI-TARS's limits: a 1080p screenshot is not downscaled
+    ip.min_pixels, ip.max_pixels = 3136, 16384 * 28 * 28
+    if isinstance(getattr(ip, "size", None), dict):
+        ip.size = {"shortest_edge": ip.min_pixels, "longest_edge": ip.max_pixels}
+    policy.resize = (28, ip.min_pixels, ip.max_pixels)
+    return policy, (1920, 1080)
+
+
+def screenshot(seed: int, size: tuple[int, int]) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8))
+
+
+def synthetic_trajectory(policy: Any, n_screenshots: int, size: tuple[int, int], response_tokens: int = 48,
+                         seed: int = 0):
+    """A trajectory segment built through the real chat template and image processor, with random
+    ordinary-token responses standing in for sampled ones (all trained on)."""
+    rng = np.random.default_rng(seed)
+    conv = policy.new_conversation("Open the settings and turn on dark mode")
+    ordinary = min(policy.tokenizer.convert_tokens_to_ids("<|endoftext|>"), policy.model.config.get_text_config().vocab_size)
+    for step in range(n_screenshots):
+        conv.add_observation(screenshot(seed * 1000 + step, size))
+        ids = rng.integers(0, ordinary, response_tokens).tolist() + [conv.eos_id]
+        conv.add_response("", ids, [0.0] * len(ids))
+    return conv.current
+
+
+def timed(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: int = 1) -> tuple[float, Any]:
+    """(median seconds, last result) over `repeats` runs after `warmup`."""
+    out = None
+    for _ in range(warmup):
+        out = fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        out = fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), out
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_gib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def train_flops(model: Any, segment: Any) -> dict[str, float]:
+    """Model FLOPs of one forward+backward over a segment (recomputation excluded).
+
+    Every matmul counts 2 FLOPs per multiply-add; backward = 2 x forward, so each term is
+    6 x (parameters used per token) x tokens, plus attention scores:
+      text linears   6 * P_text_linear * T
+      text attention 6 * 2 * L * H * d * T^2 / 2   (QK^T and AV, causal: half)
+      LM head        6 * d_model * V * N_resp      (only the trained positions)
+      vision linears 6 * P_vision * patches
+      vision attn    6 * 2 * L_v * d_v * sum over windows/images of len^2
+    """
+    text = model.config.get_text_config()
+    vision = model.config.vision_config
+    tokens = len(segment.input_ids)
+    responses = sum(segment.loss_mask)
+    lm = model.model.language_model
+    p_text = sum(p.numel() for n, p in lm.named_parameters() if n.endswith("weight") and p.dim() == 2
+                 and "embed_tokens" not in n)
+    p_vision = sum(p.numel() for n, p in model.model.visual.named_parameters() if p.dim() == 2)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    attn_text = 6 * 2 * text.num_hidden_layers * text.num_attention_heads * head_dim * tokens**2 / 2
+    patches = 0
+    sq_full = sq_window = 0
+    window = getattr(vision, "window_size", None)
+    patch = vision.patch_size
+    merge = vision.spatial_merge_size
+    for grid in segment.image_grid_thw:
+        t, h, w = (int(x) for x in grid)
+        n = t * h * w
+        patches += n
+        sq_full += n * n
+        if window:  # windows of (window/patch/merge)^2 merged tokens = x merge^2 patches
+            side = window // patch // merge
+            mh, mw = h // merge, w // merge
+            for rows in _spans(mh, side):
+                for cols in _spans(mw, side):
+                    sq_window += (rows * cols * merge * merge) ** 2 * t
+    depth = vision.depth
+    dim_v = getattr(vision, "embed_dim", None) or vision.hidden_size
+    if window:
+        full_layers = len(getattr(vision, "fullatt_block_indexes", []) or [])
+        attn_vision = 6 * 2 * dim_v * (full_layers * sq_full + (depth - full_layers) * sq_window)
+    else:
+        attn_vision = 6 * 2 * dim_v * depth * sq_full
+    out = {
+        "text_linear": 6 * p_text * tokens,
+        "text_attention": attn_text,
+        "lm_head": 6 * text.hidden_size * text.vocab_size * responses,
+        "vision_linear": 6 * p_vision * patches,
+        "vision_attention": attn_vision,
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+def _spans(n: int, size: int) -> list[int]:
+    return [min(size, n - start) for start in range(0, n, size)]
+
+
+def write_result(name: str, result: dict[str, Any], out_dir: Path | None = None) -> Path:
+    out_dir = Path(out_dir or RESULTS_DIR)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    return path
+
+
+def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+        return "-" if v is None else str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)

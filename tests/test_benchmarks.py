@@ -1,0 +1,74 @@
+"""The benchmarks run at tiny sizes on the CPU: the optimised paths must agree with the naive ones
+(no timing assertions), and the FLOP formula must give the real models' parameter counts."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import bench_rollout, bench_update  # noqa: E402
+from benchmarks.common import REAL_SHAPES, _spans, train_flops  # noqa: E402
+
+
+@pytest.mark.parametrize("shape", ["tiny", "tiny25"])
+def test_update_benchmark_paths_agree(shape, tmp_path):
+    result = bench_update.main(["--shape", shape, "--screenshots", "2", "--device", "cpu", "--repeats", "1",
+                                "--update", "--optimizer", "adafactor", "--out", str(tmp_path)])
+    assert [r["status"] for r in result["rows"]] == ["ok", "ok"]
+    assert result["max_abs_logprob_diff"] < 1e-4 and result["max_rel_grad_diff"] < 1e-3
+    assert result["update"]["optimizer"] == "adafactor" and result["update"]["s/update"] > 0
+    assert result["flops"]["total"] > 0 and result["image_tokens"] > 0
+    assert (tmp_path / "update_{}_2shots_adafactor.json".format(shape)).is_file()
+
+
+def test_rollout_benchmark_same_tokens_fewer_prefill(tmp_path):
+    result = bench_rollout.main(["--shape", "tiny25", "--envs", "2", "--steps", "4", "--max-new-tokens", "8",
+                                 "--device", "cpu", "--out", str(tmp_path)])
+    assert result["same_tokens"] is True
+    assert result["prefill_reduction"] > 2
+    rows = {r["path"]: r for r in result["rows"]}
+    assert rows["kv-cached"]["screenshots encoded"] == 2 * 4
+    assert rows["re-prefill"]["screenshots encoded"] == 2 * (1 + 2 + 3 + 4)
+
+
+def _meta_model(shape):
+    from transformers import AutoModelForImageTextToText
+
+    from arpo_lib.tiny_model import TinyModelSpec, _build_config
+    from benchmarks.common import tiny_model_dir
+    from transformers import AutoProcessor
+
+    real = REAL_SHAPES[shape]
+    tok = AutoProcessor.from_pretrained(tiny_model_dir(real["variant"])).tokenizer
+    config = _build_config(real["variant"], TinyModelSpec(**real["spec"]), tok)
+    config.text_config.vocab_size = real["vocab"]
+    if "fullatt" in real:
+        config.vision_config.fullatt_block_indexes = real["fullatt"]
+    with torch.device("meta"):
+        return AutoModelForImageTextToText.from_config(config)
+
+
+@pytest.mark.parametrize("shape,total_b,text_linear_b,vision_b", [("2b", 2.2, 1.3, 0.66), ("7b", 8.3, 6.5, 0.67)])
+def test_real_shapes_and_flop_formula(shape, total_b, text_linear_b, vision_b):
+    """Parameter counts of the published models (2.2B / 8.3B) come out of our shape table, and
+    the FLOP terms scale as the docstring says."""
+    from arpo_lib.prompt import Segment
+
+    model = _meta_model(shape)
+    total = sum(p.numel() for p in model.parameters()) / 1e9
+    assert total == pytest.approx(total_b, rel=0.05)
+    seg = Segment(input_ids=[0] * 3000, mm_token_type_ids=[0] * 3000, loss_mask=[0] * 2950 + [1] * 50,
+                  image_grid_thw=[torch.tensor([1, 78, 138])])
+    flops = train_flops(model, seg)
+    assert flops["text_linear"] / (6 * 3000) / 1e9 == pytest.approx(text_linear_b, rel=0.1)
+    assert flops["vision_linear"] / (6 * 78 * 138) / 1e9 == pytest.approx(vision_b, rel=0.1)
+    assert flops["total"] == pytest.approx(sum(v for k, v in flops.items() if k != "total"))
+    if shape == "7b":  # windowed layers cost far less attention than full ones
+        assert flops["vision_attention"] < 6 * 2 * 1280 * 32 * (78 * 138) ** 2
+
+
+def test_window_spans():
+    assert _spans(10, 4) == [4, 4, 2] and _spans(8, 4) == [4, 4]
