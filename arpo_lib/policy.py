@@ -136,6 +136,7 @@ class HFPolicy(UITarsConversations):
         lora_rank: int = 0,
         lora_alpha: float = 32.0,
         lora_dropout: float = 0.0,
+        lora_seed: int = 0,
         model: Any = None,
     ):
         from transformers import AutoModelForImageTextToText, AutoProcessor
@@ -175,7 +176,7 @@ class HFPolicy(UITarsConversations):
         self.peft_model = None
         """The PeftModel when LoRA is on (`self.model` is the same network with adapters inside)."""
         if lora_rank > 0:
-            self.peft_model = apply_lora(self.model, lora_rank, lora_alpha, lora_dropout)
+            self.peft_model = apply_lora(self.model, lora_rank, lora_alpha, lora_dropout, seed=lora_seed)
         self.history_images = history_images
         self.max_new_tokens = max_new_tokens
         self.eos_ids, self.suppress_ids = special_token_ids(self.tokenizer)
@@ -342,7 +343,7 @@ def policy_from_config(cfg: Any, path: str | Path | None = None, *, lora: bool =
         gradient_checkpointing=m.gradient_checkpointing,
         checkpoint_every_n_layers=m.checkpoint_every_n_layers, kv_cache=m.kv_cache, vision_attention=m.vision_attention,
         logprob_chunk=m.logprob_chunk, lora_rank=m.lora_rank if lora else 0, lora_alpha=m.lora_alpha,
-        lora_dropout=m.lora_dropout)
+        lora_dropout=m.lora_dropout, lora_seed=cfg.train.seed)
 
 
 def pad_segments(segments: Sequence[Segment], pad_id: int, side: str) -> dict[str, torch.Tensor]:

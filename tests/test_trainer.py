@@ -243,3 +243,35 @@ def test_infrastructure_failures_are_dropped_from_groups_and_never_stored(tmp_pa
     assert groups[0].advantages[0] > 0 > groups[0].advantages[1]
     stored = [e["item"]["dir"] for task in (a, b) for e in trainer.replay.state_dict()["tasks"].get(task, [])]
     assert stored == [str(tmp_path / f"{a[-4:]}0")]  # the success; never an infrastructure failure
+
+
+@pytest.mark.slow
+def test_lora_adafactor_token_budget_run_resumes_exactly(tmp_path, tiny_qwen2vl, chromium_available):
+    """The memory switches through the whole trainer: only adapters change, the checkpoint's
+    model is a plain (merged) checkpoint, and a resume (base + adapter) continues exactly."""
+    switches = ("model.lora_rank=4", "model.lora_alpha=8", "train.optimizer=adafactor", "train.token_budget=4000",
+                "model.gradient_checkpointing=true", "train.demo_replay=1")
+    straight = _cfg(tmp_path, tiny_qwen2vl, "name=straight", *switches)
+    with Trainer(straight) as t:
+        base = {k: v.clone() for k, v in _params(t).items() if "lora_" not in k}
+        t.train()
+        w_straight = _params(t)
+    changed = [k for k in w_straight if "lora_" in k and not k.endswith("lora_A.default.weight")]
+    assert any(not torch.equal(w_straight[k], torch.zeros_like(w_straight[k])) for k in changed)
+    for k, v in base.items():
+        assert torch.equal(w_straight[k], v), k  # frozen base weights
+    ckpt = sorted((tmp_path / "straight" / "checkpoints").glob("step_*"))[-1] / "model"
+    assert (ckpt / "adapter.pt").is_file()
+    from transformers import AutoModelForImageTextToText
+
+    plain = AutoModelForImageTextToText.from_pretrained(ckpt)
+    assert not any("lora" in n for n, _ in plain.named_parameters())
+    split = _cfg(tmp_path, tiny_qwen2vl, "name=split", *switches)
+    with Trainer(split) as t:
+        t.train(steps=1)
+    with Trainer(split, resume=True) as t:
+        assert t.step == 1
+        t.train()
+        w_split = _params(t)
+    for k in w_straight:
+        assert torch.allclose(w_straight[k], w_split[k], atol=1e-6), k

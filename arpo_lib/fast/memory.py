@@ -22,11 +22,12 @@ ADAPTER = "default"
 
 
 def apply_lora(model: Any, rank: int, alpha: float, dropout: float = 0.0,
-               targets: Iterable[str] = LORA_TARGETS) -> Any:
+               targets: Iterable[str] = LORA_TARGETS, seed: int = 0) -> Any:
     """Wrap the language model's projections in LoRA adapters, in place; returns the PeftModel.
 
     `model` keeps working as before (peft swaps the target modules inside it); only adapter
-    parameters require grad afterwards.
+    parameters require grad afterwards. The adapters' random init depends only on `seed` (not on
+    the global generator's state), so a run and its resume start from the same adapters.
     """
     try:
         from peft import LoraConfig, get_peft_model
@@ -37,7 +38,9 @@ def apply_lora(model: Any, rank: int, alpha: float, dropout: float = 0.0,
     # model.language_model.layers.N.{self_attn,mlp}.X), never the vision tower's.
     pattern = r".*language_model.*\.(" + "|".join(targets) + r")$"
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=pattern, bias="none")
-    return get_peft_model(model, config)
+    with torch.random.fork_rng(devices=[model.device] if model.device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        return get_peft_model(model, config)
 
 
 def merged_state_dict(model: Any) -> dict[str, torch.Tensor]:
