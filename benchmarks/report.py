@@ -1,0 +1,74 @@
+"""Render benchmarks/results/*.json into benchmarks/RESULTS.md (the README links it).
+
+  python benchmarks/report.py
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import RESULTS_DIR, ROOT, table  # noqa: E402
+
+HEADER = """# Benchmark results
+
+Written by `python benchmarks/report.py` from `benchmarks/results/*.json`. Each benchmark runs the
+naive path and ours in one process (ratios within one run); the exact command is under each table.
+`bash benchmarks/run_gpu.sh` takes every GPU figure in one go. What the paths are:
+[bench_update.py](bench_update.py), [bench_rollout.py](bench_rollout.py); the FLOP formula behind MFU
+is `train_flops` in [common.py](common.py) (text linears, causal attention, LM head at trained
+positions, vision linears and windowed attention; recomputation excluded).
+
+## The levers (issue 5) and where they stand
+
+| lever | where | default | status |
+|---|---|---|---|
+| KV cache kept per episode, only the new turn prefilled | `arpo_lib/fast/kv_generation.py` | on (`model.kv_cache`) | same tokens as re-prefill (tests); CPU figures below |
+| log-probs from hidden states in checkpointed chunks | `arpo_lib/fast/logprobs.py` | 1024 (`model.logprob_chunk`) | same values and gradients (tests); GPU memory figure to take |
+| vision window attention in one SDPA call per window size | `arpo_lib/fast/vision_attention.py` | on (`model.vision_attention`) | same values and gradients (tests); GPU speed figure to take |
+| micro-batches by token budget | `arpo_lib/fast/batching.py` | off (`train.token_budget`) | gradient-exact (per-micro-batch weights) |
+| activation checkpointing, every n-th layer | `policy.enable_activation_checkpointing` | off (`model.gradient_checkpointing`, `model.checkpoint_every_n_layers`) | on in the OSWorld configs |
+| LoRA (peft) | `arpo_lib/fast/memory.py` | off (`model.lora_rank`) | exact resume, merged checkpoints (tests) |
+| Adafactor | `arpo_lib/fast/memory.py` | adamw (`train.optimizer`) | state < 25% of AdamW's on the tiny model (tests) |
+| packing several trajectories into one row | - | - | not built: needs varlen attention in the text model (no flash-attn on the GPU machine); ARPO's sequences are one trajectory of 3k-40k tokens each, so a token-budget micro-batch of one long row already carries no padding |
+| torch.compile | - | - | not tried: no GPU in the session that built this |
+"""
+
+
+def main() -> None:
+    parts = [HEADER]
+    results = [json.loads(p.read_text()) for p in sorted(RESULTS_DIR.glob("*.json"))]
+    gpu = [r for r in results if not r["device"].startswith("CPU")]
+    if not gpu:
+        parts.append("**No GPU figures yet**: every result below was taken on the CPU at tiny sizes (they check\n"
+                     "the machinery and the equivalence of the paths; their timings say nothing about a GPU).\n")
+    for r in results:
+        if r["benchmark"] == "update":
+            parts.append(f"## Update: {r['shape']}, {r['screenshots']} screenshots, {r['tokens']:,} tokens "
+                         f"({r['trained_tokens']} trained) on {r['device']}\n")
+            parts.append(f"{r['flops']['total'] / 1e12:.2f} TFLOP per forward+backward. "
+                         f"Activation checkpointing: {r['checkpointing']}.\n")
+            parts.append(table(r["rows"], ["path", "status", "s/fwd+bwd", "speed-up", "tokens/s", "MFU", "peak GiB"]))
+            if r.get("max_abs_logprob_diff") is not None:
+                parts.append(f"\nmax |log-prob difference| {r['max_abs_logprob_diff']:.2g}, "
+                             f"max relative gradient difference {r['max_rel_grad_diff']:.2g}")
+            if r.get("update"):
+                parts.append("\nComplete update (fwd+bwd + optimizer step): " +
+                             ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
+                                       for k, v in r["update"].items()))
+        else:
+            parts.append(f"## Rollout generation: {r['shape']}, {r['envs']} environments x {r['steps']} steps, "
+                         f"up to {r['max_new_tokens']} new tokens, on {r['device']}\n")
+            parts.append(table(r["rows"], ["path", "s per batch of episodes", "s per step (mean)", "prefill tokens",
+                                           "screenshots encoded", "peak GiB"]))
+            parts.append(f"\nprefill tokens {r['prefill_reduction']:.1f}x fewer; generation {r['speed_up']:.2f}x "
+                         f"faster; same sampled tokens on both paths: {r['same_tokens']}")
+        parts.append(f"\n`{r['command']}`\n")
+    out = ROOT / "benchmarks" / "RESULTS.md"
+    out.write_text("\n".join(parts))
+    print(f"written {out}")
+
+
+if __name__ == "__main__":
+    main()
