@@ -175,6 +175,9 @@ class TrainConfig:
     token_budget: int = 0
     """Micro-batches sized by tokens instead: sequences sorted by length and grouped while
     rows x longest <= this many tokens (arpo_lib/fast/batching.py). 0 = `micro_batch_size`."""
+    pack: bool = False
+    """Put each micro-batch's sequences end to end in one row (no padding; a block-diagonal mask
+    keeps them apart: arpo_lib/fast/packing.py). With token_budget, the budget counts real tokens."""
     optimizer: str = "adamw"
     """`adamw` (fused on CUDA) or `adafactor` (factored second moments: ~no optimizer state;
     what lets a 7B full fine-tune fit, see arpo_lib/fast/memory.py)."""

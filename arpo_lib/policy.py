@@ -17,6 +17,7 @@ import torch
 from arpo_lib.actions import MAX_PIXELS, MIN_PIXELS, ParsedResponse, parse_response
 from arpo_lib.fast.logprobs import token_logprobs
 from arpo_lib.fast.memory import adapter_state_dict, apply_lora, load_adapter_state_dict, merged_state_dict
+from arpo_lib.fast.packing import pack_segments
 from arpo_lib.fast.vision_attention import use_batched_vision_attention
 from arpo_lib.prompt import Segment, TokenConversation
 
@@ -273,19 +274,24 @@ class HFPolicy(UITarsConversations):
         return results
 
     # -- training --------------------------------------------------------------------------
-    def sequence_logprobs(self, segments: Sequence[Segment], temperature: float = 1.0) -> list[torch.Tensor]:
+    def sequence_logprobs(self, segments: Sequence[Segment], temperature: float = 1.0,
+                          pack: bool = False) -> list[torch.Tensor]:
         """Log-probs (with grad) of every loss-masked token of each segment: a list of (n_i,) tensors.
 
         Runs the decoder once per micro-batch and applies the LM head only at the positions that
         predict a trained token, `logprob_chunk` positions at a time (arpo_lib.fast.logprobs):
-        full-vocabulary logits over a multi-image sequence never exist.
+        full-vocabulary logits over a multi-image sequence never exist. `pack` puts the segments
+        end to end in one row instead of right-padded rows (arpo_lib.fast.packing).
         """
-        batch = pad_segments(segments, self.pad_id, side="right")
+        if pack and len(segments) > 1:
+            batch = pack_segments(self.model, segments)
+        else:
+            batch = pad_segments(segments, self.pad_id, side="right")
         batch = {k: v.to(self.device) for k, v in batch.items()}
         targets = batch.pop("loss_mask").bool()  # (B, T)
         with self._autocast():
             hidden = self.model.model(**batch, use_cache=False).last_hidden_state  # (B, T, H)
-        # hidden at t-1 predicts token t
+        # hidden at t-1 predicts token t (never across a packed boundary: a segment's first token is not trained)
         pred_mask = torch.zeros_like(targets)
         pred_mask[:, :-1] = targets[:, 1:]
         selected = hidden[pred_mask]  # (N, H)
@@ -293,7 +299,7 @@ class HFPolicy(UITarsConversations):
         with self._autocast():
             token_lp = token_logprobs(selected, tokens, self.model.lm_head, temperature=temperature,
                                       suppress_ids=self.suppress_ids, chunk=self.logprob_chunk)
-        counts = targets.sum(dim=1).tolist()
+        counts = [sum(seg.loss_mask) for seg in segments]
         return list(torch.split(token_lp, counts))
 
     # -- persistence -----------------------------------------------------------------------

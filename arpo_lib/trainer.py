@@ -478,7 +478,7 @@ class Trainer:
             mb_loss = 0.0
             for micro in self._micro_batches(active):
                 segs = [s for s, _ in micro]
-                new = self.policy.sequence_logprobs(segs, temperature)
+                new = self.policy.sequence_logprobs(segs, temperature, pack=cfg.train.pack)
                 logprobs = _pad(new)
                 old_lp = _pad([old[id(s)].to(logprobs.device) for s in segs])
                 mask = _pad([torch.ones_like(t) for t in new])
@@ -518,7 +518,8 @@ class Trainer:
         """Fixed-size micro-batches, or token-budget ones (train.token_budget)."""
         budget = self.cfg.train.token_budget
         if budget > 0:
-            return [[items[i] for i in b] for b in token_budget_batches([len(s) for s, _ in items], budget)]
+            lengths = [len(s) for s, _ in items]
+            return [[items[i] for i in b] for b in token_budget_batches(lengths, budget, packed=self.cfg.train.pack)]
         size = self.cfg.train.micro_batch_size
         return [items[i:i + size] for i in range(0, len(items), size)]
 

@@ -111,6 +111,10 @@ def test_token_budget_batches():
     assert [5] in batches and [2] in batches  # longer than the budget: alone
     fixed = [[0, 1], [2, 3], [4, 5]]
     assert padding_fraction(batches, lengths) < padding_fraction(fixed, lengths)
+    packed = token_budget_batches(lengths, 300, packed=True)
+    for b in packed:
+        assert len(b) == 1 or sum(lengths[i] for i in b) <= 300
+    assert len(packed) <= len(batches)
     with pytest.raises(ValueError):
         token_budget_batches(lengths, 0)
 
@@ -166,3 +170,21 @@ def test_adafactor_keeps_far_less_state_than_adamw(policy):
     assert sizes["adafactor"] < 0.25 * sizes["adamw"]
     with pytest.raises(ValueError, match="unknown optimizer"):
         make_optimizer("lion", policy.trainable_parameters(), lr=1e-3, weight_decay=0.0)
+
+
+def test_packed_row_equals_padded_rows(policy):
+    """Segments of different lengths packed into one row: same log-probs and gradients as
+    right-padded rows (the block-diagonal mask keeps them apart)."""
+    segs = _segments(policy, n=3, steps=2)
+    segs[1] = _segments(policy, n=1, steps=1)[0]  # a shorter one
+    assert len({len(s) for s in segs}) > 1
+    padded_lp, padded_grads = _logprobs_and_grads(policy, segs)
+    policy.model.zero_grad(set_to_none=True)
+    packed = policy.sequence_logprobs(segs, pack=True)
+    torch.cat(packed).sum().backward()
+    for a, b in zip(padded_lp, packed):
+        torch.testing.assert_close(a, b.detach(), atol=1e-5, rtol=1e-5)
+    for name, p in policy.model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(padded_grads[name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
+    policy.model.zero_grad(set_to_none=True)

@@ -250,6 +250,7 @@ def test_lora_adafactor_token_budget_run_resumes_exactly(tmp_path, tiny_qwen2vl,
     """The memory switches through the whole trainer: only adapters change, the checkpoint's
     model is a plain (merged) checkpoint, and a resume (base + adapter) continues exactly."""
     switches = ("model.lora_rank=4", "model.lora_alpha=8", "train.optimizer=adafactor", "train.token_budget=4000",
+                "train.pack=true",
                 "model.gradient_checkpointing=true", "train.demo_replay=1")
     straight = _cfg(tmp_path, tiny_qwen2vl, "name=straight", *switches)
     with Trainer(straight) as t:

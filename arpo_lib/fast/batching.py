@@ -12,8 +12,9 @@ from __future__ import annotations
 from typing import Sequence
 
 
-def token_budget_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
-    """Indices grouped into micro-batches with rows x max(length) <= budget (longest first)."""
+def token_budget_batches(lengths: Sequence[int], budget: int, packed: bool = False) -> list[list[int]]:
+    """Indices grouped into micro-batches (longest first) whose size stays within `budget` tokens:
+    rows x max(length) for padded rows, sum(length) when the micro-batch is packed into one row."""
     if budget <= 0:
         raise ValueError("token budget must be positive")
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
@@ -21,7 +22,8 @@ def token_budget_batches(lengths: Sequence[int], budget: int) -> list[list[int]]
     current: list[int] = []
     for i in order:
         longest = lengths[current[0]] if current else lengths[i]
-        if current and (len(current) + 1) * longest > budget:
+        size = sum(lengths[j] for j in current) + lengths[i] if packed else (len(current) + 1) * longest
+        if current and size > budget:
             batches.append(current)
             current = []
         current.append(i)

@@ -26,6 +26,8 @@ from typing import Any, Hashable, Sequence
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from arpo_lib.fast.packing import rope_positions
+
 
 class SlabLayer(DynamicLayer):
     """A cache layer over a preallocated buffer: appending writes in place.
@@ -87,18 +89,6 @@ class _Entry:
 class GenerationResult:
     token_ids: list[int]
     logprobs: list[float]
-
-
-def rope_positions(model: Any, input_ids: Sequence[int], mm_token_type_ids: Sequence[int],
-                   image_grid_thw: Sequence[torch.Tensor]) -> torch.Tensor:
-    """M-RoPE positions (3, 1, T) of a whole sequence, from the model's own `get_rope_index`."""
-    ids = torch.tensor([list(input_ids)])
-    if not image_grid_thw:
-        return torch.arange(ids.shape[1]).view(1, 1, -1).expand(3, 1, -1)
-    positions, _ = model.model.get_rope_index(
-        ids, torch.tensor([list(mm_token_type_ids)], dtype=torch.int), image_grid_thw=torch.stack(list(image_grid_thw)),
-        attention_mask=torch.ones_like(ids))
-    return positions  # (3, 1, T)
 
 
 class CachedGenerator:
