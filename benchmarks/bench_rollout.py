@@ -61,11 +61,17 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--resolution", default=None, help="screenshot WxH (default: 1920x1080 for real shapes)")
+    ap.add_argument("--text-layers", type=int, default=None, help="shrink the decoder (a CPU check of a real shape)")
+    ap.add_argument("--vision-layers", type=int, default=None, help="shrink the vision tower")
     ap.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
     args = ap.parse_args(argv)
 
-    policy, size = build_policy(args.shape, args.device)
+    policy, size = build_policy(args.shape, args.device, text_layers=args.text_layers,
+                                vision_layers=args.vision_layers)
     device = policy.device
+    if args.resolution:
+        size = tuple(int(x) for x in args.resolution.lower().split("x"))
     results = {}
     for name, cached in (("re-prefill", False), ("kv-cached", True)):
         reset_peak(device)

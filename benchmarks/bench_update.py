@@ -44,23 +44,62 @@ def fwd_bwd(policy, segment) -> torch.Tensor:
     return logprobs.detach()
 
 
+def fwd_bwd_many(policy, segments, pack: bool) -> torch.Tensor:
+    policy.model.zero_grad(set_to_none=True)
+    logprobs = torch.cat(policy.sequence_logprobs(segments, pack=pack))
+    (-logprobs.mean()).backward()
+    return logprobs.detach()
+
+
+def packing_rows(policy, size, n: int, device, repeats: int) -> tuple[list[dict], float | None]:
+    """n trajectories of 1..n screenshots as one micro-batch: right-padded rows vs one packed row."""
+    from arpo_lib.fast.batching import padding_fraction
+
+    segments = [synthetic_trajectory(policy, k, size, seed=100 + k) for k in range(1, n + 1)]
+    lengths = [len(s) for s in segments]
+    rows, outs = [], {}
+    for pack in (False, True):
+        reset_peak(device)
+        name = f"ours, {n} trajectories " + ("packed in 1 row" if pack else "in padded rows")
+        try:
+            seconds, lp = timed(lambda: fwd_bwd_many(policy, segments, pack), device, repeats)
+        except torch.OutOfMemoryError:
+            rows.append({"path": name, "status": "out of memory"})
+            continue
+        outs[pack] = lp.float().cpu()
+        rows.append({"path": name, "status": "ok", "s/fwd+bwd": seconds, "tokens/s": sum(lengths) / seconds,
+                     "peak GiB": peak_gib(device),
+                     "padding": 0.0 if pack else padding_fraction([list(range(n))], lengths)})
+    policy.model.zero_grad(set_to_none=True)
+    diff = float((outs[False] - outs[True]).abs().max()) if len(outs) == 2 else None
+    return rows, diff
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="tiny", choices=["tiny", "tiny25", "2b", "7b"])
     ap.add_argument("--screenshots", type=int, default=3)
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--resolution", default=None, help="screenshot WxH (default: 1920x1080 for real shapes)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--paths", default="naive,ours", help="which paths to run, comma-separated")
     ap.add_argument("--update", action="store_true", help="also time a complete update with the optimizer step")
     ap.add_argument("--optimizer", default="adamw", choices=["adamw", "adafactor"])
     ap.add_argument("--lora-rank", type=int, default=0)
     ap.add_argument("--no-checkpointing", action="store_true")
+    ap.add_argument("--pack", type=int, default=0, metavar="N",
+                    help="also compare N trajectories of 1..N screenshots padded vs packed in one row")
+    ap.add_argument("--text-layers", type=int, default=None, help="shrink the decoder (a CPU check of a real shape)")
+    ap.add_argument("--vision-layers", type=int, default=None, help="shrink the vision tower")
     ap.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
     args = ap.parse_args(argv)
 
     policy, size = build_policy(args.shape, args.device, gradient_checkpointing=not args.no_checkpointing,
-                                lora_rank=args.lora_rank)
+                                lora_rank=args.lora_rank, text_layers=args.text_layers,
+                                vision_layers=args.vision_layers)
     device = policy.device
+    if args.resolution:
+        size = tuple(int(x) for x in args.resolution.lower().split("x"))
     policy.model.train()
     segment = synthetic_trajectory(policy, args.screenshots, size)
     flops = train_flops(policy.model, segment)
@@ -90,6 +129,11 @@ def main(argv: list[str] | None = None) -> dict:
                 r["speed-up"] = base["s/fwd+bwd"] / r["s/fwd+bwd"]
     else:
         max_lp = max_grad = None
+    pack_diff = None
+    if args.pack:
+        set_path(policy, "ours")
+        pack_rows, pack_diff = packing_rows(policy, size, args.pack, device, args.repeats)
+        rows += pack_rows
     update = None
     if args.update:
         set_path(policy, "ours")
@@ -111,15 +155,19 @@ def main(argv: list[str] | None = None) -> dict:
         "tokens": len(segment), "trained_tokens": sum(segment.loss_mask), "image_tokens": sum(segment.mm_token_type_ids),
         "checkpointing": not args.no_checkpointing, "flops": flops, "peak_flops": peak, "rows": rows,
         "max_abs_logprob_diff": max_lp, "max_rel_grad_diff": max_grad, "update": update,
+        "packed_vs_padded_max_logprob_diff": pack_diff, "text_layers": args.text_layers,
+        "vision_layers": args.vision_layers,
         "command": "python benchmarks/bench_update.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
     print(f"{result['device']} | shape {args.shape} | {args.screenshots} screenshots | {len(segment):,} tokens | "
           f"{flops['total'] / 1e12:.1f} TFLOP per fwd+bwd")
-    print(table(rows, ["path", "status", "s/fwd+bwd", "speed-up", "tokens/s", "MFU", "peak GiB"]))
+    print(table(rows, ["path", "status", "s/fwd+bwd", "speed-up", "tokens/s", "MFU", "peak GiB", "padding"]))
     print(f"max |log-prob naive - ours| = {max_lp}; max relative gradient difference = {max_grad}")
     if update:
         print("complete update:", update)
-    path = write_result(f"update_{args.shape}_{args.screenshots}shots" + (f"_lora{args.lora_rank}" if args.lora_rank else "")
+    shrunk = f"_L{args.text_layers}V{args.vision_layers}" if args.text_layers or args.vision_layers else ""
+    path = write_result(f"update_{args.shape}{shrunk}_{args.screenshots}shots" + (f"_pack{args.pack}" if args.pack else "")
+                        + (f"_lora{args.lora_rank}" if args.lora_rank else "")
                         + (f"_{args.optimizer}" if args.update else ""), result, args.out)
     print(f"written {path}")
     return result

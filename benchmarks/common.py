@@ -56,13 +56,17 @@ def tiny_model_dir(variant: str) -> Path:
     return path
 
 
-def build_policy(shape: str, device: str, **policy_kwargs: Any):
+def build_policy(shape: str, device: str, text_layers: int | None = None, vision_layers: int | None = None,
+                 **policy_kwargs: Any):
     """(HFPolicy, screenshot size) for a shape. Real shapes get random weights built on the device
-    and 1080p screenshots at UI-TARS's pixel limits; `tiny` loads the local checkpoint."""
+    and 1080p screenshots at UI-TARS's pixel limits; `tiny` loads the local checkpoint.
+    `text_layers` / `vision_layers` shrink a real shape's depth (a CPU check of the real widths)."""
     from arpo_lib.policy import HFPolicy
 
     if shape in ("tiny", "tiny25"):
         variant = "qwen2vl" if shape == "tiny" else "qwen25vl"
+        if text_layers or vision_layers:
+            raise ValueError("--text-layers/--vision-layers apply to the real shapes (2b, 7b)")
         return HFPolicy(tiny_model_dir(variant), device=device, **policy_kwargs), (320, 420)
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
@@ -75,6 +79,15 @@ def build_policy(shape: str, device: str, **policy_kwargs: Any):
     config.text_config.vocab_size = real["vocab"]
     if "fullatt" in real:
         config.vision_config.fullatt_block_indexes = real["fullatt"]
+    if text_layers:
+        config.text_config.num_hidden_layers = text_layers
+        config.text_config.max_window_layers = text_layers
+        if getattr(config.text_config, "layer_types", None):
+            config.text_config.layer_types = config.text_config.layer_types[:text_layers]
+    if vision_layers:
+        config.vision_config.depth = vision_layers
+        if "fullatt" in real:  # keep the real mix: windowed layers, the last one full
+            config.vision_config.fullatt_block_indexes = [vision_layers - 1]
     with torch.device(device):
         model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
     policy = HFPolicy(path, device=device, model=model, **policy_kwargs)

@@ -72,3 +72,19 @@ def test_real_shapes_and_flop_formula(shape, total_b, text_linear_b, vision_b):
 
 def test_window_spans():
     assert _spans(10, 4) == [4, 4, 2] and _spans(8, 4) == [4, 4]
+
+
+@pytest.mark.slow
+def test_real_shape_paths_run_shrunk_on_cpu(tmp_path):
+    """The 2B shape's real widths and vocabulary (random weights, one decoder and one vision
+    layer): what benchmarks/run_gpu.sh runs on a GPU, down to building the model and the
+    UI-TARS-sized image processing."""
+    update = bench_update.main(["--shape", "2b", "--text-layers", "1", "--vision-layers", "1", "--screenshots", "1",
+                                "--resolution", "448x336", "--device", "cpu", "--repeats", "1", "--out", str(tmp_path)])
+    assert [r["status"] for r in update["rows"]] == ["ok", "ok"]
+    assert update["max_abs_logprob_diff"] < 1e-4
+    assert update["image_tokens"] == (448 // 28) * (336 // 28)  # one 448x336 screenshot, not downscaled
+    rollout = bench_rollout.main(["--shape", "2b", "--text-layers", "1", "--vision-layers", "1", "--envs", "2",
+                                  "--steps", "2", "--max-new-tokens", "4", "--resolution", "448x336",
+                                  "--device", "cpu", "--out", str(tmp_path)])
+    assert rollout["same_tokens"] is True and rollout["prefill_reduction"] > 1
