@@ -88,6 +88,9 @@ class ModelConfig:
     """LoRA scaling numerator (the update is scaled by alpha / rank)."""
     lora_dropout: float = 0.0
     """Dropout on the LoRA adapters' input."""
+    frozen_weights_dtype: str = "auto"
+    """With LoRA: `auto` stores frozen Linear weights in the compute dtype (bf16 on CUDA: the same
+    outputs, since autocast casts them anyway; ~half the base model's memory); `float32` keeps them fp32."""
 
 
 @dataclass
@@ -373,6 +376,7 @@ def validate(cfg: RunConfig) -> None:
         "eval.policy": (cfg.eval.policy, ("model", "scripted")),
         "model.vision_attention": (cfg.model.vision_attention, ("batched", "loop")),
         "train.optimizer": (cfg.train.optimizer, ("adamw", "adafactor")),
+        "model.frozen_weights_dtype": (cfg.model.frozen_weights_dtype, ("auto", "float32")),
     }
     for key, (value, allowed) in choices.items():
         if value not in allowed:

@@ -16,7 +16,8 @@ import torch
 
 from arpo_lib.actions import MAX_PIXELS, MIN_PIXELS, ParsedResponse, parse_response
 from arpo_lib.fast.logprobs import token_logprobs
-from arpo_lib.fast.memory import adapter_state_dict, apply_lora, load_adapter_state_dict, merged_state_dict
+from arpo_lib.fast.memory import (adapter_state_dict, apply_lora, cast_frozen_linears, load_adapter_state_dict,
+                                  merged_state_dict)
 from arpo_lib.fast.packing import pack_segments
 from arpo_lib.fast.vision_attention import use_batched_vision_attention
 from arpo_lib.prompt import Segment, TokenConversation
@@ -138,6 +139,7 @@ class HFPolicy(UITarsConversations):
         lora_alpha: float = 32.0,
         lora_dropout: float = 0.0,
         lora_seed: int = 0,
+        frozen_weights_dtype: str = "auto",
         model: Any = None,
     ):
         from transformers import AutoModelForImageTextToText, AutoProcessor
@@ -178,6 +180,10 @@ class HFPolicy(UITarsConversations):
         """The PeftModel when LoRA is on (`self.model` is the same network with adapters inside)."""
         if lora_rank > 0:
             self.peft_model = apply_lora(self.model, lora_rank, lora_alpha, lora_dropout, seed=lora_seed)
+            if frozen_weights_dtype == "auto" and self.compute_dtype != torch.float32:
+                cast_frozen_linears(self.model, self.compute_dtype)
+        if frozen_weights_dtype not in ("auto", "float32"):
+            raise ValueError(f"frozen_weights_dtype must be 'auto' or 'float32', not {frozen_weights_dtype!r}")
         self.history_images = history_images
         self.max_new_tokens = max_new_tokens
         self.eos_ids, self.suppress_ids = special_token_ids(self.tokenizer)
@@ -349,7 +355,7 @@ def policy_from_config(cfg: Any, path: str | Path | None = None, *, lora: bool =
         gradient_checkpointing=m.gradient_checkpointing,
         checkpoint_every_n_layers=m.checkpoint_every_n_layers, kv_cache=m.kv_cache, vision_attention=m.vision_attention,
         logprob_chunk=m.logprob_chunk, lora_rank=m.lora_rank if lora else 0, lora_alpha=m.lora_alpha,
-        lora_dropout=m.lora_dropout, lora_seed=cfg.train.seed)
+        lora_dropout=m.lora_dropout, lora_seed=cfg.train.seed, frozen_weights_dtype=m.frozen_weights_dtype)
 
 
 def pad_segments(segments: Sequence[Segment], pad_id: int, side: str) -> dict[str, torch.Tensor]:

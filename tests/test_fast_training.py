@@ -188,3 +188,28 @@ def test_packed_row_equals_padded_rows(policy):
         if p.grad is not None:
             torch.testing.assert_close(padded_grads[name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
     policy.model.zero_grad(set_to_none=True)
+
+
+def test_frozen_linears_in_bf16_change_no_output_under_autocast(tiny_model):
+    """With LoRA under bf16 autocast, storing the frozen Linear weights in bf16 gives the same
+    log-probs and adapter gradients as fp32 storage (autocast casts them anyway), in less memory."""
+    from arpo_lib.fast.memory import cast_frozen_linears
+
+    results = {}
+    for frozen in ("float32", "auto"):
+        torch.manual_seed(0)
+        pol = HFPolicy(tiny_model, device="cpu", compute_dtype="bfloat16", lora_rank=4, frozen_weights_dtype=frozen)
+        segs = _segments(pol, n=2, steps=2)
+        lps, grads = _logprobs_and_grads(pol, segs)
+        size = sum(p.numel() * p.element_size() for p in pol.model.parameters())
+        results[frozen] = (lps, grads, size, pol)
+    (lp32, g32, size32, _), (lp16, g16, size16, pol16) = results["float32"], results["auto"]
+    assert size16 < 0.8 * size32
+    assert pol16.model.get_input_embeddings().weight.dtype == torch.float32  # tied LM head (qwen2vl) too
+    for a, b in zip(lp32, lp16):
+        torch.testing.assert_close(a, b)
+    assert g32.keys() == g16.keys() and all("lora_" in k for k in g16)
+    for k in g32:
+        torch.testing.assert_close(g32[k], g16[k])
+    assert cast_frozen_linears(pol16.model, torch.bfloat16) == 0  # idempotent
+    assert all(p.dtype == torch.float32 for p in pol16.trainable_parameters())

@@ -7,6 +7,10 @@ gradients 28 GB, AdamW's two moments 56 GB -- 112 GB before one activation. The 
   and MLP projections of the language model train, so gradients and optimizer state shrink to the
   adapters' size (~0.5% of the parameters at rank 16). Saved checkpoints hold the merged weights
   (loadable by vLLM or any HF code) and the adapter itself (what resume loads).
+- Frozen weights in the compute dtype (`model.frozen_weights_dtype: auto`): with LoRA the base
+  weights never change, and autocast casts every Linear weight to bf16 before its matmul anyway,
+  so the frozen Linear weights are stored in bf16 at no change in any output (tested): 7B's base
+  drops from 33 to ~18 GB. Embeddings and norms stay fp32 (they set the residual stream's dtype).
 - Adafactor (`train.optimizer: adafactor`, torch.optim.Adafactor): factored second moments and no
   first moment, so optimizer state is ~O(rows + cols) per matrix instead of 2 x params.
 """
@@ -43,6 +47,22 @@ def apply_lora(model: Any, rank: int, alpha: float, dropout: float = 0.0,
         return get_peft_model(model, config)
 
 
+def cast_frozen_linears(model: Any, dtype: torch.dtype) -> int:
+    """Store every frozen nn.Linear (weights not trained: LoRA base layers, vision tower, LM head)
+    in `dtype`; returns the bytes saved. Only sound when the forward runs under autocast to that
+    dtype, which casts those weights to it anyway."""
+    saved = 0
+    # A tied LM head shares its weight with the input embedding, which must stay fp32.
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    for module in model.modules():
+        if (isinstance(module, torch.nn.Linear) and not module.weight.requires_grad
+                and module.weight.dtype != dtype and id(module.weight) not in embeddings):
+            before = sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+            module.to(dtype)
+            saved += before - sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+    return saved
+
+
 def merged_state_dict(model: Any) -> dict[str, torch.Tensor]:
     """The model's weights with every LoRA delta folded in, under the base model's own names:
     what `save_pretrained` of an un-adapted model would write. Weights are not modified."""
@@ -53,7 +73,8 @@ def merged_state_dict(model: Any) -> dict[str, torch.Tensor]:
         if isinstance(module, LoraLayer):
             base = module.get_base_layer()
             with torch.no_grad():
-                state[f"{name}.weight"] = base.weight + module.get_delta_weight(ADAPTER).to(base.weight.dtype)
+                # In fp32 whatever the stored base dtype: a bf16 sum would round small updates away.
+                state[f"{name}.weight"] = base.weight.float() + module.get_delta_weight(ADAPTER).float()
             if getattr(base, "bias", None) is not None:
                 state[f"{name}.bias"] = base.bias.detach()
     for key, value in model.state_dict().items():
