@@ -87,6 +87,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--optimizer", default="adamw", choices=["adamw", "adafactor"])
     ap.add_argument("--lora-rank", type=int, default=0)
     ap.add_argument("--no-checkpointing", action="store_true")
+    ap.add_argument("--weights", default="auto", choices=["auto", "fp32", "bf16"],
+                    help="parameter storage: auto = bf16 for the fwd+bwd comparison of a real shape on CUDA "
+                         "(as the issue's naive measurement), fp32 master weights with --update or on the CPU")
     ap.add_argument("--pack", type=int, default=0, metavar="N",
                     help="also compare N trajectories of 1..N screenshots padded vs packed in one row")
     ap.add_argument("--text-layers", type=int, default=None, help="shrink the decoder (a CPU check of a real shape)")
@@ -98,6 +101,11 @@ def main(argv: list[str] | None = None) -> dict:
                                 lora_rank=args.lora_rank, text_layers=args.text_layers,
                                 vision_layers=args.vision_layers)
     device = policy.device
+    weights = args.weights
+    if weights == "auto":
+        weights = "bf16" if device.type == "cuda" and args.shape in ("2b", "7b") and not args.update else "fp32"
+    if weights == "bf16":
+        policy.model.to(torch.bfloat16)
     if args.resolution:
         size = tuple(int(x) for x in args.resolution.lower().split("x"))
     policy.model.train()
@@ -153,7 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "benchmark": "update", "device": device_name(device), "shape": args.shape, "screenshots": args.screenshots,
         "tokens": len(segment), "trained_tokens": sum(segment.loss_mask), "image_tokens": sum(segment.mm_token_type_ids),
-        "checkpointing": not args.no_checkpointing, "flops": flops, "peak_flops": peak, "rows": rows,
+        "checkpointing": not args.no_checkpointing, "weights": weights, "flops": flops, "peak_flops": peak, "rows": rows,
         "max_abs_logprob_diff": max_lp, "max_rel_grad_diff": max_grad, "update": update,
         "packed_vs_padded_max_logprob_diff": pack_diff, "text_layers": args.text_layers,
         "vision_layers": args.vision_layers,

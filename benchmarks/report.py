@@ -30,8 +30,9 @@ positions, vision linears and windowed attention; recomputation excluded).
 | micro-batches by token budget | `arpo_lib/fast/batching.py` | off (`train.token_budget`) | gradient-exact (per-micro-batch weights) |
 | activation checkpointing, every n-th layer | `policy.enable_activation_checkpointing` | off (`model.gradient_checkpointing`, `model.checkpoint_every_n_layers`) | on in the OSWorld configs |
 | LoRA (peft) | `arpo_lib/fast/memory.py` | off (`model.lora_rank`) | exact resume, merged checkpoints (tests) |
+| frozen Linear weights stored in bf16 under LoRA | `arpo_lib/fast/memory.py` | auto (`model.frozen_weights_dtype`) | identical outputs and adapter gradients under bf16 autocast (tests) |
 | Adafactor | `arpo_lib/fast/memory.py` | adamw (`train.optimizer`) | state < 25% of AdamW's on the tiny model (tests) |
-| packing several trajectories into one row | - | - | not built: needs varlen attention in the text model (no flash-attn on the GPU machine); ARPO's sequences are one trajectory of 3k-40k tokens each, so a token-budget micro-batch of one long row already carries no padding |
+| packing several trajectories into one row | `arpo_lib/fast/packing.py` | off (`train.pack`) | same log-probs and gradients as padded rows (tests). With SDPA the block-diagonal mask is dense and rules out the flash kernel: on the CPU, 4 tiny trajectories packed took 1.9x longer than padded rows with 22% padding (below). Kept off until a GPU says otherwise; ARPO's long single-trajectory rows carry no padding anyway |
 | torch.compile | - | - | not tried: no GPU in the session that built this |
 """
 
@@ -48,7 +49,7 @@ def main() -> None:
             parts.append(f"## Update: {r['shape']}, {r['screenshots']} screenshots, {r['tokens']:,} tokens "
                          f"({r['trained_tokens']} trained) on {r['device']}\n")
             parts.append(f"{r['flops']['total'] / 1e12:.2f} TFLOP per forward+backward. "
-                         f"Activation checkpointing: {r['checkpointing']}.\n")
+                         f"Activation checkpointing: {r['checkpointing']}. Weights: {r.get('weights', 'fp32')}.\n")
             parts.append(table(r["rows"], ["path", "status", "s/fwd+bwd", "speed-up", "tokens/s", "MFU", "peak GiB"]))
             if r.get("max_abs_logprob_diff") is not None:
                 parts.append(f"\nmax |log-prob difference| {r['max_abs_logprob_diff']:.2g}, "
