@@ -92,10 +92,9 @@ def build_policy(shape: str, device: str, text_layers: int | None = None, vision
         model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
     policy = HFPolicy(path, device=device, model=model, **policy_kwargs)
     ip = policy.processor.image_processor  # UI-TARS's limits: a 1080p screenshot is not downscaled
-    ip.min_pixels, ip.max_pixels = 3136, 16384 * 28 * 28
-    if isinstance(getattr(ip, "size", None), dict):
-        ip.size = {"shortest_edge": ip.min_pixels, "longest_edge": ip.max_pixels}
-    policy.resize = (28, ip.min_pixels, ip.max_pixels)
+    min_pixels, max_pixels = 3136, 16384 * 28 * 28
+    ip.size = type(ip.size)(shortest_edge=min_pixels, longest_edge=max_pixels)
+    policy.resize = (28, min_pixels, max_pixels)
     return policy, (1920, 1080)
 
 
