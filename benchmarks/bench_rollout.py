@@ -25,11 +25,23 @@ from benchmarks.common import (build_policy, device_name, peak_gib, reset_peak, 
                                table, write_result)
 
 
+def generate_rows(policy, segments, seeds, max_new_tokens, keys, rows_per_call: int):
+    """Generate for all rows, `rows_per_call` at a time (0 = all in one batch). Per-row seeds make
+    the samples independent of the grouping."""
+    step = rows_per_call or len(segments)
+    out = []
+    for i in range(0, len(segments), step):
+        out += policy.generate(segments[i:i + step], temperature=1.0, seeds=seeds[i:i + step],
+                               max_new_tokens=max_new_tokens, cache_keys=keys[i:i + step] if keys else None)
+    return out
+
+
 def run_episodes(policy, envs: int, steps: int, size, max_new_tokens: int, cached: bool, device) -> dict:
     convs = [policy.new_conversation(f"Task {i}: open the settings") for i in range(envs)]
     prefill = 0
     policy.cached.stats.clear()
     per_step, tokens = [], []
+    rows_per_call, fallback_from = 0, None
     for step in range(steps):
         for i, conv in enumerate(convs):
             conv.add_observation(screenshot(1000 * i + step, size))
@@ -38,8 +50,18 @@ def run_episodes(policy, envs: int, steps: int, size, max_new_tokens: int, cache
             prefill += sum(len(s) for s in segments)
         sync(device)
         start = time.perf_counter()
-        gens = policy.generate(segments, temperature=1.0, seeds=[7919 * i + step for i in range(envs)],
-                               max_new_tokens=max_new_tokens, cache_keys=list(range(envs)) if cached else None)
+        seeds = [7919 * i + step for i in range(envs)]
+        keys = list(range(envs)) if cached else None
+        try:
+            gens = generate_rows(policy, segments, seeds, max_new_tokens, keys, rows_per_call)
+        except torch.OutOfMemoryError:
+            if cached or rows_per_call == 1:
+                raise
+            # Re-prefilling the whole history of every env in one batch outgrew the GPU: go on one
+            # env at a time (and say so) rather than lose the comparison.
+            torch.cuda.empty_cache()
+            rows_per_call, fallback_from = 1, step
+            gens = generate_rows(policy, segments, seeds, max_new_tokens, keys, rows_per_call)
         sync(device)
         per_step.append(time.perf_counter() - start)
         for conv, g in zip(convs, gens):
@@ -51,7 +73,8 @@ def run_episodes(policy, envs: int, steps: int, size, max_new_tokens: int, cache
         prefill = policy.cached.stats["prefill_tokens"]
     images = envs * steps * (steps + 1) // 2 if not cached else policy.cached.stats["images_encoded"]
     return {"seconds": sum(per_step), "per_step": per_step, "prefill_tokens": prefill, "images_encoded": images,
-            "final_tokens": sum(len(c.current) for c in convs), "tokens": tokens}
+            "final_tokens": sum(len(c.current) for c in convs), "tokens": tokens,
+            "one_env_at_a_time_from_step": fallback_from}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -95,11 +118,15 @@ def main(argv: list[str] | None = None) -> dict:
               "steps": args.steps, "max_new_tokens": args.max_new_tokens, "rows": rows,
               "prefill_reduction": ratio, "speed_up": speedup, "same_tokens": same,
               "final_context_tokens": b.get("final_tokens"),
+              "re_prefill_one_env_at_a_time_from_step": a.get("one_env_at_a_time_from_step"),
               "command": "python benchmarks/bench_rollout.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     print(f"{result['device']} | shape {args.shape} | {args.envs} envs x {args.steps} steps")
     print(table(rows, ["path", "s per batch of episodes", "s per step (mean)", "prefill tokens",
                        "screenshots encoded", "peak GiB"]))
     print(f"prefill tokens {ratio:.1f}x fewer, generation {speedup:.2f}x faster, same tokens: {same}")
+    if a.get("one_env_at_a_time_from_step") is not None:
+        print(f"re-prefill ran out of memory batched and went on one env at a time from step "
+              f"{a['one_env_at_a_time_from_step']}")
     path = write_result(f"rollout_{args.shape}_{args.envs}x{args.steps}", result, args.out)
     print(f"written {path}")
     return result
