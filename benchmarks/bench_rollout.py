@@ -40,12 +40,13 @@ def run_episodes(policy, envs: int, steps: int, size, max_new_tokens: int, cache
     convs = [policy.new_conversation(f"Task {i}: open the settings") for i in range(envs)]
     prefill = 0
     policy.cached.stats.clear()
-    per_step, tokens = [], []
+    per_step, tokens, prefill_per_step = [], [], []
     rows_per_call, fallback_from = 0, None
     for step in range(steps):
         for i, conv in enumerate(convs):
             conv.add_observation(screenshot(1000 * i + step, size))
         segments = [c.current for c in convs]
+        before = prefill if not cached else policy.cached.stats["prefill_tokens"]
         if not cached:
             prefill += sum(len(s) for s in segments)
         sync(device)
@@ -64,6 +65,7 @@ def run_episodes(policy, envs: int, steps: int, size, max_new_tokens: int, cache
             gens = generate_rows(policy, segments, seeds, max_new_tokens, keys, rows_per_call)
         sync(device)
         per_step.append(time.perf_counter() - start)
+        prefill_per_step.append((prefill if not cached else policy.cached.stats["prefill_tokens"]) - before)
         for conv, g in zip(convs, gens):
             conv.add_response(g.text, g.token_ids, g.logprobs)
         tokens.append([g.token_ids for g in gens])
@@ -74,7 +76,7 @@ def run_episodes(policy, envs: int, steps: int, size, max_new_tokens: int, cache
     images = envs * steps * (steps + 1) // 2 if not cached else policy.cached.stats["images_encoded"]
     return {"seconds": sum(per_step), "per_step": per_step, "prefill_tokens": prefill, "images_encoded": images,
             "final_tokens": sum(len(c.current) for c in convs), "tokens": tokens,
-            "one_env_at_a_time_from_step": fallback_from}
+            "one_env_at_a_time_from_step": fallback_from, "prefill_per_step": prefill_per_step}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -119,6 +121,8 @@ def main(argv: list[str] | None = None) -> dict:
               "prefill_reduction": ratio, "speed_up": speedup, "same_tokens": same,
               "final_context_tokens": b.get("final_tokens"),
               "re_prefill_one_env_at_a_time_from_step": a.get("one_env_at_a_time_from_step"),
+              "per_step": {name: {"seconds": r.get("per_step"), "prefill_tokens": r.get("prefill_per_step")}
+                           for name, r in results.items()},
               "command": "python benchmarks/bench_rollout.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     print(f"{result['device']} | shape {args.shape} | {args.envs} envs x {args.steps} steps")
     print(table(rows, ["path", "s per batch of episodes", "s per step (mean)", "prefill tokens",

@@ -37,6 +37,32 @@ positions, vision linears and windowed attention; recomputation excluded).
 """
 
 
+def plot_rollout(r: dict, path: Path) -> bool:
+    """Per-step prefill tokens and seconds of both paths: the re-prefill cost grows with the
+    history, the cached one stays flat."""
+    per_step = r.get("per_step")
+    if not per_step or any(not v.get("seconds") for v in per_step.values()):
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
+    for name, series in per_step.items():
+        steps = range(1, len(series["seconds"]) + 1)
+        axes[0].plot(steps, series["prefill_tokens"], marker="o", ms=3, label=name)
+        axes[1].plot(steps, series["seconds"], marker="o", ms=3, label=name)
+    axes[0].set(xlabel="step", ylabel="prefill tokens (all envs)", title="tokens prefilled per step")
+    axes[1].set(xlabel="step", ylabel="seconds", title="generation time per step")
+    axes[0].legend()
+    fig.suptitle(f"{r['shape']}: {r['envs']} envs x {r['steps']} steps on {r['device']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def main() -> None:
     parts = [HEADER]
     results = [json.loads(p.read_text()) for p in sorted(RESULTS_DIR.glob("*.json"))]
@@ -65,6 +91,9 @@ def main() -> None:
                                            "screenshots encoded", "peak GiB"]))
             parts.append(f"\nprefill tokens {r['prefill_reduction']:.1f}x fewer; generation {r['speed_up']:.2f}x "
                          f"faster; same sampled tokens on both paths: {r['same_tokens']}")
+            image = f"rollout_{r['shape']}_{r['envs']}x{r['steps']}.png"
+            if plot_rollout(r, ROOT / "benchmarks" / image):
+                parts.append(f"\n![per-step prefill tokens and time]({image})")
         parts.append(f"\n`{r['command']}`\n")
     out = ROOT / "benchmarks" / "RESULTS.md"
     out.write_text("\n".join(parts))
