@@ -39,7 +39,8 @@ def supervised_warm_start(policy: Any, demos: Sequence[Trajectory], *, steps: in
     if not segments:
         raise ValueError("no demonstration segments to train on")
     rng = random.Random(seed)
-    optimizer = torch.optim.AdamW(policy.model.parameters(), lr=lr, weight_decay=0.0)
+    params = policy.trainable_parameters()  # all weights, or only the LoRA adapters
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     policy.model.train()
     losses = []
     for _ in tqdm(range(steps), desc="warm start", disable=not progress, leave=False):
@@ -48,7 +49,7 @@ def supervised_warm_start(policy: Any, demos: Sequence[Trajectory], *, steps: in
         loss = -torch.cat(logprobs).mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(policy.model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         losses.append(loss.item())
     policy.model.eval()
