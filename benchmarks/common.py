@@ -98,7 +98,8 @@ def build_policy(shape: str, device: str, text_layers: int | None = None, vision
     return policy, (1920, 1080)
 
 
-def screenshot(seed: int, size: tuple[int, int]) -> Image.Image:
+def screenshot(seed: int, size: tuple[int, int] = (320, 420)) -> Image.Image:
+    """Random pixels: a stand-in screenshot (seeded, so runs compare)."""
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8))
 

@@ -120,3 +120,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     report = outcome.get_result()
     if report.when == "call":
         item.rep_call = report
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_model):
+    """An in-process policy on each tiny model (module-scoped: one load per test module)."""
+    from arpo_lib.policy import HFPolicy
+
+    torch.manual_seed(0)
+    return HFPolicy(tiny_model, device="cpu", max_new_tokens=24, history_images=15)

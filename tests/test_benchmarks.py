@@ -2,15 +2,12 @@
 (no timing assertions), and the FLOP formula must give the real models' parameter counts."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks import bench_rollout, bench_update  # noqa: E402
-from benchmarks.common import REAL_SHAPES, _spans, train_flops  # noqa: E402
+from benchmarks import bench_rollout, bench_update
+from benchmarks.common import REAL_SHAPES, _spans, train_flops
 
 
 @pytest.mark.parametrize("shape", ["tiny", "tiny25"])

@@ -2,15 +2,12 @@
 paths comparable token for token; bf16 numerics are the benchmarks' business."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def test_kv_cached_generation_on_cuda(tmp_path):

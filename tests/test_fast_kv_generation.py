@@ -5,21 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from arpo_lib.fast.kv_generation import SlabLayer
-from arpo_lib.policy import HFPolicy
-
-
-def _shot(seed: int, size=(320, 420)) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8))
-
-
-@pytest.fixture(scope="module")
-def policy(tiny_model):
-    torch.manual_seed(0)
-    return HFPolicy(tiny_model, device="cpu", max_new_tokens=20, history_images=15)
+from benchmarks.common import screenshot as _shot
 
 
 def _episodes(policy, n_envs, n_steps, *, cached, temperature, history_images=15, max_new_tokens=None):

@@ -3,21 +3,15 @@ models: batched vision attention vs transformers' per-window loop, chunked log-p
 once (values and gradients), token-budget micro-batches, LoRA and Adafactor."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from arpo_lib.fast.batching import padding_fraction, token_budget_batches
 from arpo_lib.fast.logprobs import token_logprobs
 from arpo_lib.fast.memory import make_optimizer, optimizer_state_bytes
 from arpo_lib.fast.vision_attention import use_batched_vision_attention, use_looped_vision_attention
+from benchmarks.common import screenshot as _shot
 from arpo_lib.policy import HFPolicy, enable_activation_checkpointing
-
-
-def _shot(seed: int, size=(320, 420)) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8))
 
 
 def _segments(policy, n=2, steps=3):
@@ -38,12 +32,6 @@ def _logprobs_and_grads(policy, segs):
     torch.cat(lps).sum().backward()
     grads = {n: p.grad.detach().clone() for n, p in policy.model.named_parameters() if p.grad is not None}
     return [lp.detach() for lp in lps], grads
-
-
-@pytest.fixture(scope="module")
-def policy(tiny_model):
-    torch.manual_seed(0)
-    return HFPolicy(tiny_model, device="cpu", max_new_tokens=12)
 
 
 def test_optimised_training_path_equals_naive(policy):

@@ -4,21 +4,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from arpo_lib.policy import HFPolicy, ModelNotFoundError
 from arpo_lib.prompt import COMPUTER_USE_PROMPT, build_messages
-
-
-def _shot(seed: int, size=(320, 420)) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8))
-
-
-@pytest.fixture(scope="module")
-def policy(tiny_model):
-    torch.manual_seed(0)
-    return HFPolicy(tiny_model, device="cpu", max_new_tokens=24, history_images=15)
+from benchmarks.common import screenshot as _shot
 
 
 def test_coord_mode_follows_the_architecture(tiny_qwen2vl, tiny_qwen25vl):
