@@ -22,9 +22,7 @@ from pathlib import Path
 
 
 def _cmd_build_tiny_model(args: argparse.Namespace) -> int:
-    from arpo_lib.tiny_model import build_tiny_model
-
-    from arpo_lib.tiny_model import SIZES
+    from arpo_lib.agent.tiny_model import SIZES, build_tiny_model
 
     path = build_tiny_model(args.out, variant=args.variant, seed=args.seed, overwrite=True, **SIZES[args.size])
     print(f"built {path}")
@@ -32,34 +30,32 @@ def _cmd_build_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from arpo_lib.config import load_config
-    from arpo_lib.trainer import Trainer
+    from arpo_lib import build
 
-    cfg = load_config(args.config, args.overrides)
-    with Trainer(cfg, resume=args.resume) as trainer:
+    cfg = build.load_config(args.config, args.overrides)
+    with build.trainer(cfg, resume=args.resume) as trainer:
         trainer.train()
     print(f"run directory: {cfg.run_dir}")
     return 0
 
 
 def _cmd_resume(args: argparse.Namespace) -> int:
-    from arpo_lib.config import load_config
-    from arpo_lib.trainer import Trainer
+    from arpo_lib import build
+    from arpo_lib.run.layout import RunDir
 
-    config_path = Path(args.run) / "config.yaml"
-    cfg = load_config(config_path, args.overrides)
-    with Trainer(cfg, resume=True) as trainer:
+    cfg = build.load_config(RunDir(Path(args.run)).config, args.overrides)
+    with build.trainer(cfg, resume=True) as trainer:
         trainer.train()
     print(f"run directory: {cfg.run_dir}")
     return 0
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from arpo_lib.config import load_config
+    from arpo_lib import build
     from arpo_lib.workflows import run_evaluation
 
     overrides = list(args.overrides) + ([f"model.path={args.model}"] if args.model else [])
-    cfg = load_config(args.config, overrides)
+    cfg = build.load_config(args.config, overrides)
     out = Path(args.out) if args.out else cfg.run_dir / "eval" / time.strftime("%Y%m%d-%H%M%S")
     result = run_evaluation(cfg, out)
     print(result.table())
@@ -68,12 +64,11 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_smoke(args: argparse.Namespace) -> int:
-    from arpo_lib.workflows import execute_notebook
-
-    from arpo_lib.workflows import format_summary
+    from arpo_lib.run import layout
+    from arpo_lib.workflows import execute_notebook, format_summary
 
     out = execute_notebook("notebooks/smoke_test.ipynb", {"overrides": list(args.overrides)}, run_name=args.name)
-    summary = json.loads((out.parent / "summary.json").read_text())
+    summary = json.loads((out.parent / layout.SUMMARY).read_text())
     print(format_summary(summary))
     print(f"executed notebook: {out}")
     return 0
@@ -106,9 +101,10 @@ def _cmd_notebook(args: argparse.Namespace) -> int:
 def _cmd_config(args: argparse.Namespace) -> int:
     import yaml
 
-    from arpo_lib.config import field_docs, load_config
+    from arpo_lib import build
+    from arpo_lib.run.config import field_docs
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = build.load_config(args.config, args.overrides)
     if args.docs:
         for key, doc in field_docs().items():
             print(f"{key:<36} {doc}")
@@ -118,7 +114,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_osworld_tasks(args: argparse.Namespace) -> int:
-    from arpo_lib.envs import osworld_tasks as ot
+    from arpo_lib.envs.osworld import tasks as ot
 
     try:
         if args.action == "fetch":
@@ -169,11 +165,12 @@ def _cmd_osworld_tasks(args: argparse.Namespace) -> int:
 
 
 def _cmd_select_tasks(args: argparse.Namespace) -> int:
-    from arpo_lib.config import load_config
+    from arpo_lib import build
+    from arpo_lib.run.layout import RunDir
     from arpo_lib.workflows import run_task_selection
 
-    cfg = load_config(args.config, args.overrides)
-    out = Path(args.out) if args.out else cfg.run_dir / "selection"
+    cfg = build.load_config(args.config, args.overrides)
+    out = Path(args.out) if args.out else RunDir(cfg.run_dir).selection
     result = run_task_selection(cfg, out)
     print(result.table())
     print(f"kept tasks: {out / 'kept_tasks.yaml'} (train on them: --config with env.tasks from that file)")
@@ -181,7 +178,7 @@ def _cmd_select_tasks(args: argparse.Namespace) -> int:
 
 
 def _cmd_export_osworld(args: argparse.Namespace) -> int:
-    from arpo_lib.osworld_results import export_osworld_results
+    from arpo_lib.envs.osworld.export import export_osworld_results
 
     eval_dir = Path(args.eval_dir)
     out = export_osworld_results(eval_dir, Path(args.out) if args.out else eval_dir / "osworld_results", args.model)
@@ -190,10 +187,10 @@ def _cmd_export_osworld(args: argparse.Namespace) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from arpo_lib.config import load_config
+    from arpo_lib import build
     from arpo_lib.experiments import run_comparison
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = build.load_config(args.config, args.overrides)
     report = run_comparison(cfg)
     print((cfg.run_dir / "report.md").read_text())
     print(f"experiment: {report['experiment']} (report.md, report.json, comparison.png)")
@@ -279,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_cmd_compare)
 
     args = parser.parse_args(argv)
-    from arpo_lib.config import ConfigError
+    from arpo_lib.run.config import ConfigError
 
     try:
         return args.func(args)

@@ -21,13 +21,19 @@ own successes, as in the paper.
 from __future__ import annotations
 
 import json
+import logging
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-from arpo_lib.config import RunConfig, config_from_dict
-from arpo_lib.records import atomic_write_text, read_jsonl
+from arpo_lib import build
+from arpo_lib.run import layout
+from arpo_lib.run.config import RunConfig, config_from_dict
+from arpo_lib.run.layout import RunDir
+from arpo_lib.run.records import atomic_write_text, read_jsonl
+
+log = logging.getLogger(__name__)
 
 ALGOS = {"arpo": True, "grpo": False}
 """Arm name -> algo.replay.enabled."""
@@ -52,13 +58,11 @@ def _done(path: Path) -> dict[str, Any] | None:
 
 def warm_start_stage(cfg: RunConfig) -> Path:
     """SFT on scripted demonstrations once; returns the saved model directory."""
-    from arpo_lib.trainer import Trainer
-
     model_dir = cfg.run_dir / "warm_start" / "model"
     if _done(cfg.run_dir / "warm_start" / "done.json"):
         return model_dir
     ws_cfg = _derive(cfg, "warm_start", **{"train.steps": 0, "train.demo_replay": 0})
-    with Trainer(ws_cfg, resume=(ws_cfg.run_dir / "config.yaml").exists()) as trainer:
+    with build.trainer(ws_cfg, resume=RunDir(ws_cfg.run_dir).config.exists()) as trainer:
         t0 = time.monotonic()
         losses = trainer.warm_start()
         trainer.policy.save(model_dir)
@@ -70,11 +74,11 @@ def warm_start_stage(cfg: RunConfig) -> Path:
 
 def selection_stage(cfg: RunConfig, model_dir: Path) -> list[str]:
     """ARPO's task selection with the warm-started policy; returns the kept tasks."""
-    from arpo_lib.task_selection import load_selection
+    from arpo_lib.evaluation.task_selection import load_selection
     from arpo_lib.workflows import run_task_selection
 
-    out = cfg.run_dir / "selection"
-    if not (out / "selection.json").is_file():
+    out = RunDir(cfg.run_dir).selection
+    if not (out / layout.SELECTION_RESULT).is_file():
         sel_cfg = _derive(cfg, "selection", **{"model.path": str(model_dir)})
         run_task_selection(sel_cfg, out)
     kept = load_selection(out)
@@ -86,23 +90,19 @@ def selection_stage(cfg: RunConfig, model_dir: Path) -> list[str]:
 
 def evaluate_model(cfg: RunConfig, model_dir: Path, tasks: list[str], out: Path) -> dict[str, Any]:
     """The fixed evaluation protocol (eval.*) of a saved model on `tasks`; cached in out/results.json."""
-    from arpo_lib.evaluate import evaluate
-    from arpo_lib.workflows import base_policy_engine
+    from arpo_lib.evaluation.evaluate import evaluate_run
 
-    done = _done(out / "results.json")
+    done = _done(out / layout.EVAL_RESULTS)
     if done:
         return done
     ev_cfg = _derive(cfg, out.name, **{"model.path": str(model_dir), "env.tasks": tasks, "eval.tasks": None})
-    with base_policy_engine(ev_cfg) as engine:
-        result = evaluate(engine, tasks, samples_per_task=cfg.eval.samples_per_task, temperature=cfg.eval.temperature,
-                          seed=cfg.eval.seed, out_dir=out, progress=cfg.logging.progress, description=f"eval {out.name}")
+    with build.engine(ev_cfg) as engine:
+        result = evaluate_run(engine, ev_cfg, out, description=f"eval {out.name}")
     return result.to_dict()
 
 
 def run_arm(cfg: RunConfig, algo: str, seed: int, model_dir: Path, tasks: list[str]) -> dict[str, Any]:
     """One RL run from the warm start, then its final evaluation; resumable, cached in final.json."""
-    from arpo_lib.trainer import Trainer
-
     name = f"{algo}-s{seed}"
     final = cfg.run_dir / name / "final.json"
     if _done(final):
@@ -112,11 +112,11 @@ def run_arm(cfg: RunConfig, algo: str, seed: int, model_dir: Path, tasks: list[s
                                     "warm_start.steps": 0, "warm_start.demos_per_task": 0,
                                     "train.demo_replay": 0,
                                     "train.tasks_per_batch": min(cfg.train.tasks_per_batch, len(tasks))})
-    resume = (run_cfg.run_dir / "metrics.jsonl").exists()
+    resume = RunDir(run_cfg.run_dir).metrics.exists()
     t0 = time.monotonic()
-    with Trainer(run_cfg, resume=resume) as trainer:
-        print(f"[compare] {name}: {'resuming at step ' + str(trainer.step) if resume else 'starting'} "
-              f"({run_cfg.train.steps} steps on {len(tasks)} tasks)", flush=True)
+    with build.trainer(run_cfg, resume=resume) as trainer:
+        log.info("[compare] %s: %s (%d steps on %d tasks)", name,
+                 f"resuming at step {trainer.step}" if resume else "starting", run_cfg.train.steps, len(tasks))
         trainer.train()
         trainer.policy.save(run_cfg.run_dir / "final_model")
     evaluation = evaluate_model(cfg, run_cfg.run_dir / "final_model", tasks, run_cfg.run_dir / "eval_final")
@@ -131,7 +131,7 @@ def _eval_summary(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def _train_summary(run_dir: Path) -> dict[str, Any]:
-    lines = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "success_rate" in m]
+    lines = [m for m in read_jsonl(RunDir(run_dir).metrics) if "success_rate" in m]
     return {
         "train_success": [m["success_rate"] for m in lines],
         "all_failed_groups": [m["all_failed_groups"] for m in lines],
@@ -141,7 +141,7 @@ def _train_summary(run_dir: Path) -> dict[str, Any]:
 
 def run_comparison(cfg: RunConfig) -> dict[str, Any]:
     """All stages; returns the report (also written to report.json / report.md / comparison.png)."""
-    from arpo_lib.plots import plot_comparison, save_figure
+    from arpo_lib.viz.plots import plot_comparison, save_figure
 
     t0 = time.monotonic()
     cfg.run_dir.mkdir(parents=True, exist_ok=True)

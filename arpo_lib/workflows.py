@@ -5,18 +5,23 @@ go through the same code.
 """
 from __future__ import annotations
 
-import contextlib
 import json
+import logging
 import os
 import threading
 import time
 import types
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-from arpo_lib.config import RunConfig, load_config, resolve_task_sets, run_name_problem
-from arpo_lib.evaluate import EvalResult, evaluate
-from arpo_lib.records import safe_join
+from arpo_lib import build
+from arpo_lib.evaluation.evaluate import EvalResult, evaluate_run
+from arpo_lib.run import layout
+from arpo_lib.run.config import RunConfig, run_name_problem
+from arpo_lib.run.layout import RunDir
+from arpo_lib.run.records import read_jsonl, safe_join
+
+log = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -59,32 +64,29 @@ def prepare_run(config: str | None, overrides: list[str] | dict[str, Any] | None
     use_repo_root()
     overrides = list(overrides or []) if not isinstance(overrides, dict) else [f"{k}={v}" for k, v in overrides.items()]
     name = run_name or f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
-    cfg = load_config(config, overrides + [f"name={name}"])
-    print(f"run directory: {cfg.run_dir}")
+    cfg = build.load_config(config, overrides + [f"name={name}"])
+    log.info("run directory: %s", cfg.run_dir)
     return cfg
 
 
 def evaluate_policy(trainer: Any, label: str, tasks: list[str] | None = None) -> EvalResult:
-    """Evaluate the trainer's current policy with the run's eval protocol; writes <run>/eval/<label>."""
-    cfg = trainer.cfg
-    out = safe_join(cfg.run_dir / "eval", label)
-    result = evaluate(trainer.engine(), tasks or cfg.eval.tasks or cfg.env.tasks,
-                      samples_per_task=cfg.eval.samples_per_task, temperature=cfg.eval.temperature,
-                      seed=cfg.eval.seed, out_dir=out, progress=cfg.logging.progress, description=f"eval {label}")
-    export_results(cfg, out)
-    print(f"evaluation '{label}' ({result.episodes} episodes, {result.seconds:.1f} s)")
-    print(result.table())
+    """Evaluate the trainer's current policy with the run's eval protocol; writes <run>/eval/<label>
+    (and OSWorld's layout beside it, eval.osworld_results)."""
+    result = trainer.evaluate(label, tasks)
+    export_results(trainer.cfg, safe_join(trainer.run.eval_root, label))
+    log.info("evaluation '%s' (%d episodes, %.1f s)\n%s", label, result.episodes, result.seconds, result.table())
     return result
 
 
 def open_trainer(cfg: RunConfig) -> Any:
     """A Trainer for the run: resumes from its last checkpoint when the run directory exists."""
-    from arpo_lib.trainer import Trainer, latest_checkpoint
+    from arpo_lib.training.checkpoint import latest_checkpoint
 
-    resume = (cfg.run_dir / "metrics.jsonl").exists() or latest_checkpoint(cfg.run_dir / "checkpoints") is not None
-    trainer = Trainer(cfg, resume=resume)
-    print(f"{'resuming' if resume else 'starting'} {cfg.run_dir} at step {trainer.step} of {cfg.train.steps} "
-          f"({'ARPO' if trainer.replay.enabled else 'GRPO'}, {len(cfg.env.tasks)} tasks)")
+    run = RunDir(cfg.run_dir)
+    resume = run.metrics.exists() or latest_checkpoint(run.checkpoints) is not None
+    trainer = build.trainer(cfg, resume=resume)
+    log.info("%s %s at step %d of %d (%s, %d tasks)", "resuming" if resume else "starting", cfg.run_dir, trainer.step,
+             cfg.train.steps, "ARPO" if trainer.replay.enabled else "GRPO", len(cfg.env.tasks))
     return trainer
 
 
@@ -95,14 +97,12 @@ def print_step(metrics: dict[str, Any]) -> None:
             f"loss {metrics['loss']:+.4f}  ({metrics['seconds_rollout'] + metrics['seconds_update']:.1f} s)")
     if "eval_success_rate" in metrics:
         line += f"  | eval success {metrics['eval_success_rate']:.2f}"
-    print(line, flush=True)
+    log.info(line)
 
 
 def training_report(trainer: Any) -> str:
     """Final report of a training run: steps, success over time, evaluations, where things are."""
-    from arpo_lib.records import read_jsonl
-
-    metrics = read_jsonl(trainer.metrics_path)
+    metrics = read_jsonl(trainer.run.metrics)
     evals = [m for m in metrics if "eval_success_rate" in m]
     lines = [f"run: {trainer.run_dir}", f"steps: {trainer.step} / {trainer.cfg.train.steps}",
              f"replay buffer: {len(trainer.replay)} trajectories over {trainer.replay.stats().get('tasks_with_successes', 0)} tasks, "
@@ -114,7 +114,7 @@ def training_report(trainer: Any) -> str:
     for m in evals:
         lines.append(f"eval at step {m['step']:>4}: success {m['eval_success_rate']:.2f}, pass@k {m['eval_pass_at_k']:.2f}, "
                      f"format errors {m['eval_format_error_rate']:.2f}")
-    lines.append(f"checkpoints: {trainer.ckpt_dir}")
+    lines.append(f"checkpoints: {trainer.run.checkpoints}")
     return "\n".join(lines)
 
 
@@ -137,13 +137,11 @@ def deterministic_digest(summary: dict[str, Any]) -> str:
 
 def run_digest(run_dir: str | Path) -> dict[str, Any]:
     """Seed-determined numbers of a training run directory (for `deterministic_digest`)."""
-    from arpo_lib.config import config_from_dict
-    from arpo_lib.records import read_jsonl
+    from arpo_lib.run.config import load_config
 
-    import yaml
-
-    cfg = config_from_dict(yaml.safe_load((Path(run_dir) / "config.yaml").read_text()))
-    metrics = read_jsonl(Path(run_dir) / "metrics.jsonl")
+    run = RunDir(Path(run_dir))
+    cfg = load_config(run.config)
+    metrics = read_jsonl(run.metrics)
     return {
         "algorithm": "ARPO" if cfg.algo.replay.enabled else "GRPO",
         "train_steps": len(metrics),
@@ -155,16 +153,16 @@ def run_digest(run_dir: str | Path) -> dict[str, Any]:
 
 def eval_dirs(run_dir: str | Path) -> list[Path]:
     """Evaluation directories of a run (each holds results.json), oldest first."""
-    found = [p.parent for p in (Path(run_dir) / "eval").glob("*/results.json")]
-    return sorted(found, key=lambda p: (p / "results.json").stat().st_mtime)
+    found = [p.parent for p in RunDir(Path(run_dir)).eval_root.glob(f"*/{layout.EVAL_RESULTS}")]
+    return sorted(found, key=lambda p: (p / layout.EVAL_RESULTS).stat().st_mtime)
 
 
 def find_eval(path: str | Path) -> Path:
     """An evaluation directory from a path to one, to its results.json, or to a run (its latest)."""
     path = Path(path)
-    if path.is_file() and path.name == "results.json":
+    if path.is_file() and path.name == layout.EVAL_RESULTS:
         return path.parent
-    if (path / "results.json").is_file():
+    if (path / layout.EVAL_RESULTS).is_file():
         return path
     found = eval_dirs(path)
     if not found:
@@ -174,34 +172,10 @@ def find_eval(path: str | Path) -> Path:
 
 def first_trajectory(eval_dir: str | Path) -> Path:
     """The first episode directory (by domain/task/sample) of an evaluation."""
-    metas = sorted(Path(eval_dir).rglob("meta.json"))
+    metas = sorted(Path(eval_dir).rglob(layout.META))
     if not metas:
         raise FileNotFoundError(f"no trajectories under {eval_dir}")
     return metas[0].parent
-
-
-def start_policy_server(cfg: RunConfig, model_path: str | None = None) -> Any:
-    """Start the model server the config describes (`serve.*`) for `model_path` (default
-    `model.path`); its pid and url go to <run>/server.json."""
-    from arpo_lib import serving
-
-    s = cfg.serve
-    model_path = model_path or cfg.model.path
-    if s.backend == "hf":
-        options = {"device": cfg.model.device, "dtype": cfg.model.compute_dtype, "max_new_tokens": cfg.model.max_new_tokens}
-    else:
-        options = {"max_model_len": s.max_model_len, "max_images": cfg.model.history_images, "dtype": s.dtype,
-                   "gpu_memory_utilization": s.gpu_memory_utilization, "enable_prefix_caching": True,
-                   "device": s.device, "enforce_eager": s.enforce_eager, "weight_sync": s.weight_sync}
-    cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    print(f"starting the {s.backend} server for {model_path} (log: {cfg.run_dir / 'server.log'})")
-    server = serving.start_server(model_path, backend=s.backend, host=s.host, port=s.port or None,
-                                  served_model_name=s.served_model_name, log_path=cfg.run_dir / "server.log",
-                                  python=s.python, **options)
-    (cfg.run_dir / "server.json").write_text(json.dumps({
-        "pid": server.pid, "url": server.url, "base_url": server.base_url, "model": server.model,
-        "backend": s.backend, "log_path": str(server.log_path)}, indent=1))
-    return server
 
 
 def server_instructions(server: Any) -> str:
@@ -228,18 +202,18 @@ def finish_server(server: Any, cfg: RunConfig) -> str:
 
 def server_smoke_request(server: Any, cfg: RunConfig, task: str | None = None) -> dict[str, Any]:
     """Send the server one UI-TARS turn on a real MiniWoB++ screenshot (greedy); parse the reply."""
-    from arpo_lib import serving
     from arpo_lib.actions import ActionParseError, parse_response
+    from arpo_lib.agent.client import chat_completion, ui_tars_messages
+    from arpo_lib.agent.prompt import coord_mode_for
     from arpo_lib.envs import make_env
-    from arpo_lib.policy import coord_mode_for
 
     task = task or cfg.env.tasks[0]
     opts = dict(cfg.env.options)
     with make_env(task, **opts) as env:
         obs, _ = env.reset(seed=cfg.eval.seed)
-    messages = serving.ui_tars_messages(obs.instruction, [obs.screenshot], [], history_images=cfg.model.history_images)
+    messages = ui_tars_messages(obs.instruction, [obs.screenshot], [], history_images=cfg.model.history_images)
     t0 = time.monotonic()
-    reply = serving.chat_completion(server.base_url, messages, model=server.model, temperature=0,
+    reply = chat_completion(server.base_url, messages, model=server.model, temperature=0,
                                     max_tokens=cfg.model.max_new_tokens, logprobs=True)
     text = reply["choices"][0]["message"]["content"]
     coord_mode = cfg.model.coord_mode if cfg.model.coord_mode != "auto" else coord_mode_for(cfg.model.path)
@@ -253,52 +227,10 @@ def server_smoke_request(server: Any, cfg: RunConfig, task: str | None = None) -
             "usage": reply.get("usage")}
 
 
-@contextlib.contextmanager
-def base_policy_engine(cfg: RunConfig, scripted: bool = False) -> Iterator[Any]:
-    """A rollout engine for `cfg.model.path` without a trainer (evaluation, task selection):
-    the in-process model, or a server (the one at rollout.server_url, or one started for the
-    duration); environment workers as configured (env.backend, env.python). `scripted`: the
-    scripted agent acts instead (its tokens scored by the model), an upper-bound baseline."""
-    from arpo_lib.policy import policy_from_config
-    from arpo_lib.rollout import RolloutEngine
-    from arpo_lib.trainer import pool_for
-
-    resolve_task_sets(cfg)
-    server = None
-    if cfg.rollout.backend == "server":
-        # Generation on the server: only the processor is loaded here (a GPU's memory stays vLLM's).
-        from arpo_lib.server_policy import policy_for
-
-        url = cfg.rollout.server_url
-        if url is None:
-            server = start_policy_server(cfg)
-            server.wait_healthy(timeout_s=cfg.serve.startup_timeout_s)
-            url = server.base_url
-        policy = policy_for(cfg, url)
-        print(f"generating with {policy.served_model} at {url}")
-    else:
-        policy = policy_from_config(cfg, lora=False)
-        if scripted:
-            from arpo_lib.scripted import ScriptedPolicy
-
-            policy = ScriptedPolicy(policy)
-    try:
-        with pool_for(cfg) as pool:
-            yield RolloutEngine(policy, pool, max_steps=cfg.env.max_steps, format_coef=cfg.algo.format_coef,
-                                format_penalty=cfg.algo.format_penalty)
-    finally:
-        if cfg.rollout.backend == "server":
-            policy.close()
-        if server is not None:
-            server.stop()
-
-
 def run_evaluation(cfg: RunConfig, out_dir: Path) -> EvalResult:
     """Evaluate `cfg.model.path` (or the scripted agent: eval.policy) on the eval tasks (CLI `eval`)."""
-    with base_policy_engine(cfg, scripted=cfg.eval.policy == "scripted") as engine:
-        result = evaluate(engine, cfg.eval.tasks or cfg.env.tasks, samples_per_task=cfg.eval.samples_per_task,
-                          temperature=cfg.eval.temperature, seed=cfg.eval.seed, out_dir=out_dir,
-                          progress=cfg.logging.progress)
+    with build.engine(cfg, scripted=cfg.eval.policy == "scripted") as engine:
+        result = evaluate_run(engine, cfg, out_dir)
     export_results(cfg, out_dir)
     return result
 
@@ -308,7 +240,7 @@ def export_results(cfg: RunConfig, eval_dir: Path) -> Path | None:
     not <eval>/osworld, which holds the osworld family's own trajectories)."""
     if not cfg.eval.osworld_results:
         return None
-    from arpo_lib.osworld_results import export_osworld_results
+    from arpo_lib.envs.osworld.export import export_osworld_results
 
     model = cfg.serve.served_model_name or Path(cfg.model.path).name
     return export_osworld_results(eval_dir, Path(eval_dir) / "osworld_results", model)
@@ -317,29 +249,20 @@ def export_results(cfg: RunConfig, eval_dir: Path) -> Path | None:
 def run_task_selection(cfg: RunConfig, out_dir: Path | None = None) -> Any:
     """ARPO's task selection with the base policy (`cfg.select`): k rollouts per task, keep tasks
     with at least `min_successes` successes. Resumable; writes <run>/selection by default."""
-    from arpo_lib.task_selection import select_tasks
+    from arpo_lib.evaluation.task_selection import select_tasks
 
-    out_dir = Path(out_dir) if out_dir is not None else cfg.run_dir / "selection"
-    with base_policy_engine(cfg) as engine:
+    out_dir = Path(out_dir) if out_dir is not None else RunDir(cfg.run_dir).selection
+    with build.engine(cfg) as engine:
         s = cfg.select
         result = select_tasks(engine, s.tasks or cfg.env.tasks, out_dir, k=s.k, min_successes=s.min_successes,
                               seed=s.seed, temperature=s.temperature, max_env_retries=s.max_env_retries,
                               progress=cfg.logging.progress)
-    print(f"task selection: kept {len(result.kept)} of {len(result.tasks)} tasks "
-          f"({result.seconds:.0f} s); written to {out_dir}")
+    log.info("task selection: kept %d of %d tasks (%.0f s); written to %s", len(result.kept), len(result.tasks),
+             result.seconds, out_dir)
     if result.incomplete:
-        print(f"warning: {len(result.incomplete)} task(s) have fewer than k valid episodes "
-              f"(infrastructure failures): {result.incomplete[:5]}")
+        log.warning("%d task(s) have fewer than k valid episodes (infrastructure failures): %s",
+                    len(result.incomplete), result.incomplete[:5])
     return result
-
-
-def print_metrics(history: list[dict[str, Any]]) -> None:
-    """One line per training step."""
-    keys = ["step", "success_rate", "mean_reward", "all_failed_groups", "replay_injections", "loss",
-            "clip_fraction", "grad_norm", "seconds_rollout", "seconds_update"]
-    print("  ".join(f"{k:>12}" for k in keys))
-    for m in history:
-        print("  ".join(f"{m[k]:>12.4g}" if isinstance(m[k], float) else f"{m[k]:>12}" for k in keys))
 
 
 class MemoryMonitor:
@@ -412,7 +335,7 @@ def smoke_summary(trainer: Any, before: EvalResult, after: EvalResult, history: 
         "peak_memory_gb": round(memory.stop(), 2) if memory else None,
         "env_errors": sum(m["env_errors"] for m in history) + before.env_errors + after.env_errors,
     }
-    (trainer.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    trainer.run.summary.write_text(json.dumps(summary, indent=1))
     return summary
 
 

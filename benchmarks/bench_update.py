@@ -22,8 +22,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import (build_policy, device_name, peak_flops, peak_gib, reset_peak,  # noqa: E402
                                synthetic_trajectory, table, timed, train_flops, write_result)
-from arpo_lib.fast.memory import make_optimizer, optimizer_state_bytes  # noqa: E402
-from arpo_lib.fast.vision_attention import use_batched_vision_attention, use_looped_vision_attention  # noqa: E402
+from arpo_lib.training.optim import make_optimizer, optimizer_state_bytes  # noqa: E402
+from arpo_lib.agent.model.vision_attention import use_batched_vision_attention, use_looped_vision_attention  # noqa: E402
 
 PATHS = {
     "naive": dict(vision="loop", chunk=0),
@@ -53,7 +53,7 @@ def fwd_bwd_many(policy, segments, pack: bool) -> torch.Tensor:
 
 def packing_rows(policy, size, n: int, device, repeats: int) -> tuple[list[dict], float | None]:
     """n trajectories of 1..n screenshots as one micro-batch: right-padded rows vs one packed row."""
-    from arpo_lib.fast.batching import padding_fraction
+    from arpo_lib.training.optim import padding_fraction
 
     segments = [synthetic_trajectory(policy, k, size, seed=100 + k) for k in range(1, n + 1)]
     lengths = [len(s) for s in segments]

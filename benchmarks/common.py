@@ -61,7 +61,7 @@ def build_policy(shape: str, device: str, text_layers: int | None = None, vision
     """(HFPolicy, screenshot size) for a shape. Real shapes get random weights built on the device
     and 1080p screenshots at UI-TARS's pixel limits; `tiny` loads the local checkpoint.
     `text_layers` / `vision_layers` shrink a real shape's depth (a CPU check of the real widths)."""
-    from arpo_lib.policy import HFPolicy
+    from arpo_lib.agent.hf_policy import HFPolicy
 
     if shape in ("tiny", "tiny25"):
         variant = "qwen2vl" if shape == "tiny" else "qwen25vl"
@@ -70,7 +70,7 @@ def build_policy(shape: str, device: str, text_layers: int | None = None, vision
         return HFPolicy(tiny_model_dir(variant), device=device, **policy_kwargs), (320, 420)
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from arpo_lib.tiny_model import TinyModelSpec, _build_config
+    from arpo_lib.agent.tiny_model import TinyModelSpec, _build_config
 
     real = REAL_SHAPES[shape]
     path = tiny_model_dir(real["variant"])

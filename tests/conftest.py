@@ -20,7 +20,7 @@ for _var, _cmd in (("MINIWOB_CHROME_BINARY", "chromium"), ("MINIWOB_CHROMEDRIVER
 
 
 def _tiny_model(variant: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from arpo_lib.tiny_model import build_tiny_model, is_complete
+    from arpo_lib.agent.tiny_model import build_tiny_model, is_complete
 
     shipped = REPO / "models" / f"tiny-uitars-{variant}"
     if is_complete(shipped):
@@ -68,9 +68,9 @@ def warm_tiny_qwen2vl(tiny_qwen2vl, chromium_available, tmp_path_factory: pytest
     """The tiny Qwen2-VL model after a short supervised warm start on scripted demonstrations of
     click-test and click-button: it answers with real UI-TARS actions (the untrained one answers
     with newlines), which equivalence tests between backends need."""
-    from arpo_lib.envs.worker import EnvPool
-    from arpo_lib.policy import HFPolicy
-    from arpo_lib.sft import collect_demonstrations, supervised_warm_start
+    from arpo_lib.envs.pool import EnvPool
+    from arpo_lib.agent.hf_policy import HFPolicy
+    from arpo_lib.training.sft import collect_demonstrations, supervised_warm_start
 
     out = tmp_path_factory.mktemp("warm") / "tiny-uitars-qwen2vl-warm"
     policy = HFPolicy(tiny_qwen2vl, device="cpu", max_new_tokens=48)
@@ -125,7 +125,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
 @pytest.fixture(scope="module")
 def policy(tiny_model):
     """An in-process policy on each tiny model (module-scoped: one load per test module)."""
-    from arpo_lib.policy import HFPolicy
+    from arpo_lib.agent.hf_policy import HFPolicy
 
     torch.manual_seed(0)
     return HFPolicy(tiny_model, device="cpu", max_new_tokens=24, history_images=15)

@@ -34,7 +34,7 @@ def test_rollout_benchmark_same_tokens_fewer_prefill(tmp_path):
 def _meta_model(shape):
     from transformers import AutoModelForImageTextToText
 
-    from arpo_lib.tiny_model import TinyModelSpec, _build_config
+    from arpo_lib.agent.tiny_model import TinyModelSpec, _build_config
     from benchmarks.common import tiny_model_dir
     from transformers import AutoProcessor
 
@@ -52,7 +52,7 @@ def _meta_model(shape):
 def test_real_shapes_and_flop_formula(shape, total_b, text_linear_b, vision_b):
     """Parameter counts of the published models (2.2B / 8.3B) come out of our shape table, and
     the FLOP terms scale as the docstring says."""
-    from arpo_lib.prompt import Segment
+    from arpo_lib.agent.prompt import Segment
 
     model = _meta_model(shape)
     total = sum(p.numel() for p in model.parameters()) / 1e9

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from arpo_lib.config import ConfigError, RunConfig, config_from_dict, field_docs, load_config, parse_overrides
+from arpo_lib.run.config import ConfigError, RunConfig, config_from_dict, field_docs, load_config, parse_overrides
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
 

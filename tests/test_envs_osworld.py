@@ -24,13 +24,10 @@ from PIL import Image
 from arpo_lib.actions import Action, to_pyautogui
 from arpo_lib.envs import EnvError, list_envs, make_env
 from arpo_lib.envs import osworld
-from arpo_lib.envs.osworld import (
-    CONTAINER_FILE, OSWorldEnv, OSWorldSetupError, find_osworld_python, remove_stale_cache_dirs,
-)
-from arpo_lib.envs.osworld_fake import (
-    BOOT_FAILURES_VAR, FAKE_DESKTOP_ENV, FAKE_TASK_LOADER, FakeDesktopEnv, load_fake_task,
-)
-from arpo_lib.envs.worker import EnvPool, EnvSetupError, _is_setup_error, action_payload
+from arpo_lib.envs.osworld.env import (CONTAINER_FILE, OSWorldEnv, OSWorldSetupError, find_osworld_python, remove_stale_cache_dirs)
+from arpo_lib.envs.osworld.fake import (BOOT_FAILURES_VAR, FAKE_DESKTOP_ENV, FAKE_TASK_LOADER, FakeDesktopEnv, load_fake_task)
+from arpo_lib.envs.pool import EnvPool
+from arpo_lib.envs.worker import EnvSetupError, _is_setup_error, action_payload
 
 REPO = Path(__file__).resolve().parent.parent
 ADAPTER_METHODS = ("__init__", "reset", "step", "evaluate", "close")
@@ -622,7 +619,7 @@ def test_worker_in_the_osworld_interpreter(tmp_path):
 
 
 def test_default_loader_reads_the_fetched_task_data(tmp_path, monkeypatch):
-    from arpo_lib.envs import osworld_tasks
+    from arpo_lib.envs.osworld import tasks
 
     monkeypatch.setenv(osworld_tasks.ENV_VAR, str(tmp_path / "no-tasks"))
     with pytest.raises(FileNotFoundError, match="not fetched") as err:

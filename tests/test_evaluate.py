@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from arpo_lib.evaluate import pass_at_k, summarize
-from arpo_lib.rollout import StepRecord, Trajectory
+from arpo_lib.evaluation.evaluate import pass_at_k, summarize
+from arpo_lib.types import StepRecord, Trajectory
 
 
 def _traj(task, score, fmt=True, status="ok", steps=2):
@@ -37,7 +37,7 @@ def test_summarize_excludes_infrastructure_failures():
 def test_scripted_agent_as_the_upper_bound_baseline(tiny_qwen2vl, chromium_available, tmp_path):
     """`eval.policy=scripted`: the DOM-reading agent acts (an upper bound on its tasks); the
     random tiny model alone solves nothing."""
-    from arpo_lib.config import ConfigError, load_config
+    from arpo_lib.run.config import ConfigError, load_config
     from arpo_lib.workflows import run_evaluation
 
     base = [f"model.path={tiny_qwen2vl}", "env.tasks=[miniwob/click-test, miniwob/enter-text]", "env.max_steps=6",

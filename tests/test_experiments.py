@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from arpo_lib.config import ConfigError, load_config
+from arpo_lib.run.config import ConfigError, load_config
 from arpo_lib.experiments import comparison_report, report_digest, report_markdown
 
 
@@ -36,7 +36,7 @@ def test_report_means_spread_and_gain():
     assert "| ARPO | 0, 1 | 0.625 ± 0.177 | 0.625" not in md  # the range column is min–max
     assert "| ARPO | 0, 1 | 0.625 ± 0.177 | 0.500–0.750 | +0.375 |" in md
     assert "arpo-s1: eval 0.750, injections 2" in report_digest(report)
-    from arpo_lib.plots import plot_comparison
+    from arpo_lib.viz.plots import plot_comparison
 
     fig = plot_comparison(report)
     assert len(fig.axes) == 3 and fig._repr_png_().startswith(b"\x89PNG")

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from arpo_lib.fast.kv_generation import SlabLayer
+from arpo_lib.agent.model.kv_generation import SlabLayer
 from benchmarks.common import screenshot as _shot
 
 

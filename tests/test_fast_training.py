@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from arpo_lib.fast.batching import padding_fraction, token_budget_batches
-from arpo_lib.fast.logprobs import token_logprobs
-from arpo_lib.fast.memory import make_optimizer, optimizer_state_bytes
-from arpo_lib.fast.vision_attention import use_batched_vision_attention, use_looped_vision_attention
+from arpo_lib.training.optim import padding_fraction, token_budget_batches
+from arpo_lib.agent.model.logprobs import token_logprobs
+from arpo_lib.training.optim import make_optimizer, optimizer_state_bytes
+from arpo_lib.agent.model.vision_attention import use_batched_vision_attention, use_looped_vision_attention
 from benchmarks.common import screenshot as _shot
-from arpo_lib.policy import HFPolicy, enable_activation_checkpointing
+from arpo_lib.agent.hf_policy import HFPolicy, enable_activation_checkpointing
 
 
 def _segments(policy, n=2, steps=3):
@@ -181,7 +181,7 @@ def test_packed_row_equals_padded_rows(policy):
 def test_frozen_linears_in_bf16_change_no_output_under_autocast(tiny_model):
     """With LoRA under bf16 autocast, storing the frozen Linear weights in bf16 gives the same
     log-probs and adapter gradients as fp32 storage (autocast casts them anyway), in less memory."""
-    from arpo_lib.fast.memory import cast_frozen_linears
+    from arpo_lib.agent.model.lora import cast_frozen_linears
 
     results = {}
     for frozen in ("float32", "auto"):

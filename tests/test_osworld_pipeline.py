@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from arpo_lib.envs import osworld_tasks as ot
+from arpo_lib.envs.osworld import tasks as ot
 
 pytestmark = pytest.mark.slow
 
@@ -83,11 +83,12 @@ def test_a_vm_dying_mid_episode_is_an_infrastructure_failure_and_rollouts_go_on(
     groups, statistics and the replay buffer), the worker's VM is rebuilt, the other tasks run."""
     import shutil
 
-    from arpo_lib import scripted
-    from arpo_lib.envs.worker import EnvPool
-    from arpo_lib.evaluate import summarize
-    from arpo_lib.policy import HFPolicy
-    from arpo_lib.rollout import EpisodeRequest, RolloutEngine
+    from arpo_lib.agent import scripted
+    from arpo_lib.envs.pool import EnvPool
+    from arpo_lib.evaluation.evaluate import summarize
+    from arpo_lib.agent.hf_policy import HFPolicy
+    from arpo_lib.training.rollout import RolloutEngine
+    from arpo_lib.types import EpisodeRequest
 
     tree = tmp_path / "checkout"
     shutil.copytree(FIXTURE / "evaluation_examples", tree / "evaluation_examples")

@@ -7,8 +7,9 @@ from pathlib import Path
 
 from PIL import Image
 
-from arpo_lib.osworld_results import export_osworld_results, read_osworld_results
-from arpo_lib.rollout import StepRecord, Trajectory, save_trajectory
+from arpo_lib.envs.osworld.export import export_osworld_results, read_osworld_results
+from arpo_lib.training.rollout import save_trajectory
+from arpo_lib.types import StepRecord, Trajectory
 
 
 def _traj(root: Path, task: str, sample: int, score: float, status: str = "ok", steps: int = 2) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from arpo_lib import cli
-from arpo_lib.envs import osworld_tasks as ot
+from arpo_lib.envs.osworld import tasks as ot
 
 FIXTURE = Path(__file__).resolve().parent.parent / "test_data" / "osworld"
 EE = FIXTURE / "evaluation_examples"

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from matplotlib.figure import Figure
 
-from arpo_lib import plots
-from arpo_lib.evaluate import EvalResult, TaskResult
+from arpo_lib.viz import plots
+from arpo_lib.evaluation.evaluate import EvalResult, TaskResult
 
 KEYS = ("success_rate", "mean_reward", "all_failed_groups", "replay_injections", "loss",
         "clip_fraction", "grad_norm")

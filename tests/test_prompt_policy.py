@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from arpo_lib.policy import HFPolicy, ModelNotFoundError
-from arpo_lib.prompt import COMPUTER_USE_PROMPT, build_messages
+from arpo_lib.agent.hf_policy import HFPolicy, ModelNotFoundError
+from arpo_lib.agent.prompt import COMPUTER_USE_PROMPT, build_messages
 from benchmarks.common import screenshot as _shot
 
 
@@ -152,7 +152,7 @@ def test_seeded_sampling_does_not_depend_on_the_batch(policy):
 
 
 def test_gumbel_sampler_samples_the_softmax():
-    from arpo_lib.policy import SeededGumbelSampler
+    from arpo_lib.agent.sampling import SeededGumbelSampler
 
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5]])
     temperature = 0.7

@@ -15,8 +15,10 @@ import psutil
 import pytest
 
 from arpo_lib.envs.base import EnvError
-from arpo_lib.envs.worker import EnvPool, EnvSetupError, make_pool
-from arpo_lib.rollout import EpisodeRequest, RolloutEngine
+from arpo_lib.envs.pool import EnvPool, make_pool
+from arpo_lib.envs.worker import EnvSetupError
+from arpo_lib.training.rollout import RolloutEngine
+from arpo_lib.types import EpisodeRequest
 
 OPTIONS = {"scale": 2, "max_steps": 3}
 TASKS = ["miniwob/click-test", "miniwob/click-button"]
@@ -59,8 +61,8 @@ def ray_pool(chromium_available):
 
 @pytest.fixture(scope="module")
 def scripted(tiny_qwen2vl):
-    from arpo_lib.policy import HFPolicy
-    from arpo_lib.scripted import ScriptedPolicy
+    from arpo_lib.agent.hf_policy import HFPolicy
+    from arpo_lib.agent.scripted import ScriptedPolicy
 
     return ScriptedPolicy(HFPolicy(tiny_qwen2vl, device="cpu", max_new_tokens=32))
 
@@ -187,9 +189,9 @@ def test_config_env_backend_ray_builds_actors_through_the_trainer_factory(ray_po
     the Ray that is already running and leaves it running."""
     import ray
 
-    from arpo_lib.config import load_config
+    from arpo_lib.run.config import load_config
     from arpo_lib.envs.ray_pool import RayEnvPool
-    from arpo_lib.trainer import pool_for
+    from arpo_lib.build import env_pool as pool_for
 
     cfg = load_config(None, ["env.backend=ray", "env.workers=1", "env.ray_resource=env_slot",
                              "env.ray_num_cpus=0", "env.options={scale: 2}"])

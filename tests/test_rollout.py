@@ -8,9 +8,11 @@ import signal
 import pytest
 import torch
 
-from arpo_lib.envs.worker import EnvPool, EnvSetupError
-from arpo_lib.policy import HFPolicy
-from arpo_lib.rollout import EpisodeRequest, RolloutEngine, load_trajectory
+from arpo_lib.envs.pool import EnvPool
+from arpo_lib.envs.worker import EnvSetupError
+from arpo_lib.agent.hf_policy import HFPolicy
+from arpo_lib.training.rollout import RolloutEngine, load_trajectory
+from arpo_lib.types import EpisodeRequest
 
 pytestmark = pytest.mark.slow
 

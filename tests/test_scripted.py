@@ -9,9 +9,7 @@ import pytest
 from PIL import Image
 
 from arpo_lib.actions import MAX_PIXELS, MIN_PIXELS, parse_response
-from arpo_lib.scripted import (
-    SCRIPTED_TASKS, ScriptedPolicy, infer_task, scripted_response, task_name,
-)
+from arpo_lib.agent.scripted import SCRIPTED_TASKS, ScriptedPolicy, infer_task, scripted_response, task_name
 
 SCALE = 2
 SIZE = (160 * SCALE, 210 * SCALE)
@@ -39,8 +37,8 @@ CLICK_TEST_INFO = {"dom_elements": [_element(4, "button", 100, 200, 60, 40, id="
 
 @pytest.fixture(scope="module")
 def tiny_policy(tmp_path_factory):
-    from arpo_lib.policy import HFPolicy
-    from arpo_lib.tiny_model import build_tiny_model
+    from arpo_lib.agent.hf_policy import HFPolicy
+    from arpo_lib.agent.tiny_model import build_tiny_model
 
     path = build_tiny_model(tmp_path_factory.mktemp("scripted") / "tiny-qwen25vl", variant="qwen25vl")
     return HFPolicy(path, device="cpu")
@@ -95,7 +93,7 @@ def test_scripted_policy_delegates_and_scores_its_tokens(tiny_policy):
     policy = ScriptedPolicy(tiny_policy)
     assert policy.coord_mode == tiny_policy.coord_mode and policy.tokenizer is tiny_policy.tokenizer
     assert policy.parse == tiny_policy.parse and policy.model is tiny_policy.model
-    from arpo_lib.rollout import PolicyContext
+    from arpo_lib.types import PolicyContext
 
     conv = policy.new_conversation("Click the button.")
     shot = Image.new("RGB", SIZE, "white")
@@ -149,8 +147,9 @@ def test_scripted_agent_solves_every_supported_task():
 def test_scripted_policy_rollouts_are_trainable(tiny_policy, tmp_path):
     import torch
 
-    from arpo_lib.envs.worker import EnvPool
-    from arpo_lib.rollout import EpisodeRequest, RolloutEngine
+    from arpo_lib.envs.pool import EnvPool
+    from arpo_lib.training.rollout import RolloutEngine
+    from arpo_lib.types import EpisodeRequest
 
     policy = ScriptedPolicy(tiny_policy)
     requests = [EpisodeRequest(f"miniwob/{task}", seed, sample)

@@ -6,11 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from arpo_lib.envs.worker import EnvPool
-from arpo_lib.policy import HFPolicy
-from arpo_lib.rollout import EpisodeRequest, RolloutEngine
-from arpo_lib.server_policy import ACTION_REGEX, ServerPolicy
-from arpo_lib.serving import ServerError, start_server
+from arpo_lib.envs.pool import EnvPool
+from arpo_lib.agent.hf_policy import HFPolicy
+from arpo_lib.training.rollout import RolloutEngine
+from arpo_lib.types import EpisodeRequest
+from arpo_lib.agent.server_policy import ACTION_REGEX, ServerPolicy
+from arpo_lib.agent.client import ServerError
+from arpo_lib.serving.launch import start_server
 
 pytestmark = pytest.mark.slow
 TASKS = ["miniwob/click-test", "miniwob/click-button"]
@@ -72,8 +74,8 @@ def test_action_grammar_accepts_ui_tars_actions_and_nothing_else():
 def test_training_through_the_hf_server_with_restart_sync(warm_tiny_qwen2vl, tmp_path, chromium_available):
     """rollout.backend=server without a URL: the trainer starts its own server (serve.*) on its
     current weights and, with weight_sync=restart, restarts it on the updated ones."""
-    from arpo_lib.config import load_config
-    from arpo_lib.trainer import Trainer
+    from arpo_lib.run.config import load_config
+    from arpo_lib.training.trainer import Trainer
 
     cfg = load_config("configs/smoke.yaml", [
         f"model.path={warm_tiny_qwen2vl}", f"out_dir={tmp_path}", "name=restart", f"env.tasks=[{','.join(TASKS)}]",

@@ -19,22 +19,10 @@ import pytest
 import torch
 from PIL import Image
 
-from arpo_lib.policy import HFPolicy
-from arpo_lib.serving import (
-    PortInUseError,
-    RequestError,
-    ServerError,
-    ServerRequestError,
-    ServerSpec,
-    VLLMNotInstalledError,
-    chat_completion,
-    decode_data_url,
-    encode_image,
-    parse_chat_request,
-    start_server,
-    stop_server,
-    ui_tars_messages,
-)
+from arpo_lib.agent.hf_policy import HFPolicy
+from arpo_lib.agent.client import ServerError, ServerRequestError, chat_completion, encode_image, ui_tars_messages
+from arpo_lib.serving.launch import PortInUseError, ServerSpec, VLLMNotInstalledError, start_server, stop_server
+from arpo_lib.serving.server import RequestError, decode_data_url, parse_chat_request
 
 INSTRUCTION = "Click the OK button"
 PREVIOUS = "Thought: The OK button is at the bottom.\nAction: click(start_box='(120,340)')"
@@ -143,7 +131,7 @@ def test_vllm_cpu_command_and_environment_for_weight_sync_and_lora():
 
 
 def test_vllm_interpreter_is_found_from_the_environment_variable(monkeypatch):
-    from arpo_lib.serving import find_vllm_python
+    from arpo_lib.serving.launch import find_vllm_python
 
     monkeypatch.setenv("ARPO_VLLM_PYTHON", "/opt/vllm/bin/python")
     assert find_vllm_python() == "/opt/vllm/bin/python"

@@ -7,8 +7,8 @@ import json
 import pytest
 import yaml
 
-from arpo_lib.rollout import Trajectory
-from arpo_lib.task_selection import load_selection, select_tasks
+from arpo_lib.types import Trajectory
+from arpo_lib.evaluation.task_selection import load_selection, select_tasks
 
 
 class FakeEngine:
@@ -111,9 +111,9 @@ def test_real_selection_with_miniwob(tiny_qwen2vl, chromium_available, tmp_path,
     """The workflow end to end: the scripted agent solves click-test, the random tiny model
     fails click-button; k=2 keeps exactly the first, and the config file it writes loads."""
     from arpo_lib import workflows
-    from arpo_lib.config import load_config
-    from arpo_lib.policy import HFPolicy
-    from arpo_lib.scripted import ScriptedPolicy
+    from arpo_lib.run.config import load_config
+    from arpo_lib.agent.hf_policy import HFPolicy
+    from arpo_lib.agent.scripted import ScriptedPolicy
 
     cfg = load_config(None, [f"model.path={tiny_qwen2vl}", "env.workers=2", "env.max_steps=3",
                              "env.options={scale: 2}", "select.k=2", f"out_dir={tmp_path}", "name=sel",
@@ -141,7 +141,7 @@ def test_real_selection_with_miniwob(tiny_qwen2vl, chromium_available, tmp_path,
 
 
 def test_selection_plot(tmp_path):
-    from arpo_lib.plots import plot_selection
+    from arpo_lib.viz.plots import plot_selection
 
     select_tasks(FakeEngine(_by_rule), ["x/a", "x/b", "x/c"], tmp_path, k=4, progress=False)
     fig = plot_selection(tmp_path)

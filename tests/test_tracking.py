@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from arpo_lib.config import load_config
-from arpo_lib.tracking import Tracker
+from arpo_lib.run.config import load_config
+from arpo_lib.run.tracking import Tracker
 
 
 def _cfg(tmp_path, mode):

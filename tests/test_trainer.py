@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from arpo_lib.config import load_config
-from arpo_lib.records import read_jsonl
-from arpo_lib.trainer import Trainer, latest_checkpoint, task_batch
+from arpo_lib.run.config import load_config
+from arpo_lib.run.records import read_jsonl
+from arpo_lib.training.checkpoint import latest_checkpoint
+from arpo_lib.training.trainer import Trainer, task_batch
 
 REPO = Path(__file__).resolve().parent.parent
 TASKS = ["miniwob/click-test", "miniwob/click-button"]
@@ -205,7 +206,7 @@ def test_resume_without_a_checkpoint_starts_over_without_duplicate_lines(tmp_pat
 
 @pytest.mark.slow
 def test_damaged_checkpoint_is_detected_and_the_previous_one_used(tmp_path, tiny_qwen2vl, chromium_available):
-    from arpo_lib.trainer import checkpoint_problem, usable_checkpoint
+    from arpo_lib.training.checkpoint import checkpoint_problem, usable_checkpoint
 
     cfg = _cfg(tmp_path, tiny_qwen2vl, "train.keep_checkpoints=2")
     with Trainer(cfg) as t:
@@ -227,7 +228,7 @@ def test_damaged_checkpoint_is_detected_and_the_previous_one_used(tmp_path, tiny
 
 
 def test_infrastructure_failures_are_dropped_from_groups_and_never_stored(tmp_path, tiny_qwen2vl):
-    from arpo_lib.rollout import Trajectory
+    from arpo_lib.types import Trajectory
 
     with Trainer(_cfg(tmp_path, tiny_qwen2vl, "algo.replay.enabled=true")) as trainer:
         def traj(task, status, score, i):

@@ -17,11 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from arpo_lib.envs.worker import EnvPool
-from arpo_lib.policy import HFPolicy
-from arpo_lib.rollout import EpisodeRequest, PolicyContext, RolloutEngine
-from arpo_lib.server_policy import ACTION_REGEX, ServerPolicy
-from arpo_lib.serving import chat_completion, start_server, ui_tars_messages
+from arpo_lib.envs.pool import EnvPool
+from arpo_lib.agent.hf_policy import HFPolicy
+from arpo_lib.training.rollout import RolloutEngine
+from arpo_lib.types import EpisodeRequest, PolicyContext
+from arpo_lib.agent.server_policy import ACTION_REGEX, ServerPolicy
+from arpo_lib.agent.client import chat_completion, ui_tars_messages
+from arpo_lib.serving.launch import start_server
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent
@@ -197,9 +199,9 @@ def test_training_step_pushes_its_weights_to_the_server(server, served_model, hf
                                                         warm_tiny_qwen2vl):
     """One ARPO step generating through vLLM, with rollout.weight_sync=reload: afterwards the
     server answers exactly as the updated in-process policy, not as the model it started with."""
-    from arpo_lib.config import load_config
-    from arpo_lib.trainer import Trainer
-    from arpo_lib.weight_sync import reload_weights
+    from arpo_lib.run.config import load_config
+    from arpo_lib.training.trainer import Trainer
+    from arpo_lib.serving.weight_sync import reload_weights
 
     cfg = load_config("configs/smoke.yaml", [
         f"model.path={served_model}", f"out_dir={tmp_path}", "name=sync", f"env.tasks=[{','.join(TASKS)}]",

@@ -21,7 +21,8 @@ import pytest
 
 from arpo_lib.actions import Action
 from arpo_lib.envs.base import EnvError
-from arpo_lib.envs.worker import EnvPool, EnvSetupError, EnvWorker, action_payload
+from arpo_lib.envs.pool import EnvPool
+from arpo_lib.envs.worker import EnvSetupError, EnvWorker, action_payload
 
 VENV = Path.home() / ".cache" / "arpo-workbench" / "test-venv-envworker"
 CHECK = "import miniwob, selenium, PIL, importlib.util as u; assert u.find_spec('torch') is None"

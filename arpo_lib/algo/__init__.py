@@ -7,11 +7,12 @@
 """
 from arpo_lib.algo.advantages import group_advantages, is_all_failed
 from arpo_lib.algo.loss import AGGREGATIONS, policy_loss
-from arpo_lib.algo.replay import ReplayBuffer
+from arpo_lib.algo.replay import Injection, ReplayBuffer
 from arpo_lib.algo.rewards import trajectory_reward
 
 __all__ = [
     "AGGREGATIONS",
+    "Injection",
     "ReplayBuffer",
     "group_advantages",
     "is_all_failed",

@@ -10,9 +10,9 @@ trajectories with a stored success of the same task, drawn uniformly. The group 
 success, so it gets a non-zero advantage signal. Groups that are all successes or mixed are left
 alone, and nothing happens for a task that has never succeeded. In the trainer, per group:
 
-    group, scores, injected = buffer.maybe_inject(task_id, group, scores)   # 1. replace
-    for item, score in zip(fresh_group, fresh_scores):                      # 2. then store the
-        buffer.add(task_id, item, score)                                    #    FRESH rollouts
+    result = buffer.maybe_inject(task_id, group, scores)    # 1. replace (result.replaced: which)
+    for item, score in zip(group, scores):                  # 2. then store the FRESH rollouts
+        buffer.add(task_id, item, score)
 
 The order is the original's: it injects, then updates the buffer with the pre-replacement batch.
 
@@ -47,14 +47,33 @@ import os
 import random
 import tempfile
 from collections import deque
+from dataclasses import dataclass
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from arpo_lib.algo.advantages import is_all_failed
-from arpo_lib.records import fsync_dir
+from arpo_lib.run.records import fsync_dir
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Injection(Generic[T]):
+    """What `maybe_inject` did to one group."""
+
+    group: list[T]
+    """(G,) the group to train on: the fresh one, or with member `replaced` swapped for a stored success."""
+    scores: list[float]
+    """(G,) their task scores."""
+    all_failed: bool
+    """The fresh group was all-failed (`is_all_failed`), injected or not."""
+    replaced: int | None
+    """Index of the member replaced by a stored success; None when nothing was injected."""
+
+    @property
+    def injected(self) -> bool:
+        return self.replaced is not None
 
 _FORMAT = "arpo-replay-buffer"
 _VERSION = 1
@@ -118,9 +137,7 @@ class ReplayBuffer(Generic[T]):
         self.total_added += 1
         return True
 
-    def maybe_inject(
-        self, task_id: str, group: Sequence[T], scores: Sequence[float]
-    ) -> tuple[list[T], list[float], bool]:
+    def maybe_inject(self, task_id: str, group: Sequence[T], scores: Sequence[float]) -> Injection[T]:
         """Replace the first trajectory of an all-failed group with a stored success.
 
         Args:
@@ -129,23 +146,23 @@ class ReplayBuffer(Generic[T]):
             scores: (G,) their TASK scores.
 
         Returns:
-            (new_group, new_scores, injected): new lists (the inputs are never mutated). When
-            injected, element 0 is a uniformly drawn stored success and its stored score.
+            An `Injection`: new lists (the inputs are never mutated), whether the group is
+            all-failed, and the index of the replaced member (0, as the original) or None. When
+            injected, that element is a uniformly drawn stored success with its stored score.
         """
         if len(group) != len(scores):
             raise ValueError(f"group and scores differ in length: {len(group)} != {len(scores)}")
         if len(group) == 0:
             raise ValueError("group must not be empty")
         new_group, new_scores = list(group), [float(s) for s in scores]
+        all_failed = is_all_failed(new_scores, self.std_threshold, self.mean_threshold)
         stored = self._tasks.get(task_id)
-        if not self.enabled or not stored:
-            return new_group, new_scores, False
-        if not is_all_failed(new_scores, self.std_threshold, self.mean_threshold):
-            return new_group, new_scores, False
+        if not self.enabled or not stored or not all_failed:
+            return Injection(new_group, new_scores, all_failed, None)
         item, score = stored[self._rng.randrange(len(stored))]
         new_group[0], new_scores[0] = copy.deepcopy(item), score
         self.total_injections += 1
-        return new_group, new_scores, True
+        return Injection(new_group, new_scores, all_failed, 0)
 
     # -- inspection ------------------------------------------------------------------------------
 

@@ -12,7 +12,8 @@ from typing import Any
 
 from arpo_lib.envs.base import EnvError, EnvSpec, GUIEnv, Observation
 
-__all__ = ["EnvError", "EnvSpec", "GUIEnv", "Observation", "make_env", "register_env", "list_envs", "check_env_name"]
+__all__ = ["EnvError", "EnvSpec", "GUIEnv", "Observation", "check_env_name", "domain_of", "expand_task_names",
+           "is_task_set_name", "list_envs", "make_env", "register_env"]
 
 _REGISTRY: dict[str, EnvSpec] = {}
 _TASK_LISTERS: dict[str, Callable[[], Sequence[str]]] = {}
@@ -135,7 +136,7 @@ register_env(
 
 def _make_osworld(task: str, **options: Any) -> GUIEnv:
     """`task_config=<dict>` gives the task itself (its id must be `task`), else the id is loaded."""
-    from arpo_lib.envs.osworld import OSWorldEnv  # desktop_env loads only when an env is built
+    from arpo_lib.envs.osworld.env import OSWorldEnv  # desktop_env loads only when an env is built
 
     task_config = options.pop("task_config", None)
     if task_config is not None and task_config.get("id") != task:
@@ -147,11 +148,11 @@ def _osworld_tasks() -> Sequence[str]:
     """Task ids of the fetched OSWorld task data plus the fake tasks; empty (any id accepted,
     the loader says what is missing) while no data has been fetched."""
     try:
-        from arpo_lib.envs.osworld_tasks import cached_task_ids  # stdlib only; [] when not fetched
+        from arpo_lib.envs.osworld.tasks import cached_task_ids  # stdlib only; [] when not fetched
     except ImportError:
         return []
     ids = list(cached_task_ids())
-    from arpo_lib.envs.osworld_fake import FAKE_TASKS  # stdlib + PIL only
+    from arpo_lib.envs.osworld.fake import FAKE_TASKS  # stdlib + PIL only
 
     return ids + [t for t in FAKE_TASKS if t not in ids] if ids else []
 
@@ -165,3 +166,37 @@ register_env(
     tasks=_osworld_tasks,
     cache_tasks=False,  # `osworld-tasks fetch` may run while a notebook kernel lives
 )
+
+
+# ---- names beyond one task: domains and task sets ------------------------------------------
+
+def domain_of(task: str) -> str:
+    """`miniwob/click-test` -> `miniwob`; `osworld/<id>` -> its OSWorld domain (`chrome`, `gimp`,
+    ...) when the task data is fetched, else `osworld`; a name without a prefix -> `default`."""
+    family, _, rest = task.partition("/")
+    if not rest:
+        return "default"
+    if family == "osworld":
+        from arpo_lib.envs.osworld.tasks import cached_domain
+
+        return cached_domain(rest)
+    return family
+
+
+def is_task_set_name(name: Any) -> bool:
+    """`osworld/<set>` names a task set (train128, subset32, ...), not one task."""
+    if not isinstance(name, str) or not name.startswith("osworld/"):
+        return False
+    from arpo_lib.envs.osworld.tasks import TASK_SETS
+
+    return name.split("/", 1)[1] in TASK_SETS
+
+
+def expand_task_names(names: Sequence[str]) -> list[str]:
+    """Task names with task sets (`osworld/subset32`) replaced by their tasks (needs the task
+    data: FileNotFoundError says how to fetch it)."""
+    if not any(is_task_set_name(n) for n in names):
+        return list(names)
+    from arpo_lib.envs.osworld.tasks import expand_task_names as expand_osworld
+
+    return expand_osworld(names)

@@ -16,8 +16,8 @@ Two ways to start a worker, one protocol:
   random key it reads from stdin. Everything after the connection (the command loop, timeouts,
   restarts, killing the process group) is the same code for both.
 
-`make_pool` picks the backend: these local processes, or Ray actors (`arpo_lib.envs.ray_pool`)
-that each hold one local worker on a cluster node.
+`arpo_lib.envs.pool` groups workers into pools: these local processes, or Ray actors
+(`arpo_lib.envs.ray_pool`) that each hold one local worker on a cluster node.
 
 This module must not import torch: workers stay light (~50 MB + the browser).
 """
@@ -39,14 +39,12 @@ import traceback
 from collections import OrderedDict
 from dataclasses import asdict
 from multiprocessing.connection import Client, Listener
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import arpo_lib
 from arpo_lib.actions import Action
 from arpo_lib.envs.base import EnvError
 
-if TYPE_CHECKING:
-    from arpo_lib.envs.ray_pool import RayEnvPool
 
 CONNECT_TIMEOUT_S = 60.0
 """Longest a worker in another interpreter may take to start and connect back."""
@@ -415,62 +413,6 @@ class EnvWorker:
             except Exception:
                 pass
         self.kill()  # also reaps any browser process left in the worker's group
-
-
-class EnvPool:
-    """`n` worker processes sharing the same make_env options (and interpreter, see EnvWorker)."""
-
-    def __init__(self, n: int, env_options: dict[str, Any] | None = None, timeout_s: float = 120.0,
-                 cache_size: int = 1, *, python: str | None = None):
-        self.workers: list[EnvWorker] = []
-        try:
-            for _ in range(n):
-                self.workers.append(EnvWorker(dict(env_options or {}), timeout_s, cache_size, python=python))
-        except BaseException:
-            self.close()
-            raise
-
-    def __len__(self) -> int:
-        return len(self.workers)
-
-    @property
-    def restarts(self) -> int:
-        return sum(w.restarts for w in self.workers)
-
-    def close(self) -> None:
-        for w in self.workers:
-            w.close()
-
-    def __enter__(self) -> "EnvPool":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def make_pool(n: int, env_options: dict[str, Any] | None = None, timeout_s: float = 120.0, cache_size: int = 1, *,
-              backend: str = "local", python: str | None = None, ray_address: str | None = None,
-              ray_resource: str | None = None, ray_num_cpus: float | None = None) -> EnvPool | RayEnvPool:
-    """The environment pool a run's config asks for.
-
-    backend="local": worker processes on this machine (`EnvPool`); "ray": one Ray actor per
-    environment (`RayEnvPool`), placed on nodes that advertise `ray_resource` when given, on the
-    cluster at `ray_address` ("auto", "ray://host:10001") or a private local Ray when None.
-    `python` is the workers' interpreter in both (see EnvWorker).
-    """
-    if backend == "local":
-        given = [k for k, v in (("ray_address", ray_address), ("ray_resource", ray_resource),
-                                ("ray_num_cpus", ray_num_cpus)) if v is not None]
-        if given:
-            raise ValueError(f"{', '.join(given)} only apply to backend='ray' (backend is 'local')")
-        return EnvPool(n, env_options, timeout_s, cache_size, python=python)
-    if backend == "ray":
-        from arpo_lib.envs.ray_pool import RayEnvPool
-
-        extra = {} if ray_num_cpus is None else {"num_cpus": ray_num_cpus}
-        return RayEnvPool(n, env_options, timeout_s, cache_size, address=ray_address, resource=ray_resource,
-                          python=python, **extra)
-    raise ValueError(f"unknown environment backend {backend!r}: use 'local' or 'ray'")
 
 
 def action_payload(actions: list[Action]) -> list[dict[str, Any]]:

@@ -16,11 +16,12 @@ import time
 import psutil
 import pytest
 
-from arpo_lib.envs.worker import EnvPool
-from arpo_lib.evaluate import summarize
-from arpo_lib.policy import HFPolicy
-from arpo_lib.rollout import EpisodeRequest, RolloutEngine
-from arpo_lib.scripted import ScriptedPolicy
+from arpo_lib.envs.pool import EnvPool
+from arpo_lib.evaluation.evaluate import summarize
+from arpo_lib.agent.hf_policy import HFPolicy
+from arpo_lib.training.rollout import RolloutEngine
+from arpo_lib.types import EpisodeRequest
+from arpo_lib.agent.scripted import ScriptedPolicy
 
 pytestmark = pytest.mark.slow
 

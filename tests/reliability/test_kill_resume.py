@@ -21,8 +21,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from arpo_lib.records import read_jsonl
-from arpo_lib.trainer import latest_checkpoint
+from arpo_lib.run.records import read_jsonl
+from arpo_lib.training.checkpoint import latest_checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -14,9 +14,10 @@ import psutil
 import pytest
 import torch
 
-from arpo_lib.envs.worker import EnvPool
-from arpo_lib.policy import HFPolicy
-from arpo_lib.rollout import EpisodeRequest, RolloutEngine
+from arpo_lib.envs.pool import EnvPool
+from arpo_lib.agent.hf_policy import HFPolicy
+from arpo_lib.training.rollout import RolloutEngine
+from arpo_lib.types import EpisodeRequest
 
 pytestmark = pytest.mark.slow
 

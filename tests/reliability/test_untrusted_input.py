@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from arpo_lib.config import ConfigError, load_config
-from arpo_lib.records import safe_join, safe_name
-from arpo_lib.serving import ServerError, chat_completion
+from arpo_lib.run.config import ConfigError, load_config
+from arpo_lib.run.records import safe_join, safe_name
+from arpo_lib.agent.client import ServerError, chat_completion
 
 REPO = Path(__file__).resolve().parents[2]
 HOSTILE_NAMES = ["..", "../../etc/passwd", "/etc/passwd", "a/../../b", "~root", ".hidden", "-rf", "",
@@ -145,7 +145,7 @@ def test_secrets_in_the_environment_never_reach_run_directories(tmp_path, tiny_q
     """A training step with evaluation, demonstrations, checkpoints and wandb (offline), with
     credentials in the environment, as on a real cluster: none of them is written anywhere."""
     pytest.importorskip("wandb")
-    from arpo_lib.trainer import Trainer
+    from arpo_lib.training.trainer import Trainer
 
     for name, value in SECRETS.items():
         monkeypatch.setenv(name, value)

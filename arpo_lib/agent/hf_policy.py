@@ -1,0 +1,286 @@
+"""The in-process Hugging Face policy: batched generation with behaviour log-probs, and
+log-probs of given tokens for training, computed only at assistant-token positions.
+
+Loads any UI-TARS checkpoint (Qwen2-VL or Qwen2.5-VL architecture) the real way:
+`AutoProcessor` + `AutoModelForImageTextToText`. The tiny locally built models go through the
+same code.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from arpo_lib.agent.model import autocast
+from arpo_lib.agent.model.kv_generation import CachedGenerator
+from arpo_lib.agent.model.logprobs import token_logprobs
+from arpo_lib.agent.model.lora import (adapter_state_dict, apply_lora, cast_frozen_linears, load_adapter_state_dict,
+                                       merged_state_dict)
+from arpo_lib.agent.model.packing import pack_segments
+from arpo_lib.agent.model.vision_attention import use_batched_vision_attention
+from arpo_lib.agent.prompt import (Segment, UITarsConversations, coord_mode_for, image_processor_limits,
+                                   special_token_ids)
+from arpo_lib.agent.sampling import SeededGumbelSampler
+from arpo_lib.types import Generation
+
+class ModelNotFoundError(FileNotFoundError):
+    """The model path does not exist or is not a checkpoint directory."""
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class HFPolicy(UITarsConversations):
+    """A UI-TARS policy run in this process with transformers."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        device: str = "auto",
+        compute_dtype: str = "auto",
+        coord_mode: str = "auto",
+        history_images: int = 15,
+        max_new_tokens: int = 256,
+        gradient_checkpointing: bool = False,
+        checkpoint_every_n_layers: int = 1,
+        kv_cache: bool = True,
+        vision_attention: str = "batched",
+        logprob_chunk: int = 1024,
+        lora_rank: int = 0,
+        lora_alpha: float = 32.0,
+        lora_dropout: float = 0.0,
+        lora_seed: int = 0,
+        frozen_weights_dtype: str = "auto",
+        model: Any = None,
+    ):
+        from transformers import AutoModelForImageTextToText, AutoProcessor
+        from transformers.utils import logging as hf_logging
+
+        # Loading/saving bars of a tiny model are noise in notebooks; our own messages say what happens.
+        hf_logging.disable_progress_bar()
+        path = str(path)
+        if Path(path).exists() and not (Path(path) / "config.json").is_file():
+            raise ModelNotFoundError(f"{path} is not a model directory (no config.json)")
+        if not Path(path).exists() and (path.startswith((".", "/")) or path.startswith("models/")):
+            hint = " Run `./workbench setup` to build the tiny models." if "tiny" in path else ""
+            raise ModelNotFoundError(f"model path {path} does not exist.{hint}")
+        self.path = path
+        self.device = resolve_device(device)
+        if compute_dtype == "auto":
+            compute_dtype = "bfloat16" if self.device.type == "cuda" else "float32"
+        self.compute_dtype = getattr(torch, compute_dtype)
+        if coord_mode == "auto":
+            coord_mode = coord_mode_for(path)
+        self.coord_mode = coord_mode
+        self.processor = AutoProcessor.from_pretrained(path)
+        self.tokenizer = self.processor.tokenizer
+        # fp32 master weights; bf16 (if asked) only inside autocast. A ready `model` (the benchmarks'
+        # random weights of the real shapes) replaces the checkpoint's; the processor still comes from `path`.
+        if model is None:
+            model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+        self.model = model.to(self.device)
+        self.model.eval()
+        if gradient_checkpointing:
+            enable_activation_checkpointing(self.model, checkpoint_every_n_layers)
+        if vision_attention == "batched":
+            use_batched_vision_attention(self.model)
+        elif vision_attention != "loop":
+            raise ValueError(f"vision_attention must be 'batched' or 'loop', not {vision_attention!r}")
+        self.logprob_chunk = logprob_chunk
+        self.peft_model = None
+        """The PeftModel when LoRA is on (`self.model` is the same network with adapters inside)."""
+        if lora_rank > 0:
+            self.peft_model = apply_lora(self.model, lora_rank, lora_alpha, lora_dropout, seed=lora_seed)
+            if frozen_weights_dtype == "auto" and self.compute_dtype != torch.float32:
+                cast_frozen_linears(self.model, self.compute_dtype)
+        if frozen_weights_dtype not in ("auto", "float32"):
+            raise ValueError(f"frozen_weights_dtype must be 'auto' or 'float32', not {frozen_weights_dtype!r}")
+        self.history_images = history_images
+        self.max_new_tokens = max_new_tokens
+        self.eos_ids, self.suppress_ids = special_token_ids(self.tokenizer)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[-1]
+        self.resize = image_processor_limits(self.processor)
+        self.kv_cache = kv_cache
+        self.cached = CachedGenerator(self)
+        """Per-episode KV caches for rollouts (used when `generate` gets `cache_keys`)."""
+
+    def release(self, key: Any) -> None:
+        """Forget an episode's KV cache (the rollout engine calls this when an episode ends)."""
+        self.cached.release(key)
+
+    def autocast(self):
+        """The forward-pass precision context (`model.compute_dtype` over fp32 weights)."""
+        return autocast(self.device, self.compute_dtype)
+
+    # -- generation ------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(
+        self,
+        segments: Sequence[Segment],
+        *,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_new_tokens: int | None = None,
+        contexts: Sequence[Any] | None = None,
+        seeds: Sequence[int] | None = None,
+        cache_keys: Sequence[Any] | None = None,
+    ) -> list[Generation]:
+        """Sample one response for each context (batched, left-padded).
+
+        temperature 0 = greedy. Otherwise each row samples from softmax(logits / T) (nucleus-
+        truncated when top_p < 1) with ITS OWN random generator seeded by `seeds[row]` (drawn
+        from torch's global generator when not given): a row's sample does not depend on which
+        other episodes share the batch, so runs and resumes are reproducible whatever order the
+        environments answer in. Behaviour log-probs are log softmax(logits / T) of the sampled
+        tokens (T = 1 for greedy; the nucleus truncation is not reflected in them).
+        `contexts` (instruction, screenshot, env info per episode) is unused here: the model
+        sees only the tokens. Scripted policies read it.
+
+        `cache_keys` (one per live episode, e.g. from the rollout engine) switch on the KV-cached
+        path of `arpo_lib.agent.model.kv_generation` (when `kv_cache` is on): each episode's keys and
+        values are kept between calls and only its new tokens are prefilled. Without keys, or with
+        `kv_cache=False`, the whole sequence is prefilled (the naive path).
+        """
+        from transformers import GenerationConfig, LogitsProcessorList
+
+        if not segments:
+            return []
+        max_new_tokens = max_new_tokens or self.max_new_tokens
+        if self.kv_cache and cache_keys is not None:
+            out = self.cached.generate(segments, cache_keys, temperature=temperature, top_p=top_p,
+                                       max_new_tokens=max_new_tokens, seeds=seeds)
+            return [Generation(self.tokenizer.decode(r.token_ids, skip_special_tokens=True), r.token_ids, r.logprobs)
+                    for r in out]
+        batch = pad_segments(segments, self.pad_id, side="left")
+        batch.pop("loss_mask")
+        width = batch["input_ids"].shape[1]
+        inputs = {k: v.to(self.device) for k, v in batch.items()}
+        greedy = temperature <= 0
+        processors = LogitsProcessorList()
+        if not greedy:
+            if seeds is None:
+                seeds = torch.randint(0, 2**31 - 1, (len(segments),)).tolist()
+            processors.append(SeededGumbelSampler(seeds, temperature, top_p, self.suppress_ids))
+        # Decoding is greedy over (possibly Gumbel-perturbed) scores: argmax of
+        # logits/T + Gumbel noise is an exact sample from softmax(logits/T).
+        gen_config = GenerationConfig(
+            do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=self.eos_ids, pad_token_id=self.pad_id,
+            suppress_tokens=self.suppress_ids or None, return_dict_in_generate=True, output_logits=True,
+        )
+        with self.autocast():
+            out = self.model.generate(**inputs, generation_config=gen_config, logits_processor=processors)
+        new_tokens = out.sequences[:, width:]  # (B, N)
+        logits = torch.stack(out.logits, dim=1).float()  # (B, N, V) raw logits
+        if self.suppress_ids:  # the behaviour distribution excludes them, as sampling did
+            logits[..., self.suppress_ids] = float("-inf")
+        scale = 1.0 if greedy else temperature
+        logprobs = torch.log_softmax(logits / scale, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        results = []
+        for row in range(len(segments)):
+            toks = new_tokens[row].tolist()
+            n = len(toks)
+            for i, t in enumerate(toks):
+                if t in self.eos_ids:
+                    n = i + 1
+                    break
+            toks = toks[:n]
+            text = self.tokenizer.decode(toks, skip_special_tokens=True)
+            results.append(Generation(text=text, token_ids=toks, logprobs=logprobs[row, :n].tolist()))
+        return results
+
+    # -- training --------------------------------------------------------------------------
+    def sequence_logprobs(self, segments: Sequence[Segment], temperature: float = 1.0,
+                          pack: bool = False, model: Any = None) -> list[torch.Tensor]:
+        """Log-probs (with grad) of every loss-masked token of each segment: a list of (n_i,) tensors.
+
+        Runs the decoder once per micro-batch and applies the LM head only at the positions that
+        predict a trained token, `logprob_chunk` positions at a time (arpo_lib.agent.model.logprobs):
+        full-vocabulary logits over a multi-image sequence never exist. `pack` puts the segments
+        end to end in one row instead of right-padded rows (arpo_lib.agent.model.packing).
+        `model`: another network of the same architecture (the frozen KL reference) instead of ours.
+        """
+        model = model if model is not None else self.model
+        if pack and len(segments) > 1:
+            batch = pack_segments(model, segments)
+        else:
+            batch = pad_segments(segments, self.pad_id, side="right")
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        targets = batch.pop("loss_mask").bool()  # (B, T)
+        with self.autocast():
+            hidden = model.model(**batch, use_cache=False).last_hidden_state  # (B, T, H)
+        # hidden at t-1 predicts token t (never across a packed boundary: a segment's first token is not trained)
+        pred_mask = torch.zeros_like(targets)
+        pred_mask[:, :-1] = targets[:, 1:]
+        selected = hidden[pred_mask]  # (N, H)
+        tokens = batch["input_ids"][targets]  # (N,)
+        with self.autocast():
+            token_lp = token_logprobs(selected, tokens, model.lm_head, temperature=temperature,
+                                      suppress_ids=self.suppress_ids, chunk=self.logprob_chunk)
+        counts = [sum(seg.loss_mask) for seg in segments]
+        return list(torch.split(token_lp, counts))
+
+    # -- persistence -----------------------------------------------------------------------
+    def load_adapter(self, directory: str | Path) -> None:
+        """Load the LoRA adapter a `save` wrote (resume: base weights + this adapter)."""
+        if self.peft_model is None:
+            raise ValueError("this policy has no LoRA adapter (model.lora_rank is 0)")
+        load_adapter_state_dict(self.peft_model, torch.load(Path(directory) / "adapter.pt", weights_only=True))
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """What the optimizer updates: all weights, or only the LoRA adapters."""
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def save(self, directory: str | Path) -> None:
+        """Save model + processor in the Hugging Face layout (loadable by this class, vLLM, ...).
+        With LoRA the weights are saved merged, and the adapter alone goes to adapter.pt."""
+        directory = Path(directory)
+        if self.peft_model is None:
+            self.model.save_pretrained(directory)
+        else:
+            self.model.save_pretrained(directory, state_dict=merged_state_dict(self.model))
+            torch.save(adapter_state_dict(self.peft_model), directory / "adapter.pt")
+        self.processor.save_pretrained(directory)
+        (directory / "arpo_policy.json").write_text(json.dumps({"coord_mode": self.coord_mode}))
+
+
+def enable_activation_checkpointing(model: Any, every_n_layers: int = 1) -> None:
+    """Recompute decoder-layer activations in backward, every `every_n_layers`-th layer (1 = all:
+    least memory; larger = less recomputation). Non-reentrant: works with frozen inputs (LoRA) and
+    with the checkpointed log-prob chunks."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.23
+        model.activation_checkpointing_enable(kwargs, every_n_layers=every_n_layers)
+    elif every_n_layers != 1:
+        raise ValueError("model.checkpoint_every_n_layers > 1 needs transformers >= 5.23")
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def pad_segments(segments: Sequence[Segment], pad_id: int, side: str) -> dict[str, torch.Tensor]:
+    """Batch segments for the model: (B, T) ids / attention / mm types / loss mask padded on
+    `side` ("left" for generation, "right" for training), images concatenated in batch order."""
+    width = max(len(s) for s in segments)
+    n = len(segments)
+    out = {
+        "input_ids": torch.full((n, width), pad_id, dtype=torch.long),
+        "attention_mask": torch.zeros((n, width), dtype=torch.long),
+        "mm_token_type_ids": torch.zeros((n, width), dtype=torch.int),
+        "loss_mask": torch.zeros((n, width), dtype=torch.long),
+    }
+    for row, seg in enumerate(segments):
+        cols = slice(width - len(seg), width) if side == "left" else slice(0, len(seg))
+        out["input_ids"][row, cols] = torch.tensor(seg.input_ids)
+        out["attention_mask"][row, cols] = 1
+        out["mm_token_type_ids"][row, cols] = torch.tensor(seg.mm_token_type_ids, dtype=torch.int)
+        out["loss_mask"][row, cols] = torch.tensor(seg.loss_mask)
+    pixels = [p for s in segments for p in s.pixel_values]
+    if pixels:
+        out["pixel_values"] = torch.cat(pixels)
+        out["image_grid_thw"] = torch.stack([g for s in segments for g in s.image_grid_thw])
+    return out

@@ -1,0 +1,20 @@
+"""The policy model's internals: one file per speed or memory lever, each with its naive
+counterpart kept for the benchmarks in benchmarks/ and the equivalence tests.
+
+- kv_generation: rollouts keep each episode's KV cache between steps (vs re-prefilling the history)
+- logprobs: token log-probs from hidden states in chunks, logits recomputed in backward
+- vision_attention: the vision tower's per-window attention in a few batched SDPA calls
+- packing: several trajectories in one row with per-sequence M-RoPE positions
+- lora: LoRA adapters (peft) and their merged weights
+
+Precision: weights and optimizer state stay fp32 (master weights); forward passes run under
+`autocast` in the compute dtype (bf16 on a GPU).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def autocast(device: torch.device, dtype: torch.dtype):
+    """The forward-pass precision context: `dtype` under autocast, a no-op for float32."""
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)

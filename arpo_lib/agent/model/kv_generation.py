@@ -1,0 +1,232 @@
+"""Rollout generation that keeps each episode's KV cache between steps.
+
+The naive path (`HFPolicy.generate` with `kv_cache=False`: Hugging Face `generate` on the whole
+conversation, like ARPO's original rollout loop) re-encodes the full history at every step: step t
+prefills all t screenshots again, so a 15-step episode prefills about 8x the tokens it has and runs
+the vision tower 120 times for 15 screenshots.
+
+Here every live episode keeps the keys/values of the tokens it has already been through. A step
+prefills only what was added since (the end of the last response and the new screenshot turn),
+so each screenshot passes through the vision tower once; then all episodes decode together in one
+left-padded batch over a preallocated cache.
+
+Correct by construction: an entry is reused only when its tokens are a prefix of the new sequence.
+A history-limit re-render (a new segment), a different episode or anything unexpected is a miss
+and a full prefill. Positions come from the model's own `get_rope_index` over the whole sequence,
+so M-RoPE positions equal those of the full forward. Sampling uses the same per-row seeded
+Gumbel sampler as the naive path: given the same seeds both paths draw the same tokens (up to
+floating-point ties); `tests/test_fast_kv_generation.py` checks it step by step.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Hashable, Sequence
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from arpo_lib.agent.model.packing import rope_positions
+from arpo_lib.agent.sampling import SeededGumbelSampler
+
+
+class SlabLayer(DynamicLayer):
+    """A cache layer over a preallocated buffer: appending writes in place.
+
+    Transformers' `DynamicLayer` concatenates on every update, copying the whole cache at every
+    decoded token; over a 40k-token multi-screenshot context that copy dominates decoding.
+    """
+
+    def __init__(self, capacity: int, keys: torch.Tensor | None = None, values: torch.Tensor | None = None):
+        super().__init__()
+        self.capacity = capacity
+        self.length = 0
+        if keys is not None:
+            self._allocate(keys)
+            self._write(keys, values)
+
+    def _allocate(self, like: torch.Tensor) -> None:
+        batch, heads, _, dim = like.shape  # (B, H_kv, L, D)
+        self.dtype, self.device = like.dtype, like.device
+        self.key_buf = like.new_empty(batch, heads, self.capacity, dim)
+        self.value_buf = like.new_empty(batch, heads, self.capacity, dim)
+        self.is_initialized = True
+
+    def _write(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        end = self.length + keys.shape[-2]
+        if end > self.capacity:  # grow geometrically (rare: capacity is sized for the call)
+            self.capacity = max(end, 2 * self.capacity)
+            old_k, old_v = self.key_buf[:, :, :self.length], self.value_buf[:, :, :self.length]
+            self._allocate(keys)
+            self.key_buf[:, :, :self.length], self.value_buf[:, :, :self.length] = old_k, old_v
+        self.key_buf[:, :, self.length:end] = keys
+        self.value_buf[:, :, self.length:end] = values
+        self.length = end
+        self.keys, self.values = self.key_buf[:, :, :end], self.value_buf[:, :, :end]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self._allocate(key_states)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        if not self.is_initialized:
+            self._allocate(key_states)
+        self._write(key_states.to(self.dtype), value_states.to(self.dtype))
+        return self.keys, self.values
+
+
+@dataclass
+class _Entry:
+    """What one episode keeps between steps."""
+
+    ids: list[int]
+    """The tokens whose keys/values are cached (a prefix of the episode's next sequence)."""
+    n_images: int
+    """Screenshots among those tokens (their pixels are never needed again)."""
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    """Per decoder layer: keys, values of shape (1, H_kv, len(ids), D)."""
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+class CachedGenerator:
+    """Per-episode KV caches and batched decoding for an `HFPolicy` (see the module docstring)."""
+
+    def __init__(self, policy: Any):
+        self.policy = policy
+        self.entries: dict[Hashable, _Entry] = {}
+        self.stats: Counter = Counter()
+        """prefill_tokens, decode_tokens, images_encoded, cache_hits, cache_misses (cumulative)."""
+
+    def release(self, key: Hashable) -> None:
+        """Forget an episode's cache (it finished, or the weights changed)."""
+        self.entries.pop(key, None)
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+    def _reusable(self, key: Hashable, ids: list[int]) -> _Entry | None:
+        entry = self.entries.pop(key, None)
+        if entry is None:
+            return None
+        n = len(entry.ids)
+        if n < len(ids) and ids[:n] == entry.ids:
+            return entry
+        return None
+
+    @torch.no_grad()
+    def _prefill(self, segment: Any, entry: _Entry | None) -> tuple[list[torch.Tensor], torch.Tensor, int]:
+        """Run the not-yet-cached tail of one sequence. Returns (per-layer K, V list, logits of
+        the last position (V,), next text position)."""
+        policy, model = self.policy, self.policy.model
+        start = len(entry.ids) if entry else 0
+        n_cached_images = entry.n_images if entry else 0
+        positions = rope_positions(model, segment.input_ids, segment.mm_token_type_ids, segment.image_grid_thw)
+        new_ids = torch.tensor([segment.input_ids[start:]], device=policy.device)  # (1, n)
+        inputs: dict[str, Any] = {}
+        new_pixels = segment.pixel_values[n_cached_images:]
+        if new_pixels:
+            inputs["pixel_values"] = torch.cat(new_pixels).to(policy.device)
+            inputs["image_grid_thw"] = torch.stack(segment.image_grid_thw[n_cached_images:]).to(policy.device)
+        n_layers = model.config.get_text_config().num_hidden_layers
+        total = len(segment.input_ids)
+        if entry:
+            layers = [SlabLayer(total, k, v) for k, v in entry.kv]
+        else:
+            layers = [SlabLayer(total) for _ in range(n_layers)]
+        cache = Cache(layers=layers)
+        with policy.autocast():
+            hidden = model.model(input_ids=new_ids, position_ids=positions[:, :, start:].to(policy.device),
+                                 past_key_values=cache, use_cache=True, **inputs).last_hidden_state
+            logits = model.lm_head(hidden[:, -1])  # (1, V)
+        self.stats["prefill_tokens"] += new_ids.shape[1]
+        self.stats["images_encoded"] += len(new_pixels)
+        self.stats["cache_hits" if entry else "cache_misses"] += 1
+        kv = [(layer.keys, layer.values) for layer in layers]
+        return kv, logits[0].float(), int(positions.max()) + 1
+
+    @torch.no_grad()
+    def generate(self, segments: Sequence[Any], keys: Sequence[Hashable], *, temperature: float, top_p: float,
+                 max_new_tokens: int, seeds: Sequence[int] | None) -> list[GenerationResult]:
+        policy, model = self.policy, self.policy.model
+        if len(set(keys)) != len(keys):
+            raise ValueError("cache keys must be distinct within one call (one per live episode)")
+        rows = []
+        for segment, key in zip(segments, keys):
+            entry = self._reusable(key, segment.input_ids)
+            rows.append(self._prefill(segment, entry))
+        batch = len(rows)
+        lengths = [len(s.input_ids) for s in segments]
+        width = max(lengths)
+        n_layers = len(rows[0][0])
+
+        # Merge the rows' caches into one left-padded batch, layer by layer, freeing as we go.
+        merged = []
+        for layer in range(n_layers):
+            k0 = rows[0][0][layer][0]
+            keys_b = k0.new_zeros(batch, k0.shape[1], width, k0.shape[3])  # (B, H_kv, W, D)
+            values_b = torch.zeros_like(keys_b)
+            for row, (kv, _, _) in enumerate(rows):
+                k, v = kv[layer]
+                keys_b[row, :, width - k.shape[2]:] = k[0]
+                values_b[row, :, width - v.shape[2]:] = v[0]
+                kv[layer] = None
+            merged.append(SlabLayer(width + max_new_tokens, keys_b, values_b))
+            del keys_b, values_b
+        cache = Cache(layers=merged)
+        device = policy.device
+        attention = torch.zeros(batch, width, dtype=torch.long, device=device)
+        for row, n in enumerate(lengths):
+            attention[row, width - n:] = 1
+        next_pos = torch.tensor([pos for _, _, pos in rows], device=device)  # (B,)
+        logits = torch.stack([lg for _, lg, _ in rows])  # (B, V)
+
+        greedy = temperature <= 0
+        sampler = None
+        if not greedy:
+            if seeds is None:
+                seeds = torch.randint(0, 2**31 - 1, (batch,)).tolist()
+            sampler = SeededGumbelSampler(seeds, temperature, top_p, policy.suppress_ids)
+        scale = 1.0 if greedy else temperature
+        eos = torch.tensor(policy.eos_ids, device=device)
+        tokens: list[torch.Tensor] = []
+        logprobs: list[torch.Tensor] = []
+        finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        fed = 0  # decode forward passes done = generated tokens now in the cache
+        for step in range(max_new_tokens):
+            if policy.suppress_ids:
+                logits[:, policy.suppress_ids] = float("-inf")
+            scores = sampler(None, logits) if sampler else logits
+            token = scores.argmax(dim=-1)  # (B,)
+            token = torch.where(finished, torch.full_like(token, policy.pad_id), token)
+            logprobs.append(torch.log_softmax(logits / scale, dim=-1).gather(-1, token[:, None])[:, 0])
+            tokens.append(token)
+            finished |= torch.isin(token, eos)
+            if bool(finished.all()) or step == max_new_tokens - 1:
+                break
+            attention = torch.cat([attention, torch.ones(batch, 1, dtype=torch.long, device=device)], dim=1)
+            positions = (next_pos + step).view(1, batch, 1).expand(3, batch, 1)
+            with policy.autocast():
+                hidden = model.model(input_ids=token[:, None], position_ids=positions, attention_mask=attention,
+                                     past_key_values=cache, use_cache=True).last_hidden_state
+                logits = model.lm_head(hidden[:, -1]).float()
+            fed += 1
+        self.stats["decode_tokens"] += batch * len(tokens)
+
+        all_tokens = torch.stack(tokens, dim=1).tolist()  # (B, N)
+        all_logprobs = torch.stack(logprobs, dim=1).tolist()
+        results = []
+        eos_set = set(policy.eos_ids)
+        for row, (segment, key) in enumerate(zip(segments, keys)):
+            toks = all_tokens[row]
+            n = next((i + 1 for i, t in enumerate(toks) if t in eos_set), len(toks))
+            results.append(GenerationResult(toks[:n], all_logprobs[row][:n]))
+            kept = min(fed, n)  # generated tokens whose keys/values are in the cache
+            lo, hi = width - lengths[row], width + kept
+            kv = [(layer.key_buf[row:row + 1, :, lo:hi].clone(), layer.value_buf[row:row + 1, :, lo:hi].clone())
+                  for layer in merged]
+            self.entries[key] = _Entry(list(segment.input_ids) + toks[:kept], len(segment.pixel_values), kv)
+        return results

@@ -1,0 +1,264 @@
+"""The UI-TARS computer-use prompt, token-exact multi-turn conversations, and what every policy
+backend shares about a checkpoint (coordinate convention, resize limits, special tokens).
+
+A conversation is a system line, a user turn with the prompt and instruction, then one user turn
+per screenshot, each followed by the assistant's sampled response. `TokenConversation` builds the
+token ids incrementally with the model's own processor and chat template: the ids of a sampled
+response are appended exactly as sampled (no decode/re-encode), so the trainer computes log-probs
+of precisely the tokens the policy produced ("token-in/token-out"), and each screenshot is run
+through the image processor once.
+
+History limit: at most `history_images` screenshots stay in the context; older steps keep their
+responses as text only. Dropping an image changes the prefix, so the conversation then starts a
+new *segment*: a fresh rendering of the shortened history. Every segment is a training sequence
+in which each trained token was sampled with exactly that sequence as its prefix. With
+history_images >= max_steps (ARPO's 15/15) a trajectory is one segment.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+
+from arpo_lib.actions import MAX_PIXELS, MIN_PIXELS, ParsedResponse, parse_response
+
+SYSTEM_PROMPT = "You are a helpful assistant."
+
+# The action space the UI-TARS checkpoints were trained to read; ARPO adds call_user().
+COMPUTER_USE_PROMPT = r"""You are a GUI agent. You are given a task and your action history, with screenshots. You need to perform the next action to complete the task.
+
+## Output Format
+```
+Thought: ...
+Action: ...
+```
+
+## Action Space
+
+click(start_box='<|box_start|>(x1,y1)<|box_end|>')
+left_double(start_box='<|box_start|>(x1,y1)<|box_end|>')
+right_single(start_box='<|box_start|>(x1,y1)<|box_end|>')
+drag(start_box='<|box_start|>(x1,y1)<|box_end|>', end_box='<|box_start|>(x3,y3)<|box_end|>')
+hotkey(key='')
+type(content='') #If you want to submit your input, use "\n" at the end of `content`.
+scroll(start_box='<|box_start|>(x1,y1)<|box_end|>', direction='down or up or right or left')
+wait() #Sleep for 5s and take a screenshot to check for any changes.
+finished(content='xxx') # Use escape characters \', \", and \n in content part to ensure we can parse the content in normal python string format.
+call_user() # Submit the task and call the user when the task is unsolvable, or when you need the user's help.
+
+
+## Note
+- Use English in `Thought` part.
+- Write a small plan and finally summarize your next action (with its target element) in one sentence in `Thought` part.
+
+## User Instruction
+{instruction}
+"""
+
+
+def initial_messages(instruction: str) -> list[dict[str, Any]]:
+    """System line + the computer-use prompt with the instruction (no screenshot yet)."""
+    return [
+        {"role": "system", "content": [{"type": "text", "text": SYSTEM_PROMPT}]},
+        {"role": "user", "content": [{"type": "text", "text": COMPUTER_USE_PROMPT.format(instruction=instruction)}]},
+    ]
+
+
+def build_messages(instruction: str, n_screenshots: int, responses: list[str], history_images: int) -> list[dict[str, Any]]:
+    """Chat messages for a step: screenshots as image placeholders, only the newest
+    `history_images` kept; older steps keep their responses as text. `responses[i]` follows
+    screenshot i; the list is one shorter than the screenshots when a response is due."""
+    messages = initial_messages(instruction)
+    first_kept = max(0, n_screenshots - history_images)
+    for i in range(n_screenshots):
+        if i >= first_kept:
+            messages.append({"role": "user", "content": [{"type": "image"}]})
+        if i < len(responses):
+            messages.append({"role": "assistant", "content": [{"type": "text", "text": responses[i]}]})
+    return messages
+
+
+@dataclass
+class Segment:
+    """One training sequence. ids/mask/logprobs are aligned 1-D lists over tokens."""
+
+    input_ids: list[int] = field(default_factory=list)
+    mm_token_type_ids: list[int] = field(default_factory=list)
+    """1 at image tokens (Qwen-VL's M-RoPE needs it), 0 elsewhere."""
+    loss_mask: list[int] = field(default_factory=list)
+    """1 at sampled assistant tokens (the only tokens trained on)."""
+    behaviour_logprobs: list[float] = field(default_factory=list)
+    """Log-prob of each token under the sampling policy (0 where loss_mask is 0)."""
+    pixel_values: list[torch.Tensor] = field(default_factory=list)
+    """Per image: (patches, C*T*P*P), straight from the image processor."""
+    image_grid_thw: list[torch.Tensor] = field(default_factory=list)
+    """Per image: (3,)."""
+    screenshot_steps: list[int] = field(default_factory=list)
+    """Episode step index of each image in this segment (to reload it from step_N.png)."""
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def extend(self, ids: list[int], mm_types: list[int], mask: int, logprobs: list[float] | None = None) -> None:
+        self.input_ids += ids
+        self.mm_token_type_ids += mm_types
+        self.loss_mask += [mask] * len(ids)
+        self.behaviour_logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Model inputs for this sequence, batch dimension 1."""
+        out = {
+            "input_ids": torch.tensor([self.input_ids]),  # (1, T)
+            "attention_mask": torch.ones(1, len(self.input_ids), dtype=torch.long),
+            "mm_token_type_ids": torch.tensor([self.mm_token_type_ids], dtype=torch.int),
+        }
+        if self.pixel_values:
+            out["pixel_values"] = torch.cat(self.pixel_values)
+            out["image_grid_thw"] = torch.stack(self.image_grid_thw)
+        return out
+
+    def token_data(self) -> dict[str, Any]:
+        """What is saved to disk (tokens.pt): everything but the pixels, which step_N.png reproduce."""
+        return {
+            "input_ids": self.input_ids, "mm_token_type_ids": self.mm_token_type_ids,
+            "loss_mask": self.loss_mask, "behaviour_logprobs": self.behaviour_logprobs,
+            "screenshot_steps": self.screenshot_steps,
+        }
+
+
+class TokenConversation:
+    """Token-exact multi-turn UI-TARS conversation for one episode."""
+
+    def __init__(self, processor: Any, instruction: str, history_images: int = 15):
+        self.processor = processor
+        self.instruction = instruction
+        self.history_images = history_images
+        self.responses: list[str] = []
+        self.screenshots: list[Image.Image] = []
+        self.segments: list[Segment] = []
+        self._images_in_segment = 0
+        self.eos_id: int = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    # -- rendering helpers -------------------------------------------------------------
+    def _render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
+        return self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+    def _encode(self, text: str, images: list[Image.Image]) -> dict[str, Any]:
+        enc = self.processor(text=[text], images=images or None, return_tensors="pt")
+        ids = enc["input_ids"][0].tolist()
+        mm = enc.get("mm_token_type_ids")
+        mm_types = mm[0].tolist() if mm is not None else [0] * len(ids)
+        return {"ids": ids, "mm": mm_types, "pixel_values": enc.get("pixel_values"), "grid": enc.get("image_grid_thw")}
+
+    def _add_images(self, seg: Segment, enc: dict[str, Any], steps: list[int]) -> None:
+        if not steps:
+            return
+        grids = enc["grid"]
+        sizes = [int(torch.prod(g)) for g in grids]
+        for chunk, grid, step in zip(torch.split(enc["pixel_values"], sizes), grids, steps):
+            seg.pixel_values.append(chunk)
+            seg.image_grid_thw.append(grid)
+            seg.screenshot_steps.append(step)
+
+    # -- the two operations of a rollout ------------------------------------------------
+    def add_observation(self, screenshot: Image.Image) -> None:
+        """Append the next screenshot as a user turn and open the assistant turn."""
+        step = len(self.screenshots)
+        self.screenshots.append(screenshot)
+        n = len(self.screenshots)
+        if not self.segments or self._images_in_segment >= self.history_images:
+            # First turn, or the oldest image must go: render the kept history as a new segment.
+            messages = build_messages(self.instruction, n, self.responses, self.history_images)
+            first_kept = max(0, n - self.history_images)
+            enc = self._encode(self._render(messages, True), self.screenshots[first_kept:])
+            seg = Segment()
+            seg.extend(enc["ids"], enc["mm"], mask=0)
+            self._add_images(seg, enc, list(range(first_kept, n)))
+            self.segments.append(seg)
+            self._images_in_segment = n - first_kept
+            return
+        # Incremental: the new turn's text is the template's rendering with the turn minus without it.
+        before = build_messages(self.instruction, n - 1, self.responses, self.history_images + 1)
+        after = build_messages(self.instruction, n, self.responses, self.history_images + 1)
+        prefix, full = self._render(before, False), self._render(after, True)
+        # Cut the prefix right after the last response's <|im_end|>, which was sampled and is
+        # already in the ids; what follows it (a newline, the user turn, the assistant header) is new.
+        cut = prefix.rfind("<|im_end|>") + len("<|im_end|>")
+        if cut < len("<|im_end|>") or not full.startswith(prefix[:cut]):
+            raise RuntimeError("chat template is not prefix-stable; cannot extend the conversation incrementally")
+        turn = full[cut:]
+        seg = self.segments[-1]
+        enc = self._encode(turn, [screenshot])
+        seg.extend(enc["ids"], enc["mm"], mask=0)
+        self._add_images(seg, enc, [step])
+        self._images_in_segment += 1
+
+    def add_response(self, text: str, token_ids: list[int], logprobs: list[float]) -> None:
+        """Append the sampled response tokens exactly as sampled (trained on, mask 1)."""
+        if len(token_ids) != len(logprobs):
+            raise ValueError("token_ids and logprobs differ in length")
+        seg = self.segments[-1]
+        seg.extend(list(token_ids), [0] * len(token_ids), mask=1, logprobs=list(logprobs))
+        if not token_ids or token_ids[-1] != self.eos_id:
+            # Cut at max_new_tokens: close the turn so the next one is well-formed (not trained on).
+            seg.extend([self.eos_id], [0], mask=0)
+        self.responses.append(text)
+
+    @property
+    def current(self) -> Segment:
+        return self.segments[-1]
+
+
+# ----------------------------------------------------------------------------- per checkpoint
+
+COORD_MODE_BY_MODEL_TYPE = {"qwen2_vl": "qwen2vl", "qwen2_5_vl": "qwen25vl"}
+
+
+def coord_mode_for(path: str | Path) -> str:
+    """The UI-TARS coordinate convention of a checkpoint, from its architecture."""
+    from transformers import AutoConfig
+
+    return COORD_MODE_BY_MODEL_TYPE.get(AutoConfig.from_pretrained(str(path)).model_type, "qwen25vl")
+
+
+def image_processor_limits(processor: Any) -> tuple[int, int, int]:
+    """(factor, min_pixels, max_pixels) the image processor really resizes with."""
+    ip = processor.image_processor
+    size = getattr(ip, "size", None) or {}
+    min_pixels = getattr(ip, "min_pixels", None) or size.get("shortest_edge") or MIN_PIXELS
+    max_pixels = getattr(ip, "max_pixels", None) or size.get("longest_edge") or MAX_PIXELS
+    factor = int(getattr(ip, "patch_size", 14)) * int(getattr(ip, "merge_size", 2))
+    return factor, int(min_pixels), int(max_pixels)
+
+
+def special_token_ids(tokenizer: Any) -> tuple[list[int], list[int]]:
+    """(end-of-turn ids, ids a response must never contain). A response may never contain vision
+    tokens: a random or weak model can sample them, and the training forward pass would then
+    expect image features for them."""
+    eos = [i for i in (tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>"))
+           if i is not None]
+    suppress = [i for i in tokenizer.convert_tokens_to_ids(
+        ["<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"])
+        if i is not None and i != tokenizer.unk_token_id]
+    return eos, suppress
+
+
+class UITarsConversations:
+    """What every policy backend shares: conversations built with the model's processor and
+    responses parsed in the model's coordinate convention. Needs `processor`, `history_images`,
+    `coord_mode` and `resize` on the instance."""
+
+    def new_conversation(self, instruction: str) -> TokenConversation:
+        return TokenConversation(self.processor, instruction, history_images=self.history_images)
+
+    def release(self, key: Any) -> None:
+        """Forget an episode's state; nothing is kept per episode unless a backend says so."""
+
+    def parse(self, text: str, image_size: tuple[int, int]) -> ParsedResponse:
+        """Parse a response with this model's coordinate convention and resize limits."""
+        factor, min_pixels, max_pixels = self.resize
+        return parse_response(text, image_size, coord_mode=self.coord_mode,
+                              factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)

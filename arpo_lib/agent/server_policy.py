@@ -1,0 +1,173 @@
+"""A policy served over an OpenAI-compatible API: vLLM, our `hf` server, or a remote endpoint.
+
+`ServerPolicy` is a drop-in for `HFPolicy` in the rollout engine (`new_conversation`, `parse`,
+`generate`) without loading the model here: only the processor (tokenizer and chat template) is
+loaded, to keep the token-exact conversation the trainer trains on.
+
+How a step goes: the engine hands over every live episode at once; each becomes one chat request
+(the UI-TARS history with its newest screenshots as PNG data URLs), all sent concurrently from a
+thread pool, each with the episode's own seed, a timeout and bounded retries. The answer's token
+ids and log-probs (vLLM's `return_token_ids` + `logprobs`; our `hf` server answers the same way)
+are appended to the episode's conversation exactly, so server trajectories train token-in /
+token-out. Where a server returns the prompt's token ids too, they are compared with ours: a
+difference means the server's chat template or tokenizer is not the model's, and is counted in
+`prompt_mismatches` (the trainer reports it) because the behaviour log-probs then belong to
+another prompt.
+
+Departures from HFPolicy: vision tokens are kept out of responses with a logit bias of -100
+(not -inf); a server without token ids (a plain OpenAI endpoint) gives responses re-tokenized
+here and no behaviour log-probs (`exact=False`): fine for evaluation, not for training.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Sequence
+
+from arpo_lib.agent.client import ServerError, chat_completion, ui_tars_messages
+from arpo_lib.agent.prompt import (Segment, UITarsConversations, coord_mode_for, image_processor_limits,
+                                   special_token_ids)
+from arpo_lib.types import Generation
+
+# The UI-TARS action grammar as a regular expression, for constrained decoding (vLLM's
+# `structured_outputs.regex`): an optional Thought, then one Action line whose call is one of
+# the action space's calls with its arguments in UI-TARS syntax.
+_POINT = r"'\(\d{1,4},\d{1,4}\)'"
+_TEXT = r"'([^'\\\n]|\\.){0,200}'"
+_CALLS = [
+    rf"click\(start_box={_POINT}\)", rf"left_double\(start_box={_POINT}\)", rf"right_single\(start_box={_POINT}\)",
+    rf"drag\(start_box={_POINT}, end_box={_POINT}\)", r"hotkey\(key='[a-z0-9]{1,10}( [a-z0-9]{1,10}){0,2}'\)",
+    rf"type\(content={_TEXT}\)", rf"scroll\(start_box={_POINT}, direction='(up|down|left|right)'\)",
+    r"wait\(\)", rf"finished\(content={_TEXT}\)", r"finished\(\)", r"call_user\(\)",
+]
+ACTION_REGEX = r"(Thought: [^\n]{1,400}\n)?Action: (" + "|".join(_CALLS) + ")"
+
+
+class ServerPolicy(UITarsConversations):
+    """UI-TARS generation through an OpenAI-compatible endpoint, for the rollout engine."""
+
+    def __init__(
+        self,
+        base_url: str,
+        model_path: str | Path,
+        *,
+        served_model: str | None = None,
+        api_key_env: str | None = None,
+        coord_mode: str = "auto",
+        history_images: int = 15,
+        max_new_tokens: int = 256,
+        timeout_s: float = 120.0,
+        retries: int = 3,
+        backoff_s: float = 1.0,
+        constrained: bool = False,
+        max_concurrency: int = 32,
+    ):
+        """`model_path`: the served model's directory (or a copy of its processor files), for the
+        tokenizer and chat template. `served_model`: the name to request (default: the first
+        model the server lists). `api_key_env`: the name of an environment variable holding the
+        key (the key itself is never stored in a config, a log or a run directory).
+        `constrained`: ask the server to decode only strings matching `ACTION_REGEX`."""
+        from transformers import AutoProcessor
+
+        self.base_url = base_url.rstrip("/")
+        self.path = str(model_path)
+        self.processor = AutoProcessor.from_pretrained(self.path)
+        self.tokenizer = self.processor.tokenizer
+        self.coord_mode = coord_mode_for(self.path) if coord_mode == "auto" else coord_mode
+        self.history_images = history_images
+        self.max_new_tokens = max_new_tokens
+        self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
+        self.constrained = constrained
+        self._api_key_env = api_key_env
+        if api_key_env and not os.environ.get(api_key_env):
+            raise ServerError(f"the API key variable {api_key_env} is not set in the environment")
+        self.served_model = served_model or self._first_model()
+        self.resize = image_processor_limits(self.processor)
+        self.eos_ids, self.suppress_ids = special_token_ids(self.tokenizer)
+        self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="arpo-client")
+        self._lock = threading.Lock()
+        self.requests = 0
+        self.prompt_mismatches = 0
+        """Requests whose server-side prompt token ids differed from ours (see the module doc)."""
+        self.inexact = 0
+        """Responses without server token ids / log-probs (re-tokenized here)."""
+
+    # -- generation (conversations and parsing come from UITarsConversations) -----------------
+    def generate(
+        self,
+        segments: Sequence[Segment],
+        *,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_new_tokens: int | None = None,
+        contexts: Sequence[Any] | None = None,
+        seeds: Sequence[int] | None = None,
+        cache_keys: Sequence[Any] | None = None,
+    ) -> list[Generation]:
+        """One response per episode, all requested concurrently. `contexts` (the engine's
+        PolicyContext, with `screenshots` and `responses` so far) are required: the server gets
+        messages, not our tokens. `cache_keys` are ignored: prefix reuse is the server's business
+        (vLLM's automatic prefix caching)."""
+        if not segments:
+            return []
+        if contexts is None or len(contexts) != len(segments):
+            raise ValueError("ServerPolicy.generate needs one context (instruction, screenshots, responses) per segment")
+        jobs = [self._pool.submit(self._one, seg, ctx, temperature, top_p, max_new_tokens or self.max_new_tokens,
+                                  None if seeds is None else int(seeds[i]) % 2**31)
+                for i, (seg, ctx) in enumerate(zip(segments, contexts))]
+        return [job.result() for job in jobs]
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- internals ---------------------------------------------------------------------------
+    @property
+    def _api_key(self) -> str | None:
+        return os.environ.get(self._api_key_env) if self._api_key_env else None
+
+    def _first_model(self) -> str:
+        import urllib.request
+
+        request = urllib.request.Request(self.base_url + "/models")
+        if self._api_key:
+            request.add_header("Authorization", f"Bearer {self._api_key}")
+        try:
+            import json
+
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as resp:
+                models = json.loads(resp.read())["data"]
+            return models[0]["id"]
+        except Exception as exc:
+            raise ServerError(f"could not list the models at {self.base_url}/models: {exc}") from exc
+
+    def _one(self, segment: Segment, ctx: Any, temperature: float, top_p: float, max_tokens: int,
+             seed: int | None) -> Generation:
+        messages = ui_tars_messages(ctx.instruction, ctx.screenshots, ctx.responses, self.history_images)
+        extra: dict[str, Any] = {"logit_bias": {str(i): -100 for i in self.suppress_ids}}
+        if self.constrained:
+            extra["structured_outputs"] = {"regex": ACTION_REGEX}
+        reply = chat_completion(self.base_url, messages, model=self.served_model, temperature=temperature,
+                                top_p=top_p, max_tokens=max_tokens, seed=seed, logprobs=True, return_token_ids=True,
+                                extra_body=extra, api_key=self._api_key, timeout_s=self.timeout_s,
+                                retries=self.retries, backoff_s=self.backoff_s)
+        choice = reply["choices"][0]
+        text = choice["message"]["content"] or ""
+        ids = choice.get("token_ids")
+        content = (choice.get("logprobs") or {}).get("content") or []
+        logprobs = [float(c["logprob"]) for c in content]
+        prompt_ids = reply.get("prompt_token_ids")
+        with self._lock:
+            self.requests += 1
+            if prompt_ids is not None and list(prompt_ids) != list(segment.input_ids):
+                self.prompt_mismatches += 1
+        if ids is None or len(logprobs) != len(ids):
+            # A server without token ids: our tokens of its text; no behaviour log-probs.
+            with self._lock:
+                self.inexact += 1
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            if choice.get("finish_reason") == "stop":
+                ids = list(ids) + [self.eos_ids[0]]
+            logprobs = [0.0] * len(ids)
+        return Generation(text=text, token_ids=list(ids), logprobs=logprobs)

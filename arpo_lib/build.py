@@ -1,0 +1,242 @@
+"""The composition root: a run's config -> the environment pool, the policy, the rollout engine,
+a model server, a trainer. Notebooks, the CLI, evaluation and experiments make their components
+here, and only here, so every `*.path`, `env.*`, `rollout.*` and `serve.*` switch is read in one
+place.
+
+    cfg     = build.load_config("configs/smoke.yaml", ["train.steps=5"])   # parsed + task names checked
+    trainer = build.trainer(cfg)                                           # policy, pool, server, evaluator
+    with build.engine(cfg) as engine:                                       # a base-policy rollout engine
+        evaluate_run(engine, cfg, out_dir)
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from arpo_lib import envs
+from arpo_lib.agent.hf_policy import HFPolicy
+from arpo_lib.agent.server_policy import ServerPolicy
+from arpo_lib.evaluation.evaluate import EvalResult, evaluate_run
+from arpo_lib.run import config as config_module
+from arpo_lib.run.config import ConfigError, RunConfig
+from arpo_lib.run.layout import RunDir
+from arpo_lib.run.records import safe_join
+from arpo_lib.serving.launch import ServerHandle, start_server
+from arpo_lib.serving.weight_sync import ServedPolicy, save_for_server
+from arpo_lib.training import checkpoint as ckpt
+from arpo_lib.training.rollout import RolloutEngine
+from arpo_lib.training.trainer import Trainer
+from arpo_lib.types import WorkerPool
+
+log = logging.getLogger(__name__)
+
+
+# -- the config ----------------------------------------------------------------------------------
+def load_config(path: str | Path | None = None, overrides: Any = None) -> RunConfig:
+    """`run.config.load_config` (YAML + dotted overrides, every field checked) plus the task names
+    checked against the environment registry: a misspelt task fails here, naming the key."""
+    return check_tasks(config_module.load_config(path, overrides))
+
+
+def check_tasks(cfg: RunConfig) -> RunConfig:
+    """Every task of env.tasks, eval.tasks and select.tasks names a registered environment (or a
+    task set, expanded when the run starts); ConfigError naming the key otherwise."""
+    for key, tasks in (("env.tasks", cfg.env.tasks), ("eval.tasks", cfg.eval.tasks or []),
+                       ("select.tasks", cfg.select.tasks or [])):
+        for task in tasks:
+            if isinstance(task, str) and task.partition("/")[0] in envs.PLANNED_FAMILIES:
+                continue  # checked when the family exists; building it says why it does not yet
+            if envs.is_task_set_name(task):
+                continue  # expanded by resolve_task_sets when the run starts (needs the task data)
+            try:
+                envs.check_env_name(task)
+            except ValueError as exc:
+                raise ConfigError(f"{key}: {exc}") from exc
+    return cfg
+
+
+def resolve_task_sets(cfg: RunConfig) -> RunConfig:
+    """Expand task-set names (`osworld/subset32`) in env.tasks, eval.tasks and select.tasks into
+    task names, in place. Needs the task data: a ConfigError says how to fetch it."""
+    try:
+        cfg.env.tasks = envs.expand_task_names(cfg.env.tasks)
+        if cfg.eval.tasks:
+            cfg.eval.tasks = envs.expand_task_names(cfg.eval.tasks)
+        if cfg.select.tasks:
+            cfg.select.tasks = envs.expand_task_names(cfg.select.tasks)
+    except (FileNotFoundError, ValueError) as exc:
+        raise ConfigError(f"env.tasks: {exc}") from exc
+    return cfg
+
+
+# -- components ----------------------------------------------------------------------------------
+def env_pool(cfg: RunConfig) -> WorkerPool:
+    """The run's environment workers: local processes or Ray actors (env.backend), in the
+    interpreter env.python names (`auto`: OSWorld's own environment for osworld tasks)."""
+    opts = dict(cfg.env.options)
+    opts.setdefault("max_steps", cfg.env.max_steps)
+    python = cfg.env.python
+    if python == "auto":
+        python = None
+        tasks = cfg.env.tasks + (cfg.eval.tasks or []) + (cfg.select.tasks or [])
+        if any(t.startswith("osworld/") for t in tasks):
+            from arpo_lib.envs.osworld.env import find_osworld_python
+
+            python = find_osworld_python()
+            if python is None:
+                raise RuntimeError("env.python=auto: no interpreter with desktop_env found "
+                                   "(run scripts/setup_osworld.sh or set $ARPO_OSWORLD_PYTHON)")
+    ray = {"ray_address": cfg.env.ray_address, "ray_resource": cfg.env.ray_resource,
+           "ray_num_cpus": cfg.env.ray_num_cpus} if cfg.env.backend == "ray" else {}
+    from arpo_lib.envs.pool import make_pool
+
+    return make_pool(cfg.env.workers, opts, cfg.env.step_timeout_s, cfg.env.envs_per_worker,
+                     backend=cfg.env.backend, python=python, **ray)
+
+
+def hf_policy(cfg: RunConfig, path: str | Path | None = None, *, lora: bool = True) -> HFPolicy:
+    """The in-process policy with every `model.*` switch. `lora=False` for inference on saved
+    (merged) weights."""
+    m = cfg.model
+    return HFPolicy(
+        path or m.path, device=m.device, compute_dtype=m.compute_dtype, coord_mode=m.coord_mode,
+        history_images=m.history_images, max_new_tokens=m.max_new_tokens,
+        gradient_checkpointing=m.gradient_checkpointing,
+        checkpoint_every_n_layers=m.checkpoint_every_n_layers, kv_cache=m.kv_cache, vision_attention=m.vision_attention,
+        logprob_chunk=m.logprob_chunk, lora_rank=m.lora_rank if lora else 0, lora_alpha=m.lora_alpha,
+        lora_dropout=m.lora_dropout, lora_seed=cfg.train.seed, frozen_weights_dtype=m.frozen_weights_dtype)
+
+
+def reference_model(cfg: RunConfig, device: torch.device) -> Any:
+    """The frozen KL reference: the model the run started from (`model.path`)."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(cfg.model.path, dtype=torch.float32)
+    return model.to(device).eval().requires_grad_(False)
+
+
+def server(cfg: RunConfig, model_path: str | None = None) -> ServerHandle:
+    """Start the model server the config describes (`serve.*`) for `model_path` (default
+    `model.path`); its pid and url go to <run>/server.json. Not yet healthy: `wait_healthy()`."""
+    s = cfg.serve
+    model_path = model_path or cfg.model.path
+    if s.backend == "hf":
+        options = {"device": cfg.model.device, "dtype": cfg.model.compute_dtype, "max_new_tokens": cfg.model.max_new_tokens}
+    else:
+        options = {"max_model_len": s.max_model_len, "max_images": cfg.model.history_images, "dtype": s.dtype,
+                   "gpu_memory_utilization": s.gpu_memory_utilization, "enable_prefix_caching": True,
+                   "device": s.device, "enforce_eager": s.enforce_eager, "weight_sync": s.weight_sync}
+    run = RunDir(cfg.run_dir)
+    run.root.mkdir(parents=True, exist_ok=True)
+    log.info("starting the %s server for %s (log: %s)", s.backend, model_path, run.server_log)
+    handle = start_server(model_path, backend=s.backend, host=s.host, port=s.port or None,
+                          served_model_name=s.served_model_name, log_path=run.server_log, python=s.python, **options)
+    run.server_info.write_text(json.dumps({
+        "pid": handle.pid, "url": handle.url, "base_url": handle.base_url, "model": handle.model,
+        "backend": s.backend, "log_path": str(handle.log_path)}, indent=1))
+    return handle
+
+
+def server_policy(cfg: RunConfig, url: str | None = None) -> ServerPolicy:
+    """A client policy for the server at `url` (default rollout.server_url), with `rollout.*`'s
+    request settings."""
+    r = cfg.rollout
+    url = url or r.server_url
+    if not url:
+        raise ValueError("rollout.backend=server needs rollout.server_url (or a server the workflow starts)")
+    return ServerPolicy(url, cfg.model.path, served_model=r.server_model, api_key_env=r.api_key_env,
+                        coord_mode=cfg.model.coord_mode, history_images=cfg.model.history_images,
+                        max_new_tokens=cfg.model.max_new_tokens, timeout_s=r.request_timeout_s,
+                        retries=r.request_retries, constrained=r.constrained)
+
+
+def served_policy(cfg: RunConfig, trained: HFPolicy) -> ServedPolicy:
+    """Rollouts of a training run through a server (rollout.backend=server) that follows the
+    trained policy's weights (rollout.weight_sync)."""
+    r = cfg.rollout
+
+    def start(model_dir: str) -> ServerHandle:
+        handle = server(cfg, model_path=model_dir)
+        handle.wait_healthy(timeout_s=cfg.serve.startup_timeout_s)
+        return handle
+
+    def save() -> str:
+        return str(save_for_server(trained, RunDir(cfg.run_dir).server_weights))
+
+    return ServedPolicy(connect=lambda url: server_policy(cfg, url), save_weights=save, sync=r.weight_sync,
+                        url=r.server_url, start=start if r.server_url is None else None,
+                        initial_model=trained.path)
+
+
+def evaluator(cfg: RunConfig) -> Any:
+    """The evaluation a trainer runs: (engine, label, tasks) -> EvalResult in <run>/eval/<label>."""
+    run = RunDir(cfg.run_dir)
+
+    def run_eval(engine: RolloutEngine, label: str, tasks: list[str] | None = None) -> EvalResult:
+        return evaluate_run(engine, cfg, safe_join(run.eval_root, label), tasks=tasks, description=f"eval {label}")
+
+    return run_eval
+
+
+def trainer(cfg: RunConfig, *, resume: bool = False, policy: HFPolicy | None = None) -> Trainer:
+    """A Trainer with everything it works with. `resume` continues the run in `cfg.run_dir` from
+    its newest intact checkpoint (a run directory is never reused without it). A `policy`
+    passed in (tests, notebooks holding a model) is used instead of loading `model.path`."""
+    cfg = resolve_task_sets(check_tasks(cfg))
+    run = RunDir(cfg.run_dir)
+    checkpoint = ckpt.resume_point(run, resume)
+    lora = cfg.model.lora_rank > 0
+    if policy is None:
+        # With LoRA a resume loads the base weights plus the saved adapter (the checkpoint's
+        # merged weights would apply the adapter twice).
+        model_path = str(checkpoint / "model") if checkpoint is not None and not lora else cfg.model.path
+        trained = hf_policy(cfg, model_path)
+    else:
+        trained = policy
+        if checkpoint is not None and not lora:
+            trained.model.load_state_dict(ckpt.load_model_state(checkpoint / "model"))
+    if checkpoint is not None and lora:
+        trained.load_adapter(checkpoint / "model")
+    reference = reference_model(cfg, trained.device) if cfg.algo.kl_coef > 0 else None
+    served = served_policy(cfg, trained) if cfg.rollout.backend == "server" else None
+    return Trainer(cfg, trained, make_pool=lambda: env_pool(cfg), served=served, evaluator=evaluator(cfg),
+                   checkpoint=checkpoint, resume=resume, reference=reference)
+
+
+@contextlib.contextmanager
+def engine(cfg: RunConfig, scripted: bool = False) -> Iterator[RolloutEngine]:
+    """A rollout engine for `cfg.model.path` without a trainer (evaluation, task selection): the
+    in-process model, or a server (the one at rollout.server_url, or one started for the
+    duration); environment workers as configured (env.backend, env.python). `scripted`: the
+    scripted agent acts instead (its tokens scored by the model), an upper-bound baseline."""
+    cfg = resolve_task_sets(check_tasks(cfg))
+    handle = None
+    if cfg.rollout.backend == "server":
+        # Generation on the server: only the processor is loaded here (a GPU's memory stays vLLM's).
+        url = cfg.rollout.server_url
+        if url is None:
+            handle = server(cfg)
+            handle.wait_healthy(timeout_s=cfg.serve.startup_timeout_s)
+            url = handle.base_url
+        acting: Any = server_policy(cfg, url)
+        log.info("generating with %s at %s", acting.served_model, url)
+    else:
+        acting = hf_policy(cfg, lora=False)
+        if scripted:
+            from arpo_lib.agent.scripted import ScriptedPolicy
+
+            acting = ScriptedPolicy(acting)
+    try:
+        with env_pool(cfg) as pool:
+            yield RolloutEngine(acting, pool, max_steps=cfg.env.max_steps, format_coef=cfg.algo.format_coef,
+                                format_penalty=cfg.algo.format_penalty)
+    finally:
+        if cfg.rollout.backend == "server":
+            acting.close()
+        if handle is not None:
+            handle.stop()

@@ -1,0 +1,554 @@
+"""OSWorld desktop tasks as a `GUIEnv`: a thin adapter over OSWorld's own `DesktopEnv`.
+
+OSWorld's `desktop_env.desktop_env.DesktopEnv` (PyPI `desktop-env`, we target 1.0.2) boots a VM
+(Docker provider: QEMU inside the happysixd/osworld-docker image), runs a task's set-up steps on
+`reset(task_config=...)`, executes pyautogui code on `step(action, pause)` (old gym 4-tuple, reward
+always 0) and scores the final state with the task's checker on `evaluate()`. This module drives
+it with UI-TARS actions. Where it departs from OSWorld's runner (lib_run_single.py) and ARPO's
+rollout workers:
+
+- Only converter output reaches the VM: an `Action` goes through `to_pyautogui` (whitelisted
+  pyautogui calls with literal arguments) and model text is never executed. `finished` becomes
+  'DONE', `call_user` 'FAIL' (OSWorld scores an infeasible task 1 only after FAIL), `wait`
+  'WAIT'. An action the converter refuses (an unknown key) is a no-op step whose info carries
+  'action_error'; the VM is not touched.
+- Reward: 0 until the episode ends, then the task's score from `evaluate()`, also when the episode
+  is truncated at `max_steps` (OSWorld and ARPO evaluate the final state whatever ended the loop).
+  The screenshot keeps the VM's resolution, which must equal `screen_size` (a mismatch would
+  mis-place every click, so it is refused).
+- One cache directory per environment: `cache_root/<host>-<pid>-<random>`, passed as
+  DesktopEnv's `cache_dir`. The original shared one, so parallel rollouts of the same task
+  overwrote each other's downloaded inputs and the result files the checkers read. The directory
+  is deleted on `close`; directories left by killed processes of this host are deleted by the next
+  environment built there, after removing the VM container they recorded.
+- Boot with retries: the DesktopEnv is built on the first `reset` (booting takes minutes) and
+  kept across episodes (each reset reverts the VM). A failed boot or task set-up is retried
+  `boot_retries` times with exponential back-off on a fresh DesktopEnv, then raises `EnvError`.
+- Infrastructure failures are `EnvError`: if step/evaluate raises or the VM returns no screenshot,
+  the DesktopEnv is closed (stopping its container), a fresh one is booted on the next reset, and
+  the episode is reported as an infrastructure failure, never scored as the policy's.
+- Preflight before booting (provider "docker"): the docker package, a reachable Docker engine,
+  the pulled image, /dev/kvm (without KVM the VM boots too slowly to be usable: an error unless
+  `allow_no_kvm`) and the VM disk image. Left alone, DesktopEnv would download the image (tens of
+  GB) into ./docker_vm_data during the first reset, far past any worker timeout.
+  These failures raise `OSWorldSetupError` (a ValueError) or ImportError: the environment workers
+  treat both as set-up errors that stop the run instead of retrying forever.
+- A separate interpreter: desktop-env pins torch 2.5.1, transformers 4.35.2, gymnasium 0.28.1 and
+  numpy 1.26.4, so it lives in its own venv (scripts/setup_osworld.sh; `find_osworld_python()`).
+  This module imports neither desktop_env nor torch at import time: it loads in both interpreters,
+  and `desktop_env_class` swaps in `arpo_lib.envs.osworld.fake.FakeDesktopEnv` (no Docker).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib
+import importlib.util
+import io
+import math
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from PIL import Image
+
+from arpo_lib.actions import Action, ActionParseError, to_pyautogui
+from arpo_lib.envs.base import EnvError, GUIEnv, Observation
+
+DESKTOP_ENV_CLASS = "desktop_env.desktop_env:DesktopEnv"
+"""OSWorld's environment class, imported when an `OSWorldEnv` is built."""
+DOCKER_IMAGE = "happysixd/osworld-docker"
+"""The image OSWorld's Docker provider runs each VM in."""
+KVM_DEVICE = "/dev/kvm"
+SETUP_SCRIPT = "scripts/setup_osworld.sh"
+VM_IMAGE_NAMES = {"Ubuntu": "Ubuntu.qcow2", "Windows": "Windows-10-x64.qcow2"}
+"""Disk image file names of OSWorld's Docker VMs, by `os_type`."""
+CONTAINER_FILE = "container_id"
+"""Written in an environment's cache dir while its VM container runs (for stale clean-up)."""
+_MANAGED_KWARGS = ("provider_name", "region", "path_to_vm", "action_space", "cache_dir", "screen_size",
+                   "headless", "require_a11y_tree", "os_type")
+"""DesktopEnv arguments set from OSWorldEnv's own options (not allowed in `desktop_env_kwargs`)."""
+
+
+class OSWorldSetupError(ValueError):
+    """OSWorld cannot run on this machine as configured (no Docker engine, no KVM, no VM image,
+    options the DesktopEnv rejects). A ValueError so that environment workers classify it as a
+    set-up error (`worker._is_setup_error`) and stop the run with this message: retrying, as for
+    an `EnvError`, would not help."""
+
+
+# --------------------------------------------------------------------------------------------
+# Where things live
+# --------------------------------------------------------------------------------------------
+
+def workbench_cache() -> Path:
+    """`${XDG_CACHE_HOME:-~/.cache}/arpo-workbench`: venvs, VM image and cache dirs live here."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "arpo-workbench"
+
+
+def osworld_venv() -> Path:
+    """The virtual environment scripts/setup_osworld.sh builds ($ARPO_OSWORLD_VENV overrides)."""
+    return Path(os.environ.get("ARPO_OSWORLD_VENV") or workbench_cache() / "venv-osworld")
+
+
+def default_vm_path(os_type: str = "Ubuntu") -> Path:
+    """The VM disk image used when `path_to_vm` is not given ($ARPO_OSWORLD_VM overrides); the
+    setup script's `--vm` downloads the Ubuntu one here."""
+    if os.environ.get("ARPO_OSWORLD_VM"):
+        return Path(os.environ["ARPO_OSWORLD_VM"]).expanduser()
+    return workbench_cache() / "osworld-vm" / VM_IMAGE_NAMES.get(os_type, f"{os_type}.qcow2")
+
+
+def find_osworld_python() -> str | None:
+    """The Python interpreter that has desktop_env: $ARPO_OSWORLD_PYTHON, else this interpreter if
+    it can import desktop_env, else the setup script's venv if it exists; None otherwise."""
+    if os.environ.get("ARPO_OSWORLD_PYTHON"):
+        return os.environ["ARPO_OSWORLD_PYTHON"]
+    if importlib.util.find_spec("desktop_env") is not None:
+        return sys.executable
+    python = osworld_venv() / "bin" / "python"
+    return str(python) if python.exists() else None
+
+
+# --------------------------------------------------------------------------------------------
+# Preflight (provider "docker")
+# --------------------------------------------------------------------------------------------
+
+def preflight_docker(path_to_vm: str | os.PathLike | None = None, os_type: str = "Ubuntu",
+                     allow_no_kvm: bool = False) -> str:
+    """Check that OSWorld's Docker provider can boot a VM here; returns the VM image's absolute path.
+
+    Raises ImportError (no docker package) or OSWorldSetupError (engine unreachable, image not
+    pulled, no /dev/kvm unless `allow_no_kvm`, no VM disk image), each saying what to do.
+    """
+    try:
+        import docker
+    except ImportError as e:
+        raise ImportError(
+            f"The `docker` Python package is missing in {sys.executable}: OSWorld's Docker provider "
+            f"needs it. It comes with desktop-env: run `bash {SETUP_SCRIPT}` and use its interpreter "
+            f"for the environment workers.") from e
+    client = None
+    try:
+        client = docker.from_env()
+        client.ping()
+        client.images.get(DOCKER_IMAGE)
+    except docker.errors.ImageNotFound as e:
+        raise OSWorldSetupError(
+            f"The Docker image {DOCKER_IMAGE} is not pulled: run `docker pull {DOCKER_IMAGE}` "
+            f"(or `bash {SETUP_SCRIPT} --vm`). Pulling it inside the first reset would exceed "
+            f"the environment workers' timeout.") from e
+    except Exception as e:
+        raise OSWorldSetupError(
+            f"The Docker engine is not usable from this process ({type(e).__name__}: {e}). Start it "
+            f"(`sudo systemctl start docker`) and let this user reach it (group `docker`, or "
+            f"DOCKER_HOST): OSWorld runs every VM as a container.") from e
+    finally:
+        if client is not None:
+            with contextlib.suppress(Exception):
+                client.close()
+
+    if not os.path.exists(KVM_DEVICE):
+        message = (f"{KVM_DEVICE} does not exist: OSWorld's VM would run in QEMU without hardware "
+                   f"virtualisation, so slowly that boots time out (the provider waits 300 s). Enable "
+                   f"KVM (virtualisation in the BIOS, nested virtualisation on a cloud VM, "
+                   f"`modprobe kvm_intel` or `kvm_amd`), or pass allow_no_kvm=True to try anyway.")
+        if not allow_no_kvm:
+            raise OSWorldSetupError(message)
+        warnings.warn(message, stacklevel=2)
+    elif not os.access(KVM_DEVICE, os.R_OK | os.W_OK):
+        warnings.warn(f"{KVM_DEVICE} is not readable and writable by this user: fine with a root Docker "
+                      f"daemon (it hands the device to the container), not with rootless Docker "
+                      f"(add the user to group `kvm`).", stacklevel=2)
+
+    vm = Path(path_to_vm).expanduser() if path_to_vm else default_vm_path(os_type)
+    if not vm.is_file():
+        raise OSWorldSetupError(
+            f"The OSWorld VM disk image {vm} does not exist. `bash {SETUP_SCRIPT} --vm` downloads the "
+            f"Ubuntu image to {default_vm_path('Ubuntu')}; or pass path_to_vm= (or set ARPO_OSWORLD_VM).")
+    return str(vm.resolve())
+
+
+# --------------------------------------------------------------------------------------------
+# Per-environment cache directories
+# --------------------------------------------------------------------------------------------
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
+
+
+def _remove_container(container_id: str) -> bool:
+    """Force-remove a VM container; True if it is gone (or never existed)."""
+    try:
+        import docker
+
+        client = docker.from_env()
+    except Exception:
+        return False
+    try:
+        client.containers.get(container_id).remove(force=True)
+    except docker.errors.NotFound:
+        return True
+    except Exception:
+        return False
+    finally:
+        with contextlib.suppress(Exception):
+            client.close()
+    return True
+
+
+def remove_stale_cache_dirs(cache_root: str | os.PathLike) -> list[Path]:
+    """Delete the per-environment cache dirs that dead processes of this host left in `cache_root`
+    (a killed worker never runs `close`), first force-removing the VM container each recorded.
+    A dir whose container cannot be removed (no Docker here) is kept. Returns the deleted dirs."""
+    host = socket.gethostname()
+    removed = []
+    for path in Path(cache_root).glob(f"{host}-*"):
+        pid = path.name[len(host) + 1:].split("-", 1)[0]
+        if not path.is_dir() or not pid.isdigit() or _pid_alive(int(pid)):
+            continue
+        container = path / CONTAINER_FILE
+        if container.exists() and not _remove_container(container.read_text().strip()):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+# --------------------------------------------------------------------------------------------
+# Resolving options
+# --------------------------------------------------------------------------------------------
+
+_MOVED_MODULES = {"arpo_lib.envs.osworld_fake": "arpo_lib.envs.osworld.fake",
+                  "arpo_lib.envs.osworld_tasks": "arpo_lib.envs.osworld.tasks"}
+"""Module paths that configs written before the package layout name (still accepted)."""
+
+
+def _import_object(spec: str, what: str) -> Any:
+    """`"package.module:name"` -> the object."""
+    module_name, sep, attr = spec.partition(":")
+    if not (sep and module_name and attr):
+        raise ValueError(f"{what} must be 'module:name', got {spec!r}")
+    if module_name in _MOVED_MODULES:
+        warnings.warn(f"{what}: {module_name} is now {_MOVED_MODULES[module_name]}; update the config", stacklevel=2)
+        module_name = _MOVED_MODULES[module_name]
+    module = importlib.import_module(module_name)
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise ImportError(f"{what} {spec!r}: module {module_name!r} has no {attr!r}") from None
+
+
+def _desktop_env_class(spec: str | type) -> type:
+    if not isinstance(spec, str):
+        return spec
+    try:
+        return _import_object(spec, "desktop_env_class")
+    except ImportError as e:
+        if spec != DESKTOP_ENV_CLASS:
+            raise
+        found = find_osworld_python()
+        raise ImportError(
+            f"Cannot import OSWorld's DesktopEnv in {sys.executable} ({e}). desktop-env 1.0.2 pins "
+            f"torch 2.5.1, transformers 4.35.2, gymnasium 0.28.1 and numpy 1.26.4, so it gets its own "
+            f"virtual environment: run `bash {SETUP_SCRIPT}` and run the environment workers with "
+            f"that interpreter ({found or osworld_venv() / 'bin' / 'python'}). To try the pipeline "
+            f"without Docker: desktop_env_class='arpo_lib.envs.osworld.fake:FakeDesktopEnv', "
+            f"provider='fake'.") from e
+
+
+def _load_task(task: str | Mapping[str, Any],
+               task_loader: Callable[[str], Mapping[str, Any]] | str | None) -> dict[str, Any]:
+    """The task config: `task` itself if a mapping, else `task_loader(task)` (default: the fetched
+    task data, arpo_lib.envs.osworld.tasks.load_task, plus the task's domain). Checked for the
+    fields OSWorld reads."""
+    if isinstance(task, Mapping):
+        config = task
+    elif task_loader is None:
+        from arpo_lib.envs.osworld.tasks import load_task, task_domain
+
+        config = {"domain": task_domain(task), **load_task(task)}  # the JSON files have no domain
+    else:
+        if isinstance(task_loader, str):
+            task_loader = _import_object(task_loader, "task_loader")
+        config = task_loader(task)
+    missing = [k for k in ("id", "instruction", "evaluator") if k not in config]
+    if missing:
+        raise ValueError(f"OSWorld task config {config.get('id', task)!r} lacks {', '.join(missing)}")
+    if not isinstance(config["evaluator"], Mapping) or "func" not in config["evaluator"]:
+        raise ValueError(f"OSWorld task {config['id']!r}: evaluator must be a dict with 'func'")
+    if not isinstance(task, Mapping) and config["id"] != task:
+        raise ValueError(f"the task loader returned task {config['id']!r} for {task!r}")
+    return copy.deepcopy(dict(config))
+
+
+# --------------------------------------------------------------------------------------------
+# The environment
+# --------------------------------------------------------------------------------------------
+
+class OSWorldEnv(GUIEnv):
+    """One OSWorld task in one VM (a `DesktopEnv`), speaking UI-TARS actions.
+
+    `reset`/`step` return `Observation(screenshot=the VM screen (screen_size, RGB), instruction)`.
+    Info: 'task_id', 'domain' (None if the task config has none), 'accessibility_tree' (with
+    `require_a11y_tree`); after a step also 'code' (what the VM executed: pyautogui code,
+    'WAIT'/'DONE'/'FAIL', or None for a refused action), 'action_error', 'desktop_info'
+    (DesktopEnv's info dict) and, once the episode ends, 'score'.
+    """
+
+    def __init__(
+        self,
+        task: str | Mapping[str, Any],
+        *,
+        provider: str = "docker",
+        screen_size: tuple[int, int] | list[int] = (1920, 1080),
+        max_steps: int = 15,
+        path_to_vm: str | None = None,
+        region: str | None = None,
+        os_type: str = "Ubuntu",
+        headless: bool = True,
+        require_a11y_tree: bool = False,
+        cache_root: str | os.PathLike | None = None,
+        pause_s: float = 2.0,
+        boot_retries: int = 3,
+        backoff_s: float = 10.0,
+        allow_no_kvm: bool = False,
+        desktop_env_class: str | type = DESKTOP_ENV_CLASS,
+        desktop_env_kwargs: Mapping[str, Any] | None = None,
+        task_loader: Callable[[str], Mapping[str, Any]] | str | None = None,
+    ) -> None:
+        """Load the task, import the DesktopEnv class and check the machine; the VM boots on the
+        first `reset`.
+
+        task: an OSWorld task id (its config comes from `task_loader(task)`, a function or a
+            "module:function" path; default arpo_lib.envs.osworld.tasks.load_task) or the task
+            config itself.
+        provider, path_to_vm, region, os_type, headless, require_a11y_tree: DesktopEnv's options
+            (provider_name=provider). With provider "docker", path_to_vm defaults to
+            `default_vm_path(os_type)`.
+        screen_size: the VM screen (width, height); screenshots must have this size.
+        max_steps: actions per episode before `truncated`.
+        cache_root: parent of this environment's own cache dir (default
+            ~/.cache/arpo-workbench/osworld-cache).
+        pause_s: seconds DesktopEnv waits after an action before its screenshot (`pause`).
+        boot_retries, backoff_s: a failed boot is retried this many times, after backoff_s,
+            2*backoff_s, 4*backoff_s... seconds.
+        allow_no_kvm: boot without /dev/kvm (a warning instead of an error).
+        desktop_env_class: the class, or its "module:Class" path (the fake for dry runs).
+        desktop_env_kwargs: further DesktopEnv arguments (snapshot_name, client_password,
+            enable_proxy, require_terminal).
+        """
+        size = tuple(screen_size)
+        if len(size) != 2 or not all(isinstance(v, int) and v > 0 for v in size):
+            raise ValueError(f"screen_size must be two positive ints (width, height), got {screen_size!r}")
+        if max_steps < 1:
+            raise ValueError(f"max_steps must be >= 1, got {max_steps}")
+        if pause_s < 0 or backoff_s < 0:
+            raise ValueError(f"pause_s and backoff_s must be >= 0, got {pause_s}, {backoff_s}")
+        if boot_retries < 0:
+            raise ValueError(f"boot_retries must be >= 0, got {boot_retries}")
+        clash = set(desktop_env_kwargs or ()) & set(_MANAGED_KWARGS)
+        if clash:
+            raise ValueError(f"desktop_env_kwargs may not set {sorted(clash)}: use OSWorldEnv's own options")
+
+        self.task_config = _load_task(task, task_loader)
+        self.task_id: str = self.task_config["id"]
+        self.domain: str | None = self.task_config.get("domain")
+        self.instruction: str = self.task_config["instruction"]
+        self.name = f"osworld/{self.task_id}"
+        self.screen_size: tuple[int, int] = size  # type: ignore[assignment]
+        self.max_steps = max_steps
+        self.pause_s = float(pause_s)
+        self.boot_retries = boot_retries
+        self.backoff_s = float(backoff_s)
+        self.require_a11y_tree = require_a11y_tree
+
+        self._desktop_env_cls = _desktop_env_class(desktop_env_class)
+        if provider == "docker":
+            path_to_vm = preflight_docker(path_to_vm, os_type, allow_no_kvm)
+        root = Path(cache_root) if cache_root is not None else workbench_cache() / "osworld-cache"
+        root.mkdir(parents=True, exist_ok=True)
+        remove_stale_cache_dirs(root)
+        self.cache_dir = Path(tempfile.mkdtemp(prefix=f"{socket.gethostname()}-{os.getpid()}-", dir=root))
+        """This environment's own DesktopEnv cache_dir (deleted on close)."""
+        self._desktop_kwargs: dict[str, Any] = {
+            "provider_name": provider, "region": region, "path_to_vm": path_to_vm,
+            "action_space": "pyautogui", "cache_dir": str(self.cache_dir), "screen_size": size,
+            "headless": headless, "require_a11y_tree": require_a11y_tree, "os_type": os_type,
+            **(desktop_env_kwargs or {}),
+        }
+        self._desktop: Any = None
+        self._closed = False
+        self._episode_over = True  # until reset
+        self._steps = 0
+        self._screen: Image.Image | None = None
+
+    # ---- GUIEnv --------------------------------------------------------------------------
+
+    def reset(self, seed: int | None = None) -> tuple[Observation, dict[str, Any]]:
+        """Boot the VM if needed and set the task up (retrying); EnvError if it never comes up."""
+        self._check_open()
+        self._episode_over = True
+        self._screen, obs = self._boot(seed)
+        self._steps = 0
+        self._episode_over = False
+        return Observation(self._screen, self.instruction, 0), self._info(obs)
+
+    def step(self, action: Action) -> tuple[Observation, float, bool, bool, dict[str, Any]]:
+        """Execute one UI-TARS action (points in screen pixels); the score comes when it ends."""
+        self._check_open()
+        if self._episode_over:
+            raise RuntimeError(f"{self.name}: the episode is over: call reset()")
+        self._steps += 1
+        try:
+            code: str | None = to_pyautogui(action, self.screen_size)
+            error = None
+        except ActionParseError as e:
+            code, error = None, str(e)
+        obs: Any = None
+        desktop_info: dict[str, Any] = {}
+        terminated = False
+        if code is not None:
+            with self._vm_call(f"step ({action.kind})"):
+                obs, _, done, desktop_info = self._desktop.step(code, pause=self.pause_s)
+                self._screen = self._screenshot(obs)
+            terminated = bool(done) or code in ("DONE", "FAIL")
+        truncated = not terminated and self._steps >= self.max_steps
+        info = {**self._info(obs), "code": code, "action_error": error, "desktop_info": dict(desktop_info or {})}
+        reward = 0.0
+        if terminated or truncated:
+            self._episode_over = True
+            reward = info["score"] = self._evaluate()
+        return Observation(self._screen, self.instruction, self._steps), reward, terminated, truncated, info
+
+    def close(self) -> None:
+        """Stop the VM (its container) and delete this environment's cache dir. Safe twice."""
+        self._discard_desktop()
+        if not self._closed:
+            self._closed = True
+            if not (self.cache_dir / CONTAINER_FILE).exists():  # else a VM may live: keep the record
+                shutil.rmtree(self.cache_dir, ignore_errors=True)
+
+    # ---- helpers --------------------------------------------------------------------------
+
+    @property
+    def desktop_env(self) -> Any:
+        """The running DesktopEnv, or None before the first reset and after a failure."""
+        return self._desktop
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self.name} is closed")
+
+    def _boot(self, seed: int | None) -> tuple[Image.Image, Any]:
+        """(screenshot, observation dict) after `reset(task_config)`, building the DesktopEnv if
+        needed; each failure discards the DesktopEnv and retries after a back-off."""
+        failures: list[str] = []
+        for attempt in range(self.boot_retries + 1):
+            if attempt:
+                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                if self._desktop is None:
+                    self._desktop = self._new_desktop_env()
+                obs = self._desktop.reset(task_config=copy.deepcopy(self.task_config), seed=seed)
+                screen = self._screenshot(obs)
+            except OSWorldSetupError:
+                self._discard_desktop()
+                raise
+            except Exception as e:
+                failures.append(f"{type(e).__name__}: {e}")
+                self._discard_desktop()
+                continue
+            self._note_container()
+            return screen, obs
+        raise EnvError(f"{self.name}: the VM did not come up in {len(failures)} attempts; "
+                       f"last error: {failures[-1]}")
+
+    def _new_desktop_env(self) -> Any:
+        try:
+            return self._desktop_env_cls(**self._desktop_kwargs)
+        except (TypeError, ValueError, NotImplementedError, ImportError) as e:
+            # Options it refuses or a dependency it lacks: booting again would fail the same way.
+            raise OSWorldSetupError(
+                f"{getattr(self._desktop_env_cls, '__name__', self._desktop_env_cls)} could not be created "
+                f"({type(e).__name__}: {e}); check provider and desktop_env_kwargs, and that desktop-env "
+                f"1.0.2 is installed (`bash {SETUP_SCRIPT}`).") from e
+
+    @contextlib.contextmanager
+    def _vm_call(self, what: str) -> Iterator[None]:
+        """Any failure inside is the VM's: drop the DesktopEnv (the next reset boots a fresh one),
+        end the episode, raise EnvError."""
+        try:
+            yield
+        except OSWorldSetupError:
+            raise
+        except Exception as e:
+            self._discard_desktop()
+            self._episode_over = True
+            if isinstance(e, EnvError):
+                raise
+            raise EnvError(f"{self.name}: the VM failed during {what}: {type(e).__name__}: {e}") from e
+
+    def _screenshot(self, obs: Any) -> Image.Image:
+        png = obs.get("screenshot") if isinstance(obs, Mapping) else None
+        if not png:
+            raise EnvError(f"{self.name}: the VM returned no screenshot (its server stopped answering)")
+        try:
+            image = Image.open(io.BytesIO(png))
+            image.load()
+        except Exception as e:
+            raise EnvError(f"{self.name}: the VM returned an unreadable screenshot ({e})") from e
+        if image.size != self.screen_size:
+            raise OSWorldSetupError(
+                f"{self.name}: the VM screen is {image.size[0]}x{image.size[1]} but screen_size is "
+                f"{self.screen_size[0]}x{self.screen_size[1]}: every click would land in the wrong place. "
+                f"Set screen_size to the VM's resolution.")
+        return image.convert("RGB")
+
+    def _evaluate(self) -> float:
+        with self._vm_call("evaluate"):
+            score = float(self._desktop.evaluate())
+            if not math.isfinite(score):
+                raise EnvError(f"{self.name}: the checker returned {score}")
+        return score
+
+    def _info(self, obs: Any) -> dict[str, Any]:
+        info: dict[str, Any] = {"task_id": self.task_id, "domain": self.domain}
+        if self.require_a11y_tree:
+            info["accessibility_tree"] = obs.get("accessibility_tree") if isinstance(obs, Mapping) else None
+        return info
+
+    def _note_container(self) -> None:
+        """Record the VM's container id (Docker provider), so that a process that dies without
+        `close` does not leak it: `remove_stale_cache_dirs` removes it later."""
+        container = getattr(getattr(self._desktop, "provider", None), "container", None)
+        container_id = getattr(container, "id", None)
+        record = self.cache_dir / CONTAINER_FILE
+        if isinstance(container_id, str) and container_id:
+            record.write_text(container_id)
+        else:
+            record.unlink(missing_ok=True)
+
+    def _discard_desktop(self) -> None:
+        """Close the DesktopEnv (stops its VM); forget the container record if that worked."""
+        desktop, self._desktop = self._desktop, None
+        if desktop is None:
+            return
+        try:
+            desktop.close()
+        except Exception:
+            return  # the container may still run: keep its record for remove_stale_cache_dirs
+        (self.cache_dir / CONTAINER_FILE).unlink(missing_ok=True)

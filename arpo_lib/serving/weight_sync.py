@@ -1,0 +1,160 @@
+"""Pushing a trainer's updated weights to the server that generates its rollouts.
+
+Two ways, chosen with `rollout.weight_sync` (see docs/serving.md for the measured trade-offs):
+
+- `reload`: the weights are saved as a model directory; the running vLLM server (started with
+  `serve.weight_sync=true`: dev endpoints and our worker extension `arpo_vllm_ext`) pauses,
+  reloads them in place, drops every cache that holds results of the old weights (prefix KV,
+  encoder outputs, multimodal inputs) and resumes. No restart, no re-compilation; the server keeps
+  its KV memory. The server must be able to read the directory (same machine or shared storage).
+- `restart`: stop the server and start a new one on the saved directory. Works with any backend
+  (our `hf` server, a vLLM without dev mode), costs a full start-up per update (vLLM: ~30-60 s on
+  CPU, minutes for a 7B model on GPU with compilation).
+
+`ServedPolicy` is the trainer's side of it: it starts the server on the weights the trainer holds
+(or connects to one), keeps track of which weight version the server generates with, and pushes
+new weights before the next rollout.
+
+LoRA adapters loaded by name (`/v1/load_lora_adapter`) would move only the adapter, but the
+trainer trains full weights; see docs/serving.md for how LoRA serving works on these servers.
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from arpo_lib.agent.client import post_json
+
+log = logging.getLogger(__name__)
+
+
+def _root(url: str) -> str:
+    """The server root from a base URL (`http://h:p/v1` -> `http://h:p`)."""
+    url = url.rstrip("/")
+    return url[:-3] if url.endswith("/v1") else url
+
+
+def reload_weights(server_url: str, model_dir: str | Path, *, timeout_s: float = 600.0) -> dict[str, Any]:
+    """Make a running vLLM server (weight_sync enabled) serve the weights in `model_dir`.
+
+    Requests in flight finish first (`/pause?mode=wait`); afterwards no answer can come from a
+    cache filled by the old weights. Returns timings and what the extension reported."""
+    root = _root(server_url)
+    t0 = time.monotonic()
+    post_json(root + "/pause?mode=wait", None, timeout_s=timeout_s, retries=0)
+    try:
+        result = post_json(root + "/collective_rpc", {"method": "arpo_reload_weights",
+                                                      "kwargs": {"weights_path": str(Path(model_dir).resolve())}},
+                           timeout_s=timeout_s, retries=0)
+        for cache in ("/reset_encoder_cache", "/reset_mm_cache", "/reset_prefix_cache"):
+            post_json(root + cache, None, timeout_s=60, retries=1)
+    finally:
+        post_json(root + "/resume", None, timeout_s=60, retries=2)
+    return {"seconds": time.monotonic() - t0, "result": result}
+
+
+def save_for_server(policy: Any, directory: Path) -> Path:
+    """Save the policy's weights (and processor) as a model directory the server can load;
+    replaced atomically, so a server never reads a half-written directory."""
+    directory = Path(directory)
+    tmp = directory.with_name(directory.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    policy.save(tmp)
+    old = directory.with_name(directory.name + ".old")
+    if directory.exists():
+        if old.exists():
+            shutil.rmtree(old)
+        directory.rename(old)
+    tmp.rename(directory)
+    if old.exists():
+        shutil.rmtree(old)
+    return directory
+
+
+SYNC_MODES = ("none", "reload", "restart")
+
+
+class ServedPolicy:
+    """A model server generating a trainer's rollouts, kept on the trainer's current weights.
+
+    Versions: the trainer counts its weight changes (warm start, each optimizer step);
+    `policy(version)` returns the client policy after making sure the server holds that version
+    (`sync`: `reload` in place, `restart` the server, `none` never: off-policy on purpose).
+
+    Args:
+        connect: base URL -> a client policy (`ServerPolicy`).
+        save_weights: writes the trainer's current weights as a model directory; returns it.
+        sync: `none`, `reload` or `restart` (rollout.weight_sync).
+        url: an existing server's base URL; None = start one with `start`.
+        start: model directory -> a started, healthy server handle (`launch.ServerHandle`).
+        initial_model: what a server started with `sync=none` loads (the run's model path).
+    """
+
+    def __init__(self, *, connect: Callable[[str], Any], save_weights: Callable[[], str], sync: str,
+                 url: str | None = None, start: Callable[[str], Any] | None = None, initial_model: str = ""):
+        if sync not in SYNC_MODES:
+            raise ValueError(f"sync must be one of {SYNC_MODES}, not {sync!r}")
+        if url is None and start is None:
+            raise ValueError("ServedPolicy needs a server url or a way to start one")
+        if sync == "restart" and start is None:
+            raise ValueError("weight sync 'restart' needs the server this run starts (no url)")
+        self._connect, self._save, self.sync = connect, save_weights, sync
+        self._url, self._start, self._initial_model = url, start, initial_model
+        self.server: Any = None
+        """The server handle, when this object started the server."""
+        self.client: Any = None
+        self.served_version: int | None = None
+        """The trainer's weight version the server generates with; None = unknown (someone else's server)."""
+        self.seconds_sync = 0.0
+
+    def policy(self, version: int) -> Any:
+        """The client policy, its server holding weight version `version` (unless sync is none)."""
+        if self.client is None:
+            if self._url is None:  # our own server, started on the weights we hold now
+                model_dir = self._save() if self.sync != "none" else self._initial_model
+                self.server = self._start(model_dir)
+                self.client = self._connect(self.server.base_url)
+                self.served_version = version
+            else:  # someone else's server: what it holds is unknown, so it gets our weights first
+                self.client = self._connect(self._url)
+            if self.sync == "none" and version > 0:
+                log.warning("rollout.weight_sync=none, so the server does not have the weights of the warm "
+                            "start or of the updates: rollouts are off-policy")
+        if self.served_version != version and self.sync != "none":
+            self._push(version)
+        return self.client
+
+    def _push(self, version: int) -> None:
+        t0 = time.monotonic()
+        model_dir = self._save()
+        if self.sync == "reload":
+            reload_weights(self.client.base_url, model_dir)
+        else:  # restart
+            self.server.stop()
+            old = self.client
+            old.close()
+            self.server = self._start(model_dir)
+            self.client = self._connect(self.server.base_url)
+            for counter in ("requests", "prompt_mismatches", "inexact"):  # totals over the run
+                setattr(self.client, counter, getattr(old, counter))
+        self.served_version = version
+        self.seconds_sync += time.monotonic() - t0
+
+    def metrics(self) -> dict[str, Any]:
+        if self.client is None:
+            return {}
+        c = self.client
+        return {"server_requests": c.requests, "server_prompt_mismatches": c.prompt_mismatches,
+                "server_inexact": c.inexact, "seconds_sync_total": round(self.seconds_sync, 3)}
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+        if self.server is not None:
+            self.server.stop()
+            self.server = None

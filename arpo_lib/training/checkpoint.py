@@ -1,0 +1,150 @@
+"""Checkpoints: written atomically, checked before they are trusted, found again on resume.
+
+    checkpoints/step_000004/
+        model/               the policy in the Hugging Face layout (merged weights with LoRA, plus adapter.pt)
+        optimizer.pt         optimizer and learning-rate schedule
+        replay.json          the replay buffer with its random generator
+        trainer_state.json   step, torch RNG, config
+        manifest.json        size of every file (a resume detects truncated or missing files)
+        .complete            written last: a checkpoint without it never finished
+
+A checkpoint is written into `.tmp_step_N/`, fsynced, then renamed into place, so a crash
+leaves the previous checkpoint intact. `resume_point` picks the newest intact one and says why
+it skipped any other.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from arpo_lib.algo import ReplayBuffer
+from arpo_lib.run import layout
+from arpo_lib.run.layout import RunDir
+from arpo_lib.run.records import atomic_write_text, fsync_dir, read_jsonl
+
+log = logging.getLogger(__name__)
+
+
+def save_checkpoint(ckpt_dir: Path, step: int, *, policy: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
+                    replay: ReplayBuffer, config: dict[str, Any], keep: int) -> Path:
+    """Write model, optimizer, scheduler, replay buffer, RNG and step atomically; keep the newest
+    `keep` checkpoints. Returns the checkpoint directory."""
+    final = ckpt_dir / layout.step_name(step)
+    tmp = ckpt_dir / f".tmp_{layout.step_name(step)}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    policy.save(tmp / layout.MODEL)
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / layout.OPTIMIZER)
+    replay.save(tmp / layout.REPLAY)
+    state = {"step": step, "torch_rng": torch.get_rng_state().tolist(), "config": config, "time": time.time()}
+    (tmp / layout.TRAINER_STATE).write_text(json.dumps(state))
+    manifest = {}
+    for f in sorted(tmp.rglob("*")):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+            manifest[str(f.relative_to(tmp))] = f.stat().st_size
+    # The manifest lets a resume detect a checkpoint damaged after it was written (truncated
+    # or missing files) without loading gigabytes; `.complete` marks a finished write.
+    (tmp / layout.MANIFEST).write_text(json.dumps(manifest, indent=1))
+    (tmp / layout.COMPLETE).write_text("ok\n")
+    fsync_dir(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    fsync_dir(ckpt_dir)
+    for old in sorted(p for p in ckpt_dir.glob("step_*") if p.is_dir())[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(checkpoint: Path, *, optimizer: torch.optim.Optimizer, scheduler: Any) -> tuple[int, ReplayBuffer]:
+    """Restore optimizer, scheduler and torch's RNG from a checkpoint; returns (step, replay buffer).
+    The model is loaded by whoever builds the policy (`arpo_lib.build`)."""
+    opt = torch.load(checkpoint / layout.OPTIMIZER, weights_only=False)
+    optimizer.load_state_dict(opt["optimizer"])
+    scheduler.load_state_dict(opt["scheduler"])
+    replay = ReplayBuffer.load(checkpoint / layout.REPLAY)
+    state = json.loads((checkpoint / layout.TRAINER_STATE).read_text())
+    torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
+    return int(state["step"]), replay
+
+
+def latest_checkpoint(ckpt_dir: Path) -> Path | None:
+    """The newest checkpoint with its `.complete` marker; partial ones are skipped."""
+    if not ckpt_dir.is_dir():
+        return None
+    complete = [p for p in ckpt_dir.glob("step_*") if (p / layout.COMPLETE).is_file()]
+    return max(complete, key=lambda p: p.name) if complete else None
+
+
+def checkpoint_problem(checkpoint: Path) -> str | None:
+    """Why a checkpoint cannot be resumed from (None when it looks intact): unfinished, files
+    missing or of the wrong size, unreadable state or replay buffer."""
+    if not (checkpoint / layout.COMPLETE).is_file():
+        return "unfinished (no .complete marker)"
+    try:
+        manifest = json.loads((checkpoint / layout.MANIFEST).read_text())
+        for name, size in manifest.items():
+            path = checkpoint / name
+            if not path.is_file():
+                return f"{name} is missing"
+            if path.stat().st_size != size:
+                return f"{name} has {path.stat().st_size} bytes, expected {size}"
+        json.loads((checkpoint / layout.TRAINER_STATE).read_text())
+        ReplayBuffer.load(checkpoint / layout.REPLAY)
+    except (OSError, ValueError) as exc:
+        return f"unreadable: {exc}"
+    return None
+
+
+def usable_checkpoint(ckpt_dir: Path) -> Path | None:
+    """The newest checkpoint that is complete and intact; damaged ones are reported and skipped."""
+    if not ckpt_dir.is_dir():
+        return None
+    for checkpoint in sorted((p for p in ckpt_dir.glob("step_*") if p.is_dir()), reverse=True):
+        problem = checkpoint_problem(checkpoint)
+        if problem is None:
+            return checkpoint
+        log.warning("skipping checkpoint %s: %s", checkpoint.name, problem)
+    return None
+
+
+def resume_point(run: RunDir, resume: bool) -> Path | None:
+    """The checkpoint a run continues from (None: step 0). Without `resume` a directory that
+    already holds a run is refused, so nothing is overwritten by accident."""
+    if not resume:
+        if run.metrics.exists():
+            raise FileExistsError(f"{run.root} already holds a run: resume it or choose another name")
+        return None
+    checkpoint = usable_checkpoint(run.checkpoints)
+    if checkpoint is None and run.metrics.exists():
+        log.info("no complete checkpoint in %s; starting from step 0", run.checkpoints)
+    return checkpoint
+
+
+def drop_records_after(run: RunDir, step: int) -> None:
+    """Metric lines written after the checkpoint a run resumes from belong to steps that will be
+    redone: drop them, so no step is logged twice. Starting over from step 0 redoes the warm
+    start too, so its record goes as well."""
+    if step == 0:
+        run.warm_start_log.unlink(missing_ok=True)
+    if not run.metrics.exists():
+        return
+    kept = [m for m in read_jsonl(run.metrics) if m.get("step", 0) <= step]
+    atomic_write_text(run.metrics, "".join(json.dumps(m) + "\n" for m in kept))
+
+
+def load_model_state(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Weights of a checkpoint's model, for a policy object that was built elsewhere."""
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).state_dict()

@@ -1,0 +1,275 @@
+"""Rollouts: run many episodes over a pool of environment workers, batching model calls.
+
+Each tick sends every waiting environment its command (reset or step) so the browsers work in
+parallel, collects the answers, then asks the policy for the next action of every live episode
+in ONE batched generate call. Episodes are written in OSWorld's result layout:
+
+    <dir>/step_0.png ... step_N.png   screenshots the model saw (step_0 = after reset)
+    <dir>/traj.jsonl                  one line per step: response, parsed actions, reward, done
+    <dir>/result.txt                  the task score
+    <dir>/meta.json                   task, seed, instruction, scores, status
+    <dir>/tokens.pt                   token ids, loss mask and behaviour log-probs per segment
+
+A trajectory can be reloaded for training from that directory alone (the replay buffer keeps
+only the path).
+"""
+from __future__ import annotations
+
+import io
+import json
+import time
+import zlib
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from PIL import Image
+
+from arpo_lib.actions import ActionParseError
+from arpo_lib.agent.prompt import Segment, TokenConversation
+from arpo_lib.algo import trajectory_reward
+from arpo_lib.envs.base import EnvError
+from arpo_lib.envs.worker import action_payload
+from arpo_lib.run import layout
+from arpo_lib.run.records import atomic_write_bytes, safe_join
+from arpo_lib.types import (EpisodeRequest, EpisodeStatus, Policy, PolicyContext, StepRecord, Trajectory,
+                            WorkerPool)
+
+
+# ----------------------------------------------------------------------------- storage
+
+def save_trajectory(traj: Trajectory, directory: Path, screenshots: Sequence[Image.Image]) -> None:
+    """Write a trajectory in the OSWorld layout plus tokens.pt and meta.json."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for i, shot in enumerate(screenshots):
+        shot.save(directory / layout.screenshot_name(i))
+    lines = []
+    for rec in traj.steps:
+        lines.append(json.dumps({
+            "step_num": rec.step, "response": rec.response, "action": rec.actions,
+            "parse_error": rec.parse_error, "reward": rec.reward, "done": rec.terminated or rec.truncated,
+            "truncated": rec.truncated, "screenshot_file": layout.screenshot_name(rec.step), "seconds": round(rec.seconds, 3),
+        }))
+    (directory / layout.STEPS).write_text("\n".join(lines) + ("\n" if lines else ""))
+    (directory / layout.RESULT).write_text(f"{traj.task_score}\n")
+    buf = io.BytesIO()
+    torch.save([s.token_data() for s in traj.segments], buf)
+    atomic_write_bytes(directory / layout.TOKENS, buf.getvalue())
+    # meta.json last: its presence marks a complete trajectory directory.
+    atomic_write_bytes(directory / layout.META, json.dumps(traj.summary(), indent=1).encode())
+    traj.directory = str(directory)
+
+
+def load_trajectory(directory: str | Path, processor: Any) -> Trajectory:
+    """Rebuild a trajectory (with model-ready segments) from its directory."""
+    directory = Path(directory)
+    meta_path = directory / layout.META
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"{directory} is not a complete trajectory directory (no meta.json)")
+    meta = json.loads(meta_path.read_text())
+    traj = Trajectory(task=meta["task"], seed=meta["seed"], sample=meta["sample"], instruction=meta["instruction"],
+                      task_score=meta["task_score"], format_ok=meta["format_ok"], reward=meta["reward"],
+                      status=EpisodeStatus(meta["status"]), error=meta.get("error"), directory=str(directory))
+    for line in (directory / layout.STEPS).read_text().splitlines():
+        rec = json.loads(line)
+        traj.steps.append(StepRecord(step=rec["step_num"], response=rec["response"], actions=rec["action"],
+                                     parse_error=rec["parse_error"], reward=rec["reward"],
+                                     terminated=rec["done"] and not rec.get("truncated", False),
+                                     truncated=rec.get("truncated", False), seconds=rec.get("seconds", 0.0)))
+    for data in torch.load(directory / layout.TOKENS):
+        seg = Segment(input_ids=data["input_ids"], mm_token_type_ids=data["mm_token_type_ids"],
+                      loss_mask=data["loss_mask"], behaviour_logprobs=data["behaviour_logprobs"],
+                      screenshot_steps=data["screenshot_steps"])
+        if seg.screenshot_steps:
+            images = [Image.open(directory / layout.screenshot_name(i)).convert("RGB") for i in seg.screenshot_steps]
+            enc = processor.image_processor(images=images, return_tensors="pt")
+            sizes = [int(torch.prod(g)) for g in enc["image_grid_thw"]]
+            seg.pixel_values = list(torch.split(enc["pixel_values"], sizes))
+            seg.image_grid_thw = list(enc["image_grid_thw"])
+        traj.segments.append(seg)
+    return traj
+
+
+# ----------------------------------------------------------------------------- the engine
+
+@dataclass
+class _Episode:
+    request: EpisodeRequest
+    worker: int
+    traj: Trajectory
+    conv: TokenConversation | None = None
+    screenshots: list[Image.Image] = field(default_factory=list)
+    pending: str | None = None
+    """`reset` or `step` while a worker command is in flight."""
+    pending_record: StepRecord | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+    """The environment's last info dict (scripted policies read `dom_elements` from it)."""
+    started: float = 0.0
+    step_started: float = 0.0
+    done: bool = False
+
+
+class RolloutEngine:
+    """Runs episodes of a policy over an `EnvPool`."""
+
+    def __init__(self, policy: Policy, pool: WorkerPool, *, max_steps: int = 15, format_coef: float = 0.5,
+                 format_penalty: float = -1.0):
+        self.policy = policy
+        self.pool = pool
+        self.max_steps = max_steps
+        self.format_coef = format_coef
+        self.format_penalty = format_penalty
+        self.env_steps = 0
+        self._last_task: dict[int, str] = {}
+
+    def run(
+        self,
+        requests: Sequence[EpisodeRequest],
+        *,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        out_dir: str | Path | None = None,
+        progress: bool = True,
+        description: str = "rollout",
+        on_finish: Callable[[Trajectory], None] | None = None,
+    ) -> list[Trajectory]:
+        """Run all requests; returns trajectories in request order."""
+        from tqdm.auto import tqdm
+
+        queue = deque(enumerate(requests))
+        results: dict[int, Trajectory] = {}
+        slots: dict[int, tuple[int, _Episode]] = {}
+        bar = tqdm(total=len(requests), desc=description, disable=not progress, leave=False)
+        try:
+            while queue or slots:
+                # 1. every idle worker starts the next episode
+                for w in range(len(self.pool)):
+                    if w not in slots and queue:
+                        idx, req = self._next_for(w, queue)
+                        ep = _Episode(req, w, Trajectory(task=req.task, seed=req.seed, sample=req.sample),
+                                      started=time.monotonic())
+                        slots[w] = (idx, ep)
+                        self._send(ep, "reset", (req.task, req.seed))
+                # 2. collect the answers (the environments worked in parallel meanwhile)
+                for w, (idx, ep) in list(slots.items()):
+                    if ep.pending:
+                        self._receive(ep)
+                # 3. finished episodes leave; the rest get their next action in one batch
+                for w, (idx, ep) in list(slots.items()):
+                    if ep.done:
+                        self._release(ep)
+                        self._finish(ep, out_dir)
+                        results[idx] = ep.traj
+                        del slots[w]
+                        bar.update(1)
+                        if on_finish:
+                            on_finish(ep.traj)
+                live = [ep for _, ep in slots.values() if not ep.pending and not ep.done]
+                if live:
+                    self._act(live, temperature, top_p)
+        finally:
+            bar.close()
+            for _, ep in slots.values():  # an exception left episodes open: drop their caches
+                self._release(ep)
+        return [results[i] for i in range(len(requests))]
+
+    # -- internals ---------------------------------------------------------------------------
+    def _next_for(self, worker: int, queue: deque) -> tuple[int, EpisodeRequest]:
+        """Prefer an episode of the task this worker ran last: its environment is still open."""
+        last = self._last_task.get(worker)
+        for pos, (_, req) in enumerate(queue):
+            if req.task == last:
+                item = queue[pos]
+                del queue[pos]
+                return item
+        item = queue.popleft()
+        self._last_task[worker] = item[1].task
+        return item
+
+    def _release(self, ep: _Episode) -> None:
+        self.policy.release(id(ep))
+
+    def _send(self, ep: _Episode, cmd: str, payload: Any) -> None:
+        try:
+            self.pool.workers[ep.worker].send(cmd, payload)
+            ep.pending = cmd
+            ep.step_started = time.monotonic()
+        except EnvError as exc:
+            self._env_failure(ep, exc)
+
+    def _env_failure(self, ep: _Episode, exc: Exception) -> None:
+        ep.traj.status = EpisodeStatus.ENV_ERROR
+        ep.traj.error = str(exc)[:2000]
+        ep.pending = None
+        ep.done = True
+
+    def _receive(self, ep: _Episode) -> None:
+        cmd, ep.pending = ep.pending, None
+        try:
+            value = self.pool.workers[ep.worker].recv()
+        except EnvError as exc:
+            self._env_failure(ep, exc)
+            return
+        if cmd == "reset":
+            obs, ep.info = value
+            ep.traj.instruction = obs.instruction
+            ep.conv = self.policy.new_conversation(obs.instruction)
+            self._observe(ep, obs.screenshot)
+            return
+        obs, reward, terminated, truncated, ep.info = value
+        self.env_steps += len(ep.pending_record.actions) if ep.pending_record else 1
+        rec = ep.pending_record
+        rec.reward, rec.terminated, rec.truncated = float(reward), bool(terminated), bool(truncated)
+        rec.seconds = time.monotonic() - ep.step_started
+        ep.traj.steps.append(rec)
+        if terminated or truncated:
+            # The env scores truncated episodes too: OSWorld's checker judges the final state
+            # whatever ended the episode (as OSWorld and ARPO do); MiniWoB gives 0 there.
+            ep.traj.task_score = float(reward)
+            ep.done = True
+            ep.screenshots.append(obs.screenshot)  # the last real screen (the env keeps it)
+        else:
+            self._observe(ep, obs.screenshot)
+
+    def _observe(self, ep: _Episode, screenshot: Image.Image) -> None:
+        ep.screenshots.append(screenshot)
+        ep.conv.add_observation(screenshot)
+
+    def _act(self, live: list[_Episode], temperature: float, top_p: float) -> None:
+        contexts = [PolicyContext(ep.traj.instruction, ep.screenshots[-1], ep.info, len(ep.traj.steps),
+                                  ep.request.task, list(ep.screenshots), [r.response for r in ep.traj.steps])
+                    for ep in live]
+        # Each episode samples with its own seed stream: (episode seed, sample, step).
+        seeds = [zlib.crc32(repr((ep.request.seed, ep.request.sample, len(ep.traj.steps))).encode()) for ep in live]
+        # An in-process policy keeps each episode's KV cache between steps under these keys.
+        gens = self.policy.generate([ep.conv.current for ep in live], temperature=temperature, top_p=top_p,
+                                    contexts=contexts, seeds=seeds, cache_keys=[id(ep) for ep in live])
+        for ep, gen in zip(live, gens):
+            ep.conv.add_response(gen.text, gen.token_ids, gen.logprobs)
+            step = len(ep.traj.steps) + 1
+            try:
+                parsed = self.policy.parse(gen.text, ep.screenshots[-1].size)
+                actions = action_payload(parsed.actions)
+                if not actions:
+                    raise ActionParseError("no action in the response")
+            except ActionParseError as exc:
+                # A format failure ends the episode; it is still scored (0 + format penalty).
+                ep.traj.steps.append(StepRecord(step, gen.text, [], str(exc)[:500], 0.0, True, False, 0.0))
+                ep.traj.format_ok = False
+                ep.done = True
+                continue
+            ep.pending_record = StepRecord(step, gen.text, actions, None, 0.0, False, False, 0.0)
+            self._send(ep, "step", actions)
+
+    def _finish(self, ep: _Episode, out_dir: str | Path | None) -> None:
+        traj = ep.traj
+        traj.seconds = time.monotonic() - ep.started
+        if traj.ok:
+            traj.reward = trajectory_reward(traj.task_score, traj.format_ok, self.format_coef, self.format_penalty)
+            traj.segments = ep.conv.segments if ep.conv else []
+        if out_dir is not None:
+            domain, _, name = traj.task.rpartition("/")
+            directory = safe_join(out_dir, domain or "default", name, str(traj.sample))
+            save_trajectory(traj, directory, ep.screenshots)

@@ -1,0 +1,55 @@
+"""Supervised warm start on scripted demonstrations (UI-TARS itself is SFT'd before RL).
+
+The demonstrations are real trajectories from `ScriptedPolicy` through the normal rollout path,
+so their tokens are exactly what the policy would have to sample. The loss is the mean negative
+log-likelihood of the assistant tokens, computed with the same `sequence_logprobs` the RL
+update uses.
+"""
+from __future__ import annotations
+
+import random
+from typing import Any, Sequence
+
+import torch
+
+from arpo_lib.agent.scripted import SCRIPTED_TASKS, ScriptedPolicy
+from arpo_lib.training.rollout import RolloutEngine
+from arpo_lib.types import Trajectory, episode_requests
+
+
+def collect_demonstrations(policy: Any, pool: Any, tasks: Sequence[str], per_task: int, *, seed: int,
+                           out_dir: Any = None, max_steps: int = 15, progress: bool = True) -> list[Trajectory]:
+    """Run the scripted demonstrator `per_task` times per supported task; returns the successes."""
+    supported = [t for t in tasks if t.split("/", 1)[-1] in SCRIPTED_TASKS]
+    if not supported:
+        raise ValueError(f"no scripted demonstrator for any of {list(tasks)}; supported: {list(SCRIPTED_TASKS)}")
+    engine = RolloutEngine(ScriptedPolicy(policy), pool, max_steps=max_steps)
+    requests = episode_requests(supported, per_task, seed, "demo")
+    trajs = engine.run(requests, out_dir=out_dir, progress=progress, description="demonstrations")
+    return [t for t in trajs if t.success]
+
+
+def supervised_warm_start(policy: Any, demos: Sequence[Trajectory], *, steps: int, lr: float = 1e-3,
+                          batch_size: int = 4, seed: int = 0, progress: bool = True) -> list[float]:
+    """AdamW on the demonstrations' assistant tokens for `steps` steps; returns the loss per step."""
+    from tqdm.auto import tqdm
+
+    segments = [s for t in demos for s in t.segments if any(s.loss_mask)]
+    if not segments:
+        raise ValueError("no demonstration segments to train on")
+    rng = random.Random(seed)
+    params = policy.trainable_parameters()  # all weights, or only the LoRA adapters
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    policy.model.train()
+    losses = []
+    for _ in tqdm(range(steps), desc="warm start", disable=not progress, leave=False):
+        batch = rng.sample(segments, min(batch_size, len(segments)))
+        logprobs = policy.sequence_logprobs(batch, temperature=1.0)
+        loss = -torch.cat(logprobs).mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        losses.append(loss.item())
+    policy.model.eval()
+    return losses

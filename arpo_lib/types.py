@@ -1,0 +1,203 @@
+"""The data that flows between the packages, and the two interfaces they meet at.
+
+    EpisodeRequest --(RolloutEngine: Policy x WorkerPool)--> Trajectory --(replay, advantages)--> Group
+
+`Policy` is what the rollout engine asks of whoever acts (the in-process model, a model behind
+a server, the scripted demonstrator); `WorkerPool` is what it asks of the environments (local
+worker processes or Ray actors). Torch-free: environment workers in OSWorld's own interpreter
+import this module too.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
+
+from arpo_lib.actions import ParsedResponse
+from arpo_lib.run.seeding import stable_seed
+
+if TYPE_CHECKING:  # annotations only: the agent package sits above this module
+    from PIL import Image
+
+    from arpo_lib.agent.prompt import Segment, TokenConversation
+
+SUCCESS_THRESHOLD = 0.5
+"""A trajectory *solved* its task when its task score is above this: success rates, pass@k and
+task selection count these. Checkers score 0..1 and OSWorld's give partial credit, so "solved"
+needs a cut; binary MiniWoB rewards are 0 or 1 either way. The replay buffer has its own, lower
+threshold (`algo.replay.success_threshold`, ARPO's 0.1): it keeps anything with credit."""
+
+
+class EpisodeStatus(str, enum.Enum):
+    """How an episode ended, as far as training is concerned."""
+
+    OK = "ok"
+    """The policy played it out (success or not): it counts."""
+    ENV_ERROR = "env_error"
+    """An infrastructure failure (a crashed browser or VM): excluded from training and statistics."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass
+class EpisodeRequest:
+    """One episode to run."""
+
+    task: str
+    seed: int
+    sample: int = 0
+    """Index within the task's group (0..G-1)."""
+
+
+def episode_requests(tasks: Sequence[str], samples: int, *salt: Any) -> list[EpisodeRequest]:
+    """`samples` episodes of every task, each seeded by (salt..., task, sample): the same
+    episodes whenever the salt is the same (`episode_requests(tasks, 8, seed, step)`)."""
+    return [EpisodeRequest(task, stable_seed(*salt, task, i), i) for task in tasks for i in range(samples)]
+
+
+@dataclass
+class PolicyContext:
+    """What an episode looks like right now, beside its tokens (for policies that read the page)."""
+
+    instruction: str
+    screenshot: "Image.Image"
+    info: dict[str, Any]
+    step: int
+    task: str = ""
+    screenshots: list[Any] = field(default_factory=list)
+    """Every screenshot of the episode so far, the current one last (server policies send them)."""
+    responses: list[str] = field(default_factory=list)
+    """The responses so far, one fewer than screenshots."""
+
+
+@dataclass
+class Generation:
+    """One sampled response."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    """Log-prob of each sampled token under the distribution it was sampled from (the behaviour policy)."""
+
+
+@dataclass
+class StepRecord:
+    step: int
+    response: str
+    actions: list[dict[str, Any]]
+    parse_error: str | None
+    reward: float
+    terminated: bool
+    truncated: bool
+    seconds: float
+
+
+@dataclass
+class Trajectory:
+    """A finished episode, plus what training needs."""
+
+    task: str
+    seed: int
+    sample: int
+    instruction: str = ""
+    steps: list[StepRecord] = field(default_factory=list)
+    task_score: float = 0.0
+    """The environment's score of the episode (its checker), 0 if never terminated."""
+    format_ok: bool = True
+    """False when a response could not be parsed (that ended the episode)."""
+    reward: float = 0.0
+    """task_score + format_coef x format reward."""
+    status: EpisodeStatus = EpisodeStatus.OK
+    error: str | None = None
+    segments: list["Segment"] = field(default_factory=list)
+    directory: str | None = None
+    replayed: bool = False
+    """True when this trajectory came from the replay buffer instead of a fresh rollout."""
+    seconds: float = 0.0
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.steps)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == EpisodeStatus.OK
+
+    @property
+    def success(self) -> bool:
+        return self.ok and self.task_score > SUCCESS_THRESHOLD
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "task": self.task, "seed": self.seed, "sample": self.sample, "instruction": self.instruction,
+            "task_score": self.task_score, "format_ok": self.format_ok, "reward": self.reward,
+            "status": self.status.value, "error": self.error, "num_steps": self.num_steps,
+            "replayed": self.replayed, "seconds": round(self.seconds, 3),
+        }
+
+
+@dataclass
+class Group:
+    """The G trajectories of one task in one training step, as trained on."""
+
+    task: str
+    trajectories: list[Trajectory]
+    advantages: list[float]
+    injected: bool
+    """One member was replaced by a stored success (ARPO)."""
+    all_failed: bool
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """Whoever acts in a rollout: `HFPolicy`, `ServerPolicy`, `ScriptedPolicy`.
+
+    The engine opens one conversation per episode, asks for every live episode's next response
+    in one `generate` call, parses it, and releases the episode's state when it ends.
+    """
+
+    coord_mode: str
+    """The model's coordinate convention (`qwen2vl` relative 0..1000, `qwen25vl` absolute pixels)."""
+
+    def new_conversation(self, instruction: str) -> "TokenConversation":
+        """A token-exact conversation for a new episode."""
+        ...
+
+    def generate(self, segments: Sequence["Segment"], *, temperature: float = 1.0, top_p: float = 1.0,
+                 max_new_tokens: int | None = None, contexts: Sequence[PolicyContext] | None = None,
+                 seeds: Sequence[int] | None = None, cache_keys: Sequence[Any] | None = None) -> list[Generation]:
+        """One response per segment (the episode's tokens so far), each sampled with its own seed."""
+        ...
+
+    def parse(self, text: str, image_size: tuple[int, int]) -> ParsedResponse:
+        """A response's actions in screen pixels (raises `ActionParseError`)."""
+        ...
+
+    def release(self, key: Any) -> None:
+        """Forget whatever the policy keeps for an episode (its KV cache)."""
+        ...
+
+
+class Worker(Protocol):
+    """One environment worker: a command goes out, its answer comes back later (so many
+    environments work in parallel). Failures raise `arpo_lib.envs.base.EnvError`."""
+
+    def send(self, cmd: str, payload: Any) -> None: ...
+
+    def recv(self) -> Any: ...
+
+
+class WorkerPool(Protocol):
+    """Environment workers: `arpo_lib.envs.pool.EnvPool` (local processes) or
+    `arpo_lib.envs.ray_pool.RayEnvPool` (Ray actors)."""
+
+    workers: Sequence[Worker]
+
+    def __len__(self) -> int: ...
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> "WorkerPool": ...
+
+    def __exit__(self, *exc: object) -> None: ...

@@ -1,0 +1,14 @@
+"""Looking at runs: pure renderers (`draw`), notebook widgets over them (`widgets`), and plots of
+metrics, evaluations, selections and comparisons (`plots`).
+
+    from arpo_lib import viz
+    viz.show_trajectory(traj_dir)         # step viewer + static filmstrip
+    viz.show_group(run_dir)               # the G rollouts of a task side by side
+    viz.plots.plot_training(run_dir)      # curves
+"""
+from arpo_lib.viz import plots
+from arpo_lib.viz.draw import Frame, draw_actions, filmstrip, group_figure, list_groups, load_frames, load_group
+from arpo_lib.viz.widgets import GroupView, StepViewer, show_group, show_trajectory
+
+__all__ = ["Frame", "GroupView", "StepViewer", "draw_actions", "filmstrip", "group_figure", "list_groups",
+           "load_frames", "load_group", "plots", "show_group", "show_trajectory"]
