@@ -116,6 +116,9 @@ class Trajectory:
     """True when this trajectory came from the replay buffer instead of a fresh rollout."""
     seconds: float = 0.0
 
+    def __post_init__(self) -> None:
+        self.status = EpisodeStatus(self.status)  # "ok" / "env_error" from a file or a caller
+
     @property
     def num_steps(self) -> int:
         return len(self.steps)

@@ -2,7 +2,7 @@
 
 re-prefill: every step runs the whole conversation so far through the model (all screenshots
             again), as the original ARPO rollout loop does
-kv-cached:  each episode keeps its KV cache; a step prefills only its new turn (arpo_lib/fast/
+kv-cached:  each episode keeps its KV cache; a step prefills only its new turn (arpo_lib/agent/model/
             kv_generation.py, the default of HFPolicy in rollouts)
 Both sample with the same per-episode seeds, so they must produce the same tokens; the benchmark
 checks it. Screenshots are synthetic (random pixels) at the shape's resolution; responses are

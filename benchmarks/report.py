@@ -24,15 +24,15 @@ positions, vision linears and windowed attention; recomputation excluded).
 
 | lever | where | default | status |
 |---|---|---|---|
-| KV cache kept per episode, only the new turn prefilled | `arpo_lib/fast/kv_generation.py` | on (`model.kv_cache`) | same tokens as re-prefill (tests); CPU figures below |
-| log-probs from hidden states in checkpointed chunks | `arpo_lib/fast/logprobs.py` | 1024 (`model.logprob_chunk`) | same values and gradients (tests); GPU memory figure to take |
-| vision window attention in one SDPA call per window size | `arpo_lib/fast/vision_attention.py` | on (`model.vision_attention`) | same values and gradients (tests); GPU speed figure to take |
-| micro-batches by token budget | `arpo_lib/fast/batching.py` | off (`train.token_budget`) | gradient-exact (per-micro-batch weights) |
+| KV cache kept per episode, only the new turn prefilled | `arpo_lib/agent/model/kv_generation.py` | on (`model.kv_cache`) | same tokens as re-prefill (tests); CPU figures below |
+| log-probs from hidden states in checkpointed chunks | `arpo_lib/agent/model/logprobs.py` | 1024 (`model.logprob_chunk`) | same values and gradients (tests); GPU memory figure to take |
+| vision window attention in one SDPA call per window size | `arpo_lib/agent/model/vision_attention.py` | on (`model.vision_attention`) | same values and gradients (tests); GPU speed figure to take |
+| micro-batches by token budget | `arpo_lib/training/optim.py` | off (`train.token_budget`) | gradient-exact (per-micro-batch weights) |
 | activation checkpointing, every n-th layer | `policy.enable_activation_checkpointing` | off (`model.gradient_checkpointing`, `model.checkpoint_every_n_layers`) | on in the OSWorld configs |
-| LoRA (peft) | `arpo_lib/fast/memory.py` | off (`model.lora_rank`) | exact resume, merged checkpoints (tests) |
-| frozen Linear weights stored in bf16 under LoRA | `arpo_lib/fast/memory.py` | auto (`model.frozen_weights_dtype`) | identical outputs and adapter gradients under bf16 autocast (tests) |
-| Adafactor | `arpo_lib/fast/memory.py` | adamw (`train.optimizer`) | state < 25% of AdamW's on the tiny model (tests) |
-| packing several trajectories into one row | `arpo_lib/fast/packing.py` | off (`train.pack`) | same log-probs and gradients as padded rows (tests). With SDPA the block-diagonal mask is dense and rules out the flash kernel: on the CPU, 4 tiny trajectories packed took 1.9x longer than padded rows with 22% padding (below). Kept off until a GPU says otherwise; ARPO's long single-trajectory rows carry no padding anyway |
+| LoRA (peft) | `arpo_lib/agent/model/lora.py` | off (`model.lora_rank`) | exact resume, merged checkpoints (tests) |
+| frozen Linear weights stored in bf16 under LoRA | `arpo_lib/agent/model/lora.py` | auto (`model.frozen_weights_dtype`) | identical outputs and adapter gradients under bf16 autocast (tests) |
+| Adafactor | `arpo_lib/agent/model/lora.py` | adamw (`train.optimizer`) | state < 25% of AdamW's on the tiny model (tests) |
+| packing several trajectories into one row | `arpo_lib/agent/model/packing.py` | off (`train.pack`) | same log-probs and gradients as padded rows (tests). With SDPA the block-diagonal mask is dense and rules out the flash kernel: on the CPU, 4 tiny trajectories packed took 1.9x longer than padded rows with 22% padding (below). Kept off until a GPU says otherwise; ARPO's long single-trajectory rows carry no padding anyway |
 | torch.compile | - | - | not tried: no GPU in the session that built this |
 """
 

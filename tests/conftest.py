@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[1]
 
 torch.set_num_threads(2)
 for _var, _cmd in (("MINIWOB_CHROME_BINARY", "chromium"), ("MINIWOB_CHROMEDRIVER", "chromedriver")):

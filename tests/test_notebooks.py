@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 EXPECTED = {"smoke_test.ipynb", "subset_training.ipynb", "evaluation.ipynb", "gpu_inference_server.ipynb",
             "arpo_vs_grpo.ipynb"}

@@ -15,7 +15,7 @@ from arpo_lib.envs.osworld import tasks as ot
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[1]
 FIXTURE = REPO / "test_data" / "osworld"
 FIXTURE_EXPECT = ot.Expectations(
     lists={ot.TRAIN_LIST: {"chrome": 3, "libreoffice_calc": 1, "os": 3}, ot.TEST_ALL_LIST: 8},

@@ -79,13 +79,13 @@ class ModelConfig:
     larger = less recomputation where memory is left over; transformers >= 5.23)."""
     kv_cache: bool = True
     """Rollouts keep each episode's KV cache between steps and prefill only the new turn
-    (arpo_lib/fast/kv_generation.py); false = re-prefill the whole history every step."""
+    (arpo_lib/agent/model/kv_generation.py); false = re-prefill the whole history every step."""
     vision_attention: str = "batched"
     """`batched`: the vision tower's window attention in a few SDPA calls
-    (arpo_lib/fast/vision_attention.py); `loop`: transformers' one call per window."""
+    (arpo_lib/agent/model/vision_attention.py); `loop`: transformers' one call per window."""
     logprob_chunk: int = 1024
     """Training log-probs go through the LM head this many positions at a time, logits recomputed
-    in backward (arpo_lib/fast/logprobs.py); 0 = all positions at once."""
+    in backward (arpo_lib/agent/model/logprobs.py); 0 = all positions at once."""
     lora_rank: int = 0
     """LoRA adapter rank on the language model's projections (0 = full fine-tuning)."""
     lora_alpha: float = 32.0
@@ -181,13 +181,13 @@ class TrainConfig:
     `token_budget` is 0."""
     token_budget: int = 0
     """Micro-batches sized by tokens instead: sequences sorted by length and grouped while
-    rows x longest <= this many tokens (arpo_lib/fast/batching.py). 0 = `micro_batch_size`."""
+    rows x longest <= this many tokens (arpo_lib/training/optim.py). 0 = `micro_batch_size`."""
     pack: bool = False
     """Put each micro-batch's sequences end to end in one row (no padding; a block-diagonal mask
-    keeps them apart: arpo_lib/fast/packing.py). With token_budget, the budget counts real tokens."""
+    keeps them apart: arpo_lib/agent/model/packing.py). With token_budget, the budget counts real tokens."""
     optimizer: str = "adamw"
     """`adamw` (fused on CUDA) or `adafactor` (factored second moments: ~no optimizer state;
-    what lets a 7B full fine-tune fit, see arpo_lib/fast/memory.py)."""
+    what lets a 7B full fine-tune fit, see arpo_lib/agent/model/lora.py)."""
     lr: float = 1e-6
     """AdamW learning rate (ARPO: 1e-6)."""
     weight_decay: float = 0.01
@@ -236,7 +236,7 @@ class EvalConfig:
     """An evaluation directory (holding results.json) to compare against, e.g. the base model's."""
     policy: str = "model"
     """Who acts in `eval` / evaluation.ipynb: `model` (model.path) or `scripted` (the DOM-reading
-    scripted agent of arpo_lib/scripted.py: an upper bound on the MiniWoB++ tasks it supports)."""
+    scripted agent of arpo_lib/agent/scripted.py: an upper bound on the MiniWoB++ tasks it supports)."""
     osworld_results: bool = True
     """Also write the results in OSWorld's own layout (<eval>/osworld_results/pyautogui/screenshot/<model>/...),
     which OSWorld's show_result.py reads."""

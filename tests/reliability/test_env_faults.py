@@ -1,6 +1,6 @@
 """Fault injection: real browsers are killed or frozen at random moments of real rollouts.
 
-The oracle is the scripted agent, which solves every episode of these tasks (tests/test_scripted.py).
+The oracle is the scripted agent, which solves every episode of these tasks (tests/agent/test_scripted.py).
 So an episode that comes back `ok` but failed can only be an infrastructure fault scored as a policy
 failure: the one outcome that must never happen. Every batch must complete, and every fault that
 hit an episode must show up as `env_error`, excluded from success statistics and from groups.

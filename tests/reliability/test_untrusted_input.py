@@ -145,7 +145,7 @@ def test_secrets_in_the_environment_never_reach_run_directories(tmp_path, tiny_q
     """A training step with evaluation, demonstrations, checkpoints and wandb (offline), with
     credentials in the environment, as on a real cluster: none of them is written anywhere."""
     pytest.importorskip("wandb")
-    from arpo_lib.training.trainer import Trainer
+    from arpo_lib import build
 
     for name, value in SECRETS.items():
         monkeypatch.setenv(name, value)
@@ -157,7 +157,7 @@ def test_secrets_in_the_environment_never_reach_run_directories(tmp_path, tiny_q
         "env.max_steps=2", "model.max_new_tokens=16", "rollout.group_size=2", "train.tasks_per_batch=2",
         "train.steps=1", "warm_start.steps=1", "warm_start.demos_per_task=1", "train.demo_replay=1",
         "train.eval_every=1", "eval.samples_per_task=1", "logging.wandb=offline", "logging.progress=false"])
-    with Trainer(cfg) as trainer:
+    with build.trainer(cfg) as trainer:
         trainer.train()
     files = [p for p in tmp_path.rglob("*") if p.is_file()]
     hits = _files_containing(tmp_path, list(SECRETS.values()))

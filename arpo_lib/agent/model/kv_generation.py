@@ -15,7 +15,7 @@ A history-limit re-render (a new segment), a different episode or anything unexp
 and a full prefill. Positions come from the model's own `get_rope_index` over the whole sequence,
 so M-RoPE positions equal those of the full forward. Sampling uses the same per-row seeded
 Gumbel sampler as the naive path: given the same seeds both paths draw the same tokens (up to
-floating-point ties); `tests/test_fast_kv_generation.py` checks it step by step.
+floating-point ties); `tests/agent/model/test_kv_generation.py` checks it step by step.
 """
 from __future__ import annotations
 

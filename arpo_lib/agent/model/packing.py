@@ -5,7 +5,7 @@ them end to end in one row instead. Each sequence keeps its own M-RoPE positions
 model's own `get_rope_index`), and a fourth row of plain per-sequence text positions, restarting
 at 0, goes first: transformers then builds a block-diagonal causal mask from it (its packed-
 sequence support), so no token attends across a boundary. Same log-probs as separate rows
-(tests/test_fast_training.py). With SDPA that mask is a dense (T, T) boolean tensor (T^2 bytes:
+(tests/agent/model/test_training_levers.py). With SDPA that mask is a dense (T, T) boolean tensor (T^2 bytes:
 256 MB at 16k tokens), and SDPA cannot take its flash kernel with a mask, so packing pays only
 where padding would be large; benchmarks/bench_update.py measures it.
 """

@@ -8,7 +8,7 @@ import pytest
 
 from arpo_lib.run.config import ConfigError, RunConfig, config_from_dict, field_docs, load_config, parse_overrides
 
-CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)

@@ -60,7 +60,7 @@ def test_optimised_training_path_equals_naive(policy):
 
 
 def test_batched_vision_attention_makes_one_call_per_window_size(policy, monkeypatch):
-    import arpo_lib.fast.vision_attention as va
+    import arpo_lib.agent.model.vision_attention as va
 
     import types
 

@@ -45,8 +45,9 @@ def test_injects_into_the_first_slot_of_an_all_failed_group():
     buffer = ReplayBuffer()
     buffer.add("task", traj(7), 0.9)
     group = [traj(100 + i) for i in range(8)]
-    new_group, new_scores, injected = buffer.maybe_inject("task", group, FAILED)
-    assert injected
+    r = buffer.maybe_inject("task", group, FAILED)
+    new_group, new_scores, injected = r.group, r.scores, r.injected
+    assert injected and r.replaced == 0 and r.all_failed
     assert new_group[0] == traj(7) and new_scores[0] == 0.9
     assert new_group[1:] == group[1:] and new_scores[1:] == FAILED[1:]
     assert buffer.stats()["injections"] == 1
@@ -63,15 +64,18 @@ def test_injects_into_the_first_slot_of_an_all_failed_group():
 def test_leaves_groups_with_signal_or_successes_alone(scores):
     buffer = filled()
     group = [traj(100 + i) for i in range(8)]
-    new_group, new_scores, injected = buffer.maybe_inject("task", group, scores)
+    r = buffer.maybe_inject("task", group, scores)
+    new_group, new_scores, injected = r.group, r.scores, r.injected
     assert not injected and new_group == group and new_scores == scores
+    assert r.replaced is None and not r.all_failed
     assert buffer.stats()["injections"] == 0
 
 
 def test_no_injection_without_stored_success_for_that_task():
     buffer = filled()
-    _, _, injected = buffer.maybe_inject("another-task", [traj(1)] * 8, FAILED)
-    assert not injected
+    r = buffer.maybe_inject("another-task", [traj(1)] * 8, FAILED)
+    assert not r.injected
+    assert r.all_failed and r.replaced is None  # all-failed is reported even when nothing can be injected
 
 
 def test_inputs_are_never_mutated_and_outputs_are_copies():
@@ -79,7 +83,8 @@ def test_inputs_are_never_mutated_and_outputs_are_copies():
     group = [traj(100 + i) for i in range(8)]
     scores = list(FAILED)
     group_before, scores_before = copy.deepcopy(group), list(scores)
-    new_group, new_scores, injected = buffer.maybe_inject("task", group, scores)
+    r = buffer.maybe_inject("task", group, scores)
+    new_group, new_scores, injected = r.group, r.scores, r.injected
     assert injected
     assert group == group_before and scores == scores_before
     assert new_group is not group and new_scores is not scores
@@ -100,7 +105,7 @@ def test_items_added_are_copied_in():
 def test_uniform_draw_covers_every_stored_success():
     buffer = filled(8)
     counts = collections.Counter(
-        buffer.maybe_inject("task", [None] * 8, FAILED)[0][0]["steps"] for _ in range(4000)
+        buffer.maybe_inject("task", [None] * 8, FAILED).group[0]["steps"] for _ in range(4000)
     )
     assert set(counts) == set(range(8))
     # 500 expected each; with a fixed seed this is deterministic, the bounds are ~5 sigma wide
@@ -108,7 +113,7 @@ def test_uniform_draw_covers_every_stored_success():
 
 
 def draws(buffer: ReplayBuffer, n: int) -> list[int]:
-    return [buffer.maybe_inject("task", [None] * 8, FAILED)[0][0]["steps"] for _ in range(n)]
+    return [buffer.maybe_inject("task", [None] * 8, FAILED).group[0]["steps"] for _ in range(n)]
 
 
 def test_same_seed_same_draws_other_seed_other_draws():
@@ -161,13 +166,14 @@ def test_disabled_buffer_is_plain_grpo(tmp_path):
     assert buffer.add("task", traj(1), 1.0) is False
     assert len(buffer) == 0 and "task" not in buffer
     group = [traj(i) for i in range(8)]
-    assert buffer.maybe_inject("task", group, FAILED) == (group, FAILED, False)
+    r = buffer.maybe_inject("task", group, FAILED)
+    assert (r.group, r.scores, r.injected) == (group, FAILED, False)
     # even a buffer loaded with content never injects once disabled
     state = filled().state_dict()
     state["config"]["enabled"] = False
     restored = ReplayBuffer.from_state_dict(state)
     assert len(restored) == 8
-    assert restored.maybe_inject("task", group, FAILED)[2] is False
+    assert restored.maybe_inject("task", group, FAILED).injected is False
     path = tmp_path / "r.json"
     restored.save(path)
     assert ReplayBuffer.load(path).enabled is False

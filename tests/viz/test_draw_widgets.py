@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from arpo_lib import viz
+from arpo_lib.viz import draw, widgets
 from arpo_lib.actions import Action
 
 W, H = 320, 240
@@ -116,41 +116,41 @@ def run_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def test_click_ring_around_point_and_input_unchanged():
     image = _blank()
     before = image.copy()
-    out = viz.draw_actions(image, [Action("click", point=(100.0, 80.0))])
+    out = draw.draw_actions(image, [Action("click", point=(100.0, 80.0))])
     assert out is not image and out.mode == "RGB" and out.size == image.size
     assert np.array_equal(np.asarray(image), np.asarray(before))
-    ys, xs = np.nonzero(_mask(out, viz.CLICK_COLOUR))
+    ys, xs = np.nonzero(_mask(out, draw.CLICK_COLOUR))
     assert len(xs) > 20
     # Everything red lies within a few ring radii of the point; the dot sits on it.
     assert np.hypot(xs - 100, ys - 80).max() < 30
-    assert _mask(out, viz.CLICK_COLOUR)[80, 100]
+    assert _mask(out, draw.CLICK_COLOUR)[80, 100]
 
 
 def test_click_variants_differ():
     point = (160.0, 120.0)
-    double = viz.draw_actions(_blank(), [Action("left_double", point=point)])
-    right = viz.draw_actions(_blank(), [Action("right_single", point=point)])
-    assert _mask(double, viz.DOUBLE_CLICK_COLOUR).sum() > _mask(
-        viz.draw_actions(_blank(), [Action("click", point=point)]), viz.CLICK_COLOUR).sum()
-    assert _mask(right, viz.RIGHT_CLICK_COLOUR).sum() > 20
-    assert _mask(right, viz.CLICK_COLOUR).sum() == 0
+    double = draw.draw_actions(_blank(), [Action("left_double", point=point)])
+    right = draw.draw_actions(_blank(), [Action("right_single", point=point)])
+    assert _mask(double, draw.DOUBLE_CLICK_COLOUR).sum() > _mask(
+        draw.draw_actions(_blank(), [Action("click", point=point)]), draw.CLICK_COLOUR).sum()
+    assert _mask(right, draw.RIGHT_CLICK_COLOUR).sum() > 20
+    assert _mask(right, draw.CLICK_COLOUR).sum() == 0
 
 
 def test_drag_draws_along_segment():
-    out = viz.draw_actions(_blank(), [{"kind": "drag", "point": [40, 200], "end_point": [280, 200]}])
-    mask = _mask(out, viz.DRAG_COLOUR)
+    out = draw.draw_actions(_blank(), [{"kind": "drag", "point": [40, 200], "end_point": [280, 200]}])
+    mask = _mask(out, draw.DRAG_COLOUR)
     for x in range(60, 261, 20):
         assert mask[195:206, x].any(), f"no drag pixel at x={x}"
     assert not mask[:150].any()  # nothing far from the segment
 
 
 def test_scroll_arrow_points_in_direction():
-    out = viz.draw_actions(_blank(), [Action("scroll", point=(160.0, 60.0), direction="down")])
-    ys, _ = np.nonzero(_mask(out, viz.SCROLL_COLOUR))
+    out = draw.draw_actions(_blank(), [Action("scroll", point=(160.0, 60.0), direction="down")])
+    ys, _ = np.nonzero(_mask(out, draw.SCROLL_COLOUR))
     assert ys.max() > 80  # the arrow goes down from the point
     # No point: the arrow starts at the centre.
-    centred = viz.draw_actions(_blank(), [Action("scroll", direction="up")])
-    assert _mask(centred, viz.SCROLL_COLOUR)[H // 2 - 3:H // 2 + 3, W // 2 - 3:W // 2 + 3].any()
+    centred = draw.draw_actions(_blank(), [Action("scroll", direction="up")])
+    assert _mask(centred, draw.SCROLL_COLOUR)[H // 2 - 3:H // 2 + 3, W // 2 - 3:W // 2 + 3].any()
 
 
 @pytest.mark.parametrize("action", [
@@ -162,21 +162,21 @@ def test_scroll_arrow_points_in_direction():
 ])
 def test_every_kind_draws_something(action):
     image = _blank()
-    assert _changed(viz.draw_actions(image, [action]), image).sum() > 20
+    assert _changed(draw.draw_actions(image, [action]), image).sum() > 20
 
 
 def test_type_and_hotkey_labels():
-    assert viz.escape_label("a\nb") == "a⏎b"
-    long = viz.escape_label("x" * 500)
-    assert len(long) == viz.MAX_LABEL_CHARS and long.endswith("…")
-    out = viz.draw_actions(_blank(), [Action("type", text="hello\nworld")])
-    assert _mask(out, viz.TYPE_COLOUR, tol=40).sum() > 50
-    out = viz.draw_actions(_blank(), [Action("hotkey", keys=["ctrl", "c"])])
-    assert _mask(out, viz.HOTKEY_COLOUR, tol=40).sum() > 50
+    assert draw.escape_label("a\nb") == "a⏎b"
+    long = draw.escape_label("x" * 500)
+    assert len(long) == draw.MAX_LABEL_CHARS and long.endswith("…")
+    out = draw.draw_actions(_blank(), [Action("type", text="hello\nworld")])
+    assert _mask(out, draw.TYPE_COLOUR, tol=40).sum() > 50
+    out = draw.draw_actions(_blank(), [Action("hotkey", keys=["ctrl", "c"])])
+    assert _mask(out, draw.HOTKEY_COLOUR, tol=40).sum() > 50
 
 
 def test_badges_in_top_right_corner():
-    out = viz.draw_actions(_blank(), [Action("finished")])
+    out = draw.draw_actions(_blank(), [Action("finished")])
     changed = _changed(out, _blank())
     ys, xs = np.nonzero(changed)
     assert xs.min() > W // 3 and ys.max() < H // 3
@@ -184,11 +184,11 @@ def test_badges_in_top_right_corner():
 
 def test_offscreen_point_is_clipped_and_marked():
     image = _blank()
-    out = viz.draw_actions(image, [Action("click", point=(1e9, 120.0))])
-    mask = _mask(out, viz.CLICK_COLOUR)
+    out = draw.draw_actions(image, [Action("click", point=(1e9, 120.0))])
+    mask = _mask(out, draw.CLICK_COLOUR)
     assert mask[:, W - 20:].any()
     # Marked: more is drawn than an in-image click (the X and the "off-screen" note).
-    inside = viz.draw_actions(image, [Action("click", point=(W - 1.0, 120.0))])
+    inside = draw.draw_actions(image, [Action("click", point=(W - 1.0, 120.0))])
     assert _changed(out, image).sum() > _changed(inside, image).sum()
 
 
@@ -201,36 +201,36 @@ def test_offscreen_point_is_clipped_and_marked():
     [{"kind": "click", "point": [5, 5]}, {"kind": "type", "text": "x"}, {"kind": "finished"}],
 ])
 def test_weird_inputs_do_not_raise(actions):
-    out = viz.draw_actions(_blank(), actions, thought="Thought with\nnewline and ünïcode")
+    out = draw.draw_actions(_blank(), actions, thought="Thought with\nnewline and ünïcode")
     assert out.size == (W, H)
 
 
 def test_tiny_and_large_images():
     for size in ((8, 8), (1920, 1080)):
-        out = viz.draw_actions(_blank(size), [Action("click", point=(4.0, 4.0)), Action("type", text="t")])
+        out = draw.draw_actions(_blank(size), [Action("click", point=(4.0, 4.0)), Action("type", text="t")])
         assert out.size == size
-    big = viz.draw_actions(_blank((1920, 1080)), [Action("click", point=(960.0, 540.0))])
-    small = viz.draw_actions(_blank(), [Action("click", point=(160.0, 120.0))])
+    big = draw.draw_actions(_blank((1920, 1080)), [Action("click", point=(960.0, 540.0))])
+    small = draw.draw_actions(_blank(), [Action("click", point=(160.0, 120.0))])
     # Marks scale with the image.
-    assert _mask(big, viz.CLICK_COLOUR).sum() > 4 * _mask(small, viz.CLICK_COLOUR).sum()
+    assert _mask(big, draw.CLICK_COLOUR).sum() > 4 * _mask(small, draw.CLICK_COLOUR).sum()
 
 
 def test_format_error_badge():
-    out = viz.draw_actions(_blank(), [])
-    assert _mask(out, viz.BADGE_COLOURS["format_error"], tol=40).sum() > 30
+    out = draw.draw_actions(_blank(), [])
+    assert _mask(out, draw.BADGE_COLOURS["format_error"], tol=40).sum() > 30
 
 
 # --------------------------------------------------------------------------- loading
 
 def test_split_response():
-    assert viz.split_response("Thought: a b\nAction: click(start_box='(1,2)')<|im_end|>") == (
+    assert draw.split_response("Thought: a b\nAction: click(start_box='(1,2)')<|im_end|>") == (
         "a b", "click(start_box='(1,2)')")
-    assert viz.split_response("just text") == ("just text", "")
-    assert viz.split_response(None) == ("", "")
+    assert draw.split_response("just text") == ("just text", "")
+    assert draw.split_response(None) == ("", "")
 
 
 def test_load_frames(traj_dir: Path):
-    frames = viz.load_frames(traj_dir)
+    frames = draw.load_frames(traj_dir)
     assert len(frames) == len(STEPS) + 1
     assert [f.step for f in frames] == [1, 2, 3, 4, 5, 6, 7]
     first = frames[0]
@@ -238,12 +238,12 @@ def test_load_frames(traj_dir: Path):
     assert first.screenshot_file == "step_0.png" and not first.replayed
     # The action is drawn on step_0.png, the screen the model acted on.
     raw = Image.open(traj_dir / "step_0.png").convert("RGB")
-    assert _mask(first.image, viz.CLICK_COLOUR)[80, 100] and not _mask(raw, viz.CLICK_COLOUR).any()
+    assert _mask(first.image, draw.CLICK_COLOUR)[80, 100] and not _mask(raw, draw.CLICK_COLOUR).any()
     assert frames[1].image.getpixel((5, H - 5)) == Image.open(traj_dir / "step_1.png").getpixel((5, H - 5))
     bad = frames[5]
     assert bad.format_error and bad.done and "format error" in bad.action_text
     assert bad.thought == "I think I am done, somehow"
-    assert _mask(bad.image, viz.BADGE_COLOURS["format_error"], tol=40).any()
+    assert _mask(bad.image, draw.BADGE_COLOURS["format_error"], tol=40).any()
     final = frames[-1]
     assert final.final and final.task_score == 0.0 and "task score 0" in final.action_text
     assert final.screenshot_file == "step_5.png"
@@ -251,42 +251,42 @@ def test_load_frames(traj_dir: Path):
 
 def test_load_frames_replayed_flag_and_missing(tmp_path: Path):
     directory = write_trajectory(tmp_path / "t", replayed=True)
-    assert all(f.replayed for f in viz.load_frames(directory))
-    assert not any(f.replayed for f in viz.load_frames(directory, replayed=False))
+    assert all(f.replayed for f in draw.load_frames(directory))
+    assert not any(f.replayed for f in draw.load_frames(directory, replayed=False))
     (directory / "step_2.png").unlink()  # a lost screenshot becomes a grey stand-in
-    assert len(viz.load_frames(directory)) == len(STEPS) + 1
+    assert len(draw.load_frames(directory)) == len(STEPS) + 1
     with pytest.raises(FileNotFoundError):
-        viz.load_frames(tmp_path / "nowhere")
+        draw.load_frames(tmp_path / "nowhere")
 
 
 def test_list_and_load_group(run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    assert viz.list_groups(run_dir) == [(3, "miniwob/test-task"), (3, "miniwob/other")]
+    assert draw.list_groups(run_dir) == [(3, "miniwob/test-task"), (3, "miniwob/other")]
     # Relative member dirs resolve from elsewhere too (against the run dir's parents).
     monkeypatch.chdir(run_dir)
-    members = viz.load_group(run_dir, 3, "miniwob/test-task")
+    members = draw.load_group(run_dir, 3, "miniwob/test-task")
     assert len(members) == 4
     assert [m["replayed"] for _, m in members] == [True, False, False, False]
     assert all(f.replayed for f in members[0][0]) and not members[1][0][0].replayed
     assert [len(frames) for frames, _ in members] == [7, 3, 7, 3]
     with pytest.raises(KeyError):
-        viz.load_group(run_dir, 3, "nope")
+        draw.load_group(run_dir, 3, "nope")
 
 
 # --------------------------------------------------------------------------- figures
 
 def test_filmstrip(traj_dir: Path):
-    fig = viz.filmstrip(traj_dir, max_frames=4, thumb_width=120)
+    fig = draw.filmstrip(traj_dir, max_frames=4, thumb_width=120)
     axes = [ax for ax in fig.axes if ax.images]
     assert len(axes) == 4
     titles = [ax.get_title(loc="left") for ax in axes]
     assert titles[0].startswith("step 1") and titles[-1].startswith("end")
     assert all(ax.images[0].get_array().shape[1] <= 120 for ax in axes)
-    png = viz.figure_png(fig)
+    png = draw.figure_png(fig)
     assert png[:4] == b"\x89PNG"
 
 
 def test_group_figure(run_dir: Path):
-    fig = viz.group_figure(run_dir, 3, "miniwob/test-task", thumb_width=100)
+    fig = draw.group_figure(run_dir, 3, "miniwob/test-task", thumb_width=100)
     axes = [ax for ax in fig.axes if ax.images]
     assert len(axes) == 4
     titles = [ax.get_title(loc="left") for ax in axes]
@@ -295,16 +295,16 @@ def test_group_figure(run_dir: Path):
     assert all(ax.images[0].get_array().shape[1] <= 100 for ax in axes)
     # The replayed column has a coloured border.
     edge = axes[0].spines["top"].get_edgecolor()
-    assert matplotlib.colors.to_hex(edge) == viz.REPLAYED_COLOUR
-    assert matplotlib.colors.to_hex(axes[1].spines["top"].get_edgecolor()) != viz.REPLAYED_COLOUR
-    two = viz.group_figure(run_dir, 3, "miniwob/test-task", thumb_width=80, frames_per_member=2)
+    assert matplotlib.colors.to_hex(edge) == draw.REPLAYED_COLOUR
+    assert matplotlib.colors.to_hex(axes[1].spines["top"].get_edgecolor()) != draw.REPLAYED_COLOUR
+    two = draw.group_figure(run_dir, 3, "miniwob/test-task", thumb_width=80, frames_per_member=2)
     assert len([ax for ax in two.axes if ax.images]) == 8
 
 
 # --------------------------------------------------------------------------- widgets
 
 def test_step_viewer_slider_updates_image_and_html(traj_dir: Path):
-    viewer = viz.StepViewer(traj_dir)
+    viewer = widgets.StepViewer(traj_dir)
     assert viewer.slider.max == len(STEPS) and viewer.play.max == len(STEPS)
     first_png, first_html = viewer.image.value, viewer.html.value
     assert first_png[:4] == b"\x89PNG" and "open the menu" in first_html and "fresh" in first_html
@@ -314,18 +314,18 @@ def test_step_viewer_slider_updates_image_and_html(traj_dir: Path):
     viewer.slider.value = 2
     assert "hello" in viewer.html.value
     width = Image.open(__import__("io").BytesIO(viewer.image.value)).width
-    assert width <= viz.WIDGET_MAX_WIDTH
+    assert width <= draw.WIDGET_MAX_WIDTH
     assert viewer.widget is not None
 
 
 def test_step_viewer_escapes_html(tmp_path: Path):
     steps = [("Thought: <script>x</script>\nAction: wait()", [{"kind": "wait"}])]
-    viewer = viz.StepViewer(write_trajectory(tmp_path / "t", steps=steps))
+    viewer = widgets.StepViewer(write_trajectory(tmp_path / "t", steps=steps))
     assert "<script>" not in viewer.html.value and "&lt;script&gt;" in viewer.html.value
 
 
 def test_group_view_select_and_switch(run_dir: Path):
-    view = viz.GroupView(run_dir)
+    view = widgets.GroupView(run_dir)
     assert view.dropdown.value == (3, "miniwob/test-task")
     assert len(view.grid.children) == 4
     assert "replayed" in view.grid.children[0].children[1].value
@@ -335,11 +335,11 @@ def test_group_view_select_and_switch(run_dir: Path):
     view.dropdown.value = (3, "miniwob/other")
     assert len(view.grid.children) == 3
     with pytest.raises(KeyError):
-        viz.GroupView(run_dir, step=9)
+        widgets.GroupView(run_dir, step=9)
 
 
 def test_group_view_empty_run(tmp_path: Path):
-    view = viz.GroupView(tmp_path)
+    view = widgets.GroupView(tmp_path)
     assert view.dropdown.value is None and "no groups" in view.grid.children[0].value
 
 
@@ -348,8 +348,8 @@ def test_show_helpers_display_widget_and_figure(traj_dir: Path, run_dir: Path, m
 
     shown: list = []
     monkeypatch.setattr(IPython.display, "display", lambda obj, *a, **k: shown.append(obj))
-    viz.show_trajectory(traj_dir)
-    viz.show_group(run_dir)
+    widgets.show_trajectory(traj_dir)
+    widgets.show_group(run_dir)
     kinds = [type(o).__name__ for o in shown]
     assert kinds == ["VBox", "Image", "VBox", "Image"]
     assert shown[1].data[:4] == b"\x89PNG"

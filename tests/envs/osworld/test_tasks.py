@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 
 from arpo_lib import cli
+from arpo_lib.envs.osworld import fetch as fetching
 from arpo_lib.envs.osworld import tasks as ot
 
-FIXTURE = Path(__file__).resolve().parent.parent / "test_data" / "osworld"
+FIXTURE = Path(__file__).resolve().parents[3] / "test_data" / "osworld"
 EE = FIXTURE / "evaluation_examples"
 OS_A, OS_B, OS_INFEASIBLE = ("9edf2168-773d-465e-8f86-3491baf41e09", "86a7b1b6-14dc-4370-a006-d732abaf4605",
                              "36d5c08d-ec36-4998-8b59-af0ffa7e2df6")
@@ -41,7 +42,7 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv(ot.ENV_VAR, str(root))
     monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
     monkeypatch.setenv("no_proxy", "127.0.0.1,localhost")
-    monkeypatch.setattr(ot, "DOWNLOAD_BACKOFF_S", 0.0)
+    monkeypatch.setattr(fetching, "DOWNLOAD_BACKOFF_S", 0.0)
     return root
 
 
@@ -179,7 +180,7 @@ def test_fetch_from_file_url_of_a_tarball(tmp_path, cache):
     assert manifest["domains"] == {"chrome": 3, "libreoffice_calc": 2, "os": 3}
     assert manifest["task_count"] == 8 and manifest["file_count"] == 11
     assert manifest["commit"] is None and manifest["warnings"] == []
-    assert manifest["archive_sha256"] == ot._sha256_file(archive)
+    assert manifest["archive_sha256"] == fetching.sha256_file(archive)
     assert manifest["meta_lists"][ot.TRAIN_LIST]["total"] == 7
     assert not (root / "README.md").exists() and not (root / "desktop_env").exists()
     assert sorted(p.name for p in root.iterdir()) == ["evaluation_examples", "manifest.json"]
@@ -202,7 +203,7 @@ def test_fetch_over_http_with_retries(tmp_path, cache):
         assert state["hits"] == 3  # two 503s retried
     manifest = ot.read_manifest(root)
     assert manifest["source"].endswith("/osworld.tar.gz")
-    assert manifest["archive_sha256"] == ot._sha256_file(tmp_path / "a.tar.gz")
+    assert manifest["archive_sha256"] == fetching.sha256_file(tmp_path / "a.tar.gz")
     assert ot.verify_cache() == []
     assert not (root / "archive.tar").exists() and leftovers(cache) == []
 
@@ -216,7 +217,7 @@ def test_http_404_fails_at_once_naming_the_url(cache):
 
 
 def test_truncated_download_is_retried_then_reported(tmp_path, monkeypatch, cache):
-    monkeypatch.setattr(ot, "DOWNLOAD_ATTEMPTS", 2)
+    monkeypatch.setattr(fetching, "DOWNLOAD_ATTEMPTS", 2)
     data = make_tarball(tmp_path / "a.tar.gz").read_bytes()
     with serve({"/a.tar.gz": data}, short_body=True) as (url, state):
         with pytest.raises(ot.TaskDataError, match="after 2 attempts: IncompleteRead"):
@@ -226,7 +227,7 @@ def test_truncated_download_is_retried_then_reported(tmp_path, monkeypatch, cach
 
 
 def test_unreachable_host_gives_an_actionable_error(monkeypatch):
-    monkeypatch.setattr(ot, "DOWNLOAD_ATTEMPTS", 2)
+    monkeypatch.setattr(fetching, "DOWNLOAD_ATTEMPTS", 2)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -534,7 +535,7 @@ def test_module_imports_no_heavy_dependencies():
     import subprocess
     import sys
 
-    code = ("import sys, arpo_lib.envs.osworld_tasks; "
+    code = ("import sys, arpo_lib.envs.osworld.tasks; "
             "print(sorted(m for m in ('torch', 'desktop_env', 'requests') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

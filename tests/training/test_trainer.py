@@ -15,9 +15,10 @@ import torch
 from arpo_lib.run.config import load_config
 from arpo_lib.run.records import read_jsonl
 from arpo_lib.training.checkpoint import latest_checkpoint
-from arpo_lib.training.trainer import Trainer, task_batch
+from arpo_lib import build
+from arpo_lib.training.trainer import task_batch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TASKS = ["miniwob/click-test", "miniwob/click-button"]
 
 
@@ -51,7 +52,7 @@ def test_replay_rescues_all_failed_groups_and_the_update_changes_parameters(tmp_
     """The random tiny model fails every episode. GRPO then has zero advantages and learns
     nothing; ARPO injects a stored success into each all-failed group and does learn."""
     def one_step(cfg):
-        with Trainer(cfg) as trainer:
+        with build.trainer(cfg) as trainer:
             before = _params(trainer)
             (m,) = trainer.train()
             return m, before, _params(trainer)
@@ -73,7 +74,7 @@ def test_replay_rescues_all_failed_groups_and_the_update_changes_parameters(tmp_
 @pytest.mark.slow
 def test_run_directory_metrics_and_checkpoints(tmp_path, tiny_qwen2vl, chromium_available):
     cfg = _cfg(tmp_path, tiny_qwen2vl, "train.demo_replay=1", "train.keep_checkpoints=1")
-    with Trainer(cfg) as trainer:
+    with build.trainer(cfg) as trainer:
         trainer.train()
     run = tmp_path / "t"
     metrics = read_jsonl(run / "metrics.jsonl")
@@ -93,14 +94,14 @@ def test_run_directory_metrics_and_checkpoints(tmp_path, tiny_qwen2vl, chromium_
 def test_resume_continues_exactly(tmp_path, tiny_qwen2vl, chromium_available):
     """2 steps straight == 1 step, stop, resume, 1 step: same metrics, weights, optimizer and buffer."""
     straight = _cfg(tmp_path, tiny_qwen2vl, "name=straight", "train.demo_replay=1")
-    with Trainer(straight) as t:
+    with build.trainer(straight) as t:
         t.train()
         w_straight, buf_straight = _params(t), t.replay.state_dict()
         opt_straight = t.optimizer.state_dict()
     split = _cfg(tmp_path, tiny_qwen2vl, "name=split", "train.demo_replay=1")
-    with Trainer(split) as t:
+    with build.trainer(split) as t:
         t.train(steps=1)
-    with Trainer(split, resume=True) as t:
+    with build.trainer(split, resume=True) as t:
         assert t.step == 1
         t.train()
         w_split, buf_split = _params(t), t.replay.state_dict()
@@ -140,7 +141,7 @@ def test_existing_run_is_not_overwritten(tmp_path, tiny_qwen2vl):
     (tmp_path / "t").mkdir()
     (tmp_path / "t" / "metrics.jsonl").write_text("")
     with pytest.raises(FileExistsError, match="resume"):
-        Trainer(cfg)
+        build.trainer(cfg)
 
 
 @pytest.mark.slow
@@ -172,7 +173,7 @@ def test_killed_training_resumes_with_nothing_lost_or_repeated(tmp_path, tiny_qw
 
 def test_warmup_schedule(tmp_path, tiny_qwen2vl):
     cfg = _cfg(tmp_path, tiny_qwen2vl, "train.steps=4", "train.warmup_ratio=0.5", "train.lr=1e-3")
-    t = Trainer(cfg)  # 4 updates, 2 of them warm-up: lr 0.5e-3, 1e-3, 1e-3, ...
+    t = build.trainer(cfg)  # 4 updates, 2 of them warm-up: lr 0.5e-3, 1e-3, 1e-3, ...
     lrs = []
     for _ in range(4):
         lrs.append(t.scheduler.get_last_lr()[0])
@@ -186,8 +187,8 @@ def test_warmup_schedule(tmp_path, tiny_qwen2vl):
 def test_optional_kl_penalty_against_the_initial_policy(tmp_path, tiny_qwen2vl, chromium_available):
     cfg = _cfg(tmp_path, tiny_qwen2vl, "train.steps=1", "train.demo_replay=1", "algo.kl_coef=0.1",
                "train.updates_per_batch=2")
-    with Trainer(cfg) as trainer:
-        assert trainer.ref_model is not None
+    with build.trainer(cfg) as trainer:
+        assert trainer.reference is not None
         (m,) = trainer.train()
     assert m["replay_injections"] > 0 and m["optimizer_steps"] == 2 and m["kl"] >= 0.0
 
@@ -199,7 +200,7 @@ def test_resume_without_a_checkpoint_starts_over_without_duplicate_lines(tmp_pat
     run = tmp_path / "t"
     run.mkdir()
     (run / "metrics.jsonl").write_text('{"step": 1, "loss": 0.0}\n')
-    t = Trainer(cfg, resume=True)
+    t = build.trainer(cfg, resume=True)
     assert t.step == 0 and read_jsonl(run / "metrics.jsonl") == []
     t.close()
 
@@ -209,7 +210,7 @@ def test_damaged_checkpoint_is_detected_and_the_previous_one_used(tmp_path, tiny
     from arpo_lib.training.checkpoint import checkpoint_problem, usable_checkpoint
 
     cfg = _cfg(tmp_path, tiny_qwen2vl, "train.keep_checkpoints=2")
-    with Trainer(cfg) as t:
+    with build.trainer(cfg) as t:
         t.train()
     ck = tmp_path / "t" / "checkpoints"
     assert checkpoint_problem(ck / "step_000002") is None and usable_checkpoint(ck).name == "step_000002"
@@ -217,7 +218,7 @@ def test_damaged_checkpoint_is_detected_and_the_previous_one_used(tmp_path, tiny
     weights.write_bytes(weights.read_bytes()[:100])  # truncated, e.g. a disk filled up later
     assert "model.safetensors" in checkpoint_problem(ck / "step_000002")
     # Resuming skips the damaged step 2, goes back to step 1 and redoes step 2.
-    with Trainer(cfg, resume=True) as t:
+    with build.trainer(cfg, resume=True) as t:
         assert t.step == 1
         t.train()
     assert [m["step"] for m in read_jsonl(tmp_path / "t" / "metrics.jsonl")] == [1, 2]
@@ -230,7 +231,7 @@ def test_damaged_checkpoint_is_detected_and_the_previous_one_used(tmp_path, tiny
 def test_infrastructure_failures_are_dropped_from_groups_and_never_stored(tmp_path, tiny_qwen2vl):
     from arpo_lib.types import Trajectory
 
-    with Trainer(_cfg(tmp_path, tiny_qwen2vl, "algo.replay.enabled=true")) as trainer:
+    with build.trainer(_cfg(tmp_path, tiny_qwen2vl, "algo.replay.enabled=true")) as trainer:
         def traj(task, status, score, i):
             return Trajectory(task=task, seed=i, sample=i, status=status, task_score=score, reward=score,
                               directory=str(tmp_path / f"{task[-4:]}{i}"))
@@ -254,7 +255,7 @@ def test_lora_adafactor_token_budget_run_resumes_exactly(tmp_path, tiny_qwen2vl,
                 "train.pack=true",
                 "model.gradient_checkpointing=true", "train.demo_replay=1")
     straight = _cfg(tmp_path, tiny_qwen2vl, "name=straight", *switches)
-    with Trainer(straight) as t:
+    with build.trainer(straight) as t:
         base = {k: v.clone() for k, v in _params(t).items() if "lora_" not in k}
         t.train()
         w_straight = _params(t)
@@ -269,9 +270,9 @@ def test_lora_adafactor_token_budget_run_resumes_exactly(tmp_path, tiny_qwen2vl,
     plain = AutoModelForImageTextToText.from_pretrained(ckpt)
     assert not any("lora" in n for n, _ in plain.named_parameters())
     split = _cfg(tmp_path, tiny_qwen2vl, "name=split", *switches)
-    with Trainer(split) as t:
+    with build.trainer(split) as t:
         t.train(steps=1)
-    with Trainer(split, resume=True) as t:
+    with build.trainer(split, resume=True) as t:
         assert t.step == 1
         t.train()
         w_split = _params(t)

@@ -131,7 +131,7 @@ def test_real_selection_with_miniwob(tiny_qwen2vl, chromium_available, tmp_path,
                 out += solver([seg], contexts=[ctx], seeds=None if seeds is None else [seeds[i]], **kw)
             return out
 
-    monkeypatch.setattr("arpo_lib.policy.HFPolicy", lambda *a, **k: Mixed(base))
+    monkeypatch.setattr("arpo_lib.build.HFPolicy", lambda *a, **k: Mixed(base))
     res = workflows.run_task_selection(cfg)
     assert [(t.task, t.samples, t.successes) for t in res.tasks] == \
         [("miniwob/click-test", 2, 2), ("miniwob/click-button", 2, 0)]

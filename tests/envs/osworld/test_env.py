@@ -23,13 +23,13 @@ from PIL import Image
 
 from arpo_lib.actions import Action, to_pyautogui
 from arpo_lib.envs import EnvError, list_envs, make_env
-from arpo_lib.envs import osworld
+from arpo_lib.envs.osworld import env as osworld
 from arpo_lib.envs.osworld.env import (CONTAINER_FILE, OSWorldEnv, OSWorldSetupError, find_osworld_python, remove_stale_cache_dirs)
 from arpo_lib.envs.osworld.fake import (BOOT_FAILURES_VAR, FAKE_DESKTOP_ENV, FAKE_TASK_LOADER, FakeDesktopEnv, load_fake_task)
 from arpo_lib.envs.pool import EnvPool
 from arpo_lib.envs.worker import EnvSetupError, _is_setup_error, action_payload
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[3]
 ADAPTER_METHODS = ("__init__", "reset", "step", "evaluate", "close")
 """The DesktopEnv methods OSWorldEnv calls: the fake must match them exactly."""
 BOX_CENTRE = (960, 540)  # inside fake-click's target box [860, 500, 1060, 580]
@@ -140,7 +140,7 @@ def test_fake_signatures_equal_installed_desktop_env():
 
 def test_modules_import_without_heavy_dependencies():
     code = ("import sys, arpo_lib.envs; assert 'arpo_lib.envs.osworld' not in sys.modules; "
-            "import arpo_lib.envs.osworld, arpo_lib.envs.osworld_fake; "
+            "import arpo_lib.envs.osworld.env, arpo_lib.envs.osworld.fake; "
             "heavy = {'torch', 'transformers', 'desktop_env', 'docker', 'gymnasium', 'numpy'} & set(sys.modules); "
             "assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
@@ -619,7 +619,7 @@ def test_worker_in_the_osworld_interpreter(tmp_path):
 
 
 def test_default_loader_reads_the_fetched_task_data(tmp_path, monkeypatch):
-    from arpo_lib.envs.osworld import tasks
+    from arpo_lib.envs.osworld import tasks as osworld_tasks
 
     monkeypatch.setenv(osworld_tasks.ENV_VAR, str(tmp_path / "no-tasks"))
     with pytest.raises(FileNotFoundError, match="not fetched") as err:

@@ -1,6 +1,6 @@
 """ServerPolicy against our own `hf` server (fast, no vLLM): the client side of the server backend,
 and training through a server with weight sync by restart. The same against vLLM:
-tests/test_vllm_serving.py."""
+tests/serving/test_vllm.py."""
 from __future__ import annotations
 
 import pytest
@@ -75,7 +75,7 @@ def test_training_through_the_hf_server_with_restart_sync(warm_tiny_qwen2vl, tmp
     """rollout.backend=server without a URL: the trainer starts its own server (serve.*) on its
     current weights and, with weight_sync=restart, restarts it on the updated ones."""
     from arpo_lib.run.config import load_config
-    from arpo_lib.training.trainer import Trainer
+    from arpo_lib import build
 
     cfg = load_config("configs/smoke.yaml", [
         f"model.path={warm_tiny_qwen2vl}", f"out_dir={tmp_path}", "name=restart", f"env.tasks=[{','.join(TASKS)}]",
@@ -83,9 +83,9 @@ def test_training_through_the_hf_server_with_restart_sync(warm_tiny_qwen2vl, tmp
         "train.tasks_per_batch=2", "train.updates_per_batch=1", "train.steps=2", "train.lr=3e-3",
         "warm_start.steps=0", "warm_start.demos_per_task=0", "train.demo_replay=1", "rollout.backend=server",
         "rollout.weight_sync=restart", "serve.backend=hf", "logging.progress=false"])
-    with Trainer(cfg) as trainer:
+    with build.trainer(cfg) as trainer:
         history = trainer.train()
-        server = trainer.server
+        server = trainer.served.server
         assert server is not None and server.running()
         served = HFPolicy(tmp_path / "restart" / "server_weights", device="cpu")
         for name, tensor in trainer.policy.model.state_dict().items():

@@ -26,7 +26,7 @@ from arpo_lib.agent.client import chat_completion, ui_tars_messages
 from arpo_lib.serving.launch import start_server
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TASKS = ["miniwob/click-test", "miniwob/click-button"]
 
 
@@ -200,7 +200,7 @@ def test_training_step_pushes_its_weights_to_the_server(server, served_model, hf
     """One ARPO step generating through vLLM, with rollout.weight_sync=reload: afterwards the
     server answers exactly as the updated in-process policy, not as the model it started with."""
     from arpo_lib.run.config import load_config
-    from arpo_lib.training.trainer import Trainer
+    from arpo_lib import build
     from arpo_lib.serving.weight_sync import reload_weights
 
     cfg = load_config("configs/smoke.yaml", [
@@ -211,13 +211,13 @@ def test_training_step_pushes_its_weights_to_the_server(server, served_model, hf
         "rollout.backend=server", f"rollout.server_url={server.base_url}", "rollout.weight_sync=reload",
         "logging.progress=false"])
     segs, ctxs = _contexts(hf, observations)
-    with Trainer(cfg) as trainer:
+    with build.trainer(cfg) as trainer:
         (metrics,) = trainer.train()
         assert metrics["server_requests"] > 0 and metrics["server_prompt_mismatches"] == 0
         assert metrics["optimizer_steps"] == 1 and metrics["seconds_sync_total"] > 0
         updated = trainer.policy
         ours = updated.generate(segs, temperature=1.0, contexts=ctxs, seeds=list(range(len(segs))))
-        theirs = trainer._server_policy.generate(segs, temperature=1.0, contexts=ctxs, seeds=list(range(len(segs))))
+        theirs = trainer.served.client.generate(segs, temperature=1.0, contexts=ctxs, seeds=list(range(len(segs))))
         for a, b, seg in zip(ours, theirs, segs):
             with torch.no_grad():
                 (lp,) = updated.sequence_logprobs([_with_response(seg, b)], 1.0)

@@ -1,0 +1,154 @@
+"""Keeping a rollout server on the trainer's weights, on the CPU: the version bookkeeping of
+`ServedPolicy`, the reload protocol against a recording HTTP server, and atomic weight saves."""
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from arpo_lib.agent.client import ServerRequestError
+from arpo_lib.serving.weight_sync import ServedPolicy, reload_weights, save_for_server
+
+
+class _Client:
+    def __init__(self, url):
+        self.base_url, self.closed = url, False
+        self.requests = self.prompt_mismatches = self.inexact = 0
+
+    def close(self):
+        self.closed = True
+
+
+class _Server:
+    def __init__(self, n, model_dir):
+        self.base_url, self.model_dir, self.stopped = f"http://h:{n}/v1", model_dir, False
+
+    def stop(self):
+        self.stopped = True
+
+
+def _served(sync, url=None):
+    saves, servers = [], []
+
+    def save():
+        saves.append(f"weights-{len(saves)}")
+        return saves[-1]
+
+    def start(model_dir):
+        servers.append(_Server(len(servers), model_dir))
+        return servers[-1]
+
+    served = ServedPolicy(connect=_Client, save_weights=save, sync=sync, url=url,
+                          start=None if url else start, initial_model="models/base")
+    return served, saves, servers
+
+
+def test_restart_starts_on_the_current_weights_and_restarts_on_new_ones():
+    served, saves, servers = _served("restart")
+    first = served.policy(1)  # after the warm start: the server starts on those weights
+    assert servers[0].model_dir == "weights-0" and served.served_version == 1 and first.base_url == "http://h:0/v1"
+    assert served.policy(1) is first and len(saves) == 1  # nothing changed, nothing pushed
+    first.requests = 7
+    second = served.policy(3)
+    assert servers[0].stopped and first.closed and servers[1].model_dir == "weights-1"
+    assert second.requests == 7 and served.served_version == 3  # counters are totals over the run
+    assert served.metrics()["server_requests"] == 7 and served.seconds_sync > 0
+    served.close()
+    assert servers[1].stopped and second.closed
+
+
+def test_a_server_started_without_sync_serves_the_initial_model_and_says_so(capsys):
+    served, saves, servers = _served("none")
+    served.policy(2)
+    assert servers[0].model_dir == "models/base" and not saves
+    assert "weight_sync=none" in capsys.readouterr().out
+    served.policy(5)
+    assert len(servers) == 1 and not saves  # never pushed: off-policy on purpose
+
+
+def test_someone_elses_server_gets_our_weights_before_the_first_rollout(monkeypatch):
+    pushed = []
+    monkeypatch.setattr("arpo_lib.serving.weight_sync.reload_weights", lambda url, d: pushed.append((url, d)))
+    served, saves, _ = _served("reload", url="http://remote:8000/v1")
+    served.policy(0)
+    assert pushed == [("http://remote:8000/v1", "weights-0")] and served.served_version == 0
+    served.policy(0)
+    served.policy(1)
+    assert [d for _, d in pushed] == ["weights-0", "weights-1"]
+
+
+def test_impossible_combinations_are_refused():
+    with pytest.raises(ValueError, match="restart"):
+        ServedPolicy(connect=_Client, save_weights=str, sync="restart", url="http://h/v1")
+    with pytest.raises(ValueError, match="sync"):
+        ServedPolicy(connect=_Client, save_weights=str, sync="sometimes", url="http://h/v1")
+
+
+class _Recorder(BaseHTTPRequestHandler):
+    calls: list = []
+    fail_rpc = False
+
+    def do_POST(self):  # noqa: N802
+        length = int(self.headers.get("Content-Length") or 0)
+        body = json.loads(self.rfile.read(length)) if length else None
+        type(self).calls.append((self.path, body))
+        status = 500 if (self.path == "/collective_rpc" and type(self).fail_rpc) else 200
+        payload = json.dumps({"results": [1]} if self.path == "/collective_rpc" else {}).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def recorder():
+    _Recorder.calls, _Recorder.fail_rpc = [], False
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_reload_pauses_reloads_drops_every_cache_and_resumes(recorder, tmp_path):
+    result = reload_weights(recorder + "/v1", tmp_path / "w")
+    paths = [p for p, _ in _Recorder.calls]
+    assert paths == ["/pause?mode=wait", "/collective_rpc", "/reset_encoder_cache", "/reset_mm_cache",
+                     "/reset_prefix_cache", "/resume"]
+    rpc = _Recorder.calls[1][1]
+    assert rpc == {"method": "arpo_reload_weights", "kwargs": {"weights_path": str((tmp_path / "w").resolve())}}
+    assert result["result"] == {"results": [1]} and result["seconds"] >= 0
+
+
+def test_a_failed_reload_still_resumes_the_server(recorder, tmp_path):
+    _Recorder.fail_rpc = True
+    with pytest.raises(ServerRequestError, match="500"):
+        reload_weights(recorder, tmp_path)
+    assert [p for p, _ in _Recorder.calls][-1] == "/resume"
+
+
+class _Saver:
+    def __init__(self):
+        self.n = 0
+
+    def save(self, directory):
+        self.n += 1
+        Path(directory).mkdir(parents=True)
+        (Path(directory) / "weights.txt").write_text(str(self.n))
+
+
+def test_weights_are_replaced_whole(tmp_path):
+    policy = _Saver()
+    target = tmp_path / "server_weights"
+    assert save_for_server(policy, target) == target
+    save_for_server(policy, target)
+    assert (target / "weights.txt").read_text() == "2"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["server_weights"]
