@@ -22,7 +22,7 @@ MODES = {
 }
 
 
-from conftest import needs_browser  # noqa: E402
+from tests.conftest import needs_browser  # noqa: E402
 
 
 def _element(ref, tag, left, top, width, height, *, parent=0, text="", value="", id="", classes="",

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 SCALE = 3
 
 
-from conftest import needs_browser  # noqa: E402
+from tests.conftest import needs_browser  # noqa: E402
 
 
 # ---- no browser needed --------------------------------------------------------------------
