@@ -36,8 +36,10 @@ value when it is not followed by ``,`` or ``)`` are all accepted.
 """
 from __future__ import annotations
 
+import ast
 import math
 import re
+import warnings
 from dataclasses import dataclass, field
 
 ACTION_KINDS = (
@@ -208,9 +210,12 @@ def _skip_space(text: str, i: int) -> int:
 def _read_quoted(text: str, i: int) -> tuple[str, int]:
     """Read a quoted value starting at text[i] (a quote); return (decoded value, index after).
 
-    Only \\n \\t \\' \\" \\\\ are decoded; other backslashes stay as typed. A quote of the opening
-    kind closes the value only when followed by optional spaces and ',', ')' or the end, so
-    that an unescaped apostrophe in "it's" survives.
+    The prompt asks for Python string syntax, so a value that is a valid Python string literal
+    is read as one (`'caf\\u00e9\\n'` -> "café" + newline), as UI-TARS's own parser does; it is
+    parsed with `ast.literal_eval`, which evaluates nothing but literals. Anything else is read
+    leniently: only \\n \\t \\' \\" \\\\ are decoded and other backslashes stay as typed. A quote
+    of the opening kind closes the value only when followed by optional spaces and ',', ')' or
+    the end, so that an unescaped apostrophe in "it's" survives.
     """
     quote = text[i]
     out: list[str] = []
@@ -229,10 +234,24 @@ def _read_quoted(text: str, i: int) -> tuple[str, int]:
         if ch == quote:
             k = _skip_space(text, j + 1)
             if k >= n or text[k] in ",)":
-                return "".join(out), j + 1
+                literal = _python_string(text[i:j + 1])
+                return ("".join(out) if literal is None else literal), j + 1
         out.append(ch)
         j += 1
     raise ActionParseError(f"unterminated {quote} quote in action arguments")
+
+
+def _python_string(quoted: str) -> str | None:
+    """`quoted` (quotes included) read as a Python string literal, or None when it is not one."""
+    if "\n" in quoted or "\r" in quoted:
+        return None  # a raw line break inside a one-line literal: not Python syntax
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # invalid escapes such as "\d" (Python keeps them as typed)
+        try:
+            value = ast.literal_eval(quoted)
+        except (ValueError, SyntaxError, MemoryError, RecursionError):
+            return None
+    return value if isinstance(value, str) else None
 
 
 def _read_bare(text: str, i: int) -> tuple[str, int]:

@@ -220,6 +220,11 @@ def test_bad_hotkeys(text):
     ("type(content='real\nnewline')", "real\nnewline"),
     (r"type(content='print(__import__(\'os\').system(\'rm -rf /\'))')",
      "print(__import__('os').system('rm -rf /'))"),
+    # A valid Python string literal is read as one (the prompt asks for Python string syntax):
+    (r"type(content='caf\u00e9\n')", "café\n"),
+    (r"type(content='\x41\N{BULLET}\t')", "A\u2022\t"),
+    (r"type(content='C:\dir')", "C:\\dir"),  # an unknown escape stays, as in Python
+    (r'type(content="\u65e5\u672c")', "日本"),
 ])
 def test_type_content(raw, text):
     assert one("Action: " + raw) == Action("type", text=text)
