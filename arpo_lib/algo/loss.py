@@ -107,8 +107,8 @@ def policy_loss(
     Returns:
         loss: () scalar to minimise.
         metrics: python numbers: clip_fraction (share of tokens where the clipped term won, so the
-            gradient is cut), dual_clip_fraction, approx_kl (token mean of old - new), ratio_mean,
-            ratio_max, pg_loss, tokens; kl when ref_logprobs is given.
+            gradient is cut), dual_clip_fraction, approx_kl (token mean of old - new, each
+            clamped to +-20 as the ratio is), ratio_mean, ratio_max, pg_loss, tokens; kl when ref_logprobs is given.
     """
     _check_shapes(logprobs, old_logprobs, advantages, mask, ref_logprobs)
     if aggregation not in AGGREGATIONS:
@@ -127,11 +127,13 @@ def policy_loss(
         raise ValueError(f"advantages must be finite, got {advantages.tolist()}")
 
     m = mask.bool()  # (B, T)
+    # Computed in float32 at least: bf16/fp16 log-probs are upcast, float64 ones stay float64.
+    dtype = torch.promote_types(logprobs.dtype, torch.float32)
     # Zero the padding first: where() blocks both its values and its gradients, so garbage in
     # masked positions can reach neither the loss nor the gradient (0 * inf would be NaN).
-    new = torch.where(m, logprobs.float(), 0.0)  # (B, T)
-    old = torch.where(m, old_logprobs.detach().float(), 0.0)  # (B, T)
-    adv = advantages.detach().float().to(new.device)[:, None].expand_as(new)  # (B, T)
+    new = torch.where(m, logprobs.to(dtype), 0.0)  # (B, T)
+    old = torch.where(m, old_logprobs.detach().to(dtype), 0.0)  # (B, T)
+    adv = advantages.detach().to(device=new.device, dtype=dtype)[:, None].expand_as(new)  # (B, T)
 
     log_ratio = (new - old).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)  # (B, T)
     ratio = torch.exp(log_ratio)  # (B, T)
@@ -151,7 +153,7 @@ def policy_loss(
     loss = pg_loss
     kl_value: torch.Tensor | None = None
     if ref_logprobs is not None:
-        ref = torch.where(m, ref_logprobs.detach().float(), 0.0)
+        ref = torch.where(m, ref_logprobs.detach().to(dtype), 0.0)
         # k3 = exp(ref - new) - (ref - new) - 1: unbiased for KL(new || ref), always >= 0.
         delta = ref - new
         k3 = (torch.exp(delta) - delta - 1.0).clamp(-_MAX_K3, _MAX_K3)  # (B, T)
@@ -165,7 +167,8 @@ def policy_loss(
             "pg_loss": float(pg_loss.item()),
             "clip_fraction": float(_masked_mean(clip_active.float(), m).item()),
             "dual_clip_fraction": float(_masked_mean(dual_active.float(), m).item()),
-            "approx_kl": float(_masked_mean(old - new, m).item()),
+            # of the clamped log-ratio, as verl's ppo_kl: one runaway token cannot swamp the metric
+            "approx_kl": float(_masked_mean(-log_ratio, m).item()),
             "ratio_mean": float(_masked_mean(ratio, m).item()),
             "ratio_max": float(ratio[m].max().item()) if n_tokens else 0.0,
             "tokens": n_tokens,

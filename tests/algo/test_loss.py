@@ -191,6 +191,29 @@ def test_empty_mask_gives_zero_loss_that_can_backward():
     assert torch.equal(logprobs.grad, torch.zeros(2, 3))
 
 
+def test_float64_inputs_stay_float64():
+    """Reference computations (verl comparisons, hand-computed numbers) run in float64: the loss
+    must not round them to float32 on the way."""
+    torch.manual_seed(0)
+    logprobs = (torch.randn(3, 5, dtype=torch.float64) * 0.1 - 1.0).requires_grad_()
+    old = logprobs.detach() + torch.randn(3, 5, dtype=torch.float64) * 1e-9
+    adv = torch.tensor([1.0, -0.5, 2.0], dtype=torch.float64)
+    loss, _ = policy_loss(logprobs, old, adv, torch.ones(3, 5), clip_low=0.2, clip_high=0.3, dual_clip=None)
+    loss.backward()
+    ratio = torch.exp(logprobs.detach() - old)
+    expected = (-(adv[:, None] * ratio)).mean(dim=1).mean()  # no clip is active this close to 1
+    assert loss.dtype == torch.float64 and logprobs.grad.dtype == torch.float64
+    assert abs(loss.item() - expected.item()) < 1e-15
+    assert torch.allclose(logprobs.grad, -(adv[:, None] * ratio) / 15, atol=1e-15, rtol=0)
+
+
+def test_approx_kl_metric_clamps_runaway_log_ratios_as_verl():
+    new = torch.tensor([[-1.0, -60.0]])
+    old = torch.tensor([[-1.0, -1.0]])  # old - new = 0 and 59: the second clamps at 20
+    _, m = policy_loss(new, old, torch.tensor([1.0]), torch.ones(1, 2))
+    assert m["approx_kl"] == pytest.approx(10.0)
+
+
 def test_bf16_inputs_give_a_float32_loss():
     logprobs = torch.tensor([[-1.0, -2.0]], dtype=torch.bfloat16, requires_grad=True)
     loss, _ = policy_loss(logprobs, logprobs.detach(), torch.tensor([1.0]), torch.ones(1, 2))
