@@ -14,6 +14,7 @@ import dataclasses
 import re
 import difflib
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -105,8 +106,6 @@ class RolloutConfig:
     """Sampling temperature for training rollouts (ARPO: 1.0)."""
     top_p: float = 1.0
     """Nucleus sampling mass (1.0 = off). The trainer's log-probs use the same temperature."""
-    save_screenshots: bool = True
-    """Write step_N.png for every step (OSWorld layout). Needed for replay and inspection."""
     backend: str = "hf"
     """Who generates actions: `hf` (the model in this process) or `server` (an OpenAI-compatible
     endpoint: vLLM, our hf server, or remote; see `server_url`)."""
@@ -530,11 +529,21 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     return value
 
 
-def _build(cls: type, data: dict[str, Any], prefix: str = "", validate_root: bool = True) -> Any:
+REMOVED_KEYS = {
+    "rollout.save_screenshots": "screenshots are always written: replay and the viewers read them",
+}
+"""Keys that older configs and run directories hold: dropped with a warning instead of failing."""
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for key, value in data.items():
+        if prefix + str(key) in REMOVED_KEYS:
+            warnings.warn(f"config key {prefix}{key} is no longer used ({REMOVED_KEYS[prefix + str(key)]}); "
+                          "it is ignored", stacklevel=3)
+            continue
         if key not in names:
             _fail(prefix + str(key), "unknown key" + _hint(str(key), names))
         kwargs[key] = _coerce(value, hints[key], prefix + key)

@@ -86,3 +86,11 @@ def test_every_field_has_a_docstring():
                 if dataclasses.is_dataclass(inner):
                     walk(type(inner), key + ".")
     walk(RunConfig)
+
+
+def test_a_removed_key_in_an_old_run_directory_is_dropped_with_a_warning():
+    data = load_config("configs/smoke.yaml").to_dict()
+    data["rollout"]["save_screenshots"] = True  # what run directories written before hold
+    with pytest.warns(UserWarning, match="rollout.save_screenshots is no longer used"):
+        cfg = config_from_dict(data)
+    assert not hasattr(cfg.rollout, "save_screenshots")
