@@ -7,9 +7,11 @@ same code.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -21,9 +23,57 @@ from arpo_lib.agent.model.lora import (adapter_state_dict, apply_lora, cast_froz
 from arpo_lib.agent.model.packing import pack_segments
 from arpo_lib.agent.model.vision_attention import use_batched_vision_attention
 from arpo_lib.agent.prompt import (Segment, UITarsConversations, coord_mode_for, image_processor_limits,
-                                   special_token_ids)
+                                   load_processor, response_text, special_token_ids)
 from arpo_lib.agent.sampling import SeededGumbelSampler
 from arpo_lib.types import Generation
+
+log = logging.getLogger(__name__)
+
+SAMPLING_FIELDS = {"temperature": 1.0, "top_k": None, "top_p": 1.0, "min_p": None, "typical_p": 1.0,
+                   "repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "bad_words_ids": None,
+                   "sequence_bias": None, "min_new_tokens": None, "min_length": 0, "epsilon_cutoff": 0.0,
+                   "eta_cutoff": 0.0, "exponential_decay_length_penalty": None, "do_sample": False}
+"""Generation-config fields that would change which tokens are sampled or their probabilities,
+with the values under which they do nothing (top_k 50 with do_sample false is inert too)."""
+_REPORTED: set[str] = set()
+
+
+def checkpoint_sampling_defaults(generation_config: Any) -> dict[str, Any]:
+    """The sampling settings a checkpoint's generation_config.json sets away from neutral
+    (Qwen2.5-VL-Instruct: repetition_penalty 1.05, top_k 1, top_p 0.001, temperature 0.1)."""
+    found = {}
+    for name, neutral in SAMPLING_FIELDS.items():
+        value = getattr(generation_config, name, neutral)
+        if value is not None and value != neutral and not (name == "top_k" and value in (0, 50)):
+            found[name] = value
+    return found
+
+
+def report_checkpoint_sampling(path: str, generation_config: Any) -> None:
+    """Say once per checkpoint that its generation defaults are not applied."""
+    found = checkpoint_sampling_defaults(generation_config)
+    if found and path not in _REPORTED:
+        _REPORTED.add(path)
+        log.info("%s: its generation_config.json sets %s; not applied: rollouts sample exactly as "
+                 "rollout.temperature / rollout.top_p say, and the recorded log-probs are of that distribution",
+                 path, ", ".join(f"{k}={v}" for k, v in found.items()))
+
+
+@contextlib.contextmanager
+def neutral_generation_defaults(model: Any) -> Iterator[None]:
+    """transformers fills every generation setting a call leaves unset from the checkpoint's
+    generation_config (a repetition penalty, say), which would sample from other scores than the
+    ones the behaviour log-probs are computed from. Inside this block the model's defaults are
+    transformers' neutral ones; the checkpoint's are restored after (and saved with the model)."""
+    from transformers import GenerationConfig
+
+    saved = model.generation_config
+    model.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        model.generation_config = saved
+
 
 class ModelNotFoundError(FileNotFoundError):
     """The model path does not exist or is not a checkpoint directory."""
@@ -59,7 +109,7 @@ class HFPolicy(UITarsConversations):
         frozen_weights_dtype: str = "auto",
         model: Any = None,
     ):
-        from transformers import AutoModelForImageTextToText, AutoProcessor
+        from transformers import AutoModelForImageTextToText
         from transformers.utils import logging as hf_logging
 
         # Loading/saving bars of a tiny model are noise in notebooks; our own messages say what happens.
@@ -78,7 +128,7 @@ class HFPolicy(UITarsConversations):
         if coord_mode == "auto":
             coord_mode = coord_mode_for(path)
         self.coord_mode = coord_mode
-        self.processor = AutoProcessor.from_pretrained(path)
+        self.processor = load_processor(path)
         self.tokenizer = self.processor.tokenizer
         # fp32 master weights; bf16 (if asked) only inside autocast. A ready `model` (the benchmarks'
         # random weights of the real shapes) replaces the checkpoint's; the processor still comes from `path`.
@@ -86,6 +136,7 @@ class HFPolicy(UITarsConversations):
             model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
         self.model = model.to(self.device)
         self.model.eval()
+        report_checkpoint_sampling(path, self.model.generation_config)
         if gradient_checkpointing:
             enable_activation_checkpointing(self.model, checkpoint_every_n_layers)
         if vision_attention == "batched":
@@ -155,7 +206,7 @@ class HFPolicy(UITarsConversations):
         if self.kv_cache and cache_keys is not None:
             out = self.cached.generate(segments, cache_keys, temperature=temperature, top_p=top_p,
                                        max_new_tokens=max_new_tokens, seeds=seeds)
-            return [Generation(self.tokenizer.decode(r.token_ids, skip_special_tokens=True), r.token_ids, r.logprobs)
+            return [Generation(response_text(self.tokenizer, r.token_ids, self.eos_ids), r.token_ids, r.logprobs)
                     for r in out]
         batch = pad_segments(segments, self.pad_id, side="left")
         batch.pop("loss_mask")
@@ -173,7 +224,7 @@ class HFPolicy(UITarsConversations):
             do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=self.eos_ids, pad_token_id=self.pad_id,
             suppress_tokens=self.suppress_ids or None, return_dict_in_generate=True, output_logits=True,
         )
-        with self.autocast():
+        with self.autocast(), neutral_generation_defaults(self.model):
             out = self.model.generate(**inputs, generation_config=gen_config, logits_processor=processors)
         new_tokens = out.sequences[:, width:]  # (B, N)
         logits = torch.stack(out.logits, dim=1).float()  # (B, N, V) raw logits
@@ -190,7 +241,7 @@ class HFPolicy(UITarsConversations):
                     n = i + 1
                     break
             toks = toks[:n]
-            text = self.tokenizer.decode(toks, skip_special_tokens=True)
+            text = response_text(self.tokenizer, toks, self.eos_ids)
             results.append(Generation(text=text, token_ids=toks, logprobs=logprobs[row, :n].tolist()))
         return results
 

@@ -16,6 +16,7 @@ history_images >= max_steps (ARPO's 15/15) a trajectory is one segment.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,8 @@ import torch
 from PIL import Image
 
 from arpo_lib.actions import MAX_PIXELS, MIN_PIXELS, ParsedResponse, parse_response
+
+log = logging.getLogger(__name__)
 
 SYSTEM_PROMPT = "You are a helpful assistant."
 
@@ -213,6 +216,93 @@ class TokenConversation:
 
 
 # ----------------------------------------------------------------------------- per checkpoint
+
+QWEN_IMAGE_PROCESSORS = ("Qwen2VLImageProcessor", "Qwen2VLImageProcessorFast", "Qwen2_5_VLImageProcessor")
+"""Names UI-TARS checkpoints give their image processor; Qwen2.5-VL's is Qwen2-VL's under another name."""
+
+
+def _normalised_image_config(config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """A Qwen-VL image processor config that this transformers loads and resizes with, and notes
+    on what was changed: the `Qwen2_5_VLImageProcessor` name (gone from transformers 5) and a
+    `size: {min_pixels, max_pixels}` (its resize wants shortest_edge / longest_edge)."""
+    fixed, notes = dict(config), []
+    kind = fixed.get("image_processor_type")
+    if kind == "Qwen2_5_VLImageProcessor":
+        fixed["image_processor_type"] = "Qwen2VLImageProcessor"
+        notes.append("image_processor_type Qwen2_5_VLImageProcessor loaded as Qwen2VLImageProcessor (the same class "
+                     "in transformers 4, removed in 5)")
+    size = fixed.get("size")
+    if isinstance(size, dict) and "min_pixels" in size and "shortest_edge" not in size:
+        fixed["size"] = {"shortest_edge": int(size["min_pixels"]), "longest_edge": int(size["max_pixels"])}
+        notes.append(f"size {{min_pixels: {size['min_pixels']}, max_pixels: {size['max_pixels']}}} read as "
+                     "shortest_edge / longest_edge")
+    return fixed, notes
+
+
+def load_processor(path: str | Path) -> Any:
+    """The checkpoint's processor (tokenizer, chat template, image processor) through
+    `AutoProcessor`, also for UI-TARS / Qwen2.5-VL checkpoints whose preprocessor_config.json
+    transformers 5 refuses or misreads (`_normalised_image_config`): those load from a directory
+    of links to the checkpoint's files with a corrected preprocessor_config.json, and what was
+    adapted is logged. A policy saved afterwards writes the corrected config."""
+    from transformers import AutoProcessor
+    from transformers.image_processing_utils import ImageProcessingMixin
+
+    try:
+        config, _ = ImageProcessingMixin.get_image_processor_dict(str(path))
+    except (OSError, ValueError):
+        config = {}
+    fixed, notes = _normalised_image_config(config)
+    if not notes or config.get("image_processor_type") not in QWEN_IMAGE_PROCESSORS:
+        return AutoProcessor.from_pretrained(str(path))
+    log.info("%s: %s", path, "; ".join(notes))
+    return AutoProcessor.from_pretrained(str(_corrected_processor_dir(Path(path), fixed)))
+
+
+def _corrected_processor_dir(path: Path, image_config: dict[str, Any]) -> Path:
+    """A directory holding links to the checkpoint's processor files and `image_config` as its
+    preprocessor_config.json (cached by content under ~/.cache/arpo-workbench/processors)."""
+    import hashlib
+    import json
+    import os
+    import tempfile
+
+    if not path.is_dir():  # a hub id: its small files, from the local Hugging Face cache or the hub
+        from huggingface_hub import snapshot_download
+
+        path = Path(snapshot_download(str(path), allow_patterns=["*.json", "*.jinja", "*.txt", "*.model"]))
+    text = json.dumps(image_config, indent=2, sort_keys=True)
+    key = hashlib.sha256(f"{path.resolve()}\n{text}".encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "arpo-workbench" / "processors"
+    target = cache / key
+    if target.is_dir():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=cache, prefix=".tmp-"))
+    for f in path.iterdir():
+        if f.is_file() and f.suffix not in (".safetensors", ".bin", ".pt", ".pth") and f.name != "preprocessor_config.json":
+            (tmp / f.name).symlink_to(f.resolve())
+    (tmp / "preprocessor_config.json").write_text(text)
+    try:
+        os.replace(tmp, target)
+    except OSError:  # another process made it meanwhile
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def response_text(tokenizer: Any, token_ids: list[int], end_ids: list[int]) -> str:
+    """The text of sampled response tokens as it goes back into the history: every token kept,
+    box markers included (`<|box_start|>`, special tokens in the real Qwen tokenizer that
+    `skip_special_tokens` would strip), only the end-of-turn token dropped (the chat template
+    writes it). Re-encoding this text gives the sampled special tokens back."""
+    ids = list(token_ids)
+    while ids and ids[-1] in end_ids:
+        ids.pop()
+    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
 
 COORD_MODE_BY_MODEL_TYPE = {"qwen2_vl": "qwen2vl", "qwen2_5_vl": "qwen25vl"}
 

@@ -28,7 +28,7 @@ from typing import Any, Sequence
 
 from arpo_lib.agent.client import ServerError, chat_completion, ui_tars_messages
 from arpo_lib.agent.prompt import (Segment, UITarsConversations, coord_mode_for, image_processor_limits,
-                                   special_token_ids)
+                                   load_processor, response_text, special_token_ids)
 from arpo_lib.types import Generation
 
 # The UI-TARS action grammar as a regular expression, for constrained decoding (vLLM's
@@ -42,6 +42,11 @@ _CALLS = [
     rf"type\(content={_TEXT}\)", rf"scroll\(start_box={_POINT}, direction='(up|down|left|right)'\)",
     r"wait\(\)", rf"finished\(content={_TEXT}\)", r"finished\(\)", r"call_user\(\)",
 ]
+NEUTRAL_SAMPLING = {"repetition_penalty": 1.0, "top_k": -1, "min_p": 0.0, "presence_penalty": 0.0,
+                    "frequency_penalty": 0.0}
+"""Sent with every request: a server (vLLM) fills unset sampling fields from the checkpoint's
+generation_config.json otherwise (Qwen2.5-VL-Instruct's: repetition penalty 1.05, top_k 1), and
+rollouts must sample exactly as rollout.* says."""
 ACTION_REGEX = r"(Thought: [^\n]{1,400}\n)?Action: (" + "|".join(_CALLS) + ")"
 
 
@@ -69,11 +74,9 @@ class ServerPolicy(UITarsConversations):
         model the server lists). `api_key_env`: the name of an environment variable holding the
         key (the key itself is never stored in a config, a log or a run directory).
         `constrained`: ask the server to decode only strings matching `ACTION_REGEX`."""
-        from transformers import AutoProcessor
-
         self.base_url = base_url.rstrip("/")
         self.path = str(model_path)
-        self.processor = AutoProcessor.from_pretrained(self.path)
+        self.processor = load_processor(self.path)
         self.tokenizer = self.processor.tokenizer
         self.coord_mode = coord_mode_for(self.path) if coord_mode == "auto" else coord_mode
         self.history_images = history_images
@@ -145,7 +148,9 @@ class ServerPolicy(UITarsConversations):
     def _one(self, segment: Segment, ctx: Any, temperature: float, top_p: float, max_tokens: int,
              seed: int | None) -> Generation:
         messages = ui_tars_messages(ctx.instruction, ctx.screenshots, ctx.responses, self.history_images)
-        extra: dict[str, Any] = {"logit_bias": {str(i): -100 for i in self.suppress_ids}}
+        extra: dict[str, Any] = {"logit_bias": {str(i): -100 for i in self.suppress_ids}, **NEUTRAL_SAMPLING,
+                                 # the box markers are special tokens: keep them in the text
+                                 "skip_special_tokens": False, "spaces_between_special_tokens": False}
         if self.constrained:
             extra["structured_outputs"] = {"regex": ACTION_REGEX}
         reply = chat_completion(self.base_url, messages, model=self.served_model, temperature=temperature,
@@ -170,4 +175,6 @@ class ServerPolicy(UITarsConversations):
             if choice.get("finish_reason") == "stop":
                 ids = list(ids) + [self.eos_ids[0]]
             logprobs = [0.0] * len(ids)
+        else:  # the history text is the sampled tokens' own text, whatever the server's detokenizer did
+            text = response_text(self.tokenizer, list(ids), self.eos_ids)
         return Generation(text=text, token_ids=list(ids), logprobs=logprobs)

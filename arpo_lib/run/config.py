@@ -193,6 +193,9 @@ class TrainConfig:
     """AdamW weight decay."""
     grad_clip: float = 1.0
     """Gradient-norm clip."""
+    max_skipped_steps: int = 3
+    """An optimizer step whose gradient norm is NaN or infinite is skipped (as ARPO); this many in a
+    row stop the run with an error (0 = never stop)."""
     warmup_ratio: float = 0.05
     """Share of total optimizer steps with linear warm-up."""
     seed: int = 0
@@ -424,6 +427,8 @@ def validate(cfg: RunConfig) -> None:
     batch = cfg.train.tasks_per_batch * cfg.rollout.group_size
     if cfg.train.updates_per_batch > batch:
         _fail("train.updates_per_batch", f"{cfg.train.updates_per_batch} mini-batches from a batch of {batch} trajectories")
+    if cfg.train.max_skipped_steps < 0:
+        _fail("train.max_skipped_steps", "must be >= 0")
     if cfg.train.eval_every < 0:
         _fail("train.eval_every", "must be >= 0")
     if cfg.rollout.backend not in ("hf", "server"):

@@ -137,7 +137,10 @@ class ServerSpec:
                "--max-model-len", str(o["max_model_len"]),
                "--limit-mm-per-prompt", json.dumps({"image": int(o["max_images"])}),
                "--enable-prefix-caching" if o["enable_prefix_caching"] else "--no-enable-prefix-caching",
-               "--dtype", str(o["dtype"]), "--logprobs-mode", str(o["logprobs_mode"])]
+               "--dtype", str(o["dtype"]), "--logprobs-mode", str(o["logprobs_mode"]),
+               # sampling defaults from vLLM, not from the checkpoint's generation_config.json
+               # (a repetition penalty there would change what rollouts sample)
+               "--generation-config", "vllm"]
         if self.vllm_device == "cuda":
             cmd += ["--gpu-memory-utilization", str(o["gpu_memory_utilization"])]
         if o["enforce_eager"]:

@@ -58,6 +58,8 @@ class ChatRequest:
     logprobs: bool = False
     return_token_ids: bool = False
     """vLLM's extension (also implied by logprobs here): the sampled ids in choices[0].token_ids."""
+    skip_special_tokens: bool = True
+    """vLLM's sampling field: drop special tokens (Qwen's box markers among them) from the text."""
 
 
 def decode_data_url(url: str) -> Image.Image:
@@ -135,7 +137,14 @@ def parse_chat_request(body: Any) -> ChatRequest:
         messages.append({"role": msg["role"], "content": parts})
     if body.get("structured_outputs") or body.get("guided_regex") or body.get("response_format"):
         raise RequestError("constrained decoding (structured_outputs) needs the vllm backend", param="structured_outputs")
-    flags = {key: body.get(key, False) for key in ("logprobs", "return_token_ids")}
+    for key, neutral in (("repetition_penalty", 1.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0),
+                         ("min_p", 0.0)):
+        if key in body and body[key] != neutral:
+            raise RequestError(f"'{key}' {body[key]!r} is not supported by the hf server (only {neutral})", param=key)
+    if body.get("top_k") not in (None, -1, 0):
+        raise RequestError("'top_k' is not supported by the hf server (only -1 or 0: off)", param="top_k")
+    flags = {key: body.get(key, default) for key, default in
+             (("logprobs", False), ("return_token_ids", False), ("skip_special_tokens", True))}
     for key, value in flags.items():
         if not isinstance(value, bool):
             raise RequestError(f"'{key}' must be true or false", param=key)
@@ -188,9 +197,11 @@ class HFChatBackend:
                                        max_new_tokens=request.max_tokens or self.max_new_tokens,
                                        seeds=None if request.seed is None else [request.seed])[0]
         finished = bool(gen.token_ids) and gen.token_ids[-1] in self.policy.eos_ids
+        text = gen.text if not request.skip_special_tokens else \
+            self.policy.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
         choice: dict[str, Any] = {
             "index": 0,
-            "message": {"role": "assistant", "content": gen.text},
+            "message": {"role": "assistant", "content": text},
             "finish_reason": "stop" if finished else "length",
             "logprobs": None,
         }

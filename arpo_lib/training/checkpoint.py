@@ -33,9 +33,9 @@ log = logging.getLogger(__name__)
 
 
 def save_checkpoint(ckpt_dir: Path, step: int, *, policy: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
-                    replay: ReplayBuffer, config: dict[str, Any], keep: int) -> Path:
-    """Write model, optimizer, scheduler, replay buffer, RNG and step atomically; keep the newest
-    `keep` checkpoints. Returns the checkpoint directory."""
+                    replay: ReplayBuffer, config: dict[str, Any], keep: int, state: dict[str, Any] | None = None) -> Path:
+    """Write model, optimizer, scheduler, replay buffer, RNG, step and the trainer's own `state`
+    (JSON) atomically; keep the newest `keep` checkpoints. Returns the checkpoint directory."""
     final = ckpt_dir / layout.step_name(step)
     tmp = ckpt_dir / f".tmp_{layout.step_name(step)}"
     if tmp.exists():
@@ -44,8 +44,9 @@ def save_checkpoint(ckpt_dir: Path, step: int, *, policy: Any, optimizer: torch.
     policy.save(tmp / layout.MODEL)
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / layout.OPTIMIZER)
     replay.save(tmp / layout.REPLAY)
-    state = {"step": step, "torch_rng": torch.get_rng_state().tolist(), "config": config, "time": time.time()}
-    (tmp / layout.TRAINER_STATE).write_text(json.dumps(state))
+    trainer_state = {"step": step, "torch_rng": torch.get_rng_state().tolist(), "config": config,
+                     "time": time.time(), "trainer": state or {}}
+    (tmp / layout.TRAINER_STATE).write_text(json.dumps(trainer_state))
     manifest = {}
     for f in sorted(tmp.rglob("*")):
         if f.is_file():
@@ -66,16 +67,17 @@ def save_checkpoint(ckpt_dir: Path, step: int, *, policy: Any, optimizer: torch.
     return final
 
 
-def load_checkpoint(checkpoint: Path, *, optimizer: torch.optim.Optimizer, scheduler: Any) -> tuple[int, ReplayBuffer]:
-    """Restore optimizer, scheduler and torch's RNG from a checkpoint; returns (step, replay buffer).
-    The model is loaded by whoever builds the policy (`arpo_lib.build`)."""
+def load_checkpoint(checkpoint: Path, *, optimizer: torch.optim.Optimizer,
+                    scheduler: Any) -> tuple[int, ReplayBuffer, dict[str, Any]]:
+    """Restore optimizer, scheduler and torch's RNG from a checkpoint; returns (step, replay buffer,
+    the trainer's own state). The model is loaded by whoever builds the policy (`arpo_lib.build`)."""
     opt = torch.load(checkpoint / layout.OPTIMIZER, weights_only=False)
     optimizer.load_state_dict(opt["optimizer"])
     scheduler.load_state_dict(opt["scheduler"])
     replay = ReplayBuffer.load(checkpoint / layout.REPLAY)
     state = json.loads((checkpoint / layout.TRAINER_STATE).read_text())
     torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
-    return int(state["step"]), replay
+    return int(state["step"]), replay, dict(state.get("trainer", {}))
 
 
 def latest_checkpoint(ckpt_dir: Path) -> Path | None:

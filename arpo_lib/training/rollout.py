@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 import torch
 from PIL import Image
 
-from arpo_lib.actions import ActionParseError
+from arpo_lib.actions import Action, ActionParseError
 from arpo_lib.agent.prompt import Segment, TokenConversation
 from arpo_lib.algo import trajectory_reward
 from arpo_lib.envs.base import EnvError
@@ -93,6 +93,10 @@ def load_trajectory(directory: str | Path, processor: Any) -> Trajectory:
 
 
 # ----------------------------------------------------------------------------- the engine
+
+DONE = action_payload([Action("finished")])
+"""What a malformed response sends the environment: end the episode (OSWorld's DONE)."""
+
 
 @dataclass
 class _Episode:
@@ -219,12 +223,12 @@ class RolloutEngine:
             self._observe(ep, obs.screenshot)
             return
         obs, reward, terminated, truncated, ep.info = value
-        self.env_steps += len(ep.pending_record.actions) if ep.pending_record else 1
+        self.env_steps += max(1, len(ep.pending_record.actions)) if ep.pending_record else 1
         rec = ep.pending_record
         rec.reward, rec.terminated, rec.truncated = float(reward), bool(terminated), bool(truncated)
         rec.seconds = time.monotonic() - ep.step_started
         ep.traj.steps.append(rec)
-        if terminated or truncated:
+        if terminated or truncated or not ep.traj.format_ok:
             # The env scores truncated episodes too: OSWorld's checker judges the final state
             # whatever ended the episode (as OSWorld and ARPO do); MiniWoB gives 0 there.
             ep.traj.task_score = float(reward)
@@ -255,10 +259,12 @@ class RolloutEngine:
                 if not actions:
                     raise ActionParseError("no action in the response")
             except ActionParseError as exc:
-                # A format failure ends the episode; it is still scored (0 + format penalty).
-                ep.traj.steps.append(StepRecord(step, gen.text, [], str(exc)[:500], 0.0, True, False, 0.0))
+                # A format failure ends the episode as ARPO does: the environment is stepped with
+                # DONE and its checker scores the state the episode reached (a task done before
+                # the malformed response still counts); the format penalty comes on top.
                 ep.traj.format_ok = False
-                ep.done = True
+                ep.pending_record = StepRecord(step, gen.text, [], str(exc)[:500], 0.0, False, False, 0.0)
+                self._send(ep, "step", DONE)
                 continue
             ep.pending_record = StepRecord(step, gen.text, actions, None, 0.0, False, False, 0.0)
             self._send(ep, "step", actions)

@@ -25,6 +25,7 @@ Departures from the original, on purpose:
 from __future__ import annotations
 
 import logging
+import math
 import random
 import shutil
 import time
@@ -47,6 +48,10 @@ from arpo_lib.training.rollout import RolloutEngine, load_trajectory
 from arpo_lib.types import Group, Trajectory, WorkerPool, episode_requests
 
 log = logging.getLogger(__name__)
+
+
+class NonFiniteGradientError(RuntimeError):
+    """Too many optimizer steps in a row had a NaN or infinite gradient (train.max_skipped_steps)."""
 
 
 def task_batch(tasks: list[str], step: int, tasks_per_batch: int, seed: int) -> list[str]:
@@ -96,7 +101,8 @@ class Trainer:
             seed=stable_seed(t.seed, "replay"), std_threshold=rp.std_threshold, mean_threshold=rp.mean_threshold)
         self.step = 0
         if checkpoint is not None:
-            self.step, self.replay = load_checkpoint(checkpoint, optimizer=self.optimizer, scheduler=self.scheduler)
+            self.step, self.replay, state = load_checkpoint(checkpoint, optimizer=self.optimizer,
+                                                            scheduler=self.scheduler)
             log.info("resumed %s at step %d from %s", self.run.root, self.step, checkpoint.name)
         if resume:
             drop_records_after(self.run, self.step)
@@ -105,6 +111,8 @@ class Trainer:
         self._pool: WorkerPool | None = None
         self.weights_version = 0
         """Counts weight changes (warm start, optimizer steps): what a rollout server must hold."""
+        self.consecutive_skips = int(state.get("consecutive_skips", 0)) if checkpoint is not None else 0
+        """Optimizer steps skipped in a row for a non-finite gradient (train.max_skipped_steps)."""
         self._demos: list[Trajectory] | None = None
         self._warm_started = self._demos_seeded = checkpoint is not None
         self.seconds_warm_start = 0.0
@@ -223,7 +231,11 @@ class Trainer:
         for task in dict.fromkeys(tasks):
             fresh = [t for t in trajs if t.task == task and t.ok]
             if len(fresh) < 2:
-                continue  # no comparison possible (all but one rollout hit infrastructure failures)
+                # No comparison possible (all but one rollout hit infrastructure failures), but a
+                # lone success is still a success: it goes into the replay buffer, as in ARPO.
+                for t in fresh:
+                    self.replay.add(task, _replay_item(t), t.task_score)
+                continue
             result = self.replay.maybe_inject(task, [_replay_item(t) for t in fresh], [t.task_score for t in fresh])
             group = list(fresh)
             if result.injected:
@@ -244,15 +256,22 @@ class Trainer:
         items = [(seg, adv) for g in groups for t, adv in zip(g.trajectories, g.advantages)
                  for seg in t.segments if any(seg.loss_mask)]
         stats = {"loss": 0.0, "clip_fraction": 0.0, "grad_norm": 0.0, "tokens": 0, "sequences": len(items),
-                 "optimizer_steps": 0, "approx_kl": 0.0, "kl": 0.0}
+                 "optimizer_steps": 0, "skipped_steps": 0, "approx_kl": 0.0, "kl": 0.0}
         if not items:
             return stats
         random.Random(stable_seed(cfg.train.seed, "shuffle", self.step)).shuffle(items)
         temperature = cfg.rollout.temperature
+        # A sequence with advantage 0 has zero policy loss and gradient, so it is not run through
+        # the model -- unless a KL term to the reference depends on it too.
+        with_kl = self.reference is not None and cfg.algo.kl_coef > 0
+
+        def runs(adv: float) -> bool:
+            return adv != 0.0 or with_kl
+
         # Old log-probs for the whole batch before any update (ratio starts at 1, as ARPO).
         old: dict[int, torch.Tensor] = {}
         for seg, adv in items:
-            if adv != 0.0:
+            if runs(adv):
                 if cfg.algo.old_logprobs == "behaviour":
                     old[id(seg)] = torch.tensor([lp for lp, m in zip(seg.behaviour_logprobs, seg.loss_mask) if m])
                 else:
@@ -266,7 +285,7 @@ class Trainer:
                 continue
             n_seq = len(mb)
             n_tok = sum(sum(seg.loss_mask) for seg, _ in mb)
-            active = [(seg, adv) for seg, adv in mb if adv != 0.0]
+            active = [(seg, adv) for seg, adv in mb if runs(adv)]
             self.optimizer.zero_grad(set_to_none=True)
             mb_loss = 0.0
             for micro in self._micro_batches(active):
@@ -291,18 +310,38 @@ class Trainer:
                 clips.append(m.get("clip_fraction", 0.0))
                 kls.append(m.get("approx_kl", 0.0))
                 ref_kls.append(m.get("kl", 0.0))
-            norm = torch.nn.utils.clip_grad_norm_(self.policy.trainable_parameters(), cfg.train.grad_clip)
-            self.optimizer.step()
-            self.scheduler.step()
-            losses.append(mb_loss)
-            norms.append(float(norm))
-            stats["optimizer_steps"] += 1
-            self.weights_version += 1
-            stats["tokens"] += n_tok
+            norm = float(torch.nn.utils.clip_grad_norm_(self.policy.trainable_parameters(), cfg.train.grad_clip))
+            if math.isfinite(norm):
+                self.optimizer.step()
+                self.consecutive_skips = 0
+                losses.append(mb_loss)
+                norms.append(norm)
+                stats["optimizer_steps"] += 1
+                self.weights_version += 1
+                stats["tokens"] += n_tok
+            else:
+                self._skip_step(norm)
+                stats["skipped_steps"] += 1
+            self.scheduler.step()  # the schedule follows time (mini-batches), as verl's
         self.policy.model.eval()
         stats.update(loss=_mean(losses), clip_fraction=_mean(clips), grad_norm=_mean(norms), approx_kl=_mean(kls),
                      kl=_mean(ref_kls))
         return stats
+
+    def _skip_step(self, norm: float) -> None:
+        """A non-finite gradient: drop it instead of letting one NaN poison every weight (and
+        every checkpoint after it), as ARPO does; stop after `train.max_skipped_steps` in a row."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.consecutive_skips += 1
+        log.warning("step %d: the gradient norm is %s: optimizer step skipped (%d in a row)",
+                    self.step, norm, self.consecutive_skips)
+        limit = self.cfg.train.max_skipped_steps
+        if limit and self.consecutive_skips >= limit:
+            raise NonFiniteGradientError(
+                f"{self.consecutive_skips} optimizer steps in a row had a non-finite gradient norm ({norm}): "
+                f"the run is stopped before it trains on garbage. The last checkpoint in {self.run.checkpoints} "
+                "is intact; look for NaN/inf in the log-probs or rewards, lower train.lr, or raise "
+                "train.max_skipped_steps to tolerate more.")
 
     def _micro_batches(self, items: list[tuple[Segment, float]]) -> list[list[tuple[Segment, float]]]:
         """Fixed-size micro-batches, or token-budget ones (train.token_budget)."""
@@ -372,7 +411,8 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         return save_checkpoint(self.run.checkpoints, self.step, policy=self.policy, optimizer=self.optimizer,
                                scheduler=self.scheduler, replay=self.replay, config=self.cfg.to_dict(),
-                               keep=self.cfg.train.keep_checkpoints)
+                               keep=self.cfg.train.keep_checkpoints,
+                               state={"consecutive_skips": self.consecutive_skips})
 
 
 def _replay_item(t: Trajectory) -> dict[str, Any]:
