@@ -319,10 +319,10 @@ class Trainer:
                 stats["optimizer_steps"] += 1
                 self.weights_version += 1
                 stats["tokens"] += n_tok
+                self.scheduler.step()  # the schedule counts the optimizer steps taken
             else:
                 self._skip_step(norm)
                 stats["skipped_steps"] += 1
-            self.scheduler.step()  # the schedule follows time (mini-batches), as verl's
         self.policy.model.eval()
         stats.update(loss=_mean(losses), clip_fraction=_mean(clips), grad_norm=_mean(norms), approx_kl=_mean(kls),
                      kl=_mean(ref_kls))

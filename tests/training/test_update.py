@@ -1,0 +1,155 @@
+"""The trainer's grouping and update under faults, on synthetic trajectories (no browser):
+non-finite gradients, the KL term of zero-advantage sequences, lone successes, and a malformed
+response scored by the environment's checker."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from PIL import Image
+
+from arpo_lib import build
+from arpo_lib.agent.prompt import response_text
+from arpo_lib.algo import policy_loss
+from arpo_lib.envs.osworld.fake import FAKE_DESKTOP_ENV, FAKE_TASK_LOADER
+from arpo_lib.envs.pool import EnvPool
+from arpo_lib.run.config import load_config
+from arpo_lib.training.rollout import RolloutEngine
+from arpo_lib.training.trainer import NonFiniteGradientError
+from arpo_lib.types import EpisodeRequest, EpisodeStatus, Group, Trajectory
+
+RESPONSES = ["Thought: I click.\nAction: click(start_box='(10,20)')", "Action: wait()", "Action: finished()"]
+
+
+def _cfg(tmp_path, model, *overrides):
+    return load_config("configs/smoke.yaml", [
+        f"model.path={model}", f"out_dir={tmp_path}", "name=u", "train.updates_per_batch=1", "train.lr=1e-3",
+        "warm_start.steps=0", "warm_start.demos_per_task=0", "train.demo_replay=0", "logging.progress=false",
+        "rollout.group_size=2", *overrides])
+
+
+def _trajectory(policy, task: str, i: int, score: float = 0.0) -> Trajectory:
+    conv = policy.new_conversation("click the button")
+    conv.add_observation(Image.new("RGB", (84, 56), (i * 40 % 255, 90, 200)))
+    ids = policy.tokenizer(RESPONSES[i % 3], add_special_tokens=False)["input_ids"] + [policy.eos_ids[0]]
+    conv.add_response(response_text(policy.tokenizer, ids, policy.eos_ids), ids, [-1.0] * len(ids))
+    return Trajectory(task=task, seed=i, sample=i, task_score=score, reward=score, segments=conv.segments,
+                      directory=f"/runs/x/{task}/{i}")
+
+
+def _groups(policy, advantages):
+    trajs = [_trajectory(policy, "miniwob/click-test", i) for i in range(len(advantages))]
+    return [Group("miniwob/click-test", trajs, list(advantages), False, False)]
+
+
+def _params(trainer):
+    return [p.detach().clone() for p in trainer.policy.trainable_parameters()]
+
+
+def test_a_nan_gradient_skips_the_step_instead_of_poisoning_the_weights(tmp_path, tiny_qwen2vl, capsys):
+    with build.trainer(_cfg(tmp_path, tiny_qwen2vl, "train.updates_per_batch=2")) as trainer:
+        policy = trainer.policy
+        honest = policy.sequence_logprobs
+        policy.sequence_logprobs = lambda segs, *a, **k: [lp * float("nan") if torch.is_grad_enabled() else lp
+                                                          for lp in honest(segs, *a, **k)]
+        before = _params(trainer)
+        stats = trainer.update(_groups(policy, [1.0, -1.0, 0.5, -0.5]))
+        after = _params(trainer)
+    assert stats["skipped_steps"] == 2 and stats["optimizer_steps"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, after))  # untouched, and finite
+    assert trainer.weights_version == 0 and trainer.consecutive_skips == 2
+    assert "optimizer step skipped" in capsys.readouterr().out
+
+
+def test_too_many_non_finite_steps_in_a_row_stop_the_run(tmp_path, tiny_qwen2vl):
+    with build.trainer(_cfg(tmp_path, tiny_qwen2vl, "train.max_skipped_steps=2")) as trainer:
+        policy = trainer.policy
+        honest = policy.sequence_logprobs
+        poison = {"on": True}
+        policy.sequence_logprobs = lambda segs, *a, **k: [
+            lp * float("inf") if poison["on"] and torch.is_grad_enabled() else lp for lp in honest(segs, *a, **k)]
+        groups = _groups(policy, [1.0, -1.0])
+        trainer.update(groups)
+        poison["on"] = False
+        assert trainer.update(groups)["optimizer_steps"] == 1 and trainer.consecutive_skips == 0  # a good step resets
+        poison["on"] = True
+        trainer.update(groups)
+        with pytest.raises(NonFiniteGradientError, match="2 optimizer steps in a row"):
+            trainer.update(groups)
+
+
+def test_with_a_kl_term_zero_advantage_sequences_still_count(tmp_path, tiny_qwen2vl):
+    """Their policy loss is zero but their KL to the reference is not: the update's gradient must
+    equal the one computed over every sequence."""
+    cfg = _cfg(tmp_path, tiny_qwen2vl, "algo.kl_coef=0.5", "train.grad_clip=1e9")
+    with build.trainer(cfg) as trainer:
+        policy = trainer.policy
+        with torch.no_grad():  # move the policy away from the reference, so the KL has a gradient
+            for p in policy.model.parameters():
+                p.add_(torch.randn_like(p) * 0.02)
+        groups = _groups(policy, [1.5, 0.0, 0.0, -1.5])
+        segs = [t.segments[0] for t in groups[0].trajectories]
+        # The update's order is a seeded shuffle; the loss is a mean over sequences, so order-free.
+        seen = {}
+        trainer.optimizer.step = lambda *a, **k: seen.update(
+            grads=[p.grad.detach().clone() for p in policy.trainable_parameters()])
+        trainer.update(groups)
+        policy.model.train()
+        policy.model.zero_grad(set_to_none=True)
+        new = policy.sequence_logprobs(segs, 1.0)
+        with torch.no_grad():
+            ref = policy.sequence_logprobs(segs, 1.0, model=trainer.reference)
+        pad = lambda xs: torch.nn.utils.rnn.pad_sequence(xs, batch_first=True)  # noqa: E731
+        loss, _ = policy_loss(pad(new), pad([x.detach() for x in new]), torch.tensor([1.5, 0.0, 0.0, -1.5]),
+                              pad([torch.ones_like(x) for x in new]), ref_logprobs=pad(ref), kl_coef=0.5)
+        loss.backward()
+        want = [p.grad for p in policy.trainable_parameters()]
+    assert all(torch.allclose(g, w, atol=1e-6, rtol=1e-4) for g, w in zip(seen["grads"], want))
+
+
+def test_a_lone_success_after_infrastructure_failures_is_stored_for_replay(tmp_path, tiny_qwen2vl):
+    with build.trainer(_cfg(tmp_path, tiny_qwen2vl, "rollout.group_size=4")) as trainer:
+        policy = trainer.policy
+        trajs = [_trajectory(policy, "miniwob/click-test", i, score=1.0 if i == 0 else 0.0) for i in range(4)]
+        for t in trajs[1:]:
+            t.status = EpisodeStatus.ENV_ERROR
+        groups = trainer.make_groups(["miniwob/click-test"], trajs)
+        assert groups == []  # nothing to compare it with: no update from this task
+        assert [s["dir"] for s in trainer.replay.successes("miniwob/click-test")] == [trajs[0].directory]
+
+
+class _FixedResponses:
+    """A policy that answers from a script, one response per step (the tiny model's tokens)."""
+
+    def __init__(self, base, responses):
+        self.base, self.responses = base, responses
+        self.coord_mode, self.release, self.parse = base.coord_mode, base.release, base.parse
+        self.new_conversation = base.new_conversation
+
+    def generate(self, segments, *, contexts=None, **kw):
+        from arpo_lib.types import Generation
+
+        out = []
+        for ctx in contexts:
+            text = self.responses[ctx.step]
+            ids = self.base.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.base.eos_ids[0]]
+            out.append(Generation(text, ids, [0.0] * len(ids)))
+        return out
+
+
+@pytest.mark.slow
+def test_a_malformed_response_ends_the_episode_through_the_checker(tmp_path, tiny_qwen2vl):
+    """ARPO steps the environment with DONE and lets the checker score the state reached: a
+    task done before the malformed response scores 1 (reward 1 - 0.5), not -0.5."""
+    policy = build.hf_policy(_cfg(tmp_path, tiny_qwen2vl))
+    click = "Action: click(start_box='(500,500)')"  # relative 0..1000: the screen's centre, on fake-click's target
+    options = {"provider": "fake", "desktop_env_class": FAKE_DESKTOP_ENV, "task_loader": FAKE_TASK_LOADER,
+               "cache_root": str(tmp_path / "vm"), "pause_s": 0, "max_steps": 5}
+    with EnvPool(1, options, timeout_s=120) as pool:
+        engine = RolloutEngine(_FixedResponses(policy, [click, "I am not an action"]), pool, max_steps=5)
+        (traj,) = engine.run([EpisodeRequest("osworld/fake-click", 0)], progress=False, out_dir=tmp_path / "out")
+    assert traj.ok and not traj.format_ok
+    assert traj.task_score == 1.0 and traj.reward == pytest.approx(0.5)
+    assert [s.parse_error is None for s in traj.steps] == [True, False]
+    assert traj.steps[-1].terminated and traj.steps[-1].reward == 1.0
