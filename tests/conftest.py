@@ -129,3 +129,67 @@ def policy(tiny_model):
 
     torch.manual_seed(0)
     return HFPolicy(tiny_model, device="cpu", max_new_tokens=24, history_images=15)
+
+
+# ---- nothing outlives the suite: every process the tests start (browsers, drivers, environment
+# workers, servers, Ray) carries SESSION_MARKER in its environment; at the end of the session any
+# such process still running is reported, killed, and fails the run.
+SESSION_MARKER = "ARPO_TEST_SESSION"
+LEAK_GRACE_S = float(os.environ.get("ARPO_LEAK_GRACE_S", "20"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    import uuid
+
+    os.environ.setdefault(SESSION_MARKER, uuid.uuid4().hex)
+
+
+def session_processes(marker: str) -> dict[int, tuple[str, str]]:
+    """pid -> (command line, the test that started it) of live processes carrying the marker."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+            if f"{SESSION_MARKER}={marker}".encode() not in env:
+                continue
+            if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                continue  # a zombie is dead, waiting to be reaped
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            if "multiprocessing.resource_tracker" in cmd:
+                continue  # multiprocessing's own helper: it ends with this process
+            test = next((e.decode(errors="replace").split("=", 1)[1] for e in env
+                         if e.startswith(b"PYTEST_CURRENT_TEST=")), "?")
+            found[int(entry.name)] = (cmd[:160], test)
+        except (OSError, IndexError):
+            continue
+    return found
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    import signal
+
+    marker = os.environ.get(SESSION_MARKER)
+    if not marker or not Path("/proc").is_dir() or hasattr(session.config, "workerinput"):
+        return
+    deadline = time.monotonic() + LEAK_GRACE_S
+    leaked = session_processes(marker)
+    while leaked and time.monotonic() < deadline:
+        time.sleep(1.0)
+        leaked = session_processes(marker)
+    if not leaked:
+        return
+    lines = [f"  pid {pid}: {cmd}  (started during {test})" for pid, (cmd, test) in sorted(leaked.items())]
+    message = f"\n{len(leaked)} process(es) started by the tests outlived them (killed now):\n" + "\n".join(lines)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(message, red=True)
+    else:
+        print(message)
+    for pid in leaked:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED

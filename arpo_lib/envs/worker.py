@@ -53,6 +53,7 @@ CONNECT_TIMEOUT_S = 60.0
 def _worker_main(conn: Any, env_options: dict[str, Any], cache_size: int = 1) -> None:
     # Own process group: the browser and its driver join it, so killing the group cleans up all.
     os.setsid()
+    _group_watchdog()
     _exit_with_parent()
     from arpo_lib.envs import make_env
 
@@ -112,6 +113,17 @@ def _worker_main(conn: Any, env_options: dict[str, Any], cache_size: int = 1) ->
     finally:
         for e in envs.values():
             close_quietly(e)
+
+
+def _group_watchdog() -> "subprocess.Popen[bytes]":
+    """A tiny shell in this worker's process group that kills the group once the worker is gone,
+    however it went: a worker SIGKILLed on its own (Ray's raylet kills a dead actor's child
+    processes, not their children) would otherwise leave its browser and driver running,
+    orphaned to init. It costs one `sh` and a `kill -0` a second."""
+    me, group = os.getpid(), os.getpgid(0)
+    script = f"while kill -0 {me} 2>/dev/null; do sleep 1; done; kill -9 -{group} 2>/dev/null"
+    return subprocess.Popen(["/bin/sh", "-c", script], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, close_fds=True)
 
 
 def _exit_with_parent() -> None:

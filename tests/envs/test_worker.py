@@ -156,3 +156,19 @@ def test_killed_worker_is_an_env_error_and_its_browser_dies_with_it(other_python
         assert worker.call("ping")["executable"] == other_python
         obs, _ = worker.call("reset", ("miniwob/click-test", 1))
         assert obs.screenshot.size == (320, 420)
+
+
+@pytest.mark.slow
+def test_a_worker_killed_behind_its_pools_back_takes_its_browser_along(chromium_available):
+    """What Ray's raylet does to a dead actor's children: the worker is SIGKILLed alone and its
+    parent only reaps it (nobody calls kill or close). The browser and driver must still go."""
+    with EnvPool(1, {"scale": 2, "max_steps": 3}, timeout_s=60) as pool:
+        worker = pool.workers[0]
+        worker.call("reset", ("miniwob/click-test", 0))
+        pid = worker.process.pid
+        browsers = [p for p in psutil.Process(pid).children(recursive=True) if "chrom" in p.name()]
+        assert browsers
+        os.kill(pid, signal.SIGKILL)
+        worker.process.join(timeout=10)  # reaped, as any parent does
+        _, live = psutil.wait_procs(browsers, timeout=10)
+        assert all(p.status() == psutil.STATUS_ZOMBIE for p in live), f"{len(live)} browser processes outlived their worker"
