@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
 
 from arpo_lib.actions import ParsedResponse
+from arpo_lib.run import layout
 from arpo_lib.run.seeding import stable_seed
 
 if TYPE_CHECKING:  # annotations only: the agent package sits above this module
@@ -131,6 +132,10 @@ class Trajectory:
     def success(self) -> bool:
         return self.ok and self.task_score > SUCCESS_THRESHOLD
 
+    def replay_item(self) -> dict[str, Any]:
+        """What the replay buffer keeps of a trajectory: a reference to its directory, never pixels."""
+        return {"dir": self.directory, "score": self.task_score, "reward": self.reward}
+
     def summary(self) -> dict[str, Any]:
         return {
             "task": self.task, "seed": self.seed, "sample": self.sample, "instruction": self.instruction,
@@ -150,6 +155,13 @@ class Group:
     injected: bool
     """One member was replaced by a stored success (ARPO)."""
     all_failed: bool
+
+    def record(self) -> dict[str, Any]:
+        """This group's entry in groups.json (`run.layout.group_record`; the group view reads it)."""
+        return layout.group_record(self.task, all_failed=self.all_failed, injected=self.injected, members=[
+            {"dir": t.directory, "task_score": t.task_score, "reward": t.reward, "advantage": a,
+             "replayed": t.replayed, "format_ok": t.format_ok, "num_steps": t.num_steps}
+            for t, a in zip(self.trajectories, self.advantages)])
 
 
 @runtime_checkable

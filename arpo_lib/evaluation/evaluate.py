@@ -54,6 +54,12 @@ class EvalResult:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def metrics(self) -> dict[str, Any]:
+        """The `eval_*` keys of a training step's metrics line."""
+        return {"eval_success_rate": self.success_rate, "eval_pass_at_k": self.pass_at_k,
+                "eval_format_error_rate": self.format_error_rate, "eval_mean_steps": self.mean_steps,
+                "seconds_eval": round(self.seconds, 3)}
+
     def table(self) -> str:
         """A plain-text table (one row per task, then the total)."""
         head = f"{'task':<32} {'succ':>6} {'pass@k':>7} {'steps':>6} {'fmt_err':>8} {'env_err':>8}"

@@ -13,9 +13,11 @@ share of the mini-batch, so the gradient is the same whatever the grouping.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Sequence, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 def make_optimizer(name: str, params: list[torch.nn.Parameter], lr: float, weight_decay: float) -> torch.optim.Optimizer:
@@ -68,3 +70,12 @@ def padding_fraction(batches: Sequence[Sequence[int]], lengths: Sequence[int]) -
     padded = sum(len(b) * max(lengths[i] for i in b) for b in batches if b)
     real = sum(lengths[i] for b in batches for i in b)
     return 0.0 if padded == 0 else 1.0 - real / padded
+
+
+def micro_batches(items: Sequence[T], lengths: Sequence[int], token_budget: int, size: int,
+                  packed: bool = False) -> list[list[T]]:
+    """`items` in micro-batches: by token budget when `token_budget` > 0 (`token_budget_batches`),
+    else `size` at a time in order."""
+    if token_budget > 0:
+        return [[items[i] for i in b] for b in token_budget_batches(lengths, token_budget, packed=packed)]
+    return [list(items[i:i + size]) for i in range(0, len(items), size)]

@@ -7,14 +7,20 @@ update uses.
 """
 from __future__ import annotations
 
+import logging
 import random
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
 from arpo_lib.agent.scripted import SCRIPTED_TASKS, ScriptedPolicy
+from arpo_lib.algo import ReplayBuffer
+from arpo_lib.run.records import append_jsonl
 from arpo_lib.training.rollout import RolloutEngine
 from arpo_lib.types import Trajectory, episode_requests
+
+log = logging.getLogger(__name__)
 
 
 def collect_demonstrations(policy: Any, pool: Any, tasks: Sequence[str], per_task: int, *, seed: int,
@@ -27,6 +33,17 @@ def collect_demonstrations(policy: Any, pool: Any, tasks: Sequence[str], per_tas
     requests = episode_requests(supported, per_task, seed, "demo")
     trajs = engine.run(requests, out_dir=out_dir, progress=progress, description="demonstrations")
     return [t for t in trajs if t.success]
+
+
+def first_per_task(trajs: Sequence[Trajectory], n: int) -> list[Trajectory]:
+    """The first `n` trajectories of each task, in order (the demonstrations a run uses)."""
+    counts: dict[str, int] = {}
+    chosen = []
+    for t in trajs:
+        if counts.get(t.task, 0) < n:
+            counts[t.task] = counts.get(t.task, 0) + 1
+            chosen.append(t)
+    return chosen
 
 
 def supervised_warm_start(policy: Any, demos: Sequence[Trajectory], *, steps: int, lr: float = 1e-3,
@@ -53,3 +70,27 @@ def supervised_warm_start(policy: Any, demos: Sequence[Trajectory], *, steps: in
         losses.append(loss.item())
     policy.model.eval()
     return losses
+
+
+def warm_start(policy: Any, demos: Sequence[Trajectory], *, per_task: int, steps: int, lr: float, batch_size: int,
+               seed: int, record: Path, progress: bool = True) -> list[float]:
+    """The run's warm start: `supervised_warm_start` on the first `per_task` demonstrations of
+    each task, recorded in `record` (warm_start.jsonl) and logged."""
+    chosen = first_per_task(demos, per_task)
+    losses = supervised_warm_start(policy, chosen, steps=steps, lr=lr, batch_size=batch_size, seed=seed,
+                                   progress=progress)
+    append_jsonl(record, {"demos": len(chosen), "steps": steps, "loss_first": losses[0], "loss_last": losses[-1]})
+    log.info("warm start: %d SFT steps on %d demonstrations, loss %.3f -> %.3f", steps, len(chosen), losses[0],
+             losses[-1])
+    return losses
+
+
+def seed_replay(replay: ReplayBuffer, demos: Sequence[Trajectory], per_task: int, tasks: Sequence[str]) -> int:
+    """Store the first `per_task` demonstrations of each task in the replay buffer; returns how many."""
+    chosen = first_per_task(demos, per_task)
+    stored = sum(replay.add(t.task, t.replay_item(), t.task_score) for t in chosen)
+    missing = sorted(set(tasks) - {t.task for t in chosen})
+    if missing:
+        log.info("no demonstrations for %s; their replay starts empty", missing)
+    log.info("replay buffer seeded with %d scripted demonstrations", stored)
+    return stored

@@ -17,7 +17,10 @@ resume from); checkpoints are written by `training.checkpoint`, server weights k
 Departures from the original, on purpose:
 - Infrastructure failures (a crashed browser/VM) are dropped from their group, not scored 0.
 - Sequences with advantage exactly 0 are counted in the loss normaliser but not run through the
-  model: their loss and gradient are exactly zero, so the result is the same at lower cost.
+  model (their loss and gradient are exactly zero), unless a KL term (algo.kl_coef) needs them.
+- A lone success of a task whose other rollouts hit infrastructure failures is stored for replay
+  though its group is too small to train on. A non-finite gradient skips its optimizer step, as
+  ARPO; `train.max_skipped_steps` in a row stop the run.
 - `algo.old_logprobs=recompute` (default, as ARPO) recomputes old log-probs with the current
   policy before the update; `behaviour` uses the log-probs stored at sampling time instead.
 - Checkpoints include the replay buffer and the data order; `resume` continues exactly.
@@ -34,7 +37,6 @@ from typing import Any, Callable
 
 import torch
 
-from arpo_lib.agent.prompt import Segment
 from arpo_lib.algo import ReplayBuffer, group_advantages, policy_loss
 from arpo_lib.run import layout
 from arpo_lib.run.config import RunConfig, save_config
@@ -43,8 +45,9 @@ from arpo_lib.run.records import append_jsonl
 from arpo_lib.run.seeding import stable_seed
 from arpo_lib.run.tracking import Tracker
 from arpo_lib.training.checkpoint import drop_records_after, load_checkpoint, save_checkpoint
-from arpo_lib.training.optim import make_optimizer, token_budget_batches, warmup_schedule
+from arpo_lib.training.optim import make_optimizer, micro_batches, warmup_schedule
 from arpo_lib.training.rollout import RolloutEngine, load_trajectory
+from arpo_lib.training.sft import collect_demonstrations, seed_replay, warm_start
 from arpo_lib.types import Group, Trajectory, WorkerPool, episode_requests
 
 log = logging.getLogger(__name__)
@@ -185,7 +188,7 @@ class Trainer:
         t_rollout = time.monotonic() - t0
 
         groups = self.make_groups(tasks, trajs)
-        layout.write_groups(self.run.groups(step), [_group_record(g) for g in groups])
+        layout.write_groups(self.run.groups(step), [g.record() for g in groups])
         t1 = time.monotonic()
         update = self.update(groups)
         if self.served is not None:
@@ -196,7 +199,7 @@ class Trainer:
         self.step += 1
         evaluation = {}
         if cfg.train.eval_every and (self.step % cfg.train.eval_every == 0 or self.step == cfg.train.steps):
-            evaluation = _eval_metrics(self.evaluate(layout.step_name(self.step)))
+            evaluation = self.evaluate(layout.step_name(self.step)).metrics()
         metrics = {
             "step": self.step,
             "tasks": tasks,
@@ -234,16 +237,16 @@ class Trainer:
                 # No comparison possible (all but one rollout hit infrastructure failures), but a
                 # lone success is still a success: it goes into the replay buffer, as in ARPO.
                 for t in fresh:
-                    self.replay.add(task, _replay_item(t), t.task_score)
+                    self.replay.add(task, t.replay_item(), t.task_score)
                 continue
-            result = self.replay.maybe_inject(task, [_replay_item(t) for t in fresh], [t.task_score for t in fresh])
+            result = self.replay.maybe_inject(task, [t.replay_item() for t in fresh], [t.task_score for t in fresh])
             group = list(fresh)
             if result.injected:
                 replayed = load_trajectory(result.group[result.replaced]["dir"], self.policy.processor)
                 replayed.replayed = True
                 group[result.replaced] = replayed
             for t in fresh:  # after injection, with the fresh (pre-replacement) group
-                self.replay.add(task, _replay_item(t), t.task_score)
+                self.replay.add(task, t.replay_item(), t.task_score)
             adv = group_advantages(torch.tensor([t.reward for t in group], dtype=torch.float64),
                                    eps=self.cfg.algo.adv_eps).tolist()
             groups.append(Group(task, group, adv, result.injected, result.all_failed))
@@ -288,7 +291,8 @@ class Trainer:
             active = [(seg, adv) for seg, adv in mb if runs(adv)]
             self.optimizer.zero_grad(set_to_none=True)
             mb_loss = 0.0
-            for micro in self._micro_batches(active):
+            for micro in micro_batches(active, [len(s) for s, _ in active], cfg.train.token_budget,
+                                       cfg.train.micro_batch_size, packed=cfg.train.pack):
                 segs = [s for s, _ in micro]
                 new = self.policy.sequence_logprobs(segs, temperature, pack=cfg.train.pack)
                 logprobs = _pad(new)
@@ -343,22 +347,11 @@ class Trainer:
                 "is intact; look for NaN/inf in the log-probs or rewards, lower train.lr, or raise "
                 "train.max_skipped_steps to tolerate more.")
 
-    def _micro_batches(self, items: list[tuple[Segment, float]]) -> list[list[tuple[Segment, float]]]:
-        """Fixed-size micro-batches, or token-budget ones (train.token_budget)."""
-        budget = self.cfg.train.token_budget
-        if budget > 0:
-            lengths = [len(s) for s, _ in items]
-            return [[items[i] for i in b] for b in token_budget_batches(lengths, budget, packed=self.cfg.train.pack)]
-        size = self.cfg.train.micro_batch_size
-        return [items[i:i + size] for i in range(0, len(items), size)]
-
     # -- before the first step: demonstrations, warm start, replay seeding -------------------------
     def demonstrations(self) -> list[Trajectory]:
         """Successful scripted demonstrations for the warm start and replay seeding, collected once
         (`max(warm_start.demos_per_task, train.demo_replay)` per supported task) into <run>/demos."""
         if self._demos is None:
-            from arpo_lib.training.sft import collect_demonstrations
-
             n = max(self.cfg.warm_start.demos_per_task, self.cfg.train.demo_replay)
             self._demos = collect_demonstrations(
                 self.policy, self.pool, self.cfg.env.tasks, n, seed=self.cfg.train.seed, out_dir=self.run.demos,
@@ -370,19 +363,13 @@ class Trainer:
         ws = self.cfg.warm_start
         if ws.steps <= 0 or self.step > 0 or self._warm_started:
             return []
-        from arpo_lib.training.sft import supervised_warm_start
-
         t0 = time.monotonic()
-        chosen = _per_task(self.demonstrations(), ws.demos_per_task)
-        losses = supervised_warm_start(self.policy, chosen, steps=ws.steps, lr=ws.lr, batch_size=ws.batch_size,
-                                       seed=self.cfg.train.seed, progress=self.cfg.logging.progress)
+        losses = warm_start(self.policy, self.demonstrations(), per_task=ws.demos_per_task, steps=ws.steps, lr=ws.lr,
+                            batch_size=ws.batch_size, seed=self.cfg.train.seed, record=self.run.warm_start_log,
+                            progress=self.cfg.logging.progress)
         self._warm_started = True
         self.weights_version += 1
         self.seconds_warm_start = time.monotonic() - t0
-        append_jsonl(self.run.warm_start_log, {"demos": len(chosen), "steps": ws.steps,
-                                               "loss_first": losses[0], "loss_last": losses[-1]})
-        log.info("warm start: %d SFT steps on %d demonstrations, loss %.3f -> %.3f",
-                 ws.steps, len(chosen), losses[0], losses[-1])
         return losses
 
     def seed_replay_with_demos(self) -> int:
@@ -391,14 +378,8 @@ class Trainer:
         n = self.cfg.train.demo_replay
         if n <= 0 or self.step > 0 or self._demos_seeded or not self.replay.enabled:
             return 0
-        chosen = _per_task(self.demonstrations(), n)
-        stored = sum(self.replay.add(t.task, _replay_item(t), t.task_score) for t in chosen)
-        missing = sorted(set(self.cfg.env.tasks) - {t.task for t in chosen})
-        if missing:
-            log.info("no demonstrations for %s; their replay starts empty", missing)
         self._demos_seeded = True
-        log.info("replay buffer seeded with %d scripted demonstrations", stored)
-        return stored
+        return seed_replay(self.replay, self.demonstrations(), n, self.cfg.env.tasks)
 
     # -- evaluation and checkpoints ----------------------------------------------------------------
     def evaluate(self, label: str, tasks: list[str] | None = None) -> Any:
@@ -413,36 +394,6 @@ class Trainer:
                                scheduler=self.scheduler, replay=self.replay, config=self.cfg.to_dict(),
                                keep=self.cfg.train.keep_checkpoints,
                                state={"consecutive_skips": self.consecutive_skips})
-
-
-def _replay_item(t: Trajectory) -> dict[str, Any]:
-    """What the replay buffer keeps of a trajectory: a reference to its directory."""
-    return {"dir": t.directory, "score": t.task_score, "reward": t.reward}
-
-
-def _per_task(trajs: list[Trajectory], n: int) -> list[Trajectory]:
-    """The first `n` trajectories of each task, in order."""
-    counts: dict[str, int] = {}
-    chosen = []
-    for t in trajs:
-        if counts.get(t.task, 0) < n:
-            counts[t.task] = counts.get(t.task, 0) + 1
-            chosen.append(t)
-    return chosen
-
-
-def _group_record(g: Group) -> dict[str, Any]:
-    """A group's entry in groups.json (the group view reads it)."""
-    return layout.group_record(g.task, all_failed=g.all_failed, injected=g.injected, members=[
-        {"dir": t.directory, "task_score": t.task_score, "reward": t.reward, "advantage": a,
-         "replayed": t.replayed, "format_ok": t.format_ok, "num_steps": t.num_steps}
-        for t, a in zip(g.trajectories, g.advantages)])
-
-
-def _eval_metrics(result: Any) -> dict[str, Any]:
-    return {"eval_success_rate": result.success_rate, "eval_pass_at_k": result.pass_at_k,
-            "eval_format_error_rate": result.format_error_rate, "eval_mean_steps": result.mean_steps,
-            "seconds_eval": round(result.seconds, 3)}
 
 
 def _pad(seqs: list[torch.Tensor]) -> torch.Tensor:

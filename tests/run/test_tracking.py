@@ -35,3 +35,6 @@ def test_offline_run_is_written_for_later_sync(tmp_path, monkeypatch):
     runs = list((cfg.run_dir / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     assert list(runs[0].glob("*.wandb")), "the offline run file `wandb sync` uploads"
+    import wandb
+
+    wandb.teardown()  # wandb's background service would otherwise live as long as this process

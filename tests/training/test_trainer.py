@@ -244,7 +244,9 @@ def test_infrastructure_failures_are_dropped_from_groups_and_never_stored(tmp_pa
     assert [t.status for t in groups[0].trajectories] == ["ok", "ok"]
     assert groups[0].advantages[0] > 0 > groups[0].advantages[1]
     stored = [e["item"]["dir"] for task in (a, b) for e in trainer.replay.state_dict()["tasks"].get(task, [])]
-    assert stored == [str(tmp_path / f"{a[-4:]}0")]  # the success; never an infrastructure failure
+    # the successes, b's lone one included (stored though its group is too small to train on, as
+    # ARPO would); never an infrastructure failure
+    assert stored == [str(tmp_path / f"{a[-4:]}0"), str(tmp_path / f"{b[-4:]}3")]
 
 
 @pytest.mark.slow
