@@ -115,6 +115,9 @@ class Trajectory:
     directory: str | None = None
     replayed: bool = False
     """True when this trajectory came from the replay buffer instead of a fresh rollout."""
+    policy_version: int = 0
+    """The trainer's weight version that sampled it (counts warm start and optimizer steps):
+    how stale a replayed trajectory is, in updates."""
     seconds: float = 0.0
 
     def __post_init__(self) -> None:
@@ -141,7 +144,7 @@ class Trajectory:
             "task": self.task, "seed": self.seed, "sample": self.sample, "instruction": self.instruction,
             "task_score": self.task_score, "format_ok": self.format_ok, "reward": self.reward,
             "status": self.status.value, "error": self.error, "num_steps": self.num_steps,
-            "replayed": self.replayed, "seconds": round(self.seconds, 3),
+            "replayed": self.replayed, "policy_version": self.policy_version, "seconds": round(self.seconds, 3),
         }
 
 

@@ -6,7 +6,7 @@
     ReplayBuffer: per-task successes injected into all-failed groups (arpo_lib/algo/replay.py)
 """
 from arpo_lib.algo.advantages import group_advantages, is_all_failed
-from arpo_lib.algo.loss import AGGREGATIONS, policy_loss
+from arpo_lib.algo.loss import AGGREGATIONS, policy_loss, truncated_is_weights
 from arpo_lib.algo.replay import Injection, ReplayBuffer
 from arpo_lib.algo.rewards import trajectory_reward
 
@@ -18,4 +18,5 @@ __all__ = [
     "is_all_failed",
     "policy_loss",
     "trajectory_reward",
+    "truncated_is_weights",
 ]

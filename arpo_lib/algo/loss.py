@@ -56,6 +56,14 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str) -> 
     raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
 
 
+def truncated_is_weights(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance weights min(pi_old / mu, cap) per token (TIS, as verl and AReaL apply
+    to stale or mismatched rollouts): `old_logprobs` under the policy before this update,
+    `behaviour_logprobs` under the one that sampled the tokens. Same shape in and out, detached."""
+    log_ratio = (old_logprobs.detach() - behaviour_logprobs.detach()).clamp(max=_MAX_LOG_RATIO)
+    return torch.exp(log_ratio).clamp(max=cap)
+
+
 def _check_shapes(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -88,6 +96,7 @@ def policy_loss(
     aggregation: str = "seq-mean-token-mean",
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped policy-gradient loss of a batch of trajectories.
 
@@ -103,6 +112,8 @@ def policy_loss(
         aggregation: "seq-mean-token-mean" or "token-mean" (module docstring).
         ref_logprobs: (B, T) reference-policy log-probabilities, for an optional KL penalty.
         kl_coef: weight of the k3 ("low_var_kl") penalty; needs ref_logprobs when > 0.
+        is_weights: (B, T) importance weights (detached) multiplying each token's clipped
+            objective, e.g. `truncated_is_weights` for off-policy data; None = 1 everywhere.
 
     Returns:
         loss: () scalar to minimise.
@@ -149,6 +160,11 @@ def policy_loss(
     else:
         dual_active = torch.zeros_like(m)
 
+    if is_weights is not None:
+        if tuple(is_weights.shape) != tuple(logprobs.shape):
+            raise ValueError(f"is_weights must have the shape of logprobs {tuple(logprobs.shape)}, "
+                             f"got {tuple(is_weights.shape)}")
+        per_token = per_token * torch.where(m, is_weights.detach().to(dtype), 0.0)
     pg_loss = aggregate(per_token, m, aggregation)
     loss = pg_loss
     kl_value: torch.Tensor | None = None

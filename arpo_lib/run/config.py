@@ -140,6 +140,12 @@ class ReplayConfig:
     """A group is all-failed when the std of its task scores is below this ..."""
     mean_threshold: float = 0.2
     """... and their mean is below this."""
+    correction: str = "none"
+    """Off-policy correction of replayed trajectories: `none` (ARPO: their old log-probs are
+    recomputed and they are treated as on-policy) or `tis` (each token's clipped objective is
+    weighted by min(pi_old / mu, tis_cap), mu the probability it was sampled with)."""
+    tis_cap: float = 2.0
+    """Upper bound of the truncated importance weight (correction=tis)."""
 
 
 @dataclass
@@ -381,6 +387,7 @@ def validate(cfg: RunConfig) -> None:
         "model.vision_attention": (cfg.model.vision_attention, ("batched", "loop")),
         "train.optimizer": (cfg.train.optimizer, ("adamw", "adafactor")),
         "model.frozen_weights_dtype": (cfg.model.frozen_weights_dtype, ("auto", "float32")),
+        "algo.replay.correction": (cfg.algo.replay.correction, ("none", "tis")),
     }
     for key, (value, allowed) in choices.items():
         if value not in allowed:
@@ -427,6 +434,11 @@ def validate(cfg: RunConfig) -> None:
     batch = cfg.train.tasks_per_batch * cfg.rollout.group_size
     if cfg.train.updates_per_batch > batch:
         _fail("train.updates_per_batch", f"{cfg.train.updates_per_batch} mini-batches from a batch of {batch} trajectories")
+    if cfg.algo.replay.tis_cap < 1:
+        _fail("algo.replay.tis_cap", f"must be >= 1, got {cfg.algo.replay.tis_cap}")
+    if cfg.algo.replay.correction == "tis" and cfg.algo.old_logprobs != "recompute":
+        _fail("algo.replay.correction", "tis weighs recomputed old log-probs against the stored ones: "
+                                        "it needs algo.old_logprobs=recompute")
     if cfg.train.max_skipped_steps < 0:
         _fail("train.max_skipped_steps", "must be >= 0")
     if cfg.train.eval_every < 0:

@@ -71,7 +71,8 @@ def load_trajectory(directory: str | Path, processor: Any) -> Trajectory:
     meta = json.loads(meta_path.read_text())
     traj = Trajectory(task=meta["task"], seed=meta["seed"], sample=meta["sample"], instruction=meta["instruction"],
                       task_score=meta["task_score"], format_ok=meta["format_ok"], reward=meta["reward"],
-                      status=EpisodeStatus(meta["status"]), error=meta.get("error"), directory=str(directory))
+                      status=EpisodeStatus(meta["status"]), error=meta.get("error"), directory=str(directory),
+                      policy_version=int(meta.get("policy_version", 0)))
     for line in (directory / layout.STEPS).read_text().splitlines():
         rec = json.loads(line)
         traj.steps.append(StepRecord(step=rec["step_num"], response=rec["response"], actions=rec["action"],
@@ -138,8 +139,10 @@ class RolloutEngine:
         progress: bool = True,
         description: str = "rollout",
         on_finish: Callable[[Trajectory], None] | None = None,
+        policy_version: int = 0,
     ) -> list[Trajectory]:
-        """Run all requests; returns trajectories in request order."""
+        """Run all requests; returns trajectories in request order, each marked with
+        `policy_version` (the trainer's weight version, for the age of replayed data)."""
         from tqdm.auto import tqdm
 
         queue = deque(enumerate(requests))
@@ -152,8 +155,8 @@ class RolloutEngine:
                 for w in range(len(self.pool)):
                     if w not in slots and queue:
                         idx, req = self._next_for(w, queue)
-                        ep = _Episode(req, w, Trajectory(task=req.task, seed=req.seed, sample=req.sample),
-                                      started=time.monotonic())
+                        ep = _Episode(req, w, Trajectory(task=req.task, seed=req.seed, sample=req.sample,
+                                                         policy_version=policy_version), started=time.monotonic())
                         slots[w] = (idx, ep)
                         self._send(ep, "reset", (req.task, req.seed))
                 # 2. collect the answers (the environments worked in parallel meanwhile)

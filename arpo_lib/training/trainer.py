@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 import torch
 
-from arpo_lib.algo import ReplayBuffer, group_advantages, policy_loss
+from arpo_lib.algo import ReplayBuffer, group_advantages, policy_loss, truncated_is_weights
 from arpo_lib.run import layout
 from arpo_lib.run.config import RunConfig, save_config
 from arpo_lib.run.layout import RunDir
@@ -112,8 +112,9 @@ class Trainer:
         self.tracker = Tracker(cfg)
         self._make_pool = make_pool
         self._pool: WorkerPool | None = None
-        self.weights_version = 0
-        """Counts weight changes (warm start, optimizer steps): what a rollout server must hold."""
+        self.weights_version = int(state.get("weights_version", 0)) if checkpoint is not None else 0
+        """Counts weight changes (warm start, optimizer steps): what a rollout server must hold,
+        and how old a replayed trajectory is (checkpointed)."""
         self.consecutive_skips = int(state.get("consecutive_skips", 0)) if checkpoint is not None else 0
         """Optimizer steps skipped in a row for a non-finite gradient (train.max_skipped_steps)."""
         self._demos: list[Trajectory] | None = None
@@ -184,7 +185,8 @@ class Trainer:
         torch.manual_seed(stable_seed(cfg.train.seed, "sample", step))
         engine = self.engine()
         trajs = engine.run(requests, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                           out_dir=rollout_dir, progress=cfg.logging.progress, description=f"rollout {step}")
+                           out_dir=rollout_dir, progress=cfg.logging.progress, description=f"rollout {step}",
+                           policy_version=self.weights_version)
         t_rollout = time.monotonic() - t0
 
         groups = self.make_groups(tasks, trajs)
@@ -256,10 +258,10 @@ class Trainer:
     def update(self, groups: list[Group]) -> dict[str, Any]:
         """One PPO epoch over the batch, split into `updates_per_batch` optimizer steps."""
         cfg = self.cfg
-        items = [(seg, adv) for g in groups for t, adv in zip(g.trajectories, g.advantages)
+        items = [(seg, adv, t) for g in groups for t, adv in zip(g.trajectories, g.advantages)
                  for seg in t.segments if any(seg.loss_mask)]
         stats = {"loss": 0.0, "clip_fraction": 0.0, "grad_norm": 0.0, "tokens": 0, "sequences": len(items),
-                 "optimizer_steps": 0, "skipped_steps": 0, "approx_kl": 0.0, "kl": 0.0}
+                 "optimizer_steps": 0, "skipped_steps": 0, "approx_kl": 0.0, "kl": 0.0, **self._replay_ages(groups)}
         if not items:
             return stats
         random.Random(stable_seed(cfg.train.seed, "shuffle", self.step)).shuffle(items)
@@ -271,15 +273,23 @@ class Trainer:
         def runs(adv: float) -> bool:
             return adv != 0.0 or with_kl
 
-        # Old log-probs for the whole batch before any update (ratio starts at 1, as ARPO).
+        # Old log-probs for the whole batch before any update (ratio starts at 1, as ARPO), and
+        # with algo.replay.correction=tis the truncated importance weights of replayed members.
         old: dict[int, torch.Tensor] = {}
-        for seg, adv in items:
-            if runs(adv):
-                if cfg.algo.old_logprobs == "behaviour":
-                    old[id(seg)] = torch.tensor([lp for lp, m in zip(seg.behaviour_logprobs, seg.loss_mask) if m])
-                else:
-                    with torch.no_grad():
-                        old[id(seg)] = self.policy.sequence_logprobs([seg], temperature)[0].detach().cpu()
+        is_weights: dict[int, torch.Tensor] = {}
+        for seg, adv, traj in items:
+            if not runs(adv):
+                continue
+            behaviour = torch.tensor([lp for lp, m in zip(seg.behaviour_logprobs, seg.loss_mask) if m])
+            if cfg.algo.old_logprobs == "behaviour":
+                old[id(seg)] = behaviour
+            else:
+                with torch.no_grad():
+                    old[id(seg)] = self.policy.sequence_logprobs([seg], temperature)[0].detach().cpu()
+            if cfg.algo.replay.correction == "tis" and traj.replayed:
+                is_weights[id(seg)] = truncated_is_weights(old[id(seg)].double(), behaviour.double(),
+                                                           cfg.algo.replay.tis_cap).float()
+        stats.update(_weight_stats(list(is_weights.values()), cfg.algo.replay.tis_cap))
         minibatches = [items[i::cfg.train.updates_per_batch] for i in range(cfg.train.updates_per_batch)]
         self.policy.model.train()
         losses, clips, norms, kls, ref_kls = [], [], [], [], []
@@ -287,8 +297,8 @@ class Trainer:
             if not mb:
                 continue
             n_seq = len(mb)
-            n_tok = sum(sum(seg.loss_mask) for seg, _ in mb)
-            active = [(seg, adv) for seg, adv in mb if runs(adv)]
+            n_tok = sum(sum(seg.loss_mask) for seg, _, _ in mb)
+            active = [(seg, adv) for seg, adv, _ in mb if runs(adv)]
             self.optimizer.zero_grad(set_to_none=True)
             mb_loss = 0.0
             for micro in micro_batches(active, [len(s) for s, _ in active], cfg.train.token_budget,
@@ -299,18 +309,21 @@ class Trainer:
                 old_lp = _pad([old[id(s)].to(logprobs.device) for s in segs])
                 mask = _pad([torch.ones_like(t) for t in new])
                 advs = torch.tensor([a for _, a in micro], dtype=logprobs.dtype, device=logprobs.device)
-                ref_lp = None
+                ref_lp = weights = None
                 if self.reference is not None:
                     with torch.no_grad():
                         ref_lp = _pad(self.policy.sequence_logprobs(segs, temperature, model=self.reference))
+                if is_weights:
+                    weights = _pad([is_weights.get(id(s), torch.ones(len(o))).to(logprobs.device)
+                                    for s, o in zip(segs, new)])
                 loss, m = policy_loss(logprobs, old_lp, advs, mask, clip_low=cfg.algo.clip_low,
                                       clip_high=cfg.algo.clip_high, dual_clip=cfg.algo.dual_clip,
                                       aggregation=cfg.algo.aggregation, ref_logprobs=ref_lp,
-                                      kl_coef=cfg.algo.kl_coef)
+                                      kl_coef=cfg.algo.kl_coef, is_weights=weights)
                 # Exact aggregation across micro-batches: weight by this micro-batch's share.
-                weight = float(mask.sum()) / n_tok if cfg.algo.aggregation == "token-mean" else len(micro) / n_seq
-                (loss * weight).backward()
-                mb_loss += loss.item() * weight
+                share = float(mask.sum()) / n_tok if cfg.algo.aggregation == "token-mean" else len(micro) / n_seq
+                (loss * share).backward()
+                mb_loss += loss.item() * share
                 clips.append(m.get("clip_fraction", 0.0))
                 kls.append(m.get("approx_kl", 0.0))
                 ref_kls.append(m.get("kl", 0.0))
@@ -331,6 +344,11 @@ class Trainer:
         stats.update(loss=_mean(losses), clip_fraction=_mean(clips), grad_norm=_mean(norms), approx_kl=_mean(kls),
                      kl=_mean(ref_kls))
         return stats
+
+    def _replay_ages(self, groups: list[Group]) -> dict[str, Any]:
+        """How stale the replayed trajectories of this batch are, in weight versions."""
+        ages = [self.weights_version - t.policy_version for g in groups for t in g.trajectories if t.replayed]
+        return {"replay_age_mean": _mean(ages), "replay_age_max": max(ages, default=0)}
 
     def _skip_step(self, norm: float) -> None:
         """A non-finite gradient: drop it instead of letting one NaN poison every weight (and
@@ -393,7 +411,17 @@ class Trainer:
         return save_checkpoint(self.run.checkpoints, self.step, policy=self.policy, optimizer=self.optimizer,
                                scheduler=self.scheduler, replay=self.replay, config=self.cfg.to_dict(),
                                keep=self.cfg.train.keep_checkpoints,
-                               state={"consecutive_skips": self.consecutive_skips})
+                               state={"consecutive_skips": self.consecutive_skips,
+                                      "weights_version": self.weights_version})
+
+
+def _weight_stats(weights: list[torch.Tensor], cap: float) -> dict[str, Any]:
+    """Truncated importance weights of the replayed tokens: mean, max, share at the cap."""
+    if not weights:
+        return {}
+    w = torch.cat(weights)
+    return {"is_weight_mean": float(w.mean()), "is_weight_max": float(w.max()),
+            "is_capped_share": float((w >= cap).float().mean())}
 
 
 def _pad(seqs: list[torch.Tensor]) -> torch.Tensor:

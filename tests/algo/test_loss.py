@@ -241,3 +241,25 @@ def test_bad_arguments_fail_with_clear_messages():
         policy_loss(x, x, a, mask, clip_low=1.0)
     with pytest.raises(ValueError, match="advantages must be finite"):
         policy_loss(x, x, torch.tensor([0.0, float("nan")]), mask)
+
+
+def test_truncated_importance_weights_on_hand_computed_numbers():
+    from arpo_lib.algo import truncated_is_weights
+
+    old = torch.tensor([[-1.0, -0.1, -3.0]], dtype=torch.float64)
+    behaviour = torch.tensor([[-1.5, -2.0, -1.0]], dtype=torch.float64)
+    w = truncated_is_weights(old, behaviour, cap=2.0)
+    assert torch.allclose(w, torch.tensor([[math.exp(0.5), 2.0, math.exp(-2.0)]], dtype=torch.float64))
+
+
+def test_importance_weights_multiply_each_tokens_clipped_objective():
+    logprobs = torch.tensor([[-1.0, -2.0, -0.5]], dtype=torch.float64, requires_grad=True)
+    weights = torch.tensor([[1.6487, 2.0, 0.1353]], dtype=torch.float64)
+    loss, _ = policy_loss(logprobs, logprobs.detach(), torch.tensor([1.0], dtype=torch.float64),
+                          torch.ones(1, 3), is_weights=weights)
+    loss.backward()
+    # ratio 1 everywhere: per-token loss -A * w, token mean of one sequence
+    assert loss.item() == pytest.approx(-(1.6487 + 2.0 + 0.1353) / 3, abs=1e-12)
+    assert torch.allclose(logprobs.grad, -weights / 3)
+    unweighted, _ = policy_loss(logprobs, logprobs.detach(), torch.tensor([1.0], dtype=torch.float64), torch.ones(1, 3))
+    assert unweighted.item() == pytest.approx(-1.0)

@@ -153,3 +153,52 @@ def test_a_malformed_response_ends_the_episode_through_the_checker(tmp_path, tin
     assert traj.task_score == 1.0 and traj.reward == pytest.approx(0.5)
     assert [s.parse_error is None for s in traj.steps] == [True, False]
     assert traj.steps[-1].terminated and traj.steps[-1].reward == 1.0
+
+
+def test_replayed_members_are_weighted_by_truncated_importance_ratios(tmp_path, tiny_qwen2vl):
+    """algo.replay.correction=tis: a replayed member's tokens weigh min(pi_old / mu, cap), mu the
+    stored behaviour probability; fresh members weigh 1. Checked against the loss written out."""
+    from arpo_lib.algo import truncated_is_weights
+
+    cfg = _cfg(tmp_path, tiny_qwen2vl, "algo.replay.correction=tis", "algo.replay.tis_cap=2.0",
+               "train.grad_clip=1e9")
+    with build.trainer(cfg) as trainer:
+        policy = trainer.policy
+        groups = _groups(policy, [2.0, -0.5, -0.5, -1.0])
+        replayed = groups[0].trajectories[0]
+        replayed.replayed, replayed.policy_version = True, 0
+        seg = replayed.segments[0]
+        n = sum(seg.loss_mask)
+        # Behaviour log-probs of an older policy: some tokens now likelier (weight capped), some less.
+        mu = [(-0.2 if k % 2 else -9.0) for k in range(n)]
+        it = iter(mu)
+        seg.behaviour_logprobs = [next(it) if m else 0.0 for m in seg.loss_mask]
+        trainer.weights_version = 5
+        seen = {}
+        trainer.optimizer.step = lambda *a, **k: seen.update(
+            grads=[p.grad.detach().clone() for p in policy.trainable_parameters()])
+        stats = trainer.update(groups)
+        segs = [t.segments[0] for t in groups[0].trajectories]
+        policy.model.train()
+        policy.model.zero_grad(set_to_none=True)
+        new = policy.sequence_logprobs(segs, 1.0)
+        old = [x.detach() for x in new]
+        weights = [truncated_is_weights(old[0].double(), torch.tensor(mu, dtype=torch.float64), 2.0).float()] + \
+                  [torch.ones_like(x) for x in new[1:]]
+        pad = lambda xs: torch.nn.utils.rnn.pad_sequence(xs, batch_first=True)  # noqa: E731
+        loss, _ = policy_loss(pad(new), pad(old), torch.tensor([2.0, -0.5, -0.5, -1.0]),
+                              pad([torch.ones_like(x) for x in new]), is_weights=pad(weights))
+        loss.backward()
+        want = [p.grad for p in policy.trainable_parameters()]
+    assert all(torch.allclose(g, w, atol=1e-6, rtol=1e-4) for g, w in zip(seen["grads"], want))
+    assert stats["replay_age_mean"] == 5 and stats["replay_age_max"] == 5
+    assert stats["is_weight_max"] == 2.0 and 0 < stats["is_capped_share"] < 1
+    assert stats["is_weight_mean"] == pytest.approx(float(weights[0].mean()), rel=1e-5)
+
+
+def test_without_correction_replayed_data_is_treated_as_on_policy(tmp_path, tiny_qwen2vl):
+    with build.trainer(_cfg(tmp_path, tiny_qwen2vl)) as trainer:
+        groups = _groups(trainer.policy, [2.0, -0.5, -0.5, -1.0])
+        groups[0].trajectories[0].replayed = True
+        stats = trainer.update(groups)
+    assert "is_weight_mean" not in stats and stats["replay_age_mean"] == 0
