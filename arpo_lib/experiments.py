@@ -1,4 +1,5 @@
-"""ARPO against GRPO from one warm start: the paper's comparison at small scale, on the CPU.
+"""GRPO, ARPO and ARPO with off-policy correction from one warm start: the paper's comparison at
+small scale, on the CPU, with enough seeds to say whether a difference is real.
 
 The protocol (one config, e.g. `configs/learning_miniwob.yaml`; the experiment directory is the
 run directory `<out_dir>/<name>`):
@@ -7,16 +8,19 @@ run directory `<out_dir>/<name>`):
    UI-TARS's SFT before RL -> `warm_start/model`, shared by every run.
 2. **task selection**: the warm-started policy runs `select.k` times per candidate task; tasks
    with at least `select.min_successes` successes are kept (ARPO's rule) -> `selection/`.
-3. **baseline evaluation** of the warm start on the kept tasks -> `eval_warm_start/`.
-4. **the runs**: for every seed in `compare.seeds`, ARPO (`algo.replay.enabled=true`) and GRPO
-   (false) from the same weights, tasks, rollout budget and seeds; each ends with the same
-   evaluation (`eval.seed`, `eval.samples_per_task`) -> `<algo>-s<seed>/`.
-5. **report**: `report.json`, `report.md` (means and spread over seeds) and `comparison.png`.
+3. **baselines** of the warm start on the kept tasks: the fixed evaluation (`eval.*`) ->
+   `eval_warm_start/`, and the same episodes at the training temperature -> `eval_warm_start_train/`
+   (what training-rollout success is compared with).
+4. **the runs**: for every seed in `compare.seeds`, every arm of `compare.algos` (`ARMS`) from the
+   same weights, tasks, rollout budget and seeds; each ends with the same evaluation -> `<arm>-s<seed>/`.
+5. **report**: per arm the mean with a bootstrap 95% interval over seeds; paired differences per
+   seed with an exact paired permutation test (and a sign test); `report.json`, `report.md`,
+   `comparison.png` (`evaluation.stats` holds the statistics).
 
 Every stage is skipped when its result exists, and a run resumes from its last checkpoint, so
-rerunning the same command after a crash continues where it stopped. The replay buffer starts
-empty in both arms (`train.demo_replay` is forced to 0): ARPO's buffer holds only the policy's
-own successes, as in the paper.
+rerunning the same command (in this session or a later one) continues where it stopped. The
+replay buffer starts empty in every arm (`train.demo_replay` is forced to 0): ARPO's buffer
+holds only the policy's own successes, as in the paper.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from arpo_lib import build
+from arpo_lib.evaluation.stats import band, bootstrap_ci, paired_permutation_test, sign_test
 from arpo_lib.run import layout
 from arpo_lib.run.config import RunConfig, config_from_dict
 from arpo_lib.run.layout import RunDir
@@ -35,8 +40,16 @@ from arpo_lib.run.records import atomic_write_text, read_jsonl
 
 log = logging.getLogger(__name__)
 
-ALGOS = {"arpo": True, "grpo": False}
-"""Arm name -> algo.replay.enabled."""
+ARMS: dict[str, dict[str, Any]] = {
+    "grpo": {"algo.replay.enabled": False, "algo.replay.correction": "none"},
+    "arpo": {"algo.replay.enabled": True, "algo.replay.correction": "none"},
+    "arpo_tis": {"algo.replay.enabled": True, "algo.replay.correction": "tis"},
+}
+"""Arm name -> what its runs override: plain GRPO, ARPO as published, ARPO with replayed
+trajectories weighted by truncated importance ratios."""
+ARM_LABELS = {"grpo": "GRPO", "arpo": "ARPO", "arpo_tis": "ARPO+TIS"}
+PAIRS = (("arpo", "grpo"), ("arpo_tis", "arpo"), ("arpo_tis", "grpo"))
+"""Paired comparisons the report makes (first minus second), where both arms ran."""
 
 
 def _derive(cfg: RunConfig, name: str, **changes: Any) -> RunConfig:
@@ -88,14 +101,19 @@ def selection_stage(cfg: RunConfig, model_dir: Path) -> list[str]:
     return kept
 
 
-def evaluate_model(cfg: RunConfig, model_dir: Path, tasks: list[str], out: Path) -> dict[str, Any]:
-    """The fixed evaluation protocol (eval.*) of a saved model on `tasks`; cached in out/results.json."""
+def evaluate_model(cfg: RunConfig, model_dir: Path, tasks: list[str], out: Path,
+                   temperature: float | None = None) -> dict[str, Any]:
+    """The fixed evaluation protocol (eval.*, at `temperature` when given) of a saved model on
+    `tasks`; cached in out/results.json."""
     from arpo_lib.evaluation.evaluate import evaluate_run
 
     done = _done(out / layout.EVAL_RESULTS)
     if done:
         return done
-    ev_cfg = _derive(cfg, out.name, **{"model.path": str(model_dir), "env.tasks": tasks, "eval.tasks": None})
+    changes: dict[str, Any] = {"model.path": str(model_dir), "env.tasks": tasks, "eval.tasks": None}
+    if temperature is not None:
+        changes["eval.temperature"] = temperature
+    ev_cfg = _derive(cfg, out.name, **changes)
     with build.engine(ev_cfg) as engine:
         result = evaluate_run(engine, ev_cfg, out, description=f"eval {out.name}")
     return result.to_dict()
@@ -108,7 +126,7 @@ def run_arm(cfg: RunConfig, algo: str, seed: int, model_dir: Path, tasks: list[s
     if _done(final):
         return _done(final)  # type: ignore[return-value]
     run_cfg = _derive(cfg, name, **{"model.path": str(model_dir), "env.tasks": tasks, "eval.tasks": None,
-                                    "algo.replay.enabled": ALGOS[algo], "train.seed": seed,
+                                    **ARMS[algo], "train.seed": seed,
                                     "warm_start.steps": 0, "warm_start.demos_per_task": 0,
                                     "train.demo_replay": 0,
                                     "train.tasks_per_batch": min(cfg.train.tasks_per_batch, len(tasks))})
@@ -136,6 +154,10 @@ def _train_summary(run_dir: Path) -> dict[str, Any]:
         "train_success": [m["success_rate"] for m in lines],
         "all_failed_groups": [m["all_failed_groups"] for m in lines],
         "replay_injections": [m["replay_injections"] for m in lines],
+        "format_errors": [m["format_error_rate"] for m in lines],
+        "is_weight_mean": [m["is_weight_mean"] for m in lines if "is_weight_mean" in m],
+        "is_capped_share": [m["is_capped_share"] for m in lines if "is_capped_share" in m],
+        "replay_age_mean": [m["replay_age_mean"] for m in lines if m.get("replay_injections")],
     }
 
 
@@ -148,8 +170,10 @@ def run_comparison(cfg: RunConfig) -> dict[str, Any]:
     model_dir = warm_start_stage(cfg)
     tasks = selection_stage(cfg, model_dir)
     warm = evaluate_model(cfg, model_dir, tasks, cfg.run_dir / "eval_warm_start")
+    warm_train = evaluate_model(cfg, model_dir, tasks, cfg.run_dir / "eval_warm_start_train",
+                                temperature=cfg.rollout.temperature)
     runs = [run_arm(cfg, algo, seed, model_dir, tasks) for seed in cfg.compare.seeds for algo in cfg.compare.algos]
-    report = comparison_report(cfg, warm, runs, tasks)
+    report = comparison_report(cfg, warm, runs, tasks, warm_train=warm_train)
     report["seconds_total_this_call"] = round(time.monotonic() - t0, 1)
     atomic_write_text(cfg.run_dir / "report.json", json.dumps(report, indent=1))
     atomic_write_text(cfg.run_dir / "report.md", report_markdown(report))
@@ -157,57 +181,121 @@ def run_comparison(cfg: RunConfig) -> dict[str, Any]:
     return report
 
 
-def _stats(values: list[float]) -> dict[str, float]:
+def _stats(values: list[float], seed: int = 0) -> dict[str, float]:
+    """Mean, Bessel std, range and the bootstrap 95% interval of the mean over seeds."""
+    ci = bootstrap_ci(values, seed=seed)
     return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
-            "min": min(values), "max": max(values), "n": len(values)}
+            "min": min(values), "max": max(values), "n": len(values), "lo": ci["lo"], "hi": ci["hi"]}
 
 
-def comparison_report(cfg: RunConfig, warm: dict[str, Any], runs: list[dict[str, Any]], tasks: list[str]) -> dict[str, Any]:
-    """Per arm: final evaluation success (mean, std, range over seeds), its change over the warm
-    start, train-rollout success over the last quarter of steps, share of all-failed groups, and
-    replay injections."""
+def moving(values: list[float], window: int = 3) -> list[float]:
+    """Trailing moving average (the curves' smoothing)."""
+    return [statistics.fmean(values[max(0, i - window + 1):i + 1]) for i in range(len(values))]
+
+
+def _quarter(curve: list[float], last: bool) -> float:
+    tail = max(1, len(curve) // 4)
+    return statistics.fmean(curve[-tail:] if last else curve[:tail])
+
+
+def comparison_report(cfg: RunConfig, warm: dict[str, Any], runs: list[dict[str, Any]], tasks: list[str],
+                      warm_train: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Per arm (mean, std, range and bootstrap 95% interval over seeds): final evaluation success
+    and its gain over the warm start; training-rollout success in the first and last quarter of
+    steps and the last quarter's gain over the warm start at the training temperature; share of
+    all-failed groups; replay injections; importance weights and replay age where they apply.
+    Paired (same seed) differences between arms with permutation and sign-test p-values."""
+    warm_t = (warm_train or warm)["success_rate"]
     arms: dict[str, Any] = {}
     for algo in cfg.compare.algos:
-        rs = [r for r in runs if r["algo"] == algo]
+        rs = sorted((r for r in runs if r["algo"] == algo), key=lambda r: r["seed"])
         if not rs:
             continue
-        tail = max(1, len(rs[0]["train_success"]) // 4)
-        arms[algo] = {
+        gains = [_quarter(r["train_success"], True) - warm_t for r in rs]
+        arm = {
             "seeds": [r["seed"] for r in rs],
             "eval_success": _stats([r["eval"]["success_rate"] for r in rs]),
             "eval_gain_over_warm_start": _stats([r["eval"]["success_rate"] - warm["success_rate"] for r in rs]),
-            "train_success_last_quarter": _stats([statistics.fmean(r["train_success"][-tail:]) for r in rs]),
-            "train_success_first_quarter": _stats([statistics.fmean(r["train_success"][:tail]) for r in rs]),
+            "train_success_last_quarter": _stats([_quarter(r["train_success"], True) for r in rs]),
+            "train_success_first_quarter": _stats([_quarter(r["train_success"], False) for r in rs]),
+            "train_gain_over_warm_start": _stats(gains),
+            "every_seed_gained_15_points": all(g >= 0.15 for g in gains),
             "all_failed_share": _stats([statistics.fmean(r["all_failed_groups"]) for r in rs]),
             "replay_injections": _stats([float(sum(r["replay_injections"])) for r in rs]),
+            "seconds": _stats([float(r["seconds"]) for r in rs]),
         }
+        arm["curves"] = {key: band([moving(r[key]) for r in rs]) for key in ("train_success", "all_failed_groups")}
+        for key in ("is_weight_mean", "is_capped_share", "replay_age_mean"):
+            per_run = [statistics.fmean(r[key]) for r in rs if r.get(key)]
+            if per_run:
+                arm[key] = _stats(per_run)
+        arms[algo] = arm
+    pairs = {}
+    for a, b in PAIRS:
+        if a not in arms or b not in arms:
+            continue
+        seeds = sorted(set(arms[a]["seeds"]) & set(arms[b]["seeds"]))
+        pairs[f"{a}-{b}"] = {m: _paired(runs, a, b, seeds, m) for m in ("eval", "train")}
     return {"experiment": str(cfg.run_dir), "tasks": tasks, "steps": cfg.train.steps,
             "rollouts_per_step": cfg.train.tasks_per_batch * cfg.rollout.group_size,
             "eval": {"samples_per_task": cfg.eval.samples_per_task, "temperature": cfg.eval.temperature,
-                     "seed": cfg.eval.seed},
-            "warm_start_eval": _eval_summary(warm), "arms": arms, "runs": runs}
+                     "seed": cfg.eval.seed, "train_temperature": cfg.rollout.temperature},
+            "warm_start_eval": _eval_summary(warm),
+            "warm_start_train_temperature": _eval_summary(warm_train) if warm_train else None,
+            "arms": arms, "paired": pairs, "runs": runs}
+
+
+def _paired(runs: list[dict[str, Any]], a: str, b: str, seeds: list[int], measure: str) -> dict[str, Any]:
+    """Per-seed differences a - b of final evaluation success (`eval`) or last-quarter training
+    success (`train`), their mean with a bootstrap interval, and two-sided p-values."""
+    def value(algo: str, seed: int) -> float:
+        r = next(r for r in runs if r["algo"] == algo and r["seed"] == seed)
+        return r["eval"]["success_rate"] if measure == "eval" else _quarter(r["train_success"], True)
+
+    xa, xb = [value(a, s) for s in seeds], [value(b, s) for s in seeds]
+    diffs = [x - y for x, y in zip(xa, xb)]
+    return {"seeds": seeds, "differences": diffs, **_stats(diffs),
+            "p_permutation": paired_permutation_test(xa, xb), "p_sign": sign_test(xa, xb)}
 
 
 def report_markdown(report: dict[str, Any]) -> str:
     w = report["warm_start_eval"]["success_rate"]
-    lines = [f"# ARPO vs GRPO from one warm start ({len(report['tasks'])} tasks, {report['steps']} steps x "
-             f"{report['rollouts_per_step']} rollouts)", "",
-             f"Warm start (SFT) evaluation success: **{w:.3f}** "
-             f"({report['warm_start_eval']['episodes']} episodes; eval k={report['eval']['samples_per_task']}, "
-             f"temperature {report['eval']['temperature']}, seed {report['eval']['seed']}).", "",
-             "| arm | seeds | final eval success (mean ± std) | range | gain over warm start | train success, first → last quarter | all-failed groups | replay injections |",
-             "|---|---|---|---|---|---|---|---|"]
+    wt = (report.get("warm_start_train_temperature") or report["warm_start_eval"])["success_rate"]
+    temps = report["eval"]
+    lines = [f"# {' vs '.join(ARM_LABELS.get(a, a) for a in report['arms'])} from one warm start "
+             f"({len(report['tasks'])} tasks, {report['steps']} steps x {report['rollouts_per_step']} rollouts)", "",
+             f"Warm start (SFT): evaluation success **{w:.3f}** at temperature {temps['temperature']} "
+             f"({report['warm_start_eval']['episodes']} episodes, seed {temps['seed']}); "
+             f"**{wt:.3f}** at the training temperature {temps.get('train_temperature', 1.0)}.", "",
+             "Means over seeds with bootstrap 95% intervals.", "",
+             "| arm | seeds | final eval success | gain over warm start | train success, first → last quarter | "
+             "last-quarter gain over warm start (T=train) | every seed +15 pts | all-failed groups | injections |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for algo, a in report["arms"].items():
-        e, g = a["eval_success"], a["eval_gain_over_warm_start"]
-        lines.append(f"| {algo.upper()} | {', '.join(map(str, a['seeds']))} | {e['mean']:.3f} ± {e['std']:.3f} | "
-                     f"{e['min']:.3f}–{e['max']:.3f} | {g['mean']:+.3f} | "
-                     f"{a['train_success_first_quarter']['mean']:.3f} → {a['train_success_last_quarter']['mean']:.3f} | "
-                     f"{a['all_failed_share']['mean']:.2f} | {a['replay_injections']['mean']:.1f} |")
+        e, g, f, last = a["eval_success"], a["eval_gain_over_warm_start"], a["train_success_first_quarter"], \
+            a["train_success_last_quarter"]
+        tg = a.get("train_gain_over_warm_start", {"mean": last["mean"] - wt, "lo": 0.0, "hi": 0.0})
+        lines.append(f"| {ARM_LABELS.get(algo, algo)} | {len(a['seeds'])} | {e['mean']:.3f} [{e['lo']:.3f}, {e['hi']:.3f}] | "
+                     f"{g['mean']:+.3f} | {f['mean']:.3f} → {last['mean']:.3f} | "
+                     f"{tg['mean']:+.3f} [{tg['lo']:+.3f}, {tg['hi']:+.3f}] | "
+                     f"{'yes' if a.get('every_seed_gained_15_points') else 'no'} | {a['all_failed_share']['mean']:.2f} | "
+                     f"{a['replay_injections']['mean']:.1f} |")
+    if report.get("paired"):
+        lines += ["", "Paired differences (same seed: same first batch, task order and evaluation episodes):", "",
+                  "| comparison | measure | mean difference [95% CI] | seeds a > b | p (permutation) | p (sign) |",
+                  "|---|---|---|---|---|---|"]
+        for name, measures in report["paired"].items():
+            a, b = name.split("-")
+            for measure, d in measures.items():
+                wins = sum(x > 0 for x in d["differences"])
+                label = "final eval success" if measure == "eval" else "train success, last quarter"
+                lines.append(f"| {ARM_LABELS.get(a, a)} − {ARM_LABELS.get(b, b)} | {label} | "
+                             f"{d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}] | {wins}/{len(d['differences'])} | "
+                             f"{d['p_permutation']:.3f} | {d['p_sign']:.3f} |")
     lines += ["", "| run | final eval success | train success (last quarter) | injections | seconds |", "|---|---|---|---|---|"]
-    for r in report["runs"]:
-        tail = max(1, len(r["train_success"]) // 4)
+    for r in sorted(report["runs"], key=lambda r: (r["algo"], r["seed"])):
         lines.append(f"| {r['algo']}-s{r['seed']} | {r['eval']['success_rate']:.3f} | "
-                     f"{statistics.fmean(r['train_success'][-tail:]):.3f} | {sum(r['replay_injections'])} | {r['seconds']} |")
+                     f"{_quarter(r['train_success'], True):.3f} | {sum(r['replay_injections'])} | {r['seconds']} |")
     lines += ["", f"Tasks: {', '.join(report['tasks'])}"]
     return "\n".join(lines) + "\n"
 

@@ -10,14 +10,14 @@ from arpo_lib.run.config import ConfigError, load_config
 from arpo_lib.experiments import comparison_report, report_digest, report_markdown
 
 
-def _run(algo, seed, final, train, failed, injected):
+def _run(algo, seed, final, train, failed, injected, **extra):
     return {"algo": algo, "seed": seed, "seconds": 1.0,
             "eval": {"success_rate": final, "pass_at_k": final, "episodes": 16, "env_errors": 0, "format_error_rate": 0.0},
-            "train_success": train, "all_failed_groups": failed, "replay_injections": injected}
+            "train_success": train, "all_failed_groups": failed, "replay_injections": injected, **extra}
 
 
 def test_report_means_spread_and_gain():
-    cfg = load_config("configs/learning_miniwob_short.yaml", ["compare.seeds=[0, 1]"])
+    cfg = load_config("configs/learning_miniwob_short.yaml", ["compare.seeds=[0, 1]", "compare.algos=[arpo, grpo]"])
     warm = {"success_rate": 0.25, "pass_at_k": 0.5, "episodes": 16, "env_errors": 0, "format_error_rate": 0.1}
     runs = [_run("arpo", 0, 0.5, [0.0, 0.25, 0.5, 0.75], [1, 0.5, 0.5, 0], [2, 1, 1, 0]),
             _run("grpo", 0, 0.25, [0.0, 0.0, 0.25, 0.25], [1, 1, 0.5, 0.5], [0, 0, 0, 0]),
@@ -31,15 +31,43 @@ def test_report_means_spread_and_gain():
     assert arpo["train_success_last_quarter"]["mean"] == pytest.approx(0.875)  # last 1 of 4 steps
     assert arpo["all_failed_share"]["mean"] == pytest.approx(0.375)
     assert arpo["replay_injections"]["mean"] == pytest.approx(3.0)
-    assert grpo["eval_success"] == {"mean": 0.25, "std": 0.0, "min": 0.25, "max": 0.25, "n": 2}
+    assert grpo["eval_success"] == {"mean": 0.25, "std": 0.0, "min": 0.25, "max": 0.25, "n": 2, "lo": 0.25, "hi": 0.25}
+    assert arpo["eval_success"]["lo"] == 0.5 and arpo["eval_success"]["hi"] == 0.75  # bootstrap over 2 seeds
+    # training success against the warm start (no training-temperature baseline given: the eval one)
+    assert arpo["train_gain_over_warm_start"]["mean"] == pytest.approx(0.625)
+    assert arpo["every_seed_gained_15_points"] and not grpo["every_seed_gained_15_points"]
+    paired = report["paired"]["arpo-grpo"]["eval"]
+    assert paired["differences"] == [0.25, 0.5] and paired["p_permutation"] == pytest.approx(0.5)
     md = report_markdown(report)
-    assert "| ARPO | 0, 1 | 0.625 ± 0.177 | 0.625" not in md  # the range column is min–max
-    assert "| ARPO | 0, 1 | 0.625 ± 0.177 | 0.500–0.750 | +0.375 |" in md
+    assert "| ARPO | 2 | 0.625 [0.500, 0.750] | +0.375 | 0.125 → 0.875 |" in md
+    assert "| ARPO − GRPO | final eval success | +0.375 [+0.250, +0.500] | 2/2 | 0.500 | 0.500 |" in md
     assert "arpo-s1: eval 0.750, injections 2" in report_digest(report)
     from arpo_lib.viz.plots import plot_comparison
 
     fig = plot_comparison(report)
-    assert len(fig.axes) == 3 and fig._repr_png_().startswith(b"\x89PNG")
+    assert len(fig.axes) == 4 and fig._repr_png_().startswith(b"\x89PNG")
+
+
+def test_three_arms_with_a_training_temperature_baseline():
+    cfg = load_config("configs/learning_miniwob_short.yaml", ["compare.seeds=[0, 1, 2]"])
+    warm = {"success_rate": 0.2, "pass_at_k": 0.5, "episodes": 16, "env_errors": 0, "format_error_rate": 0.1}
+    warm_t1 = dict(warm, success_rate=0.1)
+    runs = []
+    for seed in range(3):
+        runs += [_run("grpo", seed, 0.3, [0.1, 0.2, 0.2, 0.3], [1, 1, 0.5, 0.5], [0] * 4),
+                 _run("arpo", seed, 0.4 + 0.1 * seed, [0.1, 0.3, 0.4, 0.5], [1, 0.5, 0.5, 0], [1, 1, 0, 0],
+                      is_weight_mean=[], replay_age_mean=[2.0, 3.0]),
+                 _run("arpo_tis", seed, 0.5, [0.1, 0.3, 0.4, 0.6], [1, 0.5, 0, 0], [1, 0, 0, 0],
+                      is_weight_mean=[1.2, 0.8], is_capped_share=[0.1, 0.0], replay_age_mean=[2.0])]
+    report = comparison_report(cfg, warm, runs, ["miniwob/click-test"], warm_train=warm_t1)
+    tis, arpo = report["arms"]["arpo_tis"], report["arms"]["arpo"]
+    assert tis["train_gain_over_warm_start"]["mean"] == pytest.approx(0.5)  # 0.6 - 0.1 in every seed
+    assert tis["is_weight_mean"]["mean"] == pytest.approx(1.0) and "is_weight_mean" not in arpo
+    assert arpo["replay_age_mean"]["mean"] == pytest.approx(2.5)
+    assert set(report["paired"]) == {"arpo-grpo", "arpo_tis-arpo", "arpo_tis-grpo"}
+    assert report["paired"]["arpo-grpo"]["eval"]["p_permutation"] == pytest.approx(0.25)  # 3 of 3 positive
+    assert len(tis["curves"]["train_success"]) == 4
+    assert "ARPO+TIS" in report_markdown(report)
 
 
 def test_compare_config_is_checked():
@@ -59,9 +87,10 @@ def test_tiny_comparison_end_to_end_and_rerun_repeats_nothing(tmp_path, tiny_qwe
     report = run_comparison(cfg)
     exp = tmp_path / "exp"
     for path in ("warm_start/model/config.json", "selection/selection.json", "eval_warm_start/results.json",
-                 "arpo-s0/final.json", "grpo-s0/final.json", "report.md", "comparison.png"):
+                 "eval_warm_start_train/results.json", "arpo-s0/final.json", "grpo-s0/final.json",
+                 "arpo_tis-s0/final.json", "report.md", "comparison.png"):
         assert (exp / path).exists(), path
-    assert [r["algo"] for r in report["runs"]] == ["arpo", "grpo"]
+    assert [r["algo"] for r in report["runs"]] == ["grpo", "arpo", "arpo_tis"]
     # both arms started from the same weights, tasks and seeds: their first rollouts are identical
     def first_batch(arm):  # every step of every episode, wall-clock times left out
         root = exp / arm / "rollouts" / "step_000000"

@@ -271,9 +271,10 @@ class SelectConfig:
 @dataclass
 class CompareConfig:
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
-    """Training seeds of the ARPO-vs-GRPO comparison (experiments.run_comparison); each arm runs each."""
-    algos: list[str] = field(default_factory=lambda: ["arpo", "grpo"])
-    """Arms: `arpo` (replay on) and/or `grpo` (replay off)."""
+    """Training seeds of the comparison (experiments.run_comparison); every arm runs every seed."""
+    algos: list[str] = field(default_factory=lambda: ["grpo", "arpo", "arpo_tis"])
+    """Arms: `grpo` (replay off), `arpo` (replay on, as published) and/or `arpo_tis` (replay on,
+    replayed tokens weighted by truncated importance ratios: algo.replay.correction=tis)."""
 
 
 @dataclass
@@ -477,8 +478,9 @@ def validate(cfg: RunConfig) -> None:
         _fail("select.min_successes", f"{cfg.select.min_successes} successes cannot come from k={cfg.select.k} rollouts")
     if not cfg.compare.seeds or len(set(cfg.compare.seeds)) != len(cfg.compare.seeds):
         _fail("compare.seeds", f"need distinct seeds, got {cfg.compare.seeds}")
-    if not cfg.compare.algos or not set(cfg.compare.algos) <= {"arpo", "grpo"}:
-        _fail("compare.algos", f"arms are 'arpo' and/or 'grpo', got {cfg.compare.algos}")
+    if not cfg.compare.algos or not set(cfg.compare.algos) <= {"grpo", "arpo", "arpo_tis"} \
+            or len(set(cfg.compare.algos)) != len(cfg.compare.algos):
+        _fail("compare.algos", f"arms are distinct ones of 'grpo', 'arpo', 'arpo_tis', got {cfg.compare.algos}")
     if cfg.select.max_env_retries < 0:
         _fail("select.max_env_retries", "must be >= 0")
     if cfg.env.ray_num_cpus < 0:

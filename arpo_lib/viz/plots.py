@@ -461,32 +461,39 @@ def plot_selection(selection: str | Path | dict[str, Any]) -> Figure:
 # ARPO vs GRPO
 
 
+ARM_COLORS = {"grpo": "C1", "arpo": "C0", "arpo_tis": "C2"}
+
+
 def plot_comparison(report: dict[str, Any] | str | Path) -> Figure:
-    """The comparison of `experiments.run_comparison`: train-rollout success per step and the
-    share of all-failed groups (mean over seeds, band = min..max), and final evaluation success
-    per seed against the warm start. `report`: the dict, report.json, or the experiment dir."""
+    """The comparison of `experiments.run_comparison`: training-rollout success and the share of
+    all-failed groups per step (mean over seeds, band = bootstrap 95% interval of the mean, moving
+    average 3), final evaluation success per arm (mean, interval, every seed), and the paired
+    differences between arms (every seed, mean and interval, permutation p-value).
+    `report`: the dict, report.json, or the experiment dir."""
     if not isinstance(report, dict):
         path = Path(report)
         report = json.loads((path / "report.json" if path.is_dir() else path).read_text())
-    fig = ReportFigure(figsize=(13, 3.6), layout="constrained")
-    ax_s, ax_f, ax_e = fig.subplots(1, 3)
-    colors = {"arpo": "C0", "grpo": "C1"}
-    for algo in report["arms"]:
-        runs = [r for r in report["runs"] if r["algo"] == algo]
+    arms = report["arms"]
+    fig = ReportFigure(figsize=(16, 3.8), layout="constrained")
+    ax_s, ax_f, ax_e, ax_d = fig.subplots(1, 4)
+    label = {"grpo": "GRPO", "arpo": "ARPO", "arpo_tis": "ARPO+TIS"}
+    for x, (algo, arm) in enumerate(arms.items()):
+        color = ARM_COLORS.get(algo)
         for ax, key in ((ax_s, "train_success"), (ax_f, "all_failed_groups")):
-            curves = [moving_average(r[key], 3) for r in runs]
-            n = min(len(c) for c in curves)
-            if n == 0:
-                continue
-            steps = list(range(1, n + 1))
-            cols = [[c[i] for c in curves] for i in range(n)]
-            ax.plot(steps, [sum(c) / len(c) for c in cols], color=colors.get(algo), label=algo.upper())
-            ax.fill_between(steps, [min(c) for c in cols], [max(c) for c in cols], color=colors.get(algo), alpha=0.2)
-        finals = [r["eval"]["success_rate"] for r in runs]
-        x = list(report["arms"]).index(algo)
-        ax_e.bar(x, sum(finals) / len(finals), color=colors.get(algo), alpha=0.5, width=0.6)
-        ax_e.scatter([x] * len(finals), finals, color=colors.get(algo), zorder=3, s=18)
-    ax_s.set_title("train-rollout success (moving avg 3)", fontsize=10)
+            rows = (arm.get("curves") or {}).get(key) or []
+            if rows:
+                steps = list(range(1, len(rows) + 1))
+                ax.plot(steps, [r["mean"] for r in rows], color=color, label=label.get(algo, algo))
+                ax.fill_between(steps, [r["lo"] for r in rows], [r["hi"] for r in rows], color=color, alpha=0.2)
+        e = arm["eval_success"]
+        finals = [r["eval"]["success_rate"] for r in report["runs"] if r["algo"] == algo]
+        ax_e.bar(x, e["mean"], color=color, alpha=0.45, width=0.6)
+        ax_e.errorbar([x], [e["mean"]], yerr=[[e["mean"] - e.get("lo", e["mean"])], [e.get("hi", e["mean"]) - e["mean"]]],
+                      color="0.2", capsize=4)
+        ax_e.scatter([x] * len(finals), finals, color=color, zorder=3, s=14)
+    warm_t = (report.get("warm_start_train_temperature") or report["warm_start_eval"])["success_rate"]
+    ax_s.axhline(warm_t, color="0.4", ls="--", lw=1, label=f"warm start {warm_t:.2f}")
+    ax_s.set_title("train-rollout success (band: 95% CI)", fontsize=10)
     ax_f.set_title("share of all-failed groups", fontsize=10)
     for ax in (ax_s, ax_f):
         ax.set_xlabel("step")
@@ -494,10 +501,22 @@ def plot_comparison(report: dict[str, Any] | str | Path) -> Figure:
         ax.legend(fontsize=8)
     warm = report["warm_start_eval"]["success_rate"]
     ax_e.axhline(warm, color="0.4", ls="--", lw=1, label=f"warm start {warm:.2f}")
-    ax_e.set_xticks(range(len(report["arms"])), [a.upper() for a in report["arms"]])
+    ax_e.set_xticks(range(len(arms)), [label.get(a, a) for a in arms])
     ax_e.set_ylim(0, 1)
-    ax_e.set_title("final evaluation success (per seed)", fontsize=10)
+    ax_e.set_title("final evaluation success (95% CI, seeds)", fontsize=10)
     ax_e.legend(fontsize=8)
-    fig.suptitle(f"ARPO vs GRPO: {len(report['tasks'])} tasks, {report['steps']} steps x "
+    pairs = [(name, m["eval"]) for name, m in (report.get("paired") or {}).items()]
+    for y, (name, d) in enumerate(pairs):
+        a, b = name.split("-")
+        ax_d.scatter(d["differences"], [y] * len(d["differences"]), color=ARM_COLORS.get(a), s=14, zorder=3)
+        ax_d.errorbar([d["mean"]], [y], xerr=[[d["mean"] - d["lo"]], [d["hi"] - d["mean"]]], color="0.2",
+                      capsize=4, marker="o")
+    ax_d.axvline(0, color="0.4", lw=1)
+    ax_d.set_yticks(range(len(pairs)), [f"{label.get(n.split('-')[0])} − {label.get(n.split('-')[1])}\n"
+                                        f"p = {d['p_permutation']:.3f}" for n, d in pairs], fontsize=8)
+    ax_d.set_title("paired difference in final eval success", fontsize=10)
+    if not pairs:
+        _no_data(ax_d)
+    fig.suptitle(f"{' vs '.join(label.get(a, a) for a in arms)}: {len(report['tasks'])} tasks, {report['steps']} steps x "
                  f"{report['rollouts_per_step']} rollouts, {len(report['runs'])} runs", fontsize=11)
     return fig
