@@ -175,3 +175,32 @@ def test_packages_import_only_lower_layers():
 def test_the_ground_floor_imports_nothing_of_ours(module):
     others = {t for t in import_graph()[module] if not t.startswith("arpo_lib.run")}
     assert not others, f"{module} imports {others}"
+
+
+def test_public_names_keep_working():
+    from arpo_lib.actions import ActionParseError, parse_response, smart_resize, to_pyautogui
+    from arpo_lib.algo import ReplayBuffer, group_advantages, policy_loss
+    from arpo_lib.envs import make_env
+
+    assert all(callable(x) for x in (parse_response, smart_resize, to_pyautogui, group_advantages, policy_loss,
+                                     make_env))
+    assert issubclass(ActionParseError, ValueError) and ReplayBuffer().enabled
+
+
+def test_the_old_names_users_notebooks_hold_still_work(tmp_path, tiny_qwen2vl):
+    import importlib
+    import sys
+
+    from arpo_lib.run.config import load_config
+
+    sys.modules.pop("arpo_lib.plots", None)
+    with pytest.warns(DeprecationWarning, match="arpo_lib.viz.plots"):
+        plots = importlib.import_module("arpo_lib.plots")
+    assert plots.plot_training is importlib.import_module("arpo_lib.viz.plots").plot_training
+    from arpo_lib.trainer import Trainer
+
+    cfg = load_config("configs/smoke.yaml", [f"model.path={tiny_qwen2vl}", f"out_dir={tmp_path}", "name=old"])
+    with pytest.warns(DeprecationWarning, match="build.trainer"):
+        trainer = Trainer(cfg)
+    trainer.close()
+    assert trainer.step == 0 and (tmp_path / "old" / "config.yaml").is_file()
