@@ -109,7 +109,8 @@ def hf_policy(cfg: RunConfig, path: str | Path | None = None, *, lora: bool = Tr
         gradient_checkpointing=m.gradient_checkpointing,
         checkpoint_every_n_layers=m.checkpoint_every_n_layers, kv_cache=m.kv_cache, vision_attention=m.vision_attention,
         logprob_chunk=m.logprob_chunk, lora_rank=m.lora_rank if lora else 0, lora_alpha=m.lora_alpha,
-        lora_dropout=m.lora_dropout, lora_seed=cfg.train.seed, frozen_weights_dtype=m.frozen_weights_dtype)
+        lora_dropout=m.lora_dropout, lora_seed=cfg.train.seed, frozen_weights_dtype=m.frozen_weights_dtype,
+        prompt=cfg.agent.prompt)
 
 
 def reference_model(cfg: RunConfig, device: torch.device) -> Any:
@@ -152,7 +153,7 @@ def server_policy(cfg: RunConfig, url: str | None = None) -> ServerPolicy:
     return ServerPolicy(url, cfg.model.path, served_model=r.server_model, api_key_env=r.api_key_env,
                         coord_mode=cfg.model.coord_mode, history_images=cfg.model.history_images,
                         max_new_tokens=cfg.model.max_new_tokens, timeout_s=r.request_timeout_s,
-                        retries=r.request_retries, constrained=r.constrained)
+                        retries=r.request_retries, constrained=r.constrained, prompt=cfg.agent.prompt)
 
 
 def served_policy(cfg: RunConfig, trained: HFPolicy) -> ServedPolicy:

@@ -211,7 +211,8 @@ def server_smoke_request(server: Any, cfg: RunConfig, task: str | None = None) -
     opts = dict(cfg.env.options)
     with make_env(task, **opts) as env:
         obs, _ = env.reset(seed=cfg.eval.seed)
-    messages = ui_tars_messages(obs.instruction, [obs.screenshot], [], history_images=cfg.model.history_images)
+    messages = ui_tars_messages(obs.instruction, [obs.screenshot], [], history_images=cfg.model.history_images,
+                                prompt=cfg.agent.prompt)
     t0 = time.monotonic()
     reply = chat_completion(server.base_url, messages, model=server.model, temperature=0,
                                     max_tokens=cfg.model.max_new_tokens, logprobs=True)

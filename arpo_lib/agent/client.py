@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 from PIL import Image
 
-from arpo_lib.agent.prompt import build_messages
+from arpo_lib.agent.prompt import DEFAULT_PROMPT, build_messages
 
 
 class ServerError(RuntimeError):
@@ -38,10 +38,10 @@ def encode_image(image: Image.Image) -> str:
 
 
 def ui_tars_messages(instruction: str, screenshots: Sequence[Image.Image], responses: Sequence[str],
-                     history_images: int = 15) -> list[dict[str, Any]]:
+                     history_images: int = 15, prompt: Any = DEFAULT_PROMPT) -> list[dict[str, Any]]:
     """UI-TARS's prompt (prompt.build_messages) as OpenAI messages, screenshots as data URLs.
     `responses[i]` follows screenshot i; one fewer response than screenshots asks for the next."""
-    messages = build_messages(instruction, len(screenshots), list(responses), history_images)
+    messages = build_messages(instruction, len(screenshots), list(responses), history_images, prompt)
     kept = list(screenshots[max(0, len(screenshots) - history_images):])
     images = iter(kept)
     out = []

@@ -23,7 +23,7 @@ from arpo_lib.agent.model.lora import (adapter_state_dict, apply_lora, cast_froz
 from arpo_lib.agent.model.packing import pack_segments
 from arpo_lib.agent.model.vision_attention import use_batched_vision_attention
 from arpo_lib.agent.prompt import (Segment, UITarsConversations, coord_mode_for, image_processor_limits,
-                                   load_processor, response_text, special_token_ids)
+                                   DEFAULT_PROMPT, get_prompt, load_processor, response_text, special_token_ids)
 from arpo_lib.agent.sampling import SeededGumbelSampler
 from arpo_lib.types import Generation
 
@@ -107,6 +107,7 @@ class HFPolicy(UITarsConversations):
         lora_dropout: float = 0.0,
         lora_seed: int = 0,
         frozen_weights_dtype: str = "auto",
+        prompt: str = DEFAULT_PROMPT,
         model: Any = None,
     ):
         from transformers import AutoModelForImageTextToText
@@ -153,6 +154,7 @@ class HFPolicy(UITarsConversations):
         if frozen_weights_dtype not in ("auto", "float32"):
             raise ValueError(f"frozen_weights_dtype must be 'auto' or 'float32', not {frozen_weights_dtype!r}")
         self.history_images = history_images
+        self.prompt = get_prompt(prompt)
         self.max_new_tokens = max_new_tokens
         self.eos_ids, self.suppress_ids = special_token_ids(self.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[-1]

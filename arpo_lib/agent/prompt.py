@@ -1,4 +1,4 @@
-"""The UI-TARS computer-use prompt, token-exact multi-turn conversations, and what every policy
+"""The UI-TARS prompt as chat messages, token-exact multi-turn conversations, and what every policy
 backend shares about a checkpoint (coordinate convention, resize limits, special tokens).
 
 A conversation is a system line, a user turn with the prompt and instruction, then one user turn
@@ -25,56 +25,38 @@ import torch
 from PIL import Image
 
 from arpo_lib.actions import MAX_PIXELS, MIN_PIXELS, ParsedResponse, parse_response
+from arpo_lib.agent.prompt_library import PROMPTS, Prompt
 
 log = logging.getLogger(__name__)
 
-SYSTEM_PROMPT = "You are a helpful assistant."
-
-# The action space the UI-TARS checkpoints were trained to read; ARPO adds call_user().
-COMPUTER_USE_PROMPT = r"""You are a GUI agent. You are given a task and your action history, with screenshots. You need to perform the next action to complete the task.
-
-## Output Format
-```
-Thought: ...
-Action: ...
-```
-
-## Action Space
-
-click(start_box='<|box_start|>(x1,y1)<|box_end|>')
-left_double(start_box='<|box_start|>(x1,y1)<|box_end|>')
-right_single(start_box='<|box_start|>(x1,y1)<|box_end|>')
-drag(start_box='<|box_start|>(x1,y1)<|box_end|>', end_box='<|box_start|>(x3,y3)<|box_end|>')
-hotkey(key='')
-type(content='') #If you want to submit your input, use "\n" at the end of `content`.
-scroll(start_box='<|box_start|>(x1,y1)<|box_end|>', direction='down or up or right or left')
-wait() #Sleep for 5s and take a screenshot to check for any changes.
-finished(content='xxx') # Use escape characters \', \", and \n in content part to ensure we can parse the content in normal python string format.
-call_user() # Submit the task and call the user when the task is unsolvable, or when you need the user's help.
+DEFAULT_PROMPT = "uitars_official"
+"""The prompt a policy uses unless `agent.prompt` names another (see prompt_library)."""
 
 
-## Note
-- Use English in `Thought` part.
-- Write a small plan and finally summarize your next action (with its target element) in one sentence in `Thought` part.
+def get_prompt(name: str | Prompt) -> Prompt:
+    """A prompt by name; ValueError naming the known ones."""
+    if isinstance(name, Prompt):
+        return name
+    if name not in PROMPTS:
+        raise ValueError(f"unknown prompt {name!r}; known: {', '.join(PROMPTS)}")
+    return PROMPTS[name]
 
-## User Instruction
-{instruction}
-"""
 
-
-def initial_messages(instruction: str) -> list[dict[str, Any]]:
+def initial_messages(instruction: str, prompt: str | Prompt = DEFAULT_PROMPT) -> list[dict[str, Any]]:
     """System line + the computer-use prompt with the instruction (no screenshot yet)."""
+    p = get_prompt(prompt)
     return [
-        {"role": "system", "content": [{"type": "text", "text": SYSTEM_PROMPT}]},
-        {"role": "user", "content": [{"type": "text", "text": COMPUTER_USE_PROMPT.format(instruction=instruction)}]},
+        {"role": "system", "content": [{"type": "text", "text": p.system}]},
+        {"role": "user", "content": [{"type": "text", "text": p.render(instruction)}]},
     ]
 
 
-def build_messages(instruction: str, n_screenshots: int, responses: list[str], history_images: int) -> list[dict[str, Any]]:
+def build_messages(instruction: str, n_screenshots: int, responses: list[str], history_images: int,
+                   prompt: str | Prompt = DEFAULT_PROMPT) -> list[dict[str, Any]]:
     """Chat messages for a step: screenshots as image placeholders, only the newest
     `history_images` kept; older steps keep their responses as text. `responses[i]` follows
     screenshot i; the list is one shorter than the screenshots when a response is due."""
-    messages = initial_messages(instruction)
+    messages = initial_messages(instruction, prompt)
     first_kept = max(0, n_screenshots - history_images)
     for i in range(n_screenshots):
         if i >= first_kept:
@@ -135,10 +117,12 @@ class Segment:
 class TokenConversation:
     """Token-exact multi-turn UI-TARS conversation for one episode."""
 
-    def __init__(self, processor: Any, instruction: str, history_images: int = 15):
+    def __init__(self, processor: Any, instruction: str, history_images: int = 15,
+                 prompt: str | Prompt = DEFAULT_PROMPT):
         self.processor = processor
         self.instruction = instruction
         self.history_images = history_images
+        self.prompt = get_prompt(prompt)
         self.responses: list[str] = []
         self.screenshots: list[Image.Image] = []
         self.segments: list[Segment] = []
@@ -174,7 +158,7 @@ class TokenConversation:
         n = len(self.screenshots)
         if not self.segments or self._images_in_segment >= self.history_images:
             # First turn, or the oldest image must go: render the kept history as a new segment.
-            messages = build_messages(self.instruction, n, self.responses, self.history_images)
+            messages = build_messages(self.instruction, n, self.responses, self.history_images, self.prompt)
             first_kept = max(0, n - self.history_images)
             enc = self._encode(self._render(messages, True), self.screenshots[first_kept:])
             seg = Segment()
@@ -184,8 +168,8 @@ class TokenConversation:
             self._images_in_segment = n - first_kept
             return
         # Incremental: the new turn's text is the template's rendering with the turn minus without it.
-        before = build_messages(self.instruction, n - 1, self.responses, self.history_images + 1)
-        after = build_messages(self.instruction, n, self.responses, self.history_images + 1)
+        before = build_messages(self.instruction, n - 1, self.responses, self.history_images + 1, self.prompt)
+        after = build_messages(self.instruction, n, self.responses, self.history_images + 1, self.prompt)
         prefix, full = self._render(before, False), self._render(after, True)
         # Cut the prefix right after the last response's <|im_end|>, which was sampled and is
         # already in the ids; what follows it (a newline, the user turn, the assistant header) is new.
@@ -338,11 +322,13 @@ def special_token_ids(tokenizer: Any) -> tuple[list[int], list[int]]:
 
 class UITarsConversations:
     """What every policy backend shares: conversations built with the model's processor and
-    responses parsed in the model's coordinate convention. Needs `processor`, `history_images`,
-    `coord_mode` and `resize` on the instance."""
+    prompt, and responses parsed in the model's coordinate convention. Needs `processor`,
+    `history_images`, `prompt`, `coord_mode` and `resize` on the instance."""
+
+    prompt: Prompt = PROMPTS[DEFAULT_PROMPT]
 
     def new_conversation(self, instruction: str) -> TokenConversation:
-        return TokenConversation(self.processor, instruction, history_images=self.history_images)
+        return TokenConversation(self.processor, instruction, history_images=self.history_images, prompt=self.prompt)
 
     def release(self, key: Any) -> None:
         """Forget an episode's state; nothing is kept per episode unless a backend says so."""

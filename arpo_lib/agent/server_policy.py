@@ -28,7 +28,7 @@ from typing import Any, Sequence
 
 from arpo_lib.agent.client import ServerError, chat_completion, ui_tars_messages
 from arpo_lib.agent.prompt import (Segment, UITarsConversations, coord_mode_for, image_processor_limits,
-                                   load_processor, response_text, special_token_ids)
+                                   DEFAULT_PROMPT, get_prompt, load_processor, response_text, special_token_ids)
 from arpo_lib.types import Generation
 
 # The UI-TARS action grammar as a regular expression, for constrained decoding (vLLM's
@@ -68,6 +68,7 @@ class ServerPolicy(UITarsConversations):
         backoff_s: float = 1.0,
         constrained: bool = False,
         max_concurrency: int = 32,
+        prompt: str = DEFAULT_PROMPT,
     ):
         """`model_path`: the served model's directory (or a copy of its processor files), for the
         tokenizer and chat template. `served_model`: the name to request (default: the first
@@ -80,6 +81,7 @@ class ServerPolicy(UITarsConversations):
         self.tokenizer = self.processor.tokenizer
         self.coord_mode = coord_mode_for(self.path) if coord_mode == "auto" else coord_mode
         self.history_images = history_images
+        self.prompt = get_prompt(prompt)
         self.max_new_tokens = max_new_tokens
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
         self.constrained = constrained
@@ -147,7 +149,7 @@ class ServerPolicy(UITarsConversations):
 
     def _one(self, segment: Segment, ctx: Any, temperature: float, top_p: float, max_tokens: int,
              seed: int | None) -> Generation:
-        messages = ui_tars_messages(ctx.instruction, ctx.screenshots, ctx.responses, self.history_images)
+        messages = ui_tars_messages(ctx.instruction, ctx.screenshots, ctx.responses, self.history_images, self.prompt)
         extra: dict[str, Any] = {"logit_bias": {str(i): -100 for i in self.suppress_ids}, **NEUTRAL_SAMPLING,
                                  # the box markers are special tokens: keep them in the text
                                  "skip_special_tokens": False, "spaces_between_special_tokens": False}

@@ -99,6 +99,15 @@ class ModelConfig:
 
 
 @dataclass
+class AgentConfig:
+    prompt: str = "uitars_official"
+    """The UI-TARS prompt, character-exact to its source (arpo_lib/agent/prompt_library.py):
+    `arpo` (ARPO's training prompt), `osworld_uitars15` (the OSWorld fork's UI-TARS-1.5 evaluation
+    prompt), `uitars_official` (UI-TARS's COMPUTER_USE; the same text as osworld_uitars15) or
+    `uitars10` (UI-TARS 1.0, for UI-TARS-2B-SFT)."""
+
+
+@dataclass
 class RolloutConfig:
     group_size: int = 8
     """Rollouts per task per batch (ARPO's n = 8)."""
@@ -331,6 +340,8 @@ class RunConfig:
     """Environments and task set."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The policy model."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """What the agent is told: its prompt."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Rollout sampling."""
     algo: AlgoConfig = field(default_factory=AlgoConfig)
@@ -389,6 +400,7 @@ def validate(cfg: RunConfig) -> None:
         "train.optimizer": (cfg.train.optimizer, ("adamw", "adafactor")),
         "model.frozen_weights_dtype": (cfg.model.frozen_weights_dtype, ("auto", "float32")),
         "algo.replay.correction": (cfg.algo.replay.correction, ("none", "tis")),
+        "agent.prompt": (cfg.agent.prompt, ("arpo", "osworld_uitars15", "uitars_official", "uitars10")),
     }
     for key, (value, allowed) in choices.items():
         if value not in allowed:

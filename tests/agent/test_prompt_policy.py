@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from arpo_lib.agent.hf_policy import HFPolicy, ModelNotFoundError
-from arpo_lib.agent.prompt import COMPUTER_USE_PROMPT, build_messages
+from arpo_lib.agent.prompt import build_messages
+from arpo_lib.agent.prompt_library import PROMPTS
 from benchmarks.common import screenshot as _shot
 
 
@@ -22,12 +23,14 @@ def test_missing_model_path_says_what_to_do(tmp_path):
         HFPolicy(tmp_path, device="cpu")
 
 
-def test_prompt_holds_instruction_and_every_action():
-    text = COMPUTER_USE_PROMPT.format(instruction="Click OK")
-    assert text.rstrip().endswith("Click OK")
+@pytest.mark.parametrize("name", sorted(PROMPTS))
+def test_prompt_holds_instruction_and_every_action(name):
+    text = PROMPTS[name].render("Click OK {not a placeholder}")
+    assert text.rstrip().endswith("Click OK {not a placeholder}")
     for kind in ("click(", "left_double(", "right_single(", "drag(", "hotkey(", "type(", "scroll(",
-                 "wait(", "finished(", "call_user("):
+                 "wait(", "finished("):
         assert kind in text
+    assert ("call_user(" in text) == (name == "uitars10")  # only UI-TARS 1.0's prompt offers it
 
 
 def test_history_limit_keeps_text_of_old_steps():
