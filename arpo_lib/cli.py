@@ -118,14 +118,14 @@ def _cmd_osworld_tasks(args: argparse.Namespace) -> int:
 
     try:
         if args.action == "fetch":
-            if ot.is_fetched() and not args.force:
-                print(f"already fetched: {ot.tasks_root()} (--force fetches again)")
+            if args.source is None and ot.is_fetched(ot.pinned_root()) and not args.force:
+                print(f"already fetched: {ot.pinned_root()} (--force fetches again)")
                 return 0
-            expect = ot.PINNED_EXPECTATIONS if args.pinned else None
+            expect = ot.PINNED_EXPECTATIONS if args.pinned else ot.Expectations() if args.any_counts else None
             root = ot.fetch_tasks(args.source, force=args.force, progress=not args.no_progress, expect=expect)
             manifest = ot.read_manifest(root)
-            commit = (manifest["commit"] or "unknown commit")[:12]
-            print(f"OSWorld tasks: {root} ({commit}, {manifest['task_count']} tasks, {manifest['file_count']} files)")
+            print(f"OSWorld tasks: {root} ({ot.provenance(manifest)}, {manifest['task_count']} tasks, "
+                  f"{manifest['file_count']} files)")
             print("  " + ", ".join(f"{d} {n}" for d, n in manifest["domains"].items()))
             for warning in manifest["warnings"]:
                 print(f"  warning: {warning}")
@@ -143,7 +143,7 @@ def _cmd_osworld_tasks(args: argparse.Namespace) -> int:
                 return 0
             name = args.set.removeprefix(f"{ot.ENV_PREFIX}/")
             print(f"{name}: {ot.TASK_SETS[name]}")
-            print(f"  from {ot.task_set_source(name)}")
+            print(f"  from {ot.task_set_source(name)} of {ot.tasks_root()} ({ot.provenance(ot.read_manifest())})")
             print(f"  {'domain':<22} {'tasks':>5}")
             for domain, ids in by_domain.items():
                 print(f"  {domain:<22} {len(ids):>5}")
@@ -250,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--force", action="store_true", help="replace a complete cache")
     q.add_argument("--pinned", action="store_true",
                    help="check ARPO's counts (128 list per domain, 369 tasks, set sizes) for a local source too")
+    q.add_argument("--any-counts", action="store_true",
+                   help="accept a 128-task list whose per-domain counts are not ARPO's (a fixture or your own list)")
     q.add_argument("--no-progress", action="store_true", help="no download progress bar")
     q = tasks_sub.add_parser("list", help="the task sets, or one set's per-domain table")
     q.add_argument("set", nargs="?", default=None, help="train128, subset32, smoke4, chrome10 or test_all")

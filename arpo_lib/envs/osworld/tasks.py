@@ -52,6 +52,7 @@ import dataclasses
 import difflib
 import functools
 import hashlib
+import logging
 import json
 import os
 import re
@@ -68,6 +69,8 @@ from typing import Any
 from arpo_lib.envs.osworld import fetch
 from arpo_lib.run.records import atomic_write_text
 
+log = logging.getLogger(__name__)
+
 OSWORLD_TASKS_REPO = "FanbinLu/OSWorld"
 OSWORLD_TASKS_COMMIT = "7a6409d7f54e335181398b10038ddf3beda9ab33"
 """The `OSWorld` submodule commit of dvlab-research/ARPO (its only commit touching the submodule)."""
@@ -81,10 +84,16 @@ ENV_PREFIX = "osworld"
 
 TEST_ALL_LIST = "test_all.json"
 TRAIN_LIST = "test_success_uitars1.5_wo_impossible.json"
-SUBSET32_LIST = "test_success_middle_difficult.json"
+SUBSET32_LISTS = ("test_subset32.json", "test_success_middle_difficult.json")
+"""ARPO's 32-task subset: the fork holds `test_subset32.json` (32 tasks of the 128, none
+infeasible); ARPO's examples/osworld_subset32.sh names `test_success_middle_difficult.json`,
+which no public copy of the fork has. The first present is used."""
 REQUIRED_LISTS = (TEST_ALL_LIST, TRAIN_LIST)
-"""Meta lists a fetched tree must have. These and SUBSET32_LIST (when present) are checked
+"""Meta lists a fetched tree must have. These and the subset lists (when present) are checked
 strictly; problems in other meta lists are recorded as warnings in the manifest."""
+TRAIN128_DOMAINS = {"chrome": 18, "gimp": 19, "libreoffice_calc": 12, "libreoffice_impress": 13,
+                    "libreoffice_writer": 11, "multi_apps": 11, "os": 12, "thunderbird": 7, "vlc": 6, "vs_code": 19}
+"""ARPO's 128 training tasks per domain: checked for any source (a different list is not ARPO's)."""
 
 FETCH_HINT = ("fetch it with `./workbench osworld-tasks fetch` (or `python -m arpo_lib osworld-tasks "
               "fetch`; offline: `--source <OSWorld tarball or checkout>`)")
@@ -117,20 +126,15 @@ class Expectations:
 
 
 PINNED_EXPECTATIONS = Expectations(
-    lists={
-        TRAIN_LIST: {"chrome": 18, "gimp": 19, "libreoffice_calc": 12, "libreoffice_impress": 13,
-                     "libreoffice_writer": 11, "multi_apps": 11, "os": 12, "thunderbird": 7,
-                     "vlc": 6, "vs_code": 19},
-        TEST_ALL_LIST: 369,
-    },
+    lists={TRAIN_LIST: TRAIN128_DOMAINS, TEST_ALL_LIST: 369},
     set_sizes={"train128": 128, "test_all": 369, "subset32": 32, "smoke4": 4, "chrome10": 10},
 )
 """The ARPO paper's numbers; applied when the data is known to be the pinned commit."""
 
 TASK_SETS: dict[str, str] = {
     "train128": f"ARPO's 128 training tasks ({TRAIN_LIST})",
-    "subset32": f"ARPO's 32-task subset run ({SUBSET32_LIST} if present, else a fixed "
-                "per-domain draw from train128)",
+    "subset32": f"ARPO's 32-task subset ({SUBSET32_LISTS[0]}, else {SUBSET32_LISTS[1]}); without either, "
+                "the workbench's own per-domain draw of 32 feasible train128 tasks (not ARPO's)",
     "smoke4": "2 os + 2 chrome tasks of train128 with quick, local-only setup",
     "chrome10": "10 chrome tasks of train128 (fixed hash draw)",
     "test_all": f"all OSWorld test tasks ({TEST_ALL_LIST}, 369)",
@@ -153,9 +157,39 @@ def cache_root() -> Path:
     return base / "arpo-workbench" / "osworld-tasks"
 
 
-def tasks_root() -> Path:
-    """The cache of the pinned commit: holds `manifest.json` and `evaluation_examples/`."""
+ACTIVE = "active.json"
+"""In the cache root: which slot the runs read (the last one fetched)."""
+
+
+def pinned_root() -> Path:
+    """The slot of the pinned commit's data."""
     return cache_root() / OSWORLD_TASKS_COMMIT[:12]
+
+
+def slot_for(commit: str | None, tree_sha256: str) -> Path:
+    """Where fetched data lives: one slot per commit (`<commit12>`), and data of unknown origin
+    (a checkout or an archive that names no commit) in `unknown-<tree12>`, never in a commit's slot."""
+    return cache_root() / (commit[:12] if commit else f"unknown-{tree_sha256[:12]}")
+
+
+def tasks_root() -> Path:
+    """The task data runs read: the slot the last fetch made active, else the pinned commit's.
+    Holds `manifest.json` and `evaluation_examples/`."""
+    try:
+        slot = json.loads((cache_root() / ACTIVE).read_text())["slot"]
+        if isinstance(slot, str) and slot and "/" not in slot and not slot.startswith("."):
+            return cache_root() / slot
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return pinned_root()
+
+
+def provenance(manifest: dict[str, Any]) -> str:
+    """Where the cached data came from, in words: the commit, or that it is unknown."""
+    if manifest.get("commit"):
+        return f"commit {manifest['commit'][:12]}" + (" (ARPO's pinned commit)"
+                                                      if manifest["commit"] == OSWORLD_TASKS_COMMIT else "")
+    return f"unknown commit (from {manifest.get('source')})"
 
 
 def examples_dir(root: Path | None = None) -> Path:
@@ -242,7 +276,10 @@ def load_task(task_id: str, root: Path | None = None) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"{path} is listed in the manifest but missing: the cache is damaged; "
                                 "run `arpo osworld-tasks verify`, then `arpo osworld-tasks fetch --force`")
-    return json.loads(path.read_text())
+    task = json.loads(path.read_text())
+    if task.get("id") != task_id:  # the file name is the id (ARPO's loader does the same)
+        task["original_id"], task["id"] = task.get("id"), task_id
+    return task
 
 
 # ---- the task schema ------------------------------------------------------------------------
@@ -364,6 +401,11 @@ def _read_meta(ee: Path, name: str) -> dict[str, list[str]]:
     return json.loads(path.read_text())
 
 
+def _is_feasible(ee: Path, domain: str, task_id: str) -> bool:
+    task = json.loads((ee / "examples" / domain / f"{task_id}.json").read_text())
+    return task.get("evaluator", {}).get("func") != "infeasible"
+
+
 def _is_quick_local(task: dict[str, Any]) -> bool:
     feasible = task.get("evaluator", {}).get("func") != "infeasible"
     return feasible and all(step.get("type") in LOCAL_SETUP_STEPS for step in task.get("config", []))
@@ -376,9 +418,11 @@ def _resolve_set(ee: Path, name: str) -> dict[str, list[str]]:
     if name == "test_all":
         return _read_meta(ee, TEST_ALL_LIST)
     if name == "subset32":
-        if (ee / SUBSET32_LIST).is_file():
-            return _read_meta(ee, SUBSET32_LIST)
-        return stable_subset(_read_meta(ee, TRAIN_LIST), 32, "arpo-workbench/subset32")
+        for listed in SUBSET32_LISTS:
+            if (ee / listed).is_file():
+                return _read_meta(ee, listed)
+        feasible = {d: [t for t in ids if _is_feasible(ee, d, t)] for d, ids in _read_meta(ee, TRAIN_LIST).items()}
+        return stable_subset({d: ids for d, ids in feasible.items() if ids}, 32, "arpo-workbench/subset32")
     if name == "chrome10":
         chrome = _read_meta(ee, TRAIN_LIST).get("chrome", [])
         return stable_subset({"chrome": chrome}, 10, "arpo-workbench/chrome10") if chrome else {}
@@ -412,11 +456,14 @@ def task_set_source(name: str, root: Path | None = None) -> str:
     """Where a set comes from in this cache: its meta-list file, or the rule that draws it."""
     name = _strip_prefix(name)
     sources = {"train128": TRAIN_LIST, "test_all": TEST_ALL_LIST,
-               "subset32": f"rule: 32 drawn per domain from {TRAIN_LIST} ({SUBSET32_LIST} is absent)",
+               "subset32": f"the workbench's own draw, NOT ARPO's subset: 32 feasible tasks per domain from "
+                           f"{TRAIN_LIST} (neither {' nor '.join(SUBSET32_LISTS)} is in this data)",
                "smoke4": f"rule: 2 os + 2 chrome quick local-setup tasks of {TRAIN_LIST}",
                "chrome10": f"rule: 10 chrome tasks of {TRAIN_LIST} by sha256 rank"}
-    if name == "subset32" and (examples_dir(root) / SUBSET32_LIST).is_file():
-        return SUBSET32_LIST
+    if name == "subset32":
+        for listed in SUBSET32_LISTS:
+            if (examples_dir(root) / listed).is_file():
+                return listed
     if name not in sources:
         raise ValueError(f"unknown OSWorld task set {name!r}; sets: {', '.join(TASK_SETS)}")
     return sources[name]
@@ -474,6 +521,7 @@ def _validate_tree(ee: Path, expect: Expectations) -> dict[str, Any]:
     problems: list[str] = []
     warnings: list[str] = []
     tasks: dict[str, str] = {}
+    id_mismatches: dict[str, Any] = {}
     examples = ee / "examples"
     if not examples.is_dir():
         raise TaskDataError(f"{EXAMPLES}/examples/ is missing: this is not OSWorld task data")
@@ -494,7 +542,9 @@ def _validate_tree(ee: Path, expect: Expectations) -> dict[str, Any]:
             continue
         problems += [f"{rel}: {p}" for p in validate_task(task)]
         if isinstance(task, dict) and task.get("id") != path.stem:
-            problems.append(f"{rel}: id {task.get('id')!r} differs from the file name")
+            # The fork has such files (15 thunderbird tasks carry other tasks' ids); ARPO's loader
+            # uses the file name as the id, and so does this cache.
+            id_mismatches[path.stem] = task.get("id")
         if path.stem in tasks:
             problems.append(f"{rel}: task id also in examples/{tasks[path.stem]}/")
         tasks.setdefault(path.stem, path.parent.name)
@@ -503,7 +553,7 @@ def _validate_tree(ee: Path, expect: Expectations) -> dict[str, Any]:
 
     meta_lists: dict[str, dict[str, Any]] = {}
     metas: dict[str, dict[str, list[str]]] = {}
-    strict = set(REQUIRED_LISTS) | {SUBSET32_LIST} | set(expect.lists)
+    strict = set(REQUIRED_LISTS) | set(SUBSET32_LISTS) | set(expect.lists)
     for name in REQUIRED_LISTS:
         if not (ee / name).is_file():
             problems.append(f"{EXAMPLES}/{name} is missing")
@@ -556,8 +606,12 @@ def _validate_tree(ee: Path, expect: Expectations) -> dict[str, Any]:
     domains: dict[str, int] = {}
     for domain in tasks.values():
         domains[domain] = domains.get(domain, 0) + 1
+    if id_mismatches:
+        warnings.insert(0, f"{len(id_mismatches)} task files carry an `id` other than their file name (the "
+                           f"file name is the task id, as in ARPO's loader): "
+                           + ", ".join(f"{stem[:8]} (id {str(i)[:8]})" for stem, i in sorted(id_mismatches.items())))
     return {"tasks": dict(sorted(tasks.items())), "domains": dict(sorted(domains.items())),
-            "meta_lists": meta_lists, "warnings": warnings}
+            "meta_lists": meta_lists, "warnings": warnings, "id_mismatches": dict(sorted(id_mismatches.items()))}
 
 
 def verify_cache(root: Path | None = None) -> list[str]:
@@ -614,30 +668,35 @@ def fetch_tasks(
     progress: bool = True,
     expect: Expectations | None = None,
 ) -> Path:
-    """Fetch, validate and cache the OSWorld task data; returns the cache directory.
+    """Fetch, validate and cache the OSWorld task data; returns the cache directory (now active).
 
     source: None (the pinned commit's GitHub tarball), an http(s) URL, a `file://` URL or path of
         a tarball (gz/bz2/xz/plain; `evaluation_examples/` at its root or under one top dir), or
         a checkout directory containing `evaluation_examples/`.
-    dest: the cache directory (default `tasks_root()`).
+    dest: the cache directory (default: the slot of the data's commit, `slot_for`; data whose
+        commit is unknown gets an `unknown-<tree hash>` slot, never the pinned commit's).
     force: replace a complete cache; otherwise a complete cache makes this a no-op.
-    expect: counts to check; default PINNED_EXPECTATIONS when the data is known to be the pinned
-        commit (default source, or an archive that names that commit), else none beyond
-        internal consistency.
+    expect: counts to check; default: for the pinned commit PINNED_EXPECTATIONS; for any other
+        data the per-domain counts of the 128-task list (ARPO's training set), so that a tree
+        whose list is not ARPO's is refused.
 
     Only `evaluation_examples/` is extracted; every task and the strict meta lists are
     validated; the manifest is written; then the directory is renamed into place. On any
-    failure the previous cache (or none) is left as it was and TaskDataError says why.
+    failure the previous cache (or none) is left as it was and TaskDataError says why. Task
+    files whose `id` is not their file name are accepted (the file name is the id, as ARPO's
+    loader has it) and listed in the manifest and its warnings.
     """
-    dest = Path(dest) if dest is not None else tasks_root()
-    if not force and is_fetched(dest):
-        return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with fetch.locked(dest.parent, dest.name):
-        if not force and is_fetched(dest):  # another process finished it while we waited
-            return dest
-        staging = dest.parent / f".staging-{dest.name}-{uuid.uuid4().hex[:8]}"
-        staging.mkdir()
+    if dest is None and source is None and not force and is_fetched(pinned_root()):
+        _activate(pinned_root())
+        return pinned_root()
+    if dest is not None and not force and is_fetched(Path(dest)):
+        return Path(dest)  # a complete cache where asked: the source is not even read
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    lock_name = Path(dest).name if dest is not None else "fetch"
+    with fetch.locked(Path(dest).parent if dest is not None else root, lock_name):
+        staging = (Path(dest).parent if dest is not None else root) / f".staging-{uuid.uuid4().hex[:8]}"
+        staging.mkdir(parents=True)
         try:
             kind, where = _resolve_source(source)
             archive_sha, commit = None, None
@@ -656,14 +715,16 @@ def fetch_tasks(
             else:
                 fetch.copy_tree(Path(where), staging, EXAMPLES, MAX_EXAMPLES_BYTES)
             pinned = commit == OSWORLD_TASKS_COMMIT
-            if commit and not pinned and dest == tasks_root():
-                raise TaskDataError(f"the source is commit {commit}, but this workbench pins {OSWORLD_TASKS_COMMIT} "
-                                    f"and {dest} holds only that commit; to keep another commit, call "
-                                    "fetch_tasks(source, dest=<another directory>) from Python")
             if expect is None:
-                expect = PINNED_EXPECTATIONS if pinned else Expectations()
+                expect = PINNED_EXPECTATIONS if pinned else Expectations(lists={TRAIN_LIST: TRAIN128_DOMAINS})
             info = _validate_tree(staging / EXAMPLES, expect)
             files = fetch.file_hashes(staging / EXAMPLES, EXAMPLES)
+            tree = fetch.tree_sha256(files)
+            target = Path(dest) if dest is not None else slot_for(commit, tree)
+            if not force and is_fetched(target):  # the same data is cached already
+                log.info("already cached: %s (the same data; --force fetches again)", target)
+                _activate(target)
+                return target
             manifest = {
                 "format": MANIFEST_FORMAT,
                 "repo": OSWORLD_TASKS_REPO if pinned else None,
@@ -675,20 +736,29 @@ def fetch_tasks(
                 "domains": info["domains"],
                 "task_count": len(info["tasks"]),
                 "file_count": len(files),
-                "tree_sha256": fetch.tree_sha256(files),
+                "tree_sha256": tree,
                 "meta_lists": info["meta_lists"],
                 "warnings": info["warnings"],
+                "id_mismatches": info["id_mismatches"],
                 "tasks": info["tasks"],
                 "files": files,
             }
             atomic_write_text(staging / MANIFEST, json.dumps(manifest, indent=1) + "\n")
-            fetch.swap_into_place(staging, dest)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fetch.swap_into_place(staging, target)
         except fetch.FetchError as exc:
             raise TaskDataError(str(exc)) from exc
         finally:
             if staging.exists():
                 shutil.rmtree(staging, ignore_errors=True)
-    return dest
+    if dest is None or Path(dest).parent == root:
+        _activate(target)
+    return target
+
+
+def _activate(slot: Path) -> None:
+    """Make `slot` the data runs read (tasks_root)."""
+    atomic_write_text(cache_root() / ACTIVE, json.dumps({"slot": slot.name}) + "\n")
 
 
 def read_manifest(root: Path | None = None) -> dict[str, Any]:

@@ -31,7 +31,7 @@ CHROME_D, CHROME_E, CHROME_TABS = ("73722ca8-ff78-42a6-a8a4-c3f3d3dd4537", "7bfc
 CALC_G, CALC_H = "1344f0c9-1ffe-4e71-8476-1808e329c734", "157f2ad6-e8a3-4397-801d-781b2810a85d"
 FIXTURE_EXPECT = ot.Expectations(
     lists={ot.TRAIN_LIST: {"chrome": 3, "libreoffice_calc": 1, "os": 3}, ot.TEST_ALL_LIST: 8},
-    set_sizes={"train128": 7, "test_all": 8, "subset32": 7, "smoke4": 4, "chrome10": 3},
+    set_sizes={"train128": 7, "test_all": 8, "subset32": 6, "smoke4": 4, "chrome10": 3},
 )
 
 
@@ -174,7 +174,7 @@ def test_stable_subset_is_reproducible_and_keeps_order():
 def test_fetch_from_file_url_of_a_tarball(tmp_path, cache):
     archive = make_tarball(tmp_path / "osworld.tar.gz")
     root = fetch(archive.as_uri())
-    assert root == ot.tasks_root() == cache / ot.OSWORLD_TASKS_COMMIT[:12]
+    assert root == ot.tasks_root() and root.parent == cache and root.name.startswith("unknown-")
     assert ot.is_fetched()
     manifest = ot.read_manifest()
     assert manifest["domains"] == {"chrome": 3, "libreoffice_calc": 2, "os": 3}
@@ -240,7 +240,7 @@ def test_unreachable_host_gives_an_actionable_error(monkeypatch):
 def test_refetch_is_a_no_op_and_force_replaces(tmp_path):
     root = fetch(FIXTURE)
     before = ot.read_manifest()
-    assert fetch(tmp_path / "does-not-exist") == root  # complete cache: the source is not even read
+    assert fetch(tmp_path / "does-not-exist", dest=root) == root  # complete cache: the source is not even read
     assert ot.read_manifest() == before
     archive = make_tarball(tmp_path / "osworld.tar.gz")
     fetch(archive, force=True)
@@ -276,10 +276,34 @@ def test_commit_from_git_archive_pax_header(tmp_path):
 
 def test_another_commit_is_not_cached_under_the_pinned_name(tmp_path):
     archive = make_tarball(tmp_path / "a.tar.gz", top="OSWorld-" + "0" * 40)
-    with pytest.raises(ot.TaskDataError, match="pins"):
-        fetch(archive)
-    root = fetch(archive, dest=tmp_path / "other-commit")
-    assert ot.read_manifest(root)["commit"] == "0" * 40
+    root = fetch(archive)
+    assert root.name == "0" * 12 and root != ot.pinned_root() and not ot.pinned_root().exists()
+    assert ot.tasks_root() == root and ot.read_manifest()["commit"] == "0" * 40
+    assert ot.provenance(ot.read_manifest()) == "commit 000000000000"
+    other = fetch(archive, dest=tmp_path / "other-commit")
+    assert ot.read_manifest(other)["commit"] == "0" * 40
+
+
+def test_data_of_unknown_origin_gets_its_own_slot_never_the_pinned_one(tmp_path):
+    root = fetch(tree_copy(tmp_path))  # a checkout: no commit anywhere
+    manifest = ot.read_manifest(root)
+    assert manifest["commit"] is None and root.name == f"unknown-{manifest['tree_sha256'][:12]}"
+    assert not ot.pinned_root().exists() and ot.tasks_root() == root
+    assert ot.provenance(manifest).startswith("unknown commit (from ")
+
+
+def test_files_whose_id_differs_from_their_name_are_accepted_by_file_name(tmp_path):
+    """The fork has 15 thunderbird files carrying other tasks' ids; ARPO's loader uses the file name."""
+    checkout = tree_copy(tmp_path)
+    path = checkout / "evaluation_examples" / "examples" / "os" / f"{OS_B}.json"
+    path.write_text(path.read_text().replace(OS_B, OS_A))
+    root = fetch(checkout)
+    manifest = ot.read_manifest(root)
+    assert manifest["id_mismatches"] == {OS_B: OS_A} and OS_B in manifest["tasks"]
+    assert "1 task files carry an `id` other than their file name" in manifest["warnings"][0]
+    task = ot.load_task(OS_B)
+    assert task["id"] == OS_B and task["original_id"] == OS_A
+    assert ot.load_task(OS_A)["id"] == OS_A and "original_id" not in ot.load_task(OS_A)
 
 
 def test_expected_counts_mismatch_is_an_error():
@@ -311,12 +335,6 @@ def _schema_error(ee: Path) -> str:
     return f"examples/os/{OS_B}.json: evaluator is missing"
 
 
-def _id_mismatch(ee: Path) -> str:
-    path = ee / "examples" / "os" / f"{OS_B}.json"
-    path.write_text(path.read_text().replace(OS_B, OS_A))
-    return "differs from the file name"
-
-
 def _wrong_domain(ee: Path) -> str:
     meta = json.loads((ee / ot.TEST_ALL_LIST).read_text())
     meta["chrome"].append(OS_A)
@@ -336,7 +354,7 @@ def _train_not_in_test_all(ee: Path) -> str:
     return f"are not in {ot.TEST_ALL_LIST}"
 
 
-@pytest.mark.parametrize("damage", [_missing_listed_id, _invalid_json, _schema_error, _id_mismatch, _wrong_domain,
+@pytest.mark.parametrize("damage", [_missing_listed_id, _invalid_json, _schema_error, _wrong_domain,
                                     _missing_required_list, _train_not_in_test_all])
 def test_invalid_data_is_refused_and_the_old_cache_kept(tmp_path, cache, damage):
     checkout = tree_copy(tmp_path)
@@ -493,23 +511,26 @@ def test_task_sets_on_the_fixture():
     # smoke4: feasible, local-only setup; the tabs task (web) and the infeasible one are out.
     assert ot.task_set("smoke4") == [f"osworld/{t}" for t in (CHROME_D, CHROME_E, OS_A, OS_B)]
     assert ot.task_set("chrome10") == train[:3]  # fewer than 10 chrome tasks: all of them
-    assert ot.task_set("subset32") == train  # fewer than 32: all of train128
-    assert ot.task_set_source("subset32").startswith("rule:")
+    assert ot.task_set("subset32") == train[:-1]  # fewer than 32: all feasible tasks of train128
+    assert "NOT ARPO's subset" in ot.task_set_source("subset32")
     assert ot.task_set_by_domain("smoke4") == {"chrome": [CHROME_D, CHROME_E], "os": [OS_A, OS_B]}
     with pytest.raises(ValueError, match="Did you mean 'subset32'"):
         ot.task_set("subset23")
     assert set(ot.TASK_SETS) == {"train128", "subset32", "smoke4", "chrome10", "test_all"}
 
 
-def test_subset32_uses_the_forks_list_when_present(tmp_path):
+@pytest.mark.parametrize("listed", ot.SUBSET32_LISTS)
+def test_subset32_uses_the_forks_list_when_present(tmp_path, listed):
+    """test_subset32.json (what the fork has), else test_success_middle_difficult.json (what ARPO's
+    script names)."""
     checkout = tree_copy(tmp_path)
-    (checkout / "evaluation_examples" / ot.SUBSET32_LIST).write_text(json.dumps({"os": [OS_B], "chrome": [CHROME_E]}))
-    fetch(checkout, expect=ot.Expectations(lists={ot.SUBSET32_LIST: 2}, set_sizes={"subset32": 2}))
+    (checkout / "evaluation_examples" / listed).write_text(json.dumps({"os": [OS_B], "chrome": [CHROME_E]}))
+    fetch(checkout, expect=ot.Expectations(lists={listed: 2}, set_sizes={"subset32": 2}))
     assert ot.task_set("subset32") == [f"osworld/{OS_B}", f"osworld/{CHROME_E}"]
-    assert ot.task_set_source("subset32") == ot.SUBSET32_LIST
+    assert ot.task_set_source("subset32") == listed
     # a broken subset list is an error, not a silent fallback
-    (checkout / "evaluation_examples" / ot.SUBSET32_LIST).write_text(json.dumps({"os": ["missing-id"]}))
-    with pytest.raises(ot.TaskDataError, match=f"{ot.SUBSET32_LIST}: os/missing-id is listed"):
+    (checkout / "evaluation_examples" / listed).write_text(json.dumps({"os": ["missing-id"]}))
+    with pytest.raises(ot.TaskDataError, match=f"{listed}: os/missing-id is listed"):
         fetch(checkout, force=True, expect=ot.Expectations())
 
 
@@ -550,11 +571,14 @@ def test_cli_fetch_list_verify(tmp_path, capsys):
     assert "osworld-tasks fetch" in capsys.readouterr().err
 
     archive = make_tarball(tmp_path / "osworld.tar.gz")
-    assert cli.main(["osworld-tasks", "fetch", "--source", archive.as_uri(), "--no-progress"]) == 0
+    assert cli.main(["osworld-tasks", "fetch", "--source", archive.as_uri(), "--no-progress"]) == 2
+    assert "per-domain counts" in capsys.readouterr().err  # not ARPO's 128 list: refused by default
+    assert cli.main(["osworld-tasks", "fetch", "--source", archive.as_uri(), "--no-progress", "--any-counts"]) == 0
     out = capsys.readouterr().out
     assert "8 tasks" in out and "chrome 3, libreoffice_calc 2, os 3" in out
-    assert cli.main(["osworld-tasks", "fetch", "--source", str(archive)]) == 0
-    assert "already fetched" in capsys.readouterr().out
+    assert "unknown commit (from " in out  # printed whole
+    assert cli.main(["osworld-tasks", "fetch", "--source", str(archive), "--any-counts"]) == 0
+    assert "already cached" in capsys.readouterr().out
 
     assert cli.main(["osworld-tasks", "list"]) == 0
     out = capsys.readouterr().out
