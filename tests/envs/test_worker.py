@@ -147,7 +147,7 @@ def test_killed_worker_is_an_env_error_and_its_browser_dies_with_it(other_python
         browsers = [p for p in psutil.Process(old).children(recursive=True) if "chrom" in p.name()]
         assert browsers
         os.kill(old, signal.SIGKILL)  # the worker alone: its browser is left to the group kill
-        with pytest.raises(EnvError, match="worker (process died|connection lost)"):
+        with pytest.raises(EnvError, match="worker (process died|connection lost|pipe broken)"):
             worker.call("step", action_payload([Action("click", point=(10.0, 10.0))]))
         assert pool.restarts == 1 and worker.process.pid != old
         _, live = psutil.wait_procs(browsers, timeout=5)

@@ -62,8 +62,10 @@ def test_notebook_run_name_is_checked_before_anything_is_written(tmp_path):
     ("env.workers=two", "env.workers"), ("algo.replay.nope=1", "algo.replay.nope"),
 ])
 def test_bad_task_names_and_config_values_fail_at_load_naming_the_field(override, key):
+    from arpo_lib import build
+
     with pytest.raises(ConfigError, match=f"^{re.escape(key)}"):
-        load_config("configs/smoke.yaml", [override])
+        build.load_config("configs/smoke.yaml", [override])  # what the CLI and the notebooks load with
 
 
 def test_a_config_file_that_is_not_a_mapping_is_refused(tmp_path):
