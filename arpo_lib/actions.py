@@ -117,6 +117,7 @@ _ARG_SPEC: dict[str, dict[str, tuple[str, ...]]] = {
     "wait": {},
     "finished": {"text": ("content",)},
     "call_user": {},
+    "error_env": {},
 }
 _REQUIRED = {
     "click": ("point",), "left_double": ("point",), "right_single": ("point",),
@@ -385,7 +386,9 @@ def _build_action(name: str, args: dict[str, str], space: tuple[int, int, int, i
         if fld not in values:
             raise ActionParseError(f"{name} needs {spec[fld][0]}")
 
-    action = Action(kind="hotkey" if name == "press" else name)
+    # press(key=) is a one-key hotkey; error_env() ("the environment is broken") is answered like
+    # call_user(): OSWorld's FAIL, as ARPO maps it.
+    action = Action(kind={"press": "hotkey", "error_env": "call_user"}.get(name, name))
     for fld in ("point", "end_point"):
         if fld in values:
             what = f"{name} {spec[fld][0]}"

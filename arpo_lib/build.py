@@ -11,6 +11,7 @@ place.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 from pathlib import Path
@@ -22,6 +23,7 @@ from arpo_lib import envs
 from arpo_lib.agent.hf_policy import HFPolicy
 from arpo_lib.agent.server_policy import ServerPolicy
 from arpo_lib.evaluation.evaluate import EvalResult, evaluate_run
+from arpo_lib.evaluation.protocols import PROTOCOLS
 from arpo_lib.run import config as config_module
 from arpo_lib.run.config import ConfigError, RunConfig
 from arpo_lib.run.layout import RunDir
@@ -99,9 +101,10 @@ def env_pool(cfg: RunConfig) -> WorkerPool:
                      backend=cfg.env.backend, python=python, **ray)
 
 
-def hf_policy(cfg: RunConfig, path: str | Path | None = None, *, lora: bool = True) -> HFPolicy:
-    """The in-process policy with every `model.*` switch. `lora=False` for inference on saved
-    (merged) weights."""
+def hf_policy(cfg: RunConfig, path: str | Path | None = None, *, lora: bool = True,
+              prompt: str | None = None) -> HFPolicy:
+    """The in-process policy with every `model.*` switch and `agent.prompt` (or `prompt`).
+    `lora=False` for inference on saved (merged) weights."""
     m = cfg.model
     return HFPolicy(
         path or m.path, device=m.device, compute_dtype=m.compute_dtype, coord_mode=m.coord_mode,
@@ -110,7 +113,7 @@ def hf_policy(cfg: RunConfig, path: str | Path | None = None, *, lora: bool = Tr
         checkpoint_every_n_layers=m.checkpoint_every_n_layers, kv_cache=m.kv_cache, vision_attention=m.vision_attention,
         logprob_chunk=m.logprob_chunk, lora_rank=m.lora_rank if lora else 0, lora_alpha=m.lora_alpha,
         lora_dropout=m.lora_dropout, lora_seed=cfg.train.seed, frozen_weights_dtype=m.frozen_weights_dtype,
-        prompt=cfg.agent.prompt)
+        prompt=prompt or cfg.agent.prompt)
 
 
 def reference_model(cfg: RunConfig, device: torch.device) -> Any:
@@ -143,7 +146,7 @@ def server(cfg: RunConfig, model_path: str | None = None) -> ServerHandle:
     return handle
 
 
-def server_policy(cfg: RunConfig, url: str | None = None) -> ServerPolicy:
+def server_policy(cfg: RunConfig, url: str | None = None, prompt: str | None = None) -> ServerPolicy:
     """A client policy for the server at `url` (default rollout.server_url), with `rollout.*`'s
     request settings."""
     r = cfg.rollout
@@ -153,7 +156,7 @@ def server_policy(cfg: RunConfig, url: str | None = None) -> ServerPolicy:
     return ServerPolicy(url, cfg.model.path, served_model=r.server_model, api_key_env=r.api_key_env,
                         coord_mode=cfg.model.coord_mode, history_images=cfg.model.history_images,
                         max_new_tokens=cfg.model.max_new_tokens, timeout_s=r.request_timeout_s,
-                        retries=r.request_retries, constrained=r.constrained, prompt=cfg.agent.prompt)
+                        retries=r.request_retries, constrained=r.constrained, prompt=prompt or cfg.agent.prompt)
 
 
 def served_policy(cfg: RunConfig, trained: HFPolicy) -> ServedPolicy:
@@ -179,7 +182,9 @@ def evaluator(cfg: RunConfig) -> Any:
     run = RunDir(cfg.run_dir)
 
     def run_eval(engine: RolloutEngine, label: str, tasks: list[str] | None = None) -> EvalResult:
-        return evaluate_run(engine, cfg, safe_join(run.eval_root, label), tasks=tasks, description=f"eval {label}")
+        # The training engine: the run's prompt and environment options, so protocol `run`.
+        return evaluate_run(engine, cfg, safe_join(run.eval_root, label), tasks=tasks, description=f"eval {label}",
+                            protocol="run")
 
     return run_eval
 
@@ -210,12 +215,17 @@ def trainer(cfg: RunConfig, *, resume: bool = False, policy: HFPolicy | None = N
 
 
 @contextlib.contextmanager
-def engine(cfg: RunConfig, scripted: bool = False) -> Iterator[RolloutEngine]:
+def engine(cfg: RunConfig, scripted: bool = False, protocol: str = "run") -> Iterator[RolloutEngine]:
     """A rollout engine for `cfg.model.path` without a trainer (evaluation, task selection): the
     in-process model, or a server (the one at rollout.server_url, or one started for the
     duration); environment workers as configured (env.backend, env.python). `scripted`: the
-    scripted agent acts instead (its tokens scored by the model), an upper-bound baseline."""
+    scripted agent acts instead (its tokens scored by the model), an upper-bound baseline.
+    `protocol` (evaluation.protocols): its prompt, OSWorld pause and action rules."""
     cfg = resolve_task_sets(check_tasks(cfg))
+    p = PROTOCOLS[protocol]
+    if p.osworld_pause_s is not None and any(t.startswith("osworld/") for t in cfg.env.tasks + (cfg.eval.tasks or [])):
+        cfg = copy.deepcopy(cfg)
+        cfg.env.options = {**cfg.env.options, "pause_s": p.osworld_pause_s}
     handle = None
     if cfg.rollout.backend == "server":
         # Generation on the server: only the processor is loaded here (a GPU's memory stays vLLM's).
@@ -224,10 +234,10 @@ def engine(cfg: RunConfig, scripted: bool = False) -> Iterator[RolloutEngine]:
             handle = server(cfg)
             handle.wait_healthy(timeout_s=cfg.serve.startup_timeout_s)
             url = handle.base_url
-        acting: Any = server_policy(cfg, url)
+        acting: Any = server_policy(cfg, url, prompt=p.prompt)
         log.info("generating with %s at %s", acting.served_model, url)
     else:
-        acting = hf_policy(cfg, lora=False)
+        acting = hf_policy(cfg, lora=False, prompt=p.prompt)
         if scripted:
             from arpo_lib.agent.scripted import ScriptedPolicy
 
@@ -235,7 +245,8 @@ def engine(cfg: RunConfig, scripted: bool = False) -> Iterator[RolloutEngine]:
     try:
         with env_pool(cfg) as pool:
             yield RolloutEngine(acting, pool, max_steps=cfg.env.max_steps, format_coef=cfg.algo.format_coef,
-                                format_penalty=cfg.algo.format_penalty)
+                                format_penalty=cfg.algo.format_penalty, frequency_penalty=p.frequency_penalty,
+                                fail_at_last_step=p.fail_at_last_step, call_user_waits=p.call_user_waits)
     finally:
         if cfg.rollout.backend == "server":
             acting.close()

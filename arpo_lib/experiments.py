@@ -111,10 +111,10 @@ def evaluate_model(cfg: RunConfig, model_dir: Path, tasks: list[str], out: Path,
     if done:
         return done
     changes: dict[str, Any] = {"model.path": str(model_dir), "env.tasks": tasks, "eval.tasks": None}
-    if temperature is not None:
-        changes["eval.temperature"] = temperature
+    if temperature is not None:  # a measure at another temperature: the run's own protocol
+        changes.update({"eval.temperature": temperature, "eval.protocol": "run"})
     ev_cfg = _derive(cfg, out.name, **changes)
-    with build.engine(ev_cfg) as engine:
+    with build.engine(ev_cfg, protocol=ev_cfg.eval.protocol) as engine:
         result = evaluate_run(engine, ev_cfg, out, description=f"eval {out.name}")
     return result.to_dict()
 
@@ -239,7 +239,8 @@ def comparison_report(cfg: RunConfig, warm: dict[str, Any], runs: list[dict[str,
     return {"experiment": str(cfg.run_dir), "tasks": tasks, "steps": cfg.train.steps,
             "rollouts_per_step": cfg.train.tasks_per_batch * cfg.rollout.group_size,
             "eval": {"samples_per_task": cfg.eval.samples_per_task, "temperature": cfg.eval.temperature,
-                     "seed": cfg.eval.seed, "train_temperature": cfg.rollout.temperature},
+                     "seed": cfg.eval.seed, "train_temperature": cfg.rollout.temperature,
+                     "protocol": cfg.eval.protocol},
             "warm_start_eval": _eval_summary(warm),
             "warm_start_train_temperature": _eval_summary(warm_train) if warm_train else None,
             "arms": arms, "paired": pairs, "runs": runs}
@@ -264,6 +265,7 @@ def report_markdown(report: dict[str, Any]) -> str:
     temps = report["eval"]
     lines = [f"# {' vs '.join(ARM_LABELS.get(a, a) for a in report['arms'])} from one warm start "
              f"({len(report['tasks'])} tasks, {report['steps']} steps x {report['rollouts_per_step']} rollouts)", "",
+             f"Evaluation protocol `{temps.get('protocol', 'run')}`. "
              f"Warm start (SFT): evaluation success **{w:.3f}** at temperature {temps['temperature']} "
              f"({report['warm_start_eval']['episodes']} episodes, seed {temps['seed']}); "
              f"**{wt:.3f}** at the training temperature {temps.get('train_temperature', 1.0)}.", "",

@@ -184,7 +184,8 @@ class Policy(Protocol):
 
     def generate(self, segments: Sequence["Segment"], *, temperature: float = 1.0, top_p: float = 1.0,
                  max_new_tokens: int | None = None, contexts: Sequence[PolicyContext] | None = None,
-                 seeds: Sequence[int] | None = None, cache_keys: Sequence[Any] | None = None) -> list[Generation]:
+                 seeds: Sequence[int] | None = None, cache_keys: Sequence[Any] | None = None,
+                 frequency_penalty: float = 0.0) -> list[Generation]:
         """One response per segment (the episode's tokens so far), each sampled with its own seed."""
         ...
 

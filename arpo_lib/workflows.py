@@ -230,7 +230,7 @@ def server_smoke_request(server: Any, cfg: RunConfig, task: str | None = None) -
 
 def run_evaluation(cfg: RunConfig, out_dir: Path) -> EvalResult:
     """Evaluate `cfg.model.path` (or the scripted agent: eval.policy) on the eval tasks (CLI `eval`)."""
-    with build.engine(cfg, scripted=cfg.eval.policy == "scripted") as engine:
+    with build.engine(cfg, scripted=cfg.eval.policy == "scripted", protocol=cfg.eval.protocol) as engine:
         result = evaluate_run(engine, cfg, out_dir)
     export_results(cfg, out_dir)
     return result

@@ -29,6 +29,21 @@ from arpo_lib.types import Generation
 
 log = logging.getLogger(__name__)
 
+class FrequencyPenalty:
+    """Logits processor: lowers each token's score by `penalty` times its count among the tokens
+    generated after position `prompt_width` (OpenAI's frequency_penalty)."""
+
+    def __init__(self, penalty: float, prompt_width: int):
+        self.penalty, self.prompt_width = penalty, prompt_width
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        generated = input_ids[:, self.prompt_width:]
+        if generated.shape[1] == 0:
+            return scores
+        counts = torch.zeros_like(scores).scatter_add_(1, generated, torch.ones_like(generated, dtype=scores.dtype))
+        return scores - self.penalty * counts
+
+
 SAMPLING_FIELDS = {"temperature": 1.0, "top_k": None, "top_p": 1.0, "min_p": None, "typical_p": 1.0,
                    "repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "bad_words_ids": None,
                    "sequence_bias": None, "min_new_tokens": None, "min_length": 0, "epsilon_cutoff": 0.0,
@@ -183,6 +198,7 @@ class HFPolicy(UITarsConversations):
         contexts: Sequence[Any] | None = None,
         seeds: Sequence[int] | None = None,
         cache_keys: Sequence[Any] | None = None,
+        frequency_penalty: float = 0.0,
     ) -> list[Generation]:
         """Sample one response for each context (batched, left-padded).
 
@@ -199,6 +215,10 @@ class HFPolicy(UITarsConversations):
         path of `arpo_lib.agent.model.kv_generation` (when `kv_cache` is on): each episode's keys and
         values are kept between calls and only its new tokens are prefilled. Without keys, or with
         `kv_cache=False`, the whole sequence is prefilled (the naive path).
+
+        `frequency_penalty` (an evaluation protocol's, OpenAI's meaning): each token's logit is
+        lowered by this times its count in the response so far; the behaviour log-probs are of
+        the penalised distribution.
         """
         from transformers import GenerationConfig, LogitsProcessorList
 
@@ -207,7 +227,7 @@ class HFPolicy(UITarsConversations):
         max_new_tokens = max_new_tokens or self.max_new_tokens
         if self.kv_cache and cache_keys is not None:
             out = self.cached.generate(segments, cache_keys, temperature=temperature, top_p=top_p,
-                                       max_new_tokens=max_new_tokens, seeds=seeds)
+                                       max_new_tokens=max_new_tokens, seeds=seeds, frequency_penalty=frequency_penalty)
             return [Generation(response_text(self.tokenizer, r.token_ids, self.eos_ids), r.token_ids, r.logprobs)
                     for r in out]
         batch = pad_segments(segments, self.pad_id, side="left")
@@ -216,6 +236,8 @@ class HFPolicy(UITarsConversations):
         inputs = {k: v.to(self.device) for k, v in batch.items()}
         greedy = temperature <= 0
         processors = LogitsProcessorList()
+        if frequency_penalty:
+            processors.append(FrequencyPenalty(frequency_penalty, width))
         if not greedy:
             if seeds is None:
                 seeds = torch.randint(0, 2**31 - 1, (len(segments),)).tolist()
@@ -232,6 +254,12 @@ class HFPolicy(UITarsConversations):
         logits = torch.stack(out.logits, dim=1).float()  # (B, N, V) raw logits
         if self.suppress_ids:  # the behaviour distribution excludes them, as sampling did
             logits[..., self.suppress_ids] = float("-inf")
+        if frequency_penalty:  # ... and is penalised as it was: counts of the tokens before each step
+            counts = torch.zeros_like(logits[:, 0])  # (B, V)
+            rows = torch.arange(logits.shape[0])
+            for t in range(logits.shape[1]):
+                logits[:, t] -= frequency_penalty * counts
+                counts[rows, new_tokens[:, t]] += 1
         scale = 1.0 if greedy else temperature
         logprobs = torch.log_softmax(logits / scale, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
         results = []

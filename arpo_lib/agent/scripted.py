@@ -397,6 +397,7 @@ class ScriptedPolicy:
         contexts: Sequence[Any] | None = None,
         seeds: Sequence[int] | None = None,
         cache_keys: Sequence[Any] | None = None,
+        frequency_penalty: float = 0.0,
     ) -> list[Any]:
         """One scripted response per (segment, context). `top_p` and `max_new_tokens` are
         accepted for interface compatibility and ignored (a script is never cut short),

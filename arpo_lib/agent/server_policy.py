@@ -110,6 +110,7 @@ class ServerPolicy(UITarsConversations):
         contexts: Sequence[Any] | None = None,
         seeds: Sequence[int] | None = None,
         cache_keys: Sequence[Any] | None = None,
+        frequency_penalty: float = 0.0,
     ) -> list[Generation]:
         """One response per episode, all requested concurrently. `contexts` (the engine's
         PolicyContext, with `screenshots` and `responses` so far) are required: the server gets
@@ -120,7 +121,7 @@ class ServerPolicy(UITarsConversations):
         if contexts is None or len(contexts) != len(segments):
             raise ValueError("ServerPolicy.generate needs one context (instruction, screenshots, responses) per segment")
         jobs = [self._pool.submit(self._one, seg, ctx, temperature, top_p, max_new_tokens or self.max_new_tokens,
-                                  None if seeds is None else int(seeds[i]) % 2**31)
+                                  None if seeds is None else int(seeds[i]) % 2**31, frequency_penalty)
                 for i, (seg, ctx) in enumerate(zip(segments, contexts))]
         return [job.result() for job in jobs]
 
@@ -148,11 +149,12 @@ class ServerPolicy(UITarsConversations):
             raise ServerError(f"could not list the models at {self.base_url}/models: {exc}") from exc
 
     def _one(self, segment: Segment, ctx: Any, temperature: float, top_p: float, max_tokens: int,
-             seed: int | None) -> Generation:
+             seed: int | None, frequency_penalty: float = 0.0) -> Generation:
         messages = ui_tars_messages(ctx.instruction, ctx.screenshots, ctx.responses, self.history_images, self.prompt)
         extra: dict[str, Any] = {"logit_bias": {str(i): -100 for i in self.suppress_ids}, **NEUTRAL_SAMPLING,
                                  # the box markers are special tokens: keep them in the text
                                  "skip_special_tokens": False, "spaces_between_special_tokens": False}
+        extra["frequency_penalty"] = frequency_penalty
         if self.constrained:
             extra["structured_outputs"] = {"regex": ACTION_REGEX}
         reply = chat_completion(self.base_url, messages, model=self.served_model, temperature=temperature,

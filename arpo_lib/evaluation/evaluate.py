@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import torch
 
 from arpo_lib.envs import domain_of
+from arpo_lib.evaluation.protocols import PROTOCOLS
 from arpo_lib.run import layout
 from arpo_lib.run.config import RunConfig
 from arpo_lib.run.seeding import stable_seed
@@ -50,6 +51,8 @@ class EvalResult:
     seconds: float = 0.0
     env_steps: int = 0
     per_domain: dict[str, float] = field(default_factory=dict)
+    protocol: str = "run"
+    """The evaluation protocol (evaluation.protocols) the numbers were measured under."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -63,7 +66,7 @@ class EvalResult:
     def table(self) -> str:
         """A plain-text table (one row per task, then the total)."""
         head = f"{'task':<32} {'succ':>6} {'pass@k':>7} {'steps':>6} {'fmt_err':>8} {'env_err':>8}"
-        rows = [head, "-" * len(head)]
+        rows = [f"protocol: {self.protocol}", head, "-" * len(head)]
         for t in self.tasks:
             rows.append(f"{t.task:<32} {t.success_rate:>6.2f} {t.pass_at_k:>7.2f} {t.mean_steps:>6.1f} "
                         f"{t.format_error_rate:>8.2f} {t.env_errors:>8d}")
@@ -122,6 +125,7 @@ def evaluate(
     out_dir: str | Path | None = None,
     progress: bool = True,
     description: str = "eval",
+    protocol: str = "run",
 ) -> EvalResult:
     """Run k episodes per task with seeds fixed by (seed, task, sample); same seeds every call."""
     requests = episode_requests(tasks, samples_per_task, seed)
@@ -130,6 +134,7 @@ def evaluate(
     torch.manual_seed(stable_seed(seed, "eval-sampling"))
     trajs = engine.run(requests, temperature=temperature, out_dir=out_dir, progress=progress, description=description)
     result = summarize(trajs, samples_per_task)
+    result.protocol = protocol
     result.seconds = time.monotonic() - t0
     result.env_steps = engine.env_steps - steps_before
     if out_dir is not None:
@@ -139,9 +144,13 @@ def evaluate(
 
 
 def evaluate_run(engine: RolloutEngine, cfg: RunConfig, out_dir: str | Path | None, *,
-                 tasks: Sequence[str] | None = None, description: str = "eval") -> EvalResult:
-    """A run's evaluation protocol (`eval.samples_per_task`, `eval.temperature`, `eval.seed`) on
-    `tasks`, else `eval.tasks`, else the training tasks."""
+                 tasks: Sequence[str] | None = None, description: str = "eval",
+                 protocol: str | None = None) -> EvalResult:
+    """A run's evaluation (`eval.samples_per_task`, `eval.seed`, the temperature of the protocol
+    or `eval.temperature`) on `tasks`, else `eval.tasks`, else the training tasks. `protocol`
+    (default eval.protocol) must be the one the engine was built for (`build.engine`)."""
+    p = PROTOCOLS[protocol or cfg.eval.protocol]
+    temperature = cfg.eval.temperature if p.temperature is None else p.temperature
     return evaluate(engine, list(tasks or cfg.eval.tasks or cfg.env.tasks), samples_per_task=cfg.eval.samples_per_task,
-                    temperature=cfg.eval.temperature, seed=cfg.eval.seed, out_dir=out_dir,
-                    progress=cfg.logging.progress, description=description)
+                    temperature=temperature, seed=cfg.eval.seed, out_dir=out_dir, progress=cfg.logging.progress,
+                    description=description, protocol=p.name)

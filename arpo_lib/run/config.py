@@ -251,6 +251,12 @@ class EvalConfig:
     """Evaluation seeds start here (fixed, so evaluations compare)."""
     baseline: str | None = None
     """An evaluation directory (holding results.json) to compare against, e.g. the base model's."""
+    protocol: str = "run"
+    """How standalone evaluations are run (`eval` CLI, evaluation.ipynb, the comparison's
+    evaluations; a trainer's periodic evaluations use `run`): `run` (agent.prompt, eval.temperature),
+    `arpo_train` (ARPO's validation: its prompt, pause 0.5 s) or `osworld_uitars` (the OSWorld fork's
+    UI-TARS agent: T=0, frequency_penalty 1, 15th action FAIL, call_user answered with WAIT x3).
+    See arpo_lib/evaluation/protocols.py; every report names it."""
     policy: str = "model"
     """Who acts in `eval` / evaluation.ipynb: `model` (model.path) or `scripted` (the DOM-reading
     scripted agent of arpo_lib/agent/scripted.py: an upper bound on the MiniWoB++ tasks it supports)."""
@@ -401,6 +407,7 @@ def validate(cfg: RunConfig) -> None:
         "model.frozen_weights_dtype": (cfg.model.frozen_weights_dtype, ("auto", "float32")),
         "algo.replay.correction": (cfg.algo.replay.correction, ("none", "tis")),
         "agent.prompt": (cfg.agent.prompt, ("arpo", "osworld_uitars15", "uitars_official", "uitars10")),
+        "eval.protocol": (cfg.eval.protocol, ("run", "arpo_train", "osworld_uitars")),
     }
     for key, (value, allowed) in choices.items():
         if value not in allowed:

@@ -58,6 +58,8 @@ class ChatRequest:
     logprobs: bool = False
     return_token_ids: bool = False
     """vLLM's extension (also implied by logprobs here): the sampled ids in choices[0].token_ids."""
+    frequency_penalty: float = 0.0
+    """OpenAI's: each token's logit lowered by this times its count in the response so far."""
     skip_special_tokens: bool = True
     """vLLM's sampling field: drop special tokens (Qwen's box markers among them) from the text."""
 
@@ -137,8 +139,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
         messages.append({"role": msg["role"], "content": parts})
     if body.get("structured_outputs") or body.get("guided_regex") or body.get("response_format"):
         raise RequestError("constrained decoding (structured_outputs) needs the vllm backend", param="structured_outputs")
-    for key, neutral in (("repetition_penalty", 1.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0),
-                         ("min_p", 0.0)):
+    for key, neutral in (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("min_p", 0.0)):
         if key in body and body[key] != neutral:
             raise RequestError(f"'{key}' {body[key]!r} is not supported by the hf server (only {neutral})", param=key)
     if body.get("top_k") not in (None, -1, 0):
@@ -154,6 +155,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
         top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
         max_tokens=_optional_int(body, "max_tokens", 1) or _optional_int(body, "max_completion_tokens", 1),
         seed=_optional_int(body, "seed", 0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         **flags,
     )
 
@@ -195,7 +197,8 @@ class HFChatBackend:
             # answer does not depend on what other requests drew before it.
             gen = self.policy.generate([segment], temperature=request.temperature, top_p=request.top_p,
                                        max_new_tokens=request.max_tokens or self.max_new_tokens,
-                                       seeds=None if request.seed is None else [request.seed])[0]
+                                       seeds=None if request.seed is None else [request.seed],
+                                       frequency_penalty=request.frequency_penalty)[0]
         finished = bool(gen.token_ids) and gen.token_ids[-1] in self.policy.eos_ids
         text = gen.text if not request.skip_special_tokens else \
             self.policy.tokenizer.decode(gen.token_ids, skip_special_tokens=True)

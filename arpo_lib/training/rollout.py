@@ -114,18 +114,26 @@ class _Episode:
     started: float = 0.0
     step_started: float = 0.0
     done: bool = False
+    call_user_waits: int = 0
+    """call_user actions answered with WAIT so far (an evaluation protocol's rule)."""
 
 
 class RolloutEngine:
     """Runs episodes of a policy over an `EnvPool`."""
 
     def __init__(self, policy: Policy, pool: WorkerPool, *, max_steps: int = 15, format_coef: float = 0.5,
-                 format_penalty: float = -1.0):
+                 format_penalty: float = -1.0, frequency_penalty: float = 0.0, fail_at_last_step: bool = False,
+                 call_user_waits: int = 0):
+        """`frequency_penalty`, `fail_at_last_step`, `call_user_waits`: an evaluation protocol's
+        rules (`evaluation.protocols`); training uses none of them."""
         self.policy = policy
         self.pool = pool
         self.max_steps = max_steps
         self.format_coef = format_coef
         self.format_penalty = format_penalty
+        self.frequency_penalty = frequency_penalty
+        self.fail_at_last_step = fail_at_last_step
+        self.call_user_waits = call_user_waits
         self.env_steps = 0
         self._last_task: dict[int, str] = {}
 
@@ -251,8 +259,9 @@ class RolloutEngine:
         # Each episode samples with its own seed stream: (episode seed, sample, step).
         seeds = [zlib.crc32(repr((ep.request.seed, ep.request.sample, len(ep.traj.steps))).encode()) for ep in live]
         # An in-process policy keeps each episode's KV cache between steps under these keys.
+        extra = {"frequency_penalty": self.frequency_penalty} if self.frequency_penalty else {}
         gens = self.policy.generate([ep.conv.current for ep in live], temperature=temperature, top_p=top_p,
-                                    contexts=contexts, seeds=seeds, cache_keys=[id(ep) for ep in live])
+                                    contexts=contexts, seeds=seeds, cache_keys=[id(ep) for ep in live], **extra)
         for ep, gen in zip(live, gens):
             ep.conv.add_response(gen.text, gen.token_ids, gen.logprobs)
             step = len(ep.traj.steps) + 1
@@ -269,8 +278,21 @@ class RolloutEngine:
                 ep.pending_record = StepRecord(step, gen.text, [], str(exc)[:500], 0.0, False, False, 0.0)
                 self._send(ep, "step", DONE)
                 continue
+            actions = self._protocol_rules(ep, step, actions)
             ep.pending_record = StepRecord(step, gen.text, actions, None, 0.0, False, False, 0.0)
             self._send(ep, "step", actions)
+
+    def _protocol_rules(self, ep: _Episode, step: int, actions: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """An evaluation protocol's replacements (the OSWorld fork's UI-TARS agent): call_user
+        answered with WAIT a few times, and a non-final last action turned into FAIL."""
+        kinds = [a["kind"] for a in actions]
+        if self.call_user_waits and "call_user" in kinds and ep.call_user_waits < self.call_user_waits:
+            ep.call_user_waits += 1
+            return action_payload([Action("wait")])
+        final = any(k in ("finished", "call_user", "wait") for k in kinds)
+        if self.fail_at_last_step and step >= self.max_steps and not final:
+            return action_payload([Action("call_user")])  # OSWorld's FAIL
+        return actions
 
     def _finish(self, ep: _Episode, out_dir: str | Path | None) -> None:
         traj = ep.traj

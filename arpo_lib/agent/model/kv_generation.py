@@ -150,7 +150,8 @@ class CachedGenerator:
 
     @torch.no_grad()
     def generate(self, segments: Sequence[Any], keys: Sequence[Hashable], *, temperature: float, top_p: float,
-                 max_new_tokens: int, seeds: Sequence[int] | None) -> list[GenerationResult]:
+                 max_new_tokens: int, seeds: Sequence[int] | None,
+                 frequency_penalty: float = 0.0) -> list[GenerationResult]:
         policy, model = self.policy, self.policy.model
         if len(set(keys)) != len(keys):
             raise ValueError("cache keys must be distinct within one call (one per live episode)")
@@ -195,15 +196,20 @@ class CachedGenerator:
         tokens: list[torch.Tensor] = []
         logprobs: list[torch.Tensor] = []
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        counts = torch.zeros_like(logits) if frequency_penalty else None  # (B, V) tokens generated so far
         fed = 0  # decode forward passes done = generated tokens now in the cache
         for step in range(max_new_tokens):
             if policy.suppress_ids:
                 logits[:, policy.suppress_ids] = float("-inf")
+            if counts is not None:  # sampled from, and scored under, the penalised distribution
+                logits = logits - frequency_penalty * counts
             scores = sampler(None, logits) if sampler else logits
             token = scores.argmax(dim=-1)  # (B,)
             token = torch.where(finished, torch.full_like(token, policy.pad_id), token)
             logprobs.append(torch.log_softmax(logits / scale, dim=-1).gather(-1, token[:, None])[:, 0])
             tokens.append(token)
+            if counts is not None:
+                counts[torch.arange(batch, device=device), token] += (~finished).float()
             finished |= torch.isin(token, eos)
             if bool(finished.all()) or step == max_new_tokens - 1:
                 break
