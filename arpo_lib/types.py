@@ -115,6 +115,8 @@ class Trajectory:
     directory: str | None = None
     replayed: bool = False
     """True when this trajectory came from the replay buffer instead of a fresh rollout."""
+    checker_error: str | None = None
+    """The environment's checker raised scoring this episode (scored 0, as in ARPO; counted)."""
     policy_version: int = 0
     """The trainer's weight version that sampled it (counts warm start and optimizer steps):
     how stale a replayed trajectory is, in updates."""
@@ -144,7 +146,7 @@ class Trajectory:
             "task": self.task, "seed": self.seed, "sample": self.sample, "instruction": self.instruction,
             "task_score": self.task_score, "format_ok": self.format_ok, "reward": self.reward,
             "status": self.status.value, "error": self.error, "num_steps": self.num_steps,
-            "replayed": self.replayed, "policy_version": self.policy_version, "seconds": round(self.seconds, 3),
+            "replayed": self.replayed, "policy_version": self.policy_version, "checker_error": self.checker_error, "seconds": round(self.seconds, 3),
         }
 
 

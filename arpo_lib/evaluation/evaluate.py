@@ -47,6 +47,8 @@ class EvalResult:
     mean_steps: float = 0.0
     format_error_rate: float = 0.0
     env_errors: int = 0
+    checker_errors: int = 0
+    """Valid episodes whose checker raised (scored 0, counted in the success rate as failures)."""
     episodes: int = 0
     seconds: float = 0.0
     env_steps: int = 0
@@ -108,6 +110,7 @@ def summarize(trajs: Sequence[Trajectory], k: int | None = None) -> EvalResult:
     result.mean_steps = sum(t.num_steps for t in valid_all) / n if n else 0.0
     result.format_error_rate = sum(not t.format_ok for t in valid_all) / n if n else 0.0
     result.env_errors = len(trajs) - n
+    result.checker_errors = sum(t.checker_error is not None for t in valid_all)
     domains: dict[str, list[Trajectory]] = defaultdict(list)
     for t in valid_all:
         domains[domain_of(t.task)].append(t)

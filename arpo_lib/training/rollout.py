@@ -72,7 +72,7 @@ def load_trajectory(directory: str | Path, processor: Any) -> Trajectory:
     traj = Trajectory(task=meta["task"], seed=meta["seed"], sample=meta["sample"], instruction=meta["instruction"],
                       task_score=meta["task_score"], format_ok=meta["format_ok"], reward=meta["reward"],
                       status=EpisodeStatus(meta["status"]), error=meta.get("error"), directory=str(directory),
-                      policy_version=int(meta.get("policy_version", 0)))
+                      policy_version=int(meta.get("policy_version", 0)), checker_error=meta.get("checker_error"))
     for line in (directory / layout.STEPS).read_text().splitlines():
         rec = json.loads(line)
         traj.steps.append(StepRecord(step=rec["step_num"], response=rec["response"], actions=rec["action"],
@@ -243,6 +243,7 @@ class RolloutEngine:
             # The env scores truncated episodes too: OSWorld's checker judges the final state
             # whatever ended the episode (as OSWorld and ARPO do); MiniWoB gives 0 there.
             ep.traj.task_score = float(reward)
+            ep.traj.checker_error = (ep.info or {}).get("checker_error")
             ep.done = True
             ep.screenshots.append(obs.screenshot)  # the last real screen (the env keeps it)
         else:

@@ -211,6 +211,7 @@ class Trainer:
             "format_error_rate": _mean([float(not t.format_ok) for t in fresh]),
             "mean_steps": _mean([t.num_steps for t in fresh]),
             "env_errors": sum(not t.ok for t in trajs),
+            "checker_errors": sum(t.checker_error is not None for t in fresh),
             "all_failed_groups": _mean([float(g.all_failed) for g in groups]),
             "replay_injections": sum(g.injected for g in groups),
             "replay_size": len(self.replay),

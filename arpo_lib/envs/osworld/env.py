@@ -45,6 +45,7 @@ import copy
 import importlib
 import importlib.util
 import io
+import logging
 import math
 import os
 import shutil
@@ -61,6 +62,9 @@ from PIL import Image
 
 from arpo_lib.actions import Action, ActionParseError, to_pyautogui
 from arpo_lib.envs.base import EnvError, GUIEnv, Observation
+from arpo_lib.envs.osworld.downloads import DownloadCache, default_download_cache
+
+log = logging.getLogger(__name__)
 
 DESKTOP_ENV_CLASS = "desktop_env.desktop_env:DesktopEnv"
 """OSWorld's environment class, imported when an `OSWorldEnv` is built."""
@@ -322,7 +326,9 @@ class OSWorldEnv(GUIEnv):
         headless: bool = True,
         require_a11y_tree: bool = False,
         cache_root: str | os.PathLike | None = None,
-        pause_s: float = 2.0,
+        pause_s: float = 0.5,
+        pause_vm: bool = True,
+        download_cache: str | os.PathLike | None = "auto",
         boot_retries: int = 3,
         backoff_s: float = 10.0,
         allow_no_kvm: bool = False,
@@ -343,7 +349,14 @@ class OSWorldEnv(GUIEnv):
         max_steps: actions per episode before `truncated`.
         cache_root: parent of this environment's own cache dir (default
             ~/.cache/arpo-workbench/osworld-cache).
-        pause_s: seconds DesktopEnv waits after an action before its screenshot (`pause`).
+        pause_s: seconds DesktopEnv waits after an action before its screenshot (`pause`): 0.5 in
+            ARPO's training (the default), 1 in the OSWorld fork's UI-TARS evaluation.
+        pause_vm: where the DesktopEnv has `pause()`/`unpause()` (the ARPO authors' fork: the
+            Docker container is paused), keep the VM paused while the model thinks, as ARPO does,
+            so the guest's clock and screensaver do not run between actions.
+        download_cache: a directory shared by every environment of the machine holding the files
+            task set-ups download (`auto`: ~/.cache/arpo-workbench/osworld-downloads; None: off);
+            see `arpo_lib.envs.osworld.downloads`.
         boot_retries, backoff_s: a failed boot is retried this many times, after backoff_s,
             2*backoff_s, 4*backoff_s... seconds.
         allow_no_kvm: boot without /dev/kvm (a warning instead of an error).
@@ -372,6 +385,9 @@ class OSWorldEnv(GUIEnv):
         self.screen_size: tuple[int, int] = size  # type: ignore[assignment]
         self.max_steps = max_steps
         self.pause_s = float(pause_s)
+        self.pause_vm = bool(pause_vm)
+        self.downloads = None if download_cache is None else DownloadCache(
+            default_download_cache() if download_cache == "auto" else Path(download_cache))
         self.boot_retries = boot_retries
         self.backoff_s = float(backoff_s)
         self.require_a11y_tree = require_a11y_tree
@@ -391,6 +407,7 @@ class OSWorldEnv(GUIEnv):
             **(desktop_env_kwargs or {}),
         }
         self._desktop: Any = None
+        self._paused = False
         self._closed = False
         self._episode_over = True  # until reset
         self._steps = 0
@@ -405,6 +422,8 @@ class OSWorldEnv(GUIEnv):
         self._screen, obs = self._boot(seed)
         self._steps = 0
         self._episode_over = False
+        with self._vm_call("pause"):
+            self._set_paused(True)  # the model thinks about the first screen now
         return Observation(self._screen, self.instruction, 0), self._info(obs)
 
     def step(self, action: Action) -> tuple[Observation, float, bool, bool, dict[str, Any]]:
@@ -423,6 +442,7 @@ class OSWorldEnv(GUIEnv):
         terminated = False
         if code is not None:
             with self._vm_call(f"step ({action.kind})"):
+                self._set_paused(False)
                 obs, _, done, desktop_info = self._desktop.step(code, pause=self.pause_s)
                 self._screen = self._screenshot(obs)
             terminated = bool(done) or code in ("DONE", "FAIL")
@@ -431,7 +451,12 @@ class OSWorldEnv(GUIEnv):
         reward = 0.0
         if terminated or truncated:
             self._episode_over = True
-            reward = info["score"] = self._evaluate()
+            with self._vm_call("evaluate"):
+                self._set_paused(False)
+            reward = info["score"] = self._evaluate(info)
+        else:
+            with self._vm_call("pause"):
+                self._set_paused(True)  # the model thinks now
         return Observation(self._screen, self.instruction, self._steps), reward, terminated, truncated, info
 
     def close(self) -> None:
@@ -463,8 +488,14 @@ class OSWorldEnv(GUIEnv):
             try:
                 if self._desktop is None:
                     self._desktop = self._new_desktop_env()
+                self._set_paused(False)
+                task_cache = self.cache_dir / str(self.task_config["id"])
+                if self.downloads is not None:
+                    self.downloads.prefill(self.task_config, task_cache)
                 obs = self._desktop.reset(task_config=copy.deepcopy(self.task_config), seed=seed)
                 screen = self._screenshot(obs)
+                if self.downloads is not None:
+                    self.downloads.harvest(self.task_config, task_cache)
             except OSWorldSetupError:
                 self._discard_desktop()
                 raise
@@ -518,12 +549,30 @@ class OSWorldEnv(GUIEnv):
                 f"Set screen_size to the VM's resolution.")
         return image.convert("RGB")
 
-    def _evaluate(self) -> float:
-        with self._vm_call("evaluate"):
+    def _evaluate(self, info: dict[str, Any]) -> float:
+        """The checker's score of the final state. A checker that raises (or returns no finite
+        number) scores 0, as in ARPO, and is reported as `checker_error` in `info`: excluding such
+        episodes would bias success upward."""
+        try:
             score = float(self._desktop.evaluate())
             if not math.isfinite(score):
-                raise EnvError(f"{self.name}: the checker returned {score}")
+                raise ValueError(f"the checker returned {score}")
+        except Exception as e:  # noqa: BLE001 - any checker failure scores 0
+            info["checker_error"] = f"{type(e).__name__}: {e}"[:500]
+            log.warning("%s: the checker failed (%s): scored 0", self.name, info["checker_error"])
+            return 0.0
         return score
+
+    def _set_paused(self, paused: bool) -> None:
+        """Pause or resume the VM where the DesktopEnv can (the fork's pause()/unpause())."""
+        if not self.pause_vm or self._desktop is None or self._paused == paused:
+            return
+        method = getattr(self._desktop, "pause" if paused else "unpause", None)
+        if method is None:
+            self.pause_vm = False  # desktop-env without the fork's methods: nothing to do
+            return
+        method()
+        self._paused = paused
 
     def _info(self, obs: Any) -> dict[str, Any]:
         info: dict[str, Any] = {"task_id": self.task_id, "domain": self.domain}
@@ -545,6 +594,7 @@ class OSWorldEnv(GUIEnv):
     def _discard_desktop(self) -> None:
         """Close the DesktopEnv (stops its VM); forget the container record if that worked."""
         desktop, self._desktop = self._desktop, None
+        self._paused = False
         if desktop is None:
             return
         try:

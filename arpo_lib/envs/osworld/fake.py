@@ -138,6 +138,8 @@ class FakeDesktopEnv:
     instances: ClassVar[list["FakeDesktopEnv"]] = []
     """Every instance built (or attempted) in this process, in order."""
     _resets_by_task: ClassVar[dict[str, int]] = defaultdict(int)
+    downloads: ClassVar[list[str]] = []
+    """URLs the fake set-ups "downloaded" (a file desktop-env finds in its cache is not fetched)."""
 
     @classmethod
     def clear(cls) -> None:
@@ -145,6 +147,7 @@ class FakeDesktopEnv:
         cls.calls.clear()
         cls.instances.clear()
         cls._resets_by_task.clear()
+        cls.downloads.clear()
 
     # The signatures below are desktop-env 1.0.2's, parameter for parameter (names, order,
     # defaults, including the env-dependent screen_size default): tests check them.
@@ -190,6 +193,7 @@ class FakeDesktopEnv:
         self.typed = ""
         self.closed = False
         self.dead = False
+        self.paused = False
         self._step_no = 0
 
     def reset(self, task_config: Optional[Dict[str, Any]] = None, seed=None, options=None) -> Dict[str, Any]:
@@ -208,6 +212,8 @@ class FakeDesktopEnv:
             os.makedirs(self.cache_dir, exist_ok=True)
         if self.task_config is None:
             raise ValueError("reset() without a task_config before any task was set")
+        self._check_running("reset")
+        self._download_setup()
         task_id = self.task_config["id"]
         FakeDesktopEnv._resets_by_task[task_id] += 1
         if FakeDesktopEnv._resets_by_task[task_id] <= self._fault("reset_failures", 0):
@@ -223,6 +229,7 @@ class FakeDesktopEnv:
         (observation, 0, done, info) of the real class."""
         self._record("step", action=action, pause=pause)
         self._check_alive()
+        self._check_running("step")
         self._step_no += 1
         self.action_history.append(action)
         if self._step_no == self._fault("hang_at_step", None):
@@ -243,6 +250,9 @@ class FakeDesktopEnv:
     def evaluate(self):
         """The task's score from the fake metric named by `evaluator.func`."""
         self._check_alive()
+        self._check_running("evaluate")
+        if self._fault("checker_raises", False):
+            raise KeyError("fake checker: the result file is missing (injected)")
         if self._fault("evaluate_fails", False):
             raise ConnectionError("fake VM: the evaluator could not reach the VM (injected)")
         evaluator = self.task_config["evaluator"]
@@ -262,12 +272,41 @@ class FakeDesktopEnv:
         self._record("evaluate", result=score)
         return score
 
+    def pause(self):
+        """The ARPO fork's DesktopEnv.pause(): the VM's container is paused (no time passes in it)."""
+        self._record("pause")
+        self.paused = True
+
+    def unpause(self):
+        """The ARPO fork's DesktopEnv.unpause()."""
+        self._record("unpause")
+        self.paused = False
+
     def close(self):
         """Stop the fake VM. Safe to call twice, like the real one."""
         self._record("close")
         self.closed = True
 
     # ---- the fake VM ---------------------------------------------------------------------
+
+    def _check_running(self, what: str) -> None:
+        if self.paused:
+            raise RuntimeError(f"fake VM: {what} on a paused VM (the container would not answer)")
+
+    def _download_setup(self) -> None:
+        """desktop-env's download set-up step: fetch each file into `<cache_dir>/<task id>/` under
+        uuid5(url)_<basename> unless it is there already (here: write placeholder bytes)."""
+        import uuid
+
+        for step in self.task_config.get("config") or []:
+            if step.get("type") != "download":
+                continue
+            for f in step.get("parameters", {}).get("files", []):
+                path = os.path.join(self.cache_dir, f"{uuid.uuid5(uuid.NAMESPACE_URL, f['url'])}_{os.path.basename(f['path'])}")
+                if not os.path.exists(path):
+                    FakeDesktopEnv.downloads.append(f["url"])
+                    with open(path, "wb") as fh:
+                        fh.write(f"fake download of {f['url']}".encode())
 
     def _apply(self, code: str) -> None:
         """Remember clicks and typed text; code that is not valid Python changes nothing, as a
