@@ -7,7 +7,7 @@
     smoke   [key=value ...]                                 execute notebooks/smoke_test.ipynb headlessly
     notebook NAME [config=F] [overrides='[k=v, ...]'] [run_name=N]   execute any notebook headlessly
     config  [--config FILE] [key=value ...]                 print the resolved config and field docs
-    osworld-tasks fetch [--source S] [--force] | list [SET] [--ids] | verify    OSWorld task data
+    osworld-tasks fetch [--source S] [--force] | list [SET] [--ids] | verify | prefetch [SET]   OSWorld task data
     select-tasks --config F [--out DIR] [key=value ...]      ARPO's task selection (select.k rollouts per task)
     export-osworld EVAL_DIR [--model NAME] [--out DIR]     an evaluation in OSWorld's result layout
     compare --config configs/learning_miniwob.yaml [key=value ...]   ARPO vs GRPO from one warm start
@@ -148,6 +148,17 @@ def _cmd_osworld_tasks(args: argparse.Namespace) -> int:
             for domain, ids in by_domain.items():
                 print(f"  {domain:<22} {len(ids):>5}")
             print(f"  {'total':<22} {sum(len(ids) for ids in by_domain.values()):>5}")
+        elif args.action == "prefetch":
+            from arpo_lib.envs.osworld.downloads import DownloadCache, default_download_cache, task_downloads
+
+            names = [t.removeprefix(f"{ot.ENV_PREFIX}/") for t in ot.task_set(args.set)]
+            tasks = [ot.load_task(t) for t in names]
+            cache = DownloadCache(Path(args.cache) if args.cache else default_download_cache())
+            needed = sum(len(task_downloads(t)) for t in tasks)
+            print(f"{args.set}: {len(tasks)} tasks, {needed} files to download into {cache.root}")
+            report = cache.prefetch(tasks, progress=not args.no_progress)
+            print(report.summary())
+            return 1 if report.failed else 0
         else:
             problems = ot.verify_cache()
             if problems:
@@ -257,6 +268,12 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("set", nargs="?", default=None, help="train128, subset32, smoke4, chrome10 or test_all")
     q.add_argument("--ids", action="store_true", help="print the set's env names (osworld/<task_id>) instead")
     tasks_sub.add_parser("verify", help="re-check the cache against its manifest (sha256 of every file)")
+    q = tasks_sub.add_parser("prefetch", help="download the files a task set's set-ups need into the machine's "
+                                              "shared download cache (resumable; failures per task)")
+    q.add_argument("set", nargs="?", default="train128", help="task set (default train128)")
+    q.add_argument("--cache", default=None, help="download cache directory (default: $ARPO_OSWORLD_DOWNLOADS or "
+                                                 "~/.cache/arpo-workbench/osworld-downloads)")
+    q.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_cmd_osworld_tasks)
 
     p = sub.add_parser("select-tasks", help="ARPO's task selection: k rollouts of the base policy per task, "

@@ -36,7 +36,14 @@ INDEX = "downloads.json"
 """In the cache: file name -> {url, sha256, size, tasks}."""
 
 
+ENV_VAR = "ARPO_OSWORLD_DOWNLOADS"
+"""Overrides the machine's download cache directory."""
+
+
 def default_download_cache() -> Path:
+    """`$ARPO_OSWORLD_DOWNLOADS`, else ~/.cache/arpo-workbench/osworld-downloads."""
+    if os.environ.get(ENV_VAR):
+        return Path(os.environ[ENV_VAR]).expanduser()
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return base / "arpo-workbench" / "osworld-downloads"
 

@@ -25,6 +25,7 @@ from arpo_lib.actions import Action, to_pyautogui
 from arpo_lib.envs import EnvError, list_envs, make_env
 from arpo_lib.envs.osworld import env as osworld
 from arpo_lib.envs.osworld.env import (CONTAINER_FILE, OSWorldEnv, OSWorldSetupError, find_osworld_python, remove_stale_cache_dirs)
+from arpo_lib.envs.osworld.downloads import DownloadCache
 from arpo_lib.envs.osworld.fake import (BOOT_FAILURES_VAR, FAKE_DESKTOP_ENV, FAKE_TASK_LOADER, FakeDesktopEnv, load_fake_task)
 from arpo_lib.envs.pool import EnvPool
 from arpo_lib.envs.worker import EnvSetupError, _is_setup_error, action_payload
@@ -45,7 +46,7 @@ def _fresh_fake():
 def fake_env(tmp_path: Path, task: str | dict[str, Any] = "fake-click", **options: Any) -> OSWorldEnv:
     config = load_fake_task(task) if isinstance(task, str) else task
     options = {"provider": "fake", "desktop_env_class": FakeDesktopEnv, "cache_root": tmp_path / "cache",
-               "pause_s": 0, "backoff_s": 0, **options}
+               "download_cache": tmp_path / "downloads", "pause_s": 0, "backoff_s": 0, **options}
     return OSWorldEnv(config, **options)
 
 
@@ -345,13 +346,69 @@ def test_vm_death_mid_episode_is_an_infrastructure_failure(tmp_path, mode):
     env.close()
 
 
-def test_evaluator_failure_is_an_infrastructure_failure(tmp_path):
-    env = fake_env(tmp_path, with_faults(evaluate_fails=True))
+@pytest.mark.parametrize("fault", ["evaluate_fails", "checker_raises"])
+def test_a_checker_that_raises_scores_zero_and_is_reported(tmp_path, fault):
+    """ARPO scores a checker exception 0; leaving such episodes out would bias success upward."""
+    env = fake_env(tmp_path, with_faults(**{fault: True}))
     env.reset()
-    with pytest.raises(EnvError, match="evaluate"):
-        env.step(Action("finished"))
-    assert env.desktop_env is None
+    _, reward, terminated, _, info = env.step(Action("finished"))
+    assert terminated and reward == 0.0 and info["score"] == 0.0
+    assert info["checker_error"].startswith(("ConnectionError", "KeyError"))
+    assert env.desktop_env is not None  # the VM is fine: the next episode reuses it
     env.close()
+
+
+def test_the_vm_is_paused_while_the_model_thinks(tmp_path):
+    env = fake_env(tmp_path)
+    env.reset()
+    vm = env.desktop_env
+    assert vm.paused  # after reset: the model looks at the first screen
+    env.step(Action("wait"))
+    assert vm.paused
+    order = [c.method for c in FakeDesktopEnv.calls if c.method in ("reset", "step", "pause", "unpause", "evaluate")]
+    assert order == ["reset", "pause", "unpause", "step", "pause"]
+    env.step(Action("finished"))  # the fake refuses step/evaluate on a paused VM
+    assert not vm.paused and [c.method for c in FakeDesktopEnv.calls][-3:] == ["unpause", "step", "evaluate"]
+    env.reset()
+    assert vm.paused
+    env.close()
+
+
+def test_a_desktop_env_without_pause_is_driven_as_before(tmp_path):
+    class OldDesktopEnv(FakeDesktopEnv):
+        pause = unpause = None  # desktop-env 1.0.2 has neither
+
+    env = fake_env(tmp_path, desktop_env_class=OldDesktopEnv)
+    env.reset()
+    assert env.step(Action("finished"))[2]
+    env.close()
+
+
+DOWNLOADING = {"id": "fake-download", "snapshot": "fake", "domain": "fake", "instruction": "Open the report.",
+               "config": [{"type": "download", "parameters": {"files": [
+                   {"url": "https://example.org/files/report.docx", "path": "/home/user/report.docx"}]}}],
+               "evaluator": {"func": "fake_typed_text", "result": {"type": "fake"}, "expected": {"text": "x"}}}
+
+
+def test_a_machine_downloads_each_file_once(tmp_path):
+    """Every environment keeps its own VM state and cache_dir, but set-up downloads come from one
+    cache per machine: the second environment (and every later reset) finds the file."""
+    first = fake_env(tmp_path, DOWNLOADING)
+    first.reset()
+    assert FakeDesktopEnv.downloads == ["https://example.org/files/report.docx"]
+    first.close()
+    second = fake_env(tmp_path, DOWNLOADING)
+    second.reset()
+    second.reset()
+    assert FakeDesktopEnv.downloads == ["https://example.org/files/report.docx"]  # not again
+    cache = DownloadCache(tmp_path / "downloads")
+    (name,) = cache.index()
+    assert cache.verify(name) and cache.index()[name]["tasks"] == ["fake-download"]
+    second.close()
+    off = fake_env(tmp_path, DOWNLOADING, download_cache=None)
+    off.reset()
+    assert len(FakeDesktopEnv.downloads) == 2  # without the shared cache: downloaded again
+    off.close()
 
 
 def test_wrong_screen_size_is_a_setup_error_not_retried(tmp_path):
