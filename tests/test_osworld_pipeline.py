@@ -28,6 +28,7 @@ FAKE_VM = ["env.options={provider: fake, desktop_env_class: 'arpo_lib.envs.oswor
 @pytest.fixture()
 def task_data(tmp_path, monkeypatch):
     monkeypatch.setenv(ot.ENV_VAR, str(tmp_path / "osworld-tasks"))  # inherited by the workers
+    monkeypatch.setenv("ARPO_OSWORLD_DOWNLOADS", str(tmp_path / "downloads"))
     ot.fetch_tasks(FIXTURE, expect=FIXTURE_EXPECT, progress=False)
     return ot.task_set("smoke4")
 
@@ -53,13 +54,13 @@ def test_evaluation_notebook_on_osworld_tasks(task_data, tmp_path, tiny_qwen2vl)
     results = json.loads((run / "eval" / "results.json").read_text())
     assert results["episodes"] == 4 and results["env_errors"] == 0
     assert set(results["per_domain"]) == {"chrome", "os"}  # OSWorld's domains, from the task data
-    # OSWorld's own layout, one example directory per task with result.txt
+    # the OSWorld fork's layout: trial 0, one example directory per task with result.txt
     model_dir = run / "eval" / "osworld_results" / "pyautogui" / "screenshot" / tiny_qwen2vl.name
-    examples = sorted(p.parent for p in model_dir.glob("*/*/result.txt"))
+    examples = sorted(p.parent for p in model_dir.glob("0/*/*/result.txt"))
     assert sorted(f"osworld/{p.name}" for p in examples) == sorted(task_data)
     assert {p.parent.name for p in examples} == {"chrome", "os"}
-    summary = json.loads((model_dir / "summary.json").read_text())
-    assert summary["examples"] == 4
+    summary = json.loads((run / "eval" / "osworld_results" / f"summary-{tiny_qwen2vl.name}.json").read_text())
+    assert summary["trials"]["0"]["examples"] == 4
     selection = json.loads((run / "selection" / "selection.json").read_text())
     assert [t["samples"] for t in selection["tasks"]] == [2, 2, 2, 2]
 

@@ -1,22 +1,30 @@
-"""Evaluation results in OSWorld's own result layout, so its tooling (show_result.py and the
-resume logic of its run scripts) reads them unchanged.
+"""Evaluation results in the layout of the ARPO authors' OSWorld fork, and readers of it.
 
-OSWorld writes one directory per task and run:
+The fork's evaluation runner (run_multienv_uitars.py, the one ARPO's README runs) writes one
+directory per example and *trial*:
 
-    <root>/<action_space>/<observation_type>/<model>/<domain>/<example_id>/
-        step_<n>_<timestamp>.png    the screen after action n (n from 1)
-        traj.jsonl                  {step_num, action_timestamp, action, response, reward, done, info, screenshot_file}
-        result.txt                  the checker's score, e.g. "1.0"
+    <root>/<action_space>/<observation_type>/<model>/<trial_id>/<domain>/<example_id>/
+        step_reset_<ts>.png            the screen after reset
+        step_<n>_<ts>.png              the screen after action n (n = the model call, from 1)
+        traj.jsonl                     a reset line, then one line per executed action
+        result.txt                     the checker's score ("1.0"); absent = unfinished
 
-and its tools average `result.txt` over every example directory, per domain and overall; a
-directory without `result.txt` counts as unfinished (its run script re-runs it).
+    reset line:  {"step_num": 0, "instruction", "action_timestamp", "action": "reset", "reward": 0,
+                  "done": false, "info": {}, "screenshot_file": "step_reset_<ts>.png"}
+    action line: {"step_num", "prediction" (the model's response), "action_timestamp", "action"
+                  (pyautogui code or WAIT/DONE/FAIL), "reward", "done", "info", "screenshot_file"}
 
-Our evaluation keeps its own layout (`<eval>/<family>/<task>/<sample>/`, with tokens and meta);
-`export_osworld_results` mirrors it into OSWorld's, hard-linking screenshots where it can. OSWorld
-has one run per task, so sample i of k goes under the model name `<model>-sample<i>` when k > 1.
-Episodes that failed for infrastructure reasons get no `result.txt`, as in OSWorld: they are
-unfinished, not failures. A per-domain summary (summary.json, summary.md) is written beside the
-domain directories, where OSWorld's tools (which only descend into directories) ignore it.
+`<example_id>` is the task file name, `<trial_id>` a number (its pass@n tool converts every entry
+of the model directory with int()). Its readers, whose behaviour `trial_scores`, `unfinished` and
+`pass_at_n` reproduce from that description: get_result (mean result.txt of one trial),
+get_unfinished (examples of a meta list without result.txt), pass_at_n.py (a task is solved when
+any trial scores > 0.5; --filter_fail zeroes an episode whose last action is FAIL after 15 calls).
+
+`export_osworld_results` mirrors our evaluation (`<eval>/<family>/<task>/<sample>/`, with tokens and
+meta) into that layout: sample i is trial i. Lines carry `prediction` and our `response` (the same
+text) plus our parse errors in `info`. Episodes lost to infrastructure failures get no result.txt
+and the fork's error line, as its runner writes them: unfinished, not failures. A per-domain
+summary goes to `<root>/summary-<model>.json|md`, outside the trees the fork's tools walk.
 """
 from __future__ import annotations
 
@@ -25,6 +33,7 @@ import os
 import shutil
 import time
 from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +58,7 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         shutil.copyfile(src, dst)
 
 
-def _pyautogui_codes(actions: list[dict[str, Any]], screen_size: tuple[int, int]) -> list[str]:
+def _codes(actions: list[dict[str, Any]], screen_size: tuple[int, int]) -> list[str]:
     codes = []
     for a in actions:
         try:
@@ -66,31 +75,29 @@ def _trajectory_dirs(eval_dir: Path) -> list[Path]:
 
 def export_osworld_results(eval_dir: str | Path, root: str | Path, model: str, *,
                            action_space: str = "pyautogui", observation_type: str = "screenshot") -> Path:
-    """Mirror an evaluation directory into OSWorld's layout under `root`; returns the model's
-    directory (for k = 1) or `root/<action_space>/<observation_type>` (for k > 1).
-
-    Re-exporting replaces what a previous export wrote for the same model names.
-    """
+    """Mirror an evaluation directory into the fork's trial layout under `root`; returns the
+    model directory (`<root>/<action_space>/<observation_type>/<model>`). Re-exporting replaces
+    what a previous export of the same model wrote."""
     from PIL import Image
 
     eval_dir, root = Path(eval_dir), Path(root)
     trajs = _trajectory_dirs(eval_dir)
     if not trajs:
         raise FileNotFoundError(f"{eval_dir} holds no complete trajectories (no */*/*/meta.json)")
-    metas = [(d, json.loads((d / "meta.json").read_text())) for d in trajs]
-    samples = {m["sample"] for _, m in metas}
-    base = safe_join(root, action_space, observation_type)
-    model_dirs: dict[int, Path] = {s: safe_join(base, model if len(samples) == 1 else f"{model}-sample{s}")
-                                   for s in samples}
-    for d in model_dirs.values():
-        if d.exists():
-            shutil.rmtree(d)
+    model_dir = safe_join(root, action_space, observation_type, model)
+    if model_dir.exists():
+        shutil.rmtree(model_dir)
     stamp = time.strftime("%Y%m%d@%H%M%S")
-    size = (1920, 1080)
-    for src, meta in metas:
-        dst = safe_join(model_dirs[meta["sample"]], osworld_domain(meta["task"]), _example_id(meta["task"]))
+    for src in trajs:
+        meta = json.loads((src / "meta.json").read_text())
+        dst = safe_join(model_dir, str(int(meta["sample"])), osworld_domain(meta["task"]), _example_id(meta["task"]))
         dst.mkdir(parents=True, exist_ok=True)
-        lines = []
+        lines = [{"step_num": 0, "instruction": meta.get("instruction", ""), "action_timestamp": stamp,
+                  "action": "reset", "reward": 0, "done": False, "info": {},
+                  "screenshot_file": f"step_reset_{stamp}.png"}]
+        if (src / "step_0.png").is_file():
+            _link_or_copy(src / "step_0.png", dst / f"step_reset_{stamp}.png")
+        size = (1920, 1080)  # (without screenshots, coordinates are clipped to OSWorld's default screen)
         for line in (src / "traj.jsonl").read_text().splitlines():
             rec = json.loads(line)
             n = rec["step_num"]  # action n was taken on step_{n-1}.png; step_n.png is the screen after it
@@ -98,62 +105,120 @@ def export_osworld_results(eval_dir: str | Path, root: str | Path, model: str, *
             if seen.is_file():
                 with Image.open(seen) as im:
                     size = im.size
-            # (without screenshots, coordinates are clipped to OSWorld's default screen)
-            shot = src / f"step_{n}.png"
-            name: str | None = f"step_{n}_{stamp}.png"
-            if shot.is_file():
-                _link_or_copy(shot, dst / name)
-            else:  # no screen after the last action (a format failure ended the episode)
-                name = None
-            lines.append(json.dumps({
-                "step_num": n, "action_timestamp": stamp, "action": "\n".join(_pyautogui_codes(rec["action"], size)),
-                "response": rec["response"], "reward": rec["reward"], "done": rec["done"],
-                "info": {"parse_error": rec["parse_error"], "truncated": rec.get("truncated", False)},
-                "screenshot_file": name}))
-        (dst / "traj.jsonl").write_text("\n".join(lines) + ("\n" if lines else ""))
-        first = src / "step_0.png"
-        if first.is_file():
-            _link_or_copy(first, dst / "step_0.png")
+            name = f"step_{n}_{stamp}.png"
+            if (src / f"step_{n}.png").is_file():
+                _link_or_copy(src / f"step_{n}.png", dst / name)
+            # a malformed response stepped the environment with DONE (ARPO's rule)
+            codes = _codes(rec["action"], size) if rec["action"] else ["DONE"]
+            for i, code in enumerate(codes):
+                last = i == len(codes) - 1
+                lines.append({"step_num": n, "prediction": rec["response"], "action_timestamp": stamp,
+                              "action": code, "reward": rec["reward"] if last else 0,
+                              "done": bool(rec["done"]) if last else False,
+                              "info": {"parse_error": rec["parse_error"], "truncated": rec.get("truncated", False)},
+                              "screenshot_file": name, "response": rec["response"]})
+        if meta["status"] != "ok":  # the fork's runner writes this line and no result.txt
+            lines.append({"Error": f"infrastructure failure in {dst.parent.name}/{dst.name}: "
+                                   f"{(meta.get('error') or '')[:300]}"})
+        (dst / "traj.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
         if meta["status"] == "ok":
             (dst / "result.txt").write_text(f"{float(meta['task_score'])}\n")
-    for d in model_dirs.values():
-        write_domain_summary(d)
-    return next(iter(model_dirs.values())) if len(model_dirs) == 1 else base
+    write_summary(model_dir, root)
+    return model_dir
 
 
-def read_osworld_results(model_dir: str | Path) -> dict[str, list[float]]:
-    """domain -> scores, read the way OSWorld's show_result.py reads them: every
-    `<domain>/<example>/result.txt` under the model directory, unparsable files as 0."""
-    out: dict[str, list[float]] = defaultdict(list)
+# -- readers of the fork's layout (written from its documented behaviour) -------------------------
+
+def _read_score(path: Path) -> float:
+    """A result.txt as the fork's tools read it: "true"/"false", else a float (0 when unreadable)."""
+    text = path.read_text().strip()
+    if text.lower() in ("true", "false"):
+        return float(text.lower() == "true")
+    try:
+        return float(text)
+    except ValueError:
+        return 0.0
+
+
+def trials(model_dir: str | Path) -> list[int]:
+    """The trial ids under a model directory (its numeric entries), sorted."""
+    return sorted(int(p.name) for p in Path(model_dir).iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def trial_scores(model_dir: str | Path, trial_id: int | str) -> dict[tuple[str, str], float]:
+    """(domain, example) -> score of every finished example of one trial (get_result's input)."""
+    base = Path(model_dir) / str(trial_id)
+    out = {}
+    for result in sorted(base.glob("*/*/result.txt")) if base.is_dir() else []:
+        if result.parent.parent.name == "onboard":
+            continue
+        out[(result.parent.parent.name, result.parent.name)] = _read_score(result)
+    return out
+
+
+def unfinished(model_dir: str | Path, trial_id: int | str, meta: Mapping[str, Sequence[str]]) -> dict[str, list[str]]:
+    """The examples of a meta list ({domain: [example ids]}) a trial has not finished (no
+    result.txt): what get_unfinished would run again (it also empties their directories; this
+    reader only reads)."""
+    done = trial_scores(model_dir, trial_id)
+    return {d: [e for e in ids if (d, e) not in done] for d, ids in meta.items()
+            if any((d, e) not in done for e in ids)}
+
+
+def _last_action_fails(example: Path) -> bool:
+    lines = [json.loads(x) for x in (example / "traj.jsonl").read_text().splitlines() if x.strip()]
+    return len(lines) >= 16 and lines[-1].get("action") == "FAIL"
+
+
+def pass_at_n(model_dir: str | Path, meta: Mapping[str, Sequence[str]], trial_ids: Iterable[int] | None = None,
+              filter_fail: bool = False) -> dict[str, Any]:
+    """pass_at_n.py's numbers: a task is solved when any trial scores > 0.5. `acc` over tasks
+    with at least one result, `acc_over_all` over the meta list, per domain, `overall_acc` over
+    every (task, trial) result, per trial (denominator: the whole meta list) and their mean.
+    A result needs both traj.jsonl and result.txt; `filter_fail` zeroes an episode that ran 15
+    calls and ended with FAIL."""
     model_dir = Path(model_dir)
-    for domain in sorted(p for p in model_dir.iterdir() if p.is_dir()):
-        for example in sorted(p for p in domain.iterdir() if p.is_dir()):
-            result = example / "result.txt"
-            if result.is_file():
-                try:
-                    out[domain.name].append(float(result.read_text()))
-                except ValueError:
-                    out[domain.name].append(0.0)
-    return dict(out)
+    ids = sorted(trial_ids) if trial_ids is not None else trials(model_dir)
+    tasks = [(d, e) for d, examples in meta.items() for e in examples]
+    results: dict[tuple[str, str], dict[int, float]] = defaultdict(dict)
+    for t in ids:
+        for d, e in tasks:
+            example = model_dir / str(t) / d / e
+            if (example / "traj.jsonl").is_file() and (example / "result.txt").is_file():
+                score = _read_score(example / "result.txt")
+                if filter_fail and _last_action_fails(example):
+                    score = 0.0
+                results[(d, e)][t] = score
+    solved = {k for k, by_trial in results.items() if any(s > 0.5 for s in by_trial.values())}
+    per_domain = {}
+    for d, examples in meta.items():
+        valid = [e for e in examples if (d, e) in results]
+        per_domain[d] = {"solved": sum((d, e) in solved for e in valid), "valid": len(valid), "total": len(examples)}
+    all_scores = [s for by_trial in results.values() for s in by_trial.values()]
+    per_trial = {t: sum(results[k].get(t, 0.0) > 0.5 for k in results) / len(tasks) if tasks else 0.0 for t in ids}
+    return {"tasks": len(tasks), "valid": len(results), "solved": len(solved),
+            "acc": len(solved) / len(results) if results else 0.0,
+            "acc_over_all": len(solved) / len(tasks) if tasks else 0.0,
+            "overall_acc": sum(s > 0.5 for s in all_scores) / len(all_scores) if all_scores else 0.0,
+            "per_domain": per_domain, "per_trial": per_trial,
+            "mean_acc": sum(per_trial.values()) / len(per_trial) if per_trial else 0.0}
 
 
-def write_domain_summary(model_dir: str | Path) -> dict[str, Any]:
-    """summary.json and summary.md beside the domain directories: success per domain and overall,
-    plus the unfinished examples (no result.txt: infrastructure failures to re-run)."""
-    model_dir = Path(model_dir)
-    scores = read_osworld_results(model_dir)
-    unfinished = sorted(f"{p.parent.name}/{p.name}" for p in model_dir.glob("*/*")
-                        if p.is_dir() and not (p / "result.txt").is_file())
-    rows = {d: {"examples": len(s), "success_rate": sum(s) / len(s) if s else 0.0} for d, s in scores.items()}
-    all_scores = [x for s in scores.values() for x in s]
-    summary = {"model": model_dir.name, "examples": len(all_scores),
-               "success_rate": sum(all_scores) / len(all_scores) if all_scores else 0.0,
-               "per_domain": rows, "unfinished": unfinished}
-    atomic_write_text(model_dir / "summary.json", json.dumps(summary, indent=1))
-    md = [f"# {safe_name(model_dir.name)}: {summary['success_rate']:.1%} over {len(all_scores)} examples", "",
-          "| domain | examples | success rate |", "|---|---:|---:|"]
-    md += [f"| {d} | {r['examples']} | {r['success_rate']:.1%} |" for d, r in rows.items()]
-    if unfinished:
-        md += ["", f"Unfinished (infrastructure failures, no result.txt): {len(unfinished)}"]
-    atomic_write_text(model_dir / "summary.md", "\n".join(md) + "\n")
+def write_summary(model_dir: Path, root: Path) -> dict[str, Any]:
+    """summary-<model>.json/.md in `root`: per trial and domain success, and the unfinished examples."""
+    by_trial = {}
+    for t in trials(model_dir):
+        scores = trial_scores(model_dir, t)
+        domains: dict[str, list[float]] = defaultdict(list)
+        for (d, _), s in scores.items():
+            domains[d].append(s)
+        listed = sorted(f"{p.parent.name}/{p.name}" for p in (model_dir / str(t)).glob("*/*") if p.is_dir())
+        by_trial[t] = {"examples": len(scores), "success_rate": sum(scores.values()) / len(scores) if scores else 0.0,
+                       "per_domain": {d: sum(v) / len(v) for d, v in sorted(domains.items())},
+                       "unfinished": [x for x in listed if tuple(x.split("/")) not in scores]}
+    summary = {"model": model_dir.name, "trials": by_trial}
+    atomic_write_text(root / f"summary-{safe_name(model_dir.name)}.json", json.dumps(summary, indent=1))
+    md = [f"# {safe_name(model_dir.name)}", "", "| trial | examples | success rate | unfinished |", "|---|---:|---:|---:|"]
+    md += [f"| {t} | {r['examples']} | {r['success_rate']:.1%} | {len(r['unfinished'])} |" for t, r in by_trial.items()]
+    atomic_write_text(root / f"summary-{safe_name(model_dir.name)}.md", "\n".join(md) + "\n")
     return summary
