@@ -553,7 +553,24 @@ PYAUTOGUI_FUNCTIONS = frozenset({
     "click", "doubleClick", "rightClick", "moveTo", "dragTo", "mouseDown", "mouseUp",
     "hotkey", "press", "write", "typewrite", "scroll", "keyDown", "keyUp",
 })
-"""The only pyautogui functions generated code calls (plus time.sleep)."""
+"""The only pyautogui functions generated code calls (plus time.sleep and pyperclip.copy)."""
+GENERATED_CALLS = frozenset({("pyautogui", f) for f in PYAUTOGUI_FUNCTIONS} | {("time", "sleep"), ("pyperclip", "copy")})
+"""Every (module, function) generated code may call, always with literal arguments."""
+_TYPEABLE = re.compile(r"[\x20-\x7e\n\t]+")
+"""What pyautogui.write can type on Linux/X11: it has key names for printable ASCII, newline and
+tab, and silently skips everything else ("café 日本語" arrives as "caf ")."""
+PASTE_PAUSE_S = 0.2
+"""Wait after a paste: the application reads the clipboard asynchronously."""
+DETACH_OUTPUT = (
+    "os.dup2(os.open(os.devnull, os.O_WRONLY), 1)",
+    "os.dup2(os.open(os.devnull, os.O_WRONLY), 2)",
+)
+"""Run once before the first clipboard copy. pyperclip hands the text to xclip, which stays in the
+background serving the clipboard with the caller's stdout and stderr still open; OSWorld's VM
+server runs `python -c` with both piped and waits for them to close, so without this every paste
+would hang the step until the server's 120 s timeout (and the client's retries would paste again).
+The fork's own agents turn the clipboard off for this reason and lose non-ASCII text instead.
+These two exact lines are the only non-call statements generated code contains."""
 SPECIAL_ACTIONS = {"wait": "WAIT", "finished": "DONE", "call_user": "FAIL"}
 """OSWorld's special action strings. call_user means "I cannot do this": OSWorld scores an
 infeasible task 1 only when the episode ends with FAIL."""
@@ -606,8 +623,7 @@ def to_pyautogui(action: Action, screen_size: tuple[int, int] = (1920, 1080)) ->
         enter = text.endswith("\n")
         if enter:
             text = text[:-1]
-        if text:
-            lines.append(f"pyautogui.write({text!r}, interval={TYPE_INTERVAL!r})")
+        lines += _type_lines(text)
         if enter:
             lines.append("pyautogui.press('enter')")
     elif kind == "scroll":
@@ -626,4 +642,23 @@ def to_pyautogui(action: Action, screen_size: tuple[int, int] = (1920, 1080)) ->
             lines.append(call)
     else:
         raise ActionParseError(f"unknown action kind {kind!r}")
+    if any(line.startswith("pyperclip.") for line in lines):
+        first = next(i for i, line in enumerate(lines) if line.startswith("pyperclip."))
+        lines[first:first] = list(DETACH_OUTPUT)
+        lines[1:1] = ["import os", "import pyperclip", "import time"]
     return "\n".join(lines)
+
+
+def _type_lines(text: str) -> list[str]:
+    """Type `text`: if pyautogui can type all of it, pyautogui.write as ARPO does; otherwise
+    (accents, CJK, emoji) the whole text through the clipboard and one ctrl+v, as UI-TARS's own
+    code types (one paste, not one per run: back-to-back clipboard hand-overs drop characters)."""
+    if not text:
+        return []
+    if _TYPEABLE.fullmatch(text):
+        return [f"pyautogui.write({text!r}, interval={TYPE_INTERVAL!r})"]
+    return _paste(text)
+
+
+def _paste(text: str) -> list[str]:
+    return [f"pyperclip.copy({text!r})", "pyautogui.hotkey('ctrl', 'v')", f"time.sleep({PASTE_PAUSE_S!r})"]

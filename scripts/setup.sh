@@ -7,11 +7,13 @@ cd "$(dirname "$0")/.."
 say() { printf '[setup] %s\n' "$*" >&2; }
 sudo_if_needed() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 
-# 1. The browser: Debian's Chromium and its matching ChromeDriver.
-if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
-  say "installing chromium and chromium-driver with apt"
+# 1. The browser (Debian's Chromium and its matching ChromeDriver), and for the test that runs
+#    generated pyautogui code against a real window: a virtual X server and a clipboard tool.
+if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null \
+    || ! command -v Xvfb >/dev/null || ! command -v xclip >/dev/null; then
+  say "installing chromium, chromium-driver, xvfb and xclip with apt"
   sudo_if_needed apt-get update -qq
-  sudo_if_needed env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
+  sudo_if_needed env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver xvfb xclip >/dev/null
 fi
 
 # 2. The Python environment.

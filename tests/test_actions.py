@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from arpo_lib.actions import (
-    ACTION_KINDS, MAX_PIXELS, MAX_RESPONSE_CHARS, MIN_PIXELS, PYAUTOGUI_FUNCTIONS, SCROLL_AMOUNT,
+    ACTION_KINDS, DETACH_OUTPUT, MAX_PIXELS, MAX_RESPONSE_CHARS, MIN_PIXELS, PYAUTOGUI_FUNCTIONS, SCROLL_AMOUNT,
     VALID_KEYS, Action, ActionParseError, ParsedResponse, format_action, format_response,
     parse_response, smart_resize, split_keys, to_pyautogui,
 )
@@ -556,14 +556,16 @@ def assert_whitelisted(code: str) -> list[ast.Call]:
     calls = []
     for stmt in tree.body:
         if isinstance(stmt, ast.Import):
-            assert all(a.name in ("pyautogui", "time") and a.asname is None for a in stmt.names)
+            assert all(a.name in ("pyautogui", "time", "pyperclip", "os") and a.asname is None for a in stmt.names)
+            continue
+        if ast.unparse(stmt) in DETACH_OUTPUT:
             continue
         assert isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call), ast.dump(stmt)
         call = stmt.value
         func = call.func
         assert isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)
         assert (func.value.id == "pyautogui" and func.attr in PYAUTOGUI_FUNCTIONS) or \
-            (func.value.id, func.attr) == ("time", "sleep"), ast.unparse(call)
+            (func.value.id, func.attr) in (("time", "sleep"), ("pyperclip", "copy")), ast.unparse(call)
         assert all(_is_literal(a) for a in call.args), ast.unparse(call)
         assert all(k.arg is not None and _is_literal(k.value) for k in call.keywords)
         calls.append(call)
@@ -642,7 +644,7 @@ INJECTIONS = [
 def test_typed_text_cannot_escape(text):
     code = to_pyautogui(Action("type", text=text))
     calls = assert_whitelisted(code)
-    typed = "".join(c.args[0].value for c in calls if c.func.attr == "write")
+    typed = "".join(c.args[0].value for c in calls if c.func.attr in ("write", "copy"))  # typed or pasted, in order
     enter = any(c.func.attr == "press" for c in calls)
     assert typed + ("\n" if enter else "") == text
 
@@ -688,3 +690,21 @@ def test_pyautogui_from_fuzzed_type_content(text):
         code = to_pyautogui(a)
         if code not in ("WAIT", "DONE", "FAIL"):
             assert_whitelisted(code)
+
+
+def test_ascii_text_is_typed_as_arpo_types_it():
+    """ASCII only: pyautogui.write alone, no clipboard, no os; what ARPO's converter sends."""
+    code = to_pyautogui(Action("type", text="hello, world\n"))
+    assert "pyperclip" not in code and "import os" not in code
+    assert code.splitlines()[1:] == ["pyautogui.write('hello, world', interval=0.01)", "pyautogui.press('enter')"]
+
+
+def test_non_ascii_text_is_pasted_after_detaching_output():
+    """Text pyautogui cannot type is pasted whole, once; output is detached once, before the copy
+    (see DETACH_OUTPUT: without it the VM server hangs on xclip); enter is still a key press."""
+    code = to_pyautogui(Action("type", text="ab é cd 日本\n"))
+    lines = code.splitlines()
+    assert lines[:4] == ["import pyautogui", "import os", "import pyperclip", "import time"]
+    assert lines[4:] == [*DETACH_OUTPUT, "pyperclip.copy('ab é cd 日本')", "pyautogui.hotkey('ctrl', 'v')",
+                         "time.sleep(0.2)", "pyautogui.press('enter')"]
+    assert_whitelisted(code)

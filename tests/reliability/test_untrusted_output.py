@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from arpo_lib.actions import (
-    ACTION_KINDS, PYAUTOGUI_FUNCTIONS, VALID_KEYS, ActionParseError, parse_response, to_pyautogui,
+    ACTION_KINDS, DETACH_OUTPUT, GENERATED_CALLS, PYAUTOGUI_FUNCTIONS, VALID_KEYS, ActionParseError, parse_response, to_pyautogui,
 )
 
 LONG = os.environ.get("ARPO_LONG_TESTS", "") not in ("", "0")
@@ -46,15 +46,25 @@ def check_code(code: str, screen: tuple[int, int]) -> None:
         return
     tree = ast.parse(code)  # must be valid Python
     assert tree.body and isinstance(tree.body[0], ast.Import)
+    assert tree.body[0].names[0].name == "pyautogui"
+    lines = [ast.unparse(stmt) for stmt in tree.body]
+    if "import os" in lines:  # os only for the two fixed lines that detach output, right before the copy
+        assert DETACH_OUTPUT[0] in lines
+        at = lines.index(DETACH_OUTPUT[0])
+        assert len(lines) > at + 2 and lines[at:at + 3] == [*DETACH_OUTPUT, lines[at + 2]] and lines[at + 2].startswith("pyperclip.copy(")
+        assert sum("os." in line for line in lines) == 2
     for stmt in tree.body:
         if isinstance(stmt, ast.Import):
-            assert [(a.name, a.asname) for a in stmt.names] in ([("pyautogui", None)], [("time", None)])
+            assert [(a.name, a.asname) for a in stmt.names] in ([("pyautogui", None)], [("time", None)],
+                                                                [("pyperclip", None)], [("os", None)])
+            continue
+        if ast.unparse(stmt) in DETACH_OUTPUT:  # the two fixed lines before a paste, nothing else
             continue
         assert isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call), ast.unparse(stmt)
         call = stmt.value
         assert isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name)
         owner, name = call.func.value.id, call.func.attr
-        assert (owner == "pyautogui" and name in PYAUTOGUI_FUNCTIONS) or (owner, name) == ("time", "sleep"), name
+        assert (owner, name) in GENERATED_CALLS, name
         args = [_literal(a) for a in call.args]
         kwargs = {k.arg: _literal(k.value) for k in call.keywords}
         assert None not in kwargs
@@ -136,7 +146,9 @@ def test_well_formed_calls_with_hostile_arguments(text, mode):
 
 
 @pytest.mark.parametrize("code", [
-    "import os", "import pyautogui\nimport os", "import pyautogui\npyautogui.click(__import__('os'), 1)",
+    "import os", "import pyautogui\nimport os",
+    "import pyautogui\nimport os\nos.dup2(os.open(os.devnull, os.O_WRONLY), 1)\nos.dup2(os.open(os.devnull, os.O_WRONLY), 2)",
+    "import pyautogui\nimport os\nos.system('x')", "import pyautogui\nos.dup2(3, 1)", "import pyautogui\npyautogui.click(__import__('os'), 1)",
     "import pyautogui\npyautogui.click(5000, 1)", "import pyautogui\npyautogui.click(-1, 1)",
     "import pyautogui\nexec('x')", "import pyautogui\npyautogui.write('a'); import os",
     "import pyautogui\nx = 1", "import pyautogui\npyautogui.hotkey('ctrl', 'nosuchkey')",

@@ -114,12 +114,13 @@ def _font(size: int) -> ImageFont.ImageFont | ImageFont.FreeTypeFont:
 
 
 def _literal_calls(code: str) -> list[tuple[str, list[Any]]]:
-    """(function name, literal positional args) of each `pyautogui.<name>(...)` call in `code`;
-    parsed, never executed. Arguments that are not literals are skipped."""
+    """(function name, literal positional args) of each `pyautogui.<name>(...)` call in `code`
+    (and `pyperclip.copy`, named "copy"), in order; parsed, never executed. Arguments that are
+    not literals are skipped."""
     calls = []
     for node in ast.walk(ast.parse(code)):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
-                and isinstance(node.func.value, ast.Name) and node.func.value.id == "pyautogui":
+                and isinstance(node.func.value, ast.Name) and node.func.value.id in ("pyautogui", "pyperclip"):
             args = []
             for arg in node.args:
                 try:
@@ -191,6 +192,7 @@ class FakeDesktopEnv:
         self.action_history: list[Any] = []
         self.clicks: list[tuple[int, int]] = []
         self.typed = ""
+        self.clipboard = ""
         self.closed = False
         self.dead = False
         self.paused = False
@@ -320,6 +322,10 @@ class FakeDesktopEnv:
                 self.clicks.append((int(args[0]), int(args[1])))
             elif name in ("write", "typewrite") and args and isinstance(args[0], str):
                 self.typed += args[0]
+            elif name == "copy" and args and isinstance(args[0], str):
+                self.clipboard = args[0]
+            elif name == "hotkey" and [str(a).lower() for a in args] == ["ctrl", "v"]:
+                self.typed += self.clipboard
             elif name == "press" and args == ["enter"]:
                 self.typed += "\n"
 
