@@ -139,10 +139,11 @@ def server(cfg: RunConfig, model_path: str | None = None) -> ServerHandle:
     run.root.mkdir(parents=True, exist_ok=True)
     log.info("starting the %s server for %s (log: %s)", s.backend, model_path, run.server_log)
     handle = start_server(model_path, backend=s.backend, host=s.host, port=s.port or None,
-                          served_model_name=s.served_model_name, log_path=run.server_log, python=s.python, **options)
+                          served_model_name=s.served_model_name, log_path=run.server_log, python=s.python,
+                          api_key_env=s.api_key_env, **options)
     run.server_info.write_text(json.dumps({
         "pid": handle.pid, "url": handle.url, "base_url": handle.base_url, "model": handle.model,
-        "backend": s.backend, "log_path": str(handle.log_path)}, indent=1))
+        "backend": s.backend, "log_path": str(handle.log_path), "api_key_env": s.api_key_env}, indent=1))
     return handle
 
 
@@ -150,10 +151,13 @@ def server_policy(cfg: RunConfig, url: str | None = None, prompt: str | None = N
     """A client policy for the server at `url` (default rollout.server_url), with `rollout.*`'s
     request settings."""
     r = cfg.rollout
+    started_here = url is not None and url != r.server_url
     url = url or r.server_url
     if not url:
         raise ValueError("rollout.backend=server needs rollout.server_url (or a server the workflow starts)")
-    return ServerPolicy(url, cfg.model.path, served_model=r.server_model, api_key_env=r.api_key_env,
+    # a server this run started wants serve.api_key_env's key unless the client names its own
+    key_env = r.api_key_env or (cfg.serve.api_key_env if started_here else None)
+    return ServerPolicy(url, cfg.model.path, served_model=r.server_model, api_key_env=key_env,
                         coord_mode=cfg.model.coord_mode, history_images=cfg.model.history_images,
                         max_new_tokens=cfg.model.max_new_tokens, timeout_s=r.request_timeout_s,
                         retries=r.request_retries, constrained=r.constrained, prompt=prompt or cfg.agent.prompt)

@@ -114,6 +114,10 @@ def post_json(url: str, body: Any, *, api_key: str | None = None, timeout_s: flo
                 detail = json.loads(detail)["error"]["message"]
             except (ValueError, KeyError, TypeError):
                 pass
+            if exc.code in (401, 403):
+                hint = ("the key sent was refused" if api_key else
+                        "it wants an API key: name the variable holding it in rollout.api_key_env")
+                raise ServerRequestError(f"{url} answered {exc.code} ({hint}): {str(detail)[:500]}", exc.code) from exc
             if exc.code != 503 or attempt == retries:
                 raise ServerRequestError(f"{url} answered {exc.code}: {str(detail)[:2000]}", exc.code) from exc
         except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:

@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from arpo_lib.run.net import is_loopback
 from arpo_lib.run.records import safe_name
 
 
@@ -298,7 +299,12 @@ class ServeConfig:
     """`hf`: our OpenAI-compatible server around the in-process transformers policy (CPU or GPU);
     `vllm`: vLLM's OpenAI server (GPU, needs vllm installed)."""
     host: str = "127.0.0.1"
-    """Address to bind; keep 127.0.0.1 unless the server must be reached from other machines."""
+    """Address to bind; keep 127.0.0.1 unless the server must be reached from other machines
+    (then `api_key_env` is required), or reach a loopback server through an SSH tunnel."""
+    api_key_env: str | None = None
+    """Name of the environment variable holding the key clients must send on /v1/* (vLLM's
+    --api-key, our server likewise; never the key itself). Required when `host` is not loopback;
+    clients name theirs in `rollout.api_key_env` (a server the run starts uses this one)."""
     port: int = 0
     """Port; 0 picks a free one."""
     served_model_name: str | None = None
@@ -483,6 +489,15 @@ def validate(cfg: RunConfig) -> None:
         _fail("algo.old_logprobs", "rollout.constrained=true needs algo.old_logprobs=recompute (docs/serving.md)")
     if cfg.rollout.api_key_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", cfg.rollout.api_key_env):
         _fail("rollout.api_key_env", "must be the NAME of an environment variable (the key itself never goes in a config)")
+    if cfg.serve.api_key_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", cfg.serve.api_key_env):
+        _fail("serve.api_key_env", "must be the NAME of an environment variable (the key itself never goes in a config)")
+    if not is_loopback(cfg.serve.host) and cfg.serve.api_key_env is None:
+        _fail("serve.host", f"{cfg.serve.host!r} makes the server reachable from other machines: set "
+                            "serve.api_key_env (the NAME of a variable holding a key), or keep 127.0.0.1 and "
+                            "use an SSH tunnel")
+    if not is_loopback(cfg.serve.host) and cfg.serve.weight_sync:
+        _fail("serve.weight_sync", "vLLM's weight-sync endpoints are not protected by its API key: "
+                                   "keep serve.host on loopback for a server the trainer reloads")
     if cfg.serve.device not in ("auto", "cuda", "cpu"):
         _fail("serve.device", f"must be auto, cuda or cpu, got {cfg.serve.device!r}")
     if not 0 <= cfg.serve.port <= 65535:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from arpo_lib.agent.client import ServerError
+from arpo_lib.run.net import is_loopback
 
 BACKENDS = ("hf", "vllm")
 HF_OPTIONS: dict[str, Any] = {
@@ -58,6 +60,26 @@ class PortInUseError(ServerError):
 
 class VLLMNotInstalledError(ServerError):
     """backend="vllm" was asked for but vLLM cannot be imported by the chosen interpreter."""
+
+
+class UnprotectedServerError(ServerError, ValueError):
+    """A server reachable from other machines without an API key (or with vLLM's unauthenticated
+    development endpoints)."""
+
+
+def api_key_from_env(name: str | None) -> str | None:
+    """The key held by the environment variable `name` (None for no name); an unset or empty
+    variable is an error, since a run that meant to use a key must not silently go without."""
+    if name is None:
+        return None
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+        raise ValueError(f"api_key_env must be the NAME of an environment variable, not {name!r}")
+    key = os.environ.get(name, "")
+    if not key:
+        raise ServerError(f"the API key variable {name} is not set (or empty) in this environment: "
+                          f"export {name}=<a long random string> first, e.g. "
+                          f"`export {name}=$(python -c 'import secrets; print(secrets.token_urlsafe(32))')`")
+    return key
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -101,6 +123,9 @@ class ServerSpec:
     """Appended verbatim to the command line (any other server flag)."""
     python: str = sys.executable
     """Interpreter that runs the server (vLLM usually lives in its own virtual environment)."""
+    api_key_env: str | None = None
+    """Name of the environment variable holding the key clients must send as a bearer token on
+    /v1/* (never the key: it would show in `ps`). Required when `host` is not loopback."""
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -113,6 +138,19 @@ class ServerSpec:
         if self.served_model_name is None:
             self.served_model_name = Path(self.model).name or str(self.model)
         self.extra_args = tuple(str(a) for a in self.extra_args)
+        if not is_loopback(self.host):
+            if self.api_key_env is None:
+                raise UnprotectedServerError(
+                    f"host {self.host!r} makes the server reachable from other machines: set an API key "
+                    "(serve.api_key_env=<NAME of an environment variable holding it>; clients send it with "
+                    "rollout.api_key_env), or keep host 127.0.0.1 and reach it through an SSH tunnel")
+            if self.backend == "vllm" and self.options["weight_sync"]:
+                raise UnprotectedServerError(
+                    "weight_sync opens vLLM's development endpoints (/collective_rpc, /pause), which its API "
+                    "key does not protect: keep host 127.0.0.1 for a server a trainer reloads (the trainer runs "
+                    "on the same machine anyway: the server reads the weights from its disk)")
+        if self.api_key_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.api_key_env):
+            raise ValueError(f"api_key_env must be the NAME of an environment variable, not {self.api_key_env!r}")
 
     @property
     def url(self) -> str:
@@ -128,6 +166,8 @@ class ServerSpec:
                    "--max-new-tokens", str(o["max_new_tokens"])]
             if o["threads"]:
                 cmd += ["--threads", str(o["threads"])]
+            if self.api_key_env:
+                cmd += ["--api-key-env", self.api_key_env]
             return cmd + list(self.extra_args)
         # vLLM's flags as its EngineArgs.add_cli_args defines them: --limit-mm-per-prompt takes JSON
         # (MultiModalConfig.limit_per_prompt, a dict), --enable-prefix-caching is a
@@ -161,6 +201,8 @@ class ServerSpec:
     def environment(self) -> dict[str, str]:
         """Environment variables the server needs on top of ours."""
         env: dict[str, str] = {"PYTHONUNBUFFERED": "1"}
+        if self.backend == "vllm" and self.api_key_env:
+            env["VLLM_API_KEY"] = api_key_from_env(self.api_key_env)  # vLLM's own variable for --api-key
         if self.backend == "hf":
             if self.options["threads"]:
                 env["OMP_NUM_THREADS"] = str(self.options["threads"])
@@ -372,6 +414,7 @@ def start_server(
     extra_args: Sequence[str] = (),
     python: str | None = None,
     env: dict[str, str] | None = None,
+    api_key_env: str | None = None,
     **options: Any,
 ) -> ServerHandle:
     """Start a model server as a subprocess in its own process group; does not wait for it.
@@ -379,13 +422,16 @@ def start_server(
     backend "hf": `python -m arpo_lib.serving.server` (options: HF_OPTIONS). backend "vllm": vLLM's OpenAI
     server (options: VLLM_OPTIONS; `python` = the interpreter of vLLM's own environment).
     port None picks a free port. Output goes to log_path (default: a new temp file).
+    `api_key_env`: the NAME of the environment variable holding the key clients must send on /v1/*
+    (required for a host other than loopback).
     Follow with `.wait_healthy()`; `.stop()` (or a `with` block) ends it.
     """
     if python is None:
         python = find_vllm_python() if backend == "vllm" else sys.executable
     spec = ServerSpec(model=str(model), backend=backend, host=host, port=port or 0,
                       served_model_name=served_model_name, options=options, extra_args=tuple(extra_args),
-                      python=python or sys.executable)
+                      python=python or sys.executable, api_key_env=api_key_env)
+    api_key_from_env(api_key_env)  # set and non-empty, before anything starts
     spec.check_available()
     if port is None:
         spec.port = free_port(host)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import base64
 import binascii
+import hmac
 import io
 import json
 import signal
@@ -238,15 +239,19 @@ class ChatServer(ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], served_model_name: str):
+    def __init__(self, address: tuple[str, int], served_model_name: str, api_key: str | None = None):
         super().__init__(address, ChatHandler)
         self.served_model_name = served_model_name
+        self.api_key = api_key
+        """When set, every /v1/* request must carry `Authorization: Bearer <api_key>` (as vLLM's
+        --api-key: /health stays open for launchers and load balancers)."""
         self.backend: HFChatBackend | None = None
         self.last_health_status: int | None = None
 
 
 def _error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
-    kinds = {400: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable"}
+    kinds = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+             503: "service_unavailable"}
     kind = kinds.get(status, "server_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
@@ -278,8 +283,22 @@ class ChatHandler(BaseHTTPRequestHandler):
         sys.stderr.write(f"{time.strftime('%H:%M:%S')} {self.command} {self.path} {status} {took:.2f}s {note}\n")
         sys.stderr.flush()
 
+    def _authorized(self) -> bool:
+        """Check the bearer token on /v1/*; answer 401 and return False when it is missing or wrong."""
+        key = self.server.api_key
+        if key is None or not self.path.startswith("/v1"):
+            return True
+        given = self.headers.get("Authorization", "")
+        if hmac.compare_digest(given.encode("utf-8", "replace"), f"Bearer {key}".encode()):
+            return True
+        self.close_connection = True  # the body (if any) is not read
+        self._send(401, _error_body("missing or wrong API key (send `Authorization: Bearer <key>`)", 401))
+        return False
+
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
         self._started = time.monotonic()
+        if not self._authorized():
+            return
         if self.path == "/health":
             if self.server.backend is None:
                 self._send(503, "loading")
@@ -294,6 +313,8 @@ class ChatHandler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:  # noqa: N802
         self._started = time.monotonic()
+        if not self._authorized():
+            return
         if self.path != "/v1/chat/completions":
             self._send(404, _error_body(f"no route {self.path}", 404))
             return
@@ -322,8 +343,11 @@ class ChatHandler(BaseHTTPRequestHandler):
 
 
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None,
-          device: str = "auto", dtype: str = "auto", max_new_tokens: int = 256, threads: int | None = None) -> None:
+          device: str = "auto", dtype: str = "auto", max_new_tokens: int = 256, threads: int | None = None,
+          api_key: str | None = None) -> None:
     """Bind, load the model (while /health answers 503), then serve until SIGTERM/SIGINT.
+
+    `api_key`: required on /v1/* when set; a host other than loopback refuses to start without one.
 
     Binding first reserves the port and lets a launcher tell "loading" from "dead"; a failed load
     exits non-zero with the reason in the log.
@@ -336,12 +360,18 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, served_model
         torch.set_num_threads(threads)
     # SIGTERM (what ServerHandle.stop sends) unwinds like Ctrl-C, so the socket is closed cleanly.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    from arpo_lib.run.net import is_loopback
+    from arpo_lib.serving.launch import UnprotectedServerError
+
+    if not is_loopback(host) and not api_key:
+        raise UnprotectedServerError(f"refusing to listen on {host!r} without an API key (--api-key-env NAME)")
     name = served_model_name or Path(model).name
-    server = ChatServer((host, port), name)
+    server = ChatServer((host, port), name, api_key=api_key)
     thread = threading.Thread(target=server.serve_forever, name="http", daemon=True)
     thread.start()
     log = sys.stderr
-    log.write(f"arpo serving: listening on http://{host}:{server.server_port}, loading {model}\n")
+    log.write(f"arpo serving: listening on http://{host}:{server.server_port}"
+              f"{' (API key required on /v1)' if api_key else ''}, loading {model}\n")
     log.flush()
     try:
         started = time.monotonic()
@@ -372,10 +402,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--dtype", default="auto", help="compute dtype (auto: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="default max_tokens")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--api-key-env", default=None, metavar="NAME",
+                   help="environment variable holding the key required on /v1/* (required off loopback)")
     args = p.parse_args(argv)
+    from arpo_lib.serving.launch import api_key_from_env
+
     try:
         serve(args.model, host=args.host, port=args.port, served_model_name=args.served_model_name,
-              device=args.device, dtype=args.dtype, max_new_tokens=args.max_new_tokens, threads=args.threads)
+              device=args.device, dtype=args.dtype, max_new_tokens=args.max_new_tokens, threads=args.threads,
+              api_key=api_key_from_env(args.api_key_env))
     except KeyboardInterrupt:
         pass
     return 0

@@ -244,12 +244,16 @@ def test_inference_server_notebook_starts_vllm_by_parameters(served_model, vllm_
     from arpo_lib.workflows import execute_notebook
 
     monkeypatch.setenv("ARPO_VLLM_PYTHON", vllm_python)
+    monkeypatch.setenv("ARPO_TEST_VLLM_KEY", "vllm-test-key-0123456789")
+    # reachable beyond loopback, so with vLLM's own --api-key (from VLLM_API_KEY)
     out = execute_notebook("notebooks/gpu_inference_server.ipynb", {"overrides": [
         f"model.path={served_model}", f"out_dir={tmp_path}", "env.tasks=[miniwob/click-button]", "serve.backend=vllm", "serve.device=cpu",
-        "serve.dtype=float32", "serve.max_model_len=4096", "serve.enforce_eager=true", "model.history_images=5"]},
+        "serve.dtype=float32", "serve.max_model_len=4096", "serve.enforce_eager=true", "model.history_images=5",
+        "serve.host=0.0.0.0", "serve.api_key_env=ARPO_TEST_VLLM_KEY"]},
         run_name="serve-vllm", out_dir=tmp_path)
     text = out.read_text()
     assert "backend vllm: reply parsed as an action: True" in text and "stopped (pid" in text
+    assert "'refused_without_key': True" in text and "vllm-test-key" not in text
     server = __import__("json").loads((tmp_path / "serve-vllm" / "server.json").read_text())
     assert server["backend"] == "vllm" and not Path(f"/proc/{server['pid']}").exists()
 
