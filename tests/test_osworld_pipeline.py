@@ -53,6 +53,7 @@ def test_evaluation_notebook_on_osworld_tasks(task_data, tmp_path, tiny_qwen2vl)
     run = tmp_path / "evaluation"
     results = json.loads((run / "eval" / "results.json").read_text())
     assert results["episodes"] == 4 and results["env_errors"] == 0
+    assert results["protocol"] == "osworld_uitars"  # the config's: comparable with the fork's UI-TARS numbers
     assert set(results["per_domain"]) == {"chrome", "os"}  # OSWorld's domains, from the task data
     # the OSWorld fork's layout: trial 0, one example directory per task with result.txt
     model_dir = run / "eval" / "osworld_results" / "pyautogui" / "screenshot" / tiny_qwen2vl.name
