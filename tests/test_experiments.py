@@ -3,6 +3,8 @@ one tiny end-to-end run (every stage, then a rerun that repeats nothing)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -104,3 +106,58 @@ def test_tiny_comparison_end_to_end_and_rerun_repeats_nothing(tmp_path, tiny_qwe
     again = run_comparison(cfg)
     assert again["arms"] == report["arms"]
     assert {p: p.stat().st_mtime for p in exp.rglob("metrics.jsonl")} == mtimes  # nothing was rerun
+
+
+_TIMING = ("seconds", "time", "wall", "elapsed", "started", "finished", "per_s", "duration", "created")
+
+
+def _run_digest(root: Path, out_dir: Path) -> dict[str, Any]:
+    """Every file of an experiment directory: JSON with wall-clock fields left out and `out_dir`
+    written as <out>, other files by their bytes (weights, token ids and log-probs, screenshots).
+    Logs and report.md (wall times in its table; report.json holds the same numbers) are left out."""
+    import hashlib
+
+    def strip(obj: Any) -> Any:
+        if isinstance(obj, dict):
+            return {k: strip(v) for k, v in obj.items() if not any(t in k.lower() for t in _TIMING)}
+        if isinstance(obj, list):
+            return [strip(v) for v in obj]
+        return obj
+
+    digest: dict[str, Any] = {}
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        rel = str(path.relative_to(root))
+        if path.suffix == ".log" or path.name == "report.md":
+            continue
+        text = path.read_bytes()
+        if path.suffix in (".json", ".jsonl", ".yaml"):
+            text = text.replace(str(out_dir).encode(), b"<out>")
+        if path.suffix == ".json":
+            digest[rel] = strip(json.loads(text))
+        elif path.suffix == ".jsonl":
+            digest[rel] = [strip(json.loads(line)) for line in text.decode().splitlines() if line.strip()]
+        else:
+            digest[rel] = hashlib.sha256(text).hexdigest()
+    return digest
+
+
+@pytest.mark.slow
+def test_a_seed_reproduces_bit_for_bit(tmp_path, tiny_qwen2vl, chromium_available):
+    """Warm start, selection, training and evaluation twice from nothing with the same seeds: every
+    weight, token, log-probability, screenshot and number is the same (issue 16: a fresh clone's
+    warm start and selection differed from the committed ones)."""
+    from arpo_lib.experiments import run_comparison
+
+    digests = []
+    for attempt in ("a", "b"):  # same length: file sizes in checkpoint manifests hold the path
+        out = tmp_path / attempt
+        cfg = load_config("configs/learning_miniwob_short.yaml", [
+            f"model.path={tiny_qwen2vl}", f"out_dir={out}", "name=exp", "compare.seeds=[0]",
+            "compare.algos=[arpo_tis]", "train.steps=2", "eval.samples_per_task=1",
+            "warm_start.demos_per_task=2", "env.tasks=[miniwob/click-test, miniwob/login-user]"])
+        run_comparison(cfg)
+        digests.append(_run_digest(out / "exp", out))
+    first, second = digests
+    assert any(k.endswith("model.safetensors") for k in first) and any("step_000001" in k for k in first)
+    differing = sorted(k for k in first.keys() | second.keys() if first.get(k) != second.get(k))
+    assert differing == [], differing[:20]

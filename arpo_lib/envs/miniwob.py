@@ -209,6 +209,11 @@ def chrome_args(scale: int) -> list[str]:
         f"--window-size={WINDOW_WIDTH},{WINDOW_HEIGHT}",
         "--disable-dev-shm-usage",  # /dev/shm is small in containers: tabs crash without this
         "--hide-scrollbars",
+        # With sub-pixel glyph positioning each browser settled on one of two renderings of the
+        # same text (login-user's Login button: 2 variants over 9 browsers, fixed for a browser's
+        # life), so the same seed gave different screenshots, demonstrations and warm starts
+        # depending on which browser ran it. Off: 27 browsers out of 27 drew the same pixels.
+        "--disable-font-subpixel-positioning",
         # The network is closed: stop Chrome from trying (and waiting on) background fetches.
         "--disable-background-networking",
         "--disable-component-update",
