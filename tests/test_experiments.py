@@ -132,7 +132,9 @@ def _run_digest(root: Path, out_dir: Path) -> dict[str, Any]:
         text = path.read_bytes()
         if path.suffix in (".json", ".jsonl", ".yaml"):
             text = text.replace(str(out_dir).encode(), b"<out>")
-        if path.suffix == ".json":
+        if path.name == "manifest.json":  # checkpoint file sizes; trainer_state.json's holds wall times
+            digest[rel] = {k: v for k, v in json.loads(text).items() if k != "trainer_state.json"}
+        elif path.suffix == ".json":
             digest[rel] = strip(json.loads(text))
         elif path.suffix == ".jsonl":
             digest[rel] = [strip(json.loads(line)) for line in text.decode().splitlines() if line.strip()]
