@@ -115,6 +115,7 @@ def _events(driver) -> list[dict]:
 
 
 def _act(driver, env, action: Action) -> list[dict]:
+    time.sleep(0.6)  # past Chrome's 500 ms double-click time: no action pairs with the one before
     _events(driver)
     _run(to_pyautogui(action, SCREEN), env)
     return _events(driver)
