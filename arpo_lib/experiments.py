@@ -9,8 +9,9 @@ run directory `<out_dir>/<name>`):
 2. **task selection**: the warm-started policy runs `select.k` times per candidate task; tasks
    with at least `select.min_successes` successes are kept (ARPO's rule) -> `selection/`.
 3. **baselines** of the warm start on the kept tasks: the fixed evaluation (`eval.*`) ->
-   `eval_warm_start/`, and the same episodes at the training temperature -> `eval_warm_start_train/`
-   (what training-rollout success is compared with).
+   `eval_warm_start/`, and `compare.baseline_samples_per_task` episodes per task at the training
+   temperature -> `eval_warm_start_train/` (what training-rollout success is compared with, task
+   by task: batches draw a few tasks per step, so only per-task rates compare).
 4. **the runs**: for every seed in `compare.seeds`, every arm of `compare.algos` (`ARMS`) from the
    same weights, tasks, rollout budget and seeds; each ends with the same evaluation -> `<arm>-s<seed>/`.
 5. **report**: per arm the mean with a bootstrap 95% interval over seeds; paired differences per
@@ -102,9 +103,9 @@ def selection_stage(cfg: RunConfig, model_dir: Path) -> list[str]:
 
 
 def evaluate_model(cfg: RunConfig, model_dir: Path, tasks: list[str], out: Path,
-                   temperature: float | None = None) -> dict[str, Any]:
-    """The fixed evaluation protocol (eval.*, at `temperature` when given) of a saved model on
-    `tasks`; cached in out/results.json."""
+                   temperature: float | None = None, samples_per_task: int | None = None) -> dict[str, Any]:
+    """The fixed evaluation protocol (eval.*, at `temperature` and with `samples_per_task` when
+    given) of a saved model on `tasks`; cached in out/results.json."""
     from arpo_lib.evaluation.evaluate import evaluate_run
 
     done = _done(out / layout.EVAL_RESULTS)
@@ -113,6 +114,8 @@ def evaluate_model(cfg: RunConfig, model_dir: Path, tasks: list[str], out: Path,
     changes: dict[str, Any] = {"model.path": str(model_dir), "env.tasks": tasks, "eval.tasks": None}
     if temperature is not None:  # a measure at another temperature: the run's own protocol
         changes.update({"eval.temperature": temperature, "eval.protocol": "run"})
+    if samples_per_task is not None:
+        changes["eval.samples_per_task"] = samples_per_task
     ev_cfg = _derive(cfg, out.name, **changes)
     with build.engine(ev_cfg, protocol=ev_cfg.eval.protocol) as engine:
         result = evaluate_run(engine, ev_cfg, out, description=f"eval {out.name}")
@@ -152,6 +155,7 @@ def _train_summary(run_dir: Path) -> dict[str, Any]:
     lines = [m for m in read_jsonl(RunDir(run_dir).metrics) if "success_rate" in m]
     return {
         "train_success": [m["success_rate"] for m in lines],
+        "train_success_by_task": [m.get("success_by_task") or {} for m in lines],
         "all_failed_groups": [m["all_failed_groups"] for m in lines],
         "replay_injections": [m["replay_injections"] for m in lines],
         "format_errors": [m["format_error_rate"] for m in lines],
@@ -171,7 +175,8 @@ def run_comparison(cfg: RunConfig) -> dict[str, Any]:
     tasks = selection_stage(cfg, model_dir)
     warm = evaluate_model(cfg, model_dir, tasks, cfg.run_dir / "eval_warm_start")
     warm_train = evaluate_model(cfg, model_dir, tasks, cfg.run_dir / "eval_warm_start_train",
-                                temperature=cfg.rollout.temperature)
+                                temperature=cfg.rollout.temperature,
+                                samples_per_task=cfg.compare.baseline_samples_per_task)
     runs = [run_arm(cfg, algo, seed, model_dir, tasks) for seed in cfg.compare.seeds for algo in cfg.compare.algos]
     report = comparison_report(cfg, warm, runs, tasks, warm_train=warm_train)
     report["seconds_total_this_call"] = round(time.monotonic() - t0, 1)
@@ -198,6 +203,41 @@ def _quarter(curve: list[float], last: bool) -> float:
     return statistics.fmean(curve[-tail:] if last else curve[:tail])
 
 
+def quarter_by_task(run: dict[str, Any], last: bool) -> dict[str, float]:
+    """Training-rollout success per task over the first or last quarter of a run's steps
+    (successes / episodes of that task in those steps); {} for a run recorded without it."""
+    per_step = run.get("train_success_by_task") or []
+    if not per_step or not any(per_step):
+        return {}
+    tail = max(1, len(per_step) // 4)
+    counts: dict[str, list[int]] = {}
+    for step in (per_step[-tail:] if last else per_step[:tail]):
+        for task, (successes, episodes) in step.items():
+            c = counts.setdefault(task, [0, 0])
+            c[0] += successes
+            c[1] += episodes
+    return {task: s / n for task, (s, n) in sorted(counts.items()) if n}
+
+
+def train_quarter(run: dict[str, Any], last: bool) -> float:
+    """Training success over a quarter, every task weighted equally (the batches draw a few tasks
+    per step, so a quarter's raw rate weighs them by chance); the raw rate for old records."""
+    by_task = quarter_by_task(run, last)
+    return statistics.fmean(by_task.values()) if by_task else _quarter(run["train_success"], last)
+
+
+def train_gain(run: dict[str, Any], baseline: dict[str, Any]) -> float:
+    """Last-quarter training success minus the warm start's at the training temperature, task by
+    task, averaged over the tasks the last quarter trained on: a gain that no task mix can fake.
+    `baseline`: an evaluation result (its per-task `tasks`); the overall rates when either side
+    has no per-task numbers."""
+    by_task = quarter_by_task(run, last=True)
+    warm = {t["task"]: t["success_rate"] for t in baseline.get("tasks") or []}
+    if by_task and all(task in warm for task in by_task):
+        return statistics.fmean(rate - warm[task] for task, rate in by_task.items())
+    return _quarter(run["train_success"], True) - baseline["success_rate"]
+
+
 def comparison_report(cfg: RunConfig, warm: dict[str, Any], runs: list[dict[str, Any]], tasks: list[str],
                       warm_train: dict[str, Any] | None = None) -> dict[str, Any]:
     """Per arm (mean, std, range and bootstrap 95% interval over seeds): final evaluation success
@@ -205,25 +245,29 @@ def comparison_report(cfg: RunConfig, warm: dict[str, Any], runs: list[dict[str,
     steps and the last quarter's gain over the warm start at the training temperature; share of
     all-failed groups; replay injections; importance weights and replay age where they apply.
     Paired (same seed) differences between arms with permutation and sign-test p-values."""
-    warm_t = (warm_train or warm)["success_rate"]
+    warm_t = warm_train or warm
     arms: dict[str, Any] = {}
     for algo in cfg.compare.algos:
         rs = sorted((r for r in runs if r["algo"] == algo), key=lambda r: r["seed"])
         if not rs:
             continue
-        gains = [_quarter(r["train_success"], True) - warm_t for r in rs]
+        gains = [train_gain(r, warm_t) for r in rs]
         arm = {
             "seeds": [r["seed"] for r in rs],
             "eval_success": _stats([r["eval"]["success_rate"] for r in rs]),
             "eval_gain_over_warm_start": _stats([r["eval"]["success_rate"] - warm["success_rate"] for r in rs]),
-            "train_success_last_quarter": _stats([_quarter(r["train_success"], True) for r in rs]),
-            "train_success_first_quarter": _stats([_quarter(r["train_success"], False) for r in rs]),
+            "train_success_last_quarter": _stats([train_quarter(r, True) for r in rs]),
+            "train_success_first_quarter": _stats([train_quarter(r, False) for r in rs]),
             "train_gain_over_warm_start": _stats(gains),
             "every_seed_gained_15_points": all(g >= 0.15 for g in gains),
             "all_failed_share": _stats([statistics.fmean(r["all_failed_groups"]) for r in rs]),
             "replay_injections": _stats([float(sum(r["replay_injections"])) for r in rs]),
             "seconds": _stats([float(r["seconds"]) for r in rs]),
         }
+        by_task = [quarter_by_task(r, True) for r in rs]
+        arm["train_last_quarter_by_task"] = {
+            task: statistics.fmean(b[task] for b in by_task if task in b)
+            for task in sorted({t for b in by_task for t in b})}
         arm["curves"] = {key: band([moving(r[key]) for r in rs]) for key in ("train_success", "all_failed_groups")}
         for key in ("is_weight_mean", "is_capped_share", "replay_age_mean"):
             per_run = [statistics.fmean(r[key]) for r in rs if r.get(key)]
@@ -243,6 +287,7 @@ def comparison_report(cfg: RunConfig, warm: dict[str, Any], runs: list[dict[str,
                      "protocol": cfg.eval.protocol},
             "warm_start_eval": _eval_summary(warm),
             "warm_start_train_temperature": _eval_summary(warm_train) if warm_train else None,
+            "warm_start_train_by_task": {t["task"]: t["success_rate"] for t in (warm_train or warm).get("tasks") or []},
             "arms": arms, "paired": pairs, "runs": runs}
 
 
@@ -251,7 +296,7 @@ def _paired(runs: list[dict[str, Any]], a: str, b: str, seeds: list[int], measur
     success (`train`), their mean with a bootstrap interval, and two-sided p-values."""
     def value(algo: str, seed: int) -> float:
         r = next(r for r in runs if r["algo"] == algo and r["seed"] == seed)
-        return r["eval"]["success_rate"] if measure == "eval" else _quarter(r["train_success"], True)
+        return r["eval"]["success_rate"] if measure == "eval" else train_quarter(r, True)
 
     xa, xb = [value(a, s) for s in seeds], [value(b, s) for s in seeds]
     diffs = [x - y for x, y in zip(xa, xb)]
@@ -294,10 +339,20 @@ def report_markdown(report: dict[str, Any]) -> str:
                 lines.append(f"| {ARM_LABELS.get(a, a)} − {ARM_LABELS.get(b, b)} | {label} | "
                              f"{d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}] | {wins}/{len(d['differences'])} | "
                              f"{d['p_permutation']:.3f} | {d['p_sign']:.3f} |")
+    by_task = report.get("warm_start_train_by_task") or {}
+    if by_task and any(a.get("train_last_quarter_by_task") for a in report["arms"].values()):
+        arms = list(report["arms"])
+        lines += ["", "Training success per task at the training temperature: the warm start, and each arm's "
+                  "last quarter (mean over seeds). The gains above are these differences averaged over tasks.", "",
+                  "| task | warm start | " + " | ".join(ARM_LABELS.get(a, a) for a in arms) + " |",
+                  "|---|---|" + "---|" * len(arms)]
+        for task, rate in by_task.items():
+            cells = [report["arms"][a].get("train_last_quarter_by_task", {}).get(task) for a in arms]
+            lines.append(f"| {task} | {rate:.3f} | " + " | ".join("–" if c is None else f"{c:.3f}" for c in cells) + " |")
     lines += ["", "| run | final eval success | train success (last quarter) | injections | seconds |", "|---|---|---|---|---|"]
     for r in sorted(report["runs"], key=lambda r: (r["algo"], r["seed"])):
         lines.append(f"| {r['algo']}-s{r['seed']} | {r['eval']['success_rate']:.3f} | "
-                     f"{_quarter(r['train_success'], True):.3f} | {sum(r['replay_injections'])} | {r['seconds']} |")
+                     f"{train_quarter(r, True):.3f} | {sum(r['replay_injections'])} | {r['seconds']} |")
     lines += ["", f"Tasks: {', '.join(report['tasks'])}"]
     return "\n".join(lines) + "\n"
 

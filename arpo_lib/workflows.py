@@ -222,10 +222,12 @@ def server_smoke_request(server: Any, cfg: RunConfig, task: str | None = None) -
     from arpo_lib.agent.prompt import coord_mode_for
     from arpo_lib.envs import make_env
 
-    task = task or cfg.env.tasks[0]
+    from arpo_lib.envs import split_instance
+
+    task, instance = split_instance(task or cfg.env.tasks[0])
     opts = dict(cfg.env.options)
     with make_env(task, **opts) as env:
-        obs, _ = env.reset(seed=cfg.eval.seed)
+        obs, _ = env.reset(seed=cfg.eval.seed if instance is None else instance)
     messages = ui_tars_messages(obs.instruction, [obs.screenshot], [], history_images=cfg.model.history_images,
                                 prompt=cfg.agent.prompt)
     from arpo_lib.agent.client import ServerRequestError

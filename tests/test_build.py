@@ -67,3 +67,19 @@ def test_the_kl_reference_is_a_frozen_copy_of_the_start(tmp_path, tiny_qwen2vl):
                                              "algo.kl_coef=0.1", "logging.progress=false"])
     with build.trainer(cfg) as trainer:
         assert trainer.reference is not None and not any(p.requires_grad for p in trainer.reference.parameters())
+
+
+def test_instances_per_task_makes_fixed_instances_of_the_training_tasks():
+    """env.instances_per_task turns each MiniWoB training task into fixed instances (one layout
+    each, like an OSWorld task); explicit instances and evaluation tasks are left as named."""
+    cfg = build.load_config("configs/smoke.yaml", ["env.tasks=[miniwob/click-test, miniwob/focus-text@5]",
+                                                   "env.instances_per_task=2", "eval.tasks=[miniwob/click-test]"])
+    build.resolve_task_sets(cfg)
+    assert cfg.env.tasks == ["miniwob/click-test@0", "miniwob/click-test@1", "miniwob/focus-text@5"]
+    assert cfg.eval.tasks == ["miniwob/click-test"]  # fresh layouts: a held-out measure
+    build.resolve_task_sets(cfg)  # a second pass (a derived config) expands nothing twice
+    assert len(cfg.env.tasks) == 3
+    with pytest.raises(ConfigError, match="env.instances_per_task"):
+        build.load_config("configs/smoke.yaml", ["env.instances_per_task=-1"])
+    with pytest.raises(ConfigError, match="env.tasks"):
+        build.load_config("configs/smoke.yaml", ["env.tasks=[miniwob/click-test@one]"])

@@ -93,6 +93,9 @@ def test_tiny_comparison_end_to_end_and_rerun_repeats_nothing(tmp_path, tiny_qwe
                  "arpo_tis-s0/final.json", "report.md", "comparison.png"):
         assert (exp / path).exists(), path
     assert [r["algo"] for r in report["runs"]] == ["grpo", "arpo", "arpo_tis"]
+    # the training-temperature baseline has its own, larger sample (compare.baseline_samples_per_task)
+    baseline = json.loads((exp / "eval_warm_start_train" / "results.json").read_text())
+    assert baseline["episodes"] == len(report["tasks"]) * cfg.compare.baseline_samples_per_task == 2 * len(report["tasks"])
     # both arms started from the same weights, tasks and seeds: their first rollouts are identical
     def first_batch(arm):  # every step of every episode, wall-clock times left out
         root = exp / arm / "rollouts" / "step_000000"
@@ -163,3 +166,32 @@ def test_a_seed_reproduces_bit_for_bit(tmp_path, tiny_qwen2vl, chromium_availabl
     assert any(k.endswith("model.safetensors") for k in first) and any("step_000001" in k for k in first)
     differing = sorted(k for k in first.keys() | second.keys() if first.get(k) != second.get(k))
     assert differing == [], differing[:20]
+
+
+def test_training_gain_is_taken_task_by_task():
+    """A batch draws two tasks per step, so a quarter's raw success rate depends on which tasks
+    it happened to draw: here the last quarter trained mostly on the easy task and its raw rate
+    rose though no task improved. The report compares each task with its own warm-start rate."""
+    cfg = load_config("configs/learning_miniwob_short.yaml", ["compare.seeds=[0]", "compare.algos=[arpo]"])
+    tasks = [{"task": "easy", "success_rate": 0.8}, {"task": "hard", "success_rate": 0.2}]
+    warm = {"success_rate": 0.5, "pass_at_k": 1.0, "episodes": 20, "env_errors": 0, "format_error_rate": 0.0,
+            "tasks": tasks}
+    # 4 steps; the last (the last quarter) draws easy twice as often as hard: raw 0.6, no task gained.
+    by_task = [{"easy": [4, 5], "hard": [1, 5]}] * 3 + [{"easy": [8, 10], "hard": [1, 5]}]
+    flat = _run("arpo", 0, 0.5, [0.5, 0.5, 0.5, 0.6], [0] * 4, [0] * 4, train_success_by_task=by_task)
+    report = comparison_report(cfg, warm, [flat], ["easy", "hard"], warm_train=warm)
+    arm = report["arms"]["arpo"]
+    assert arm["train_gain_over_warm_start"]["mean"] == pytest.approx(0.0)  # (0.8-0.8 + 0.2-0.2) / 2
+    assert arm["train_success_last_quarter"]["mean"] == pytest.approx(0.5)  # tasks weighted equally
+    assert arm["train_last_quarter_by_task"] == {"easy": pytest.approx(0.8), "hard": pytest.approx(0.2)}
+    # A real gain on one task is seen as half of it over two tasks.
+    gained = [{"easy": [4, 5], "hard": [1, 5]}] * 3 + [{"easy": [8, 10], "hard": [3, 5]}]
+    report = comparison_report(cfg, warm, [dict(flat, train_success_by_task=gained)], ["easy", "hard"],
+                               warm_train=warm)
+    assert report["arms"]["arpo"]["train_gain_over_warm_start"]["mean"] == pytest.approx(0.2)  # (0 + 0.4) / 2
+    md = report_markdown(report)
+    assert "| hard | 0.200 | 0.600 |" in md and "| easy | 0.800 | 0.800 |" in md
+    # Records without per-task numbers (older runs) fall back to the raw rates.
+    old = comparison_report(cfg, warm, [_run("arpo", 0, 0.5, [0.5, 0.5, 0.5, 0.6], [0] * 4, [0] * 4)],
+                            ["easy", "hard"], warm_train=warm)
+    assert old["arms"]["arpo"]["train_gain_over_warm_start"]["mean"] == pytest.approx(0.1)

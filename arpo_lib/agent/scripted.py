@@ -279,8 +279,8 @@ and the episode should end rather than run into the environment's step cap silen
 
 
 def task_name(task: str) -> str:
-    """'miniwob/click-test-v1' / 'click-test' -> 'click-test'."""
-    return task.removeprefix("miniwob/").removesuffix("-v1")
+    """'miniwob/click-test-v1' / 'click-test' / 'miniwob/click-test@3' (an instance) -> 'click-test'."""
+    return task.removeprefix("miniwob/").partition("@")[0].removesuffix("-v1")
 
 
 def scripted_response(

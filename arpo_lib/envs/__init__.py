@@ -12,8 +12,8 @@ from typing import Any
 
 from arpo_lib.envs.base import EnvError, EnvSpec, GUIEnv, Observation
 
-__all__ = ["EnvError", "EnvSpec", "GUIEnv", "Observation", "check_env_name", "domain_of", "expand_task_names",
-           "is_task_set_name", "list_envs", "make_env", "register_env"]
+__all__ = ["EnvError", "EnvSpec", "GUIEnv", "Observation", "check_env_name", "domain_of", "expand_instances",
+           "expand_task_names", "is_task_set_name", "list_envs", "make_env", "register_env", "split_instance"]
 
 _REGISTRY: dict[str, EnvSpec] = {}
 _TASK_LISTERS: dict[str, Callable[[], Sequence[str]]] = {}
@@ -71,11 +71,49 @@ def list_envs(prefix: str | None = None) -> list[str]:
     return names
 
 
+INSTANCE_FAMILIES = ("miniwob",)
+"""Families whose tasks draw a new layout from the episode seed, so that `<task>@<seed>` names
+one fixed instance of them. OSWorld's tasks are fixed configurations already."""
+
+
+def split_instance(name: str) -> tuple[str, int | None]:
+    """`miniwob/click-test@3` -> (`miniwob/click-test`, 3): one fixed instance of a task, the
+    layout its seed 3 draws, whatever the episode's seed (as an OSWorld task is one fixed
+    configuration). A name without `@` -> (name, None): every episode seeds its own layout.
+    ValueError for a malformed seed or a family without seeded layouts."""
+    base, sep, seed = name.rpartition("@") if isinstance(name, str) else ("", "", "")
+    if not sep:
+        return name, None
+    if not seed.isdigit():
+        raise ValueError(f"{name!r}: an instance is `<task>@<seed>` with a seed >= 0, e.g. 'miniwob/click-test@3'")
+    if base.partition("/")[0] not in INSTANCE_FAMILIES:
+        raise ValueError(f"{name!r}: fixed instances (`@<seed>`) exist for {', '.join(INSTANCE_FAMILIES)} tasks only")
+    return base, int(seed)
+
+
+def expand_instances(names: Sequence[str], per_task: int) -> list[str]:
+    """Every task of a family with seeded layouts that names no instance -> `per_task` fixed
+    instances `<task>@0` ... `<task>@<per_task - 1>`; other names unchanged. 0: no change."""
+    if per_task < 0:
+        raise ValueError(f"instances per task must be >= 0, got {per_task}")
+    if per_task == 0:
+        return list(names)
+    out: list[str] = []
+    for name in names:
+        if name.partition("/")[0] in INSTANCE_FAMILIES and split_instance(name)[1] is None:
+            out += [f"{name}@{i}" for i in range(per_task)]
+        else:
+            out.append(name)
+    return out
+
+
 def make_env(name: str, **options: Any) -> GUIEnv:
-    """Build the environment `<prefix>/<task>`; options go to the family's factory.
+    """Build the environment `<prefix>/<task>`; options go to the family's factory. An instance
+    name (`<task>@<seed>`) builds its task's environment: the seed is given at reset.
 
     Raises ValueError for an unknown family or task, naming what exists.
     """
+    name = split_instance(name)[0]
     prefix = name.partition("/")[0] if isinstance(name, str) else ""
     if prefix in PLANNED_FAMILIES and prefix not in _REGISTRY:
         raise ValueError(f"{name!r}: {PLANNED_FAMILIES[prefix]}")
@@ -87,6 +125,7 @@ def check_env_name(name: str) -> tuple[EnvSpec, str]:
     """(family, task) of a name, without building anything; ValueError naming what exists."""
     if not isinstance(name, str):
         raise ValueError(f"an environment name must be a string, got {name!r}")
+    name = split_instance(name)[0]
     prefix, _, task = name.partition("/")
     spec = _REGISTRY.get(prefix)
     if spec is None:

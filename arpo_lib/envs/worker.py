@@ -55,7 +55,7 @@ def _worker_main(conn: Any, env_options: dict[str, Any], cache_size: int = 1) ->
     os.setsid()
     _group_watchdog()
     _exit_with_parent()
-    from arpo_lib.envs import make_env
+    from arpo_lib.envs import make_env, split_instance
 
     # Open environments by task name, least recently used first: switching back to a task
     # reuses its browser instead of starting a new one (~1 s).
@@ -79,6 +79,9 @@ def _worker_main(conn: Any, env_options: dict[str, Any], cache_size: int = 1) ->
                     break
                 if cmd == "reset":
                     name, seed = payload
+                    # A fixed instance (`task@7`) is its task's environment reset with its own seed.
+                    name, fixed = split_instance(name)
+                    seed = seed if fixed is None else fixed
                     env = envs.pop(name, None)
                     if env is None:
                         while len(envs) >= cache_size:

@@ -37,6 +37,11 @@ class EnvConfig:
     """Extra keyword options for every `make_env` call (e.g. `{scale: 3, reward: binary}`)."""
     max_steps: int = 15
     """Step cap per episode; reaching it truncates the episode (ARPO: 15)."""
+    instances_per_task: int = 0
+    """0: every MiniWoB episode draws a fresh layout from its seed. N > 0: each MiniWoB task of
+    `tasks` becomes N fixed instances `<task>@0` ... `<task>@N-1` (one layout each, whatever the
+    episode seed), the way an OSWorld task is one fixed configuration that ARPO trains on over and
+    over. Names with `@<seed>` in `tasks` are fixed instances already."""
     workers: int = 2
     """Parallel environment worker processes (one browser / VM each)."""
     envs_per_worker: int = 3
@@ -291,6 +296,10 @@ class CompareConfig:
     algos: list[str] = field(default_factory=lambda: ["grpo", "arpo", "arpo_tis"])
     """Arms: `grpo` (replay off), `arpo` (replay on, as published) and/or `arpo_tis` (replay on,
     replayed tokens weighted by truncated importance ratios: algo.replay.correction=tis)."""
+    baseline_samples_per_task: int = 24
+    """Episodes per task of the warm start at the training temperature: the baseline each task's
+    training-rollout success is compared with (more than eval.samples_per_task: the gain is one
+    difference per task, and a noisy baseline biases every seed alike)."""
 
 
 @dataclass
@@ -436,7 +445,8 @@ def validate(cfg: RunConfig) -> None:
     if cfg.train.steps < 0:
         _fail("train.steps", f"must be >= 0, got {cfg.train.steps}")
     for key, value in (("model.logprob_chunk", cfg.model.logprob_chunk), ("model.lora_rank", cfg.model.lora_rank),
-                       ("train.token_budget", cfg.train.token_budget)):
+                       ("train.token_budget", cfg.train.token_budget),
+                       ("env.instances_per_task", cfg.env.instances_per_task)):
         if value < 0:
             _fail(key, f"must be >= 0, got {value}")
     if cfg.model.lora_rank and cfg.algo.kl_coef > 0:
@@ -517,6 +527,8 @@ def validate(cfg: RunConfig) -> None:
         _fail("compare.algos", f"arms are distinct ones of 'grpo', 'arpo', 'arpo_tis', got {cfg.compare.algos}")
     if cfg.select.max_env_retries < 0:
         _fail("select.max_env_retries", "must be >= 0")
+    if cfg.compare.baseline_samples_per_task < 1:
+        _fail("compare.baseline_samples_per_task", f"must be >= 1, got {cfg.compare.baseline_samples_per_task}")
     if cfg.env.ray_num_cpus < 0:
         _fail("env.ray_num_cpus", "must be >= 0")
     if cfg.env.backend == "local" and (cfg.env.ray_address or cfg.env.ray_resource):

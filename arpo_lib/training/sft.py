@@ -25,8 +25,15 @@ log = logging.getLogger(__name__)
 
 def collect_demonstrations(policy: Any, pool: Any, tasks: Sequence[str], per_task: int, *, seed: int,
                            out_dir: Any = None, max_steps: int = 15, progress: bool = True) -> list[Trajectory]:
-    """Run the scripted demonstrator `per_task` times per supported task; returns the successes."""
-    supported = [t for t in tasks if t.split("/", 1)[-1] in SCRIPTED_TASKS]
+    """Run the scripted demonstrator `per_task` times per supported task; returns the successes.
+
+    Demonstrations are drawn on fresh layouts of a task's family, never on the fixed instances
+    being trained (`miniwob/click-test@3` -> demonstrations of `miniwob/click-test`): the warm
+    start must not have seen the screens RL is measured on (UI-TARS's SFT data is not OSWorld's)."""
+    from arpo_lib.envs import split_instance
+
+    bases = list(dict.fromkeys(split_instance(t)[0] for t in tasks))
+    supported = [t for t in bases if t.split("/", 1)[-1] in SCRIPTED_TASKS]
     if not supported:
         raise ValueError(f"no scripted demonstrator for any of {list(tasks)}; supported: {list(SCRIPTED_TASKS)}")
     engine = RolloutEngine(ScriptedPolicy(policy), pool, max_steps=max_steps)

@@ -206,6 +206,8 @@ class Trainer:
             "step": self.step,
             "tasks": tasks,
             "success_rate": _mean([float(t.success) for t in fresh]),
+            "success_by_task": {task: [sum(t.success for t in fresh if t.task == task),
+                                       sum(t.task == task for t in fresh)] for task in dict.fromkeys(tasks)},
             "mean_task_score": _mean([t.task_score for t in fresh]),
             "mean_reward": _mean([t.reward for t in fresh]),
             "format_error_rate": _mean([float(not t.format_ok) for t in fresh]),

@@ -258,3 +258,40 @@ def test_browser_crash_is_env_error_and_reset_recovers(env_pool):
     env.close()  # idempotent
     with pytest.raises(RuntimeError, match="closed"):
         env.reset()
+
+
+def test_instance_names_split_expand_and_are_checked():
+    from arpo_lib.envs import check_env_name, expand_instances, split_instance
+
+    assert split_instance("miniwob/click-test@3") == ("miniwob/click-test", 3)
+    assert split_instance("miniwob/click-test") == ("miniwob/click-test", None)
+    assert check_env_name("miniwob/click-test@3")[1] == "click-test"
+    for bad, why in (("miniwob/click-test@x", "seed >= 0"), ("miniwob/click-test@-1", "seed >= 0"),
+                     ("osworld/abc@3", "miniwob tasks only")):
+        with pytest.raises(ValueError, match=why):
+            check_env_name(bad)
+    with pytest.raises(ValueError, match="Unknown MiniWoB task|Unknown miniwob task"):
+        check_env_name("miniwob/click-tst@1")
+    names = ["miniwob/click-test", "miniwob/focus-text@9", "osworld/abc"]
+    assert expand_instances(names, 0) == names
+    assert expand_instances(names, 2) == ["miniwob/click-test@0", "miniwob/click-test@1", "miniwob/focus-text@9",
+                                          "osworld/abc"]
+
+
+@pytest.mark.slow
+def test_an_instance_is_one_layout_whatever_the_episode_seed(chromium_available):
+    """`miniwob/click-button@7` is click-button's layout of seed 7 for every episode seed, and
+    shares its task's browser in a worker."""
+    import hashlib
+
+    from arpo_lib.envs.pool import EnvPool
+
+    def screen(worker, name, seed):
+        obs, info = worker.call("reset", (name, seed))
+        return obs.instruction, hashlib.sha256(obs.screenshot.tobytes()).hexdigest()
+
+    with EnvPool(1, {"scale": SCALE}, timeout_s=60, cache_size=1) as pool:
+        w = pool.workers[0]
+        fixed = {screen(w, "miniwob/click-button@7", seed) for seed in (1, 2, 3)}
+        assert fixed == {screen(w, "miniwob/click-button", 7)}
+        assert len({screen(w, "miniwob/click-button", seed) for seed in (1, 2, 3)}) == 3  # fresh layouts

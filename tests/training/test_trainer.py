@@ -82,6 +82,10 @@ def test_run_directory_metrics_and_checkpoints(tmp_path, tiny_qwen2vl, chromium_
     for key in ("success_rate", "mean_reward", "all_failed_groups", "replay_injections", "loss", "clip_fraction",
                 "grad_norm", "tokens", "seconds_rollout", "seconds_update", "env_steps_per_s"):
         assert key in metrics[0]
+    for m in metrics:  # [successes, episodes] of each task of the batch, adding up to the step's rate
+        by_task = m["success_by_task"]
+        assert set(by_task) == set(m["tasks"])
+        assert sum(s for s, _ in by_task.values()) / sum(n for _, n in by_task.values()) == m["success_rate"]
     ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert ckpts == ["step_000002"]  # keep_checkpoints=1
     ck = run / "checkpoints" / "step_000002"
@@ -280,3 +284,20 @@ def test_lora_adafactor_token_budget_run_resumes_exactly(tmp_path, tiny_qwen2vl,
         w_split = _params(t)
     for k in w_straight:
         assert torch.allclose(w_straight[k], w_split[k], atol=1e-6), k
+
+
+@pytest.mark.slow
+def test_demonstrations_for_fixed_instances_come_from_fresh_layouts(tiny_qwen2vl, chromium_available):
+    """The warm start must not see the screens RL is measured on: fixed instances of a task
+    (`click-test@0`) get demonstrations of the task on other layouts, collected once per task."""
+    from arpo_lib.agent.hf_policy import HFPolicy
+    from arpo_lib.envs.pool import EnvPool
+    from arpo_lib.training.sft import collect_demonstrations
+
+    policy = HFPolicy(tiny_qwen2vl, device="cpu", max_new_tokens=48)
+    with EnvPool(1, {"scale": 2, "max_steps": 3}) as pool:
+        demos = collect_demonstrations(policy, pool, ["miniwob/click-test@0", "miniwob/click-test@1"], 2, seed=0,
+                                       max_steps=3, progress=False)
+    assert [d.task for d in demos] == ["miniwob/click-test"] * 2
+    # Episode seeds of the task itself (each its own layout), none of the instances' seeds.
+    assert len({d.seed for d in demos}) == 2 and not {d.seed for d in demos} & {0, 1}
