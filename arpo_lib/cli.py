@@ -10,7 +10,7 @@
     osworld-tasks fetch [--source S] [--force] | list [SET] [--ids] | verify | prefetch [SET]   OSWorld task data
     select-tasks --config F [--out DIR] [key=value ...]      ARPO's task selection (select.k rollouts per task)
     export-osworld EVAL_DIR [--model NAME] [--out DIR]     an evaluation in OSWorld's result layout
-    compare --config configs/learning_miniwob.yaml [key=value ...]   ARPO vs GRPO from one warm start
+    compare --config configs/learning_miniwob.yaml [--report-only] [key=value ...]   ARPO vs GRPO from one warm start
 """
 from __future__ import annotations
 
@@ -202,7 +202,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     from arpo_lib.experiments import run_comparison
 
     cfg = build.load_config(args.config, args.overrides)
-    report = run_comparison(cfg)
+    report = run_comparison(cfg, report_only=args.report_only)
     print((cfg.run_dir / "report.md").read_text())
     print(f"experiment: {report['experiment']} (report.md, report.json, comparison.png)")
     return 0
@@ -291,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("compare", help="ARPO vs GRPO from one warm start, several seeds (resumable)")
     p.add_argument("--config", default="configs/learning_miniwob.yaml")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: write the report of the runs finished so far (while it runs, or after a stop)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. compare.seeds=[0,1,2] name=my-exp")
     p.set_defaults(func=_cmd_compare)
 

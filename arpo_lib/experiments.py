@@ -165,20 +165,54 @@ def _train_summary(run_dir: Path) -> dict[str, Any]:
     }
 
 
-def run_comparison(cfg: RunConfig) -> dict[str, Any]:
-    """All stages; returns the report (also written to report.json / report.md / comparison.png)."""
+def finished_runs(cfg: RunConfig) -> tuple[list[dict[str, Any]], list[str]]:
+    """(records of the runs of `compare.seeds` x `compare.algos` that have finished, names of
+    those that have not), in the order the experiment runs them. Reads only final.json files."""
+    done, missing = [], []
+    for seed in cfg.compare.seeds:
+        for algo in cfg.compare.algos:
+            record = _done(cfg.run_dir / f"{algo}-s{seed}" / "final.json")
+            if record:
+                done.append(record)
+            else:
+                missing.append(f"{algo}-s{seed}")
+    return done, missing
+
+
+def run_comparison(cfg: RunConfig, *, report_only: bool = False) -> dict[str, Any]:
+    """All stages; returns the report (also written to report.json / report.md / comparison.png).
+
+    `report_only`: run nothing; report the runs that have finished so far (a long experiment can
+    be looked at while it runs, or after it was stopped). The report then names the missing runs
+    (`missing_runs`). RuntimeError if the warm start, selection or baseline evaluations, or every
+    run, are not finished yet."""
     from arpo_lib.viz.plots import plot_comparison, save_figure
 
     t0 = time.monotonic()
-    cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    model_dir = warm_start_stage(cfg)
-    tasks = selection_stage(cfg, model_dir)
+    if report_only:
+        stages = [cfg.run_dir / "warm_start" / "done.json", RunDir(cfg.run_dir).selection / layout.SELECTION_RESULT,
+                  cfg.run_dir / "eval_warm_start" / layout.EVAL_RESULTS,
+                  cfg.run_dir / "eval_warm_start_train" / layout.EVAL_RESULTS]
+        absent = [str(p) for p in stages if not p.is_file()]
+        runs, missing = finished_runs(cfg)
+        if absent or not runs:
+            raise RuntimeError(f"nothing to report in {cfg.run_dir} yet: "
+                               + (f"stages not finished: {', '.join(absent)}" if absent else "no run has finished"))
+        model_dir = cfg.run_dir / "warm_start" / "model"
+        tasks = selection_stage(cfg, model_dir)
+    else:
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        model_dir = warm_start_stage(cfg)
+        tasks = selection_stage(cfg, model_dir)
+        missing = []
     warm = evaluate_model(cfg, model_dir, tasks, cfg.run_dir / "eval_warm_start")
     warm_train = evaluate_model(cfg, model_dir, tasks, cfg.run_dir / "eval_warm_start_train",
                                 temperature=cfg.rollout.temperature,
                                 samples_per_task=cfg.compare.baseline_samples_per_task)
-    runs = [run_arm(cfg, algo, seed, model_dir, tasks) for seed in cfg.compare.seeds for algo in cfg.compare.algos]
+    if not report_only:
+        runs = [run_arm(cfg, algo, seed, model_dir, tasks) for seed in cfg.compare.seeds for algo in cfg.compare.algos]
     report = comparison_report(cfg, warm, runs, tasks, warm_train=warm_train)
+    report["missing_runs"] = missing
     report["seconds_total_this_call"] = round(time.monotonic() - t0, 1)
     atomic_write_text(cfg.run_dir / "report.json", json.dumps(report, indent=1))
     atomic_write_text(cfg.run_dir / "report.md", report_markdown(report))
@@ -354,6 +388,9 @@ def report_markdown(report: dict[str, Any]) -> str:
         lines.append(f"| {r['algo']}-s{r['seed']} | {r['eval']['success_rate']:.3f} | "
                      f"{train_quarter(r, True):.3f} | {sum(r['replay_injections'])} | {r['seconds']} |")
     lines += ["", f"Tasks: {', '.join(report['tasks'])}"]
+    if report.get("missing_runs"):
+        lines[1:1] = ["", f"**Partial report: {len(report['missing_runs'])} run(s) not finished** "
+                      f"({', '.join(report['missing_runs'])}); the figures cover the finished ones only."]
     return "\n".join(lines) + "\n"
 
 

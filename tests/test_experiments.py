@@ -109,6 +109,17 @@ def test_tiny_comparison_end_to_end_and_rerun_repeats_nothing(tmp_path, tiny_qwe
     again = run_comparison(cfg)
     assert again["arms"] == report["arms"]
     assert {p: p.stat().st_mtime for p in exp.rglob("metrics.jsonl")} == mtimes  # nothing was rerun
+    # --report-only: the finished runs' report, nothing run, the missing runs named
+    (exp / "arpo_tis-s0" / "final.json").unlink()
+    partial = run_comparison(cfg, report_only=True)
+    assert partial["missing_runs"] == ["arpo_tis-s0"] and "arpo_tis" not in partial["arms"]
+    assert partial["arms"]["arpo"] == report["arms"]["arpo"]
+    assert not (exp / "arpo_tis-s0" / "final.json").exists()
+    assert "Partial report: 1 run(s) not finished** (arpo_tis-s0)" in (exp / "report.md").read_text()
+    assert {p: p.stat().st_mtime for p in exp.rglob("metrics.jsonl")} == mtimes
+    empty = load_config("configs/learning_miniwob_short.yaml", [f"out_dir={tmp_path}", "name=nothing-yet"])
+    with pytest.raises(RuntimeError, match="nothing to report.*stages not finished"):
+        run_comparison(empty, report_only=True)
 
 
 _TIMING = ("seconds", "time", "wall", "elapsed", "started", "finished", "per_s", "duration", "created")
