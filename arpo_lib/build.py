@@ -64,7 +64,8 @@ def check_tasks(cfg: RunConfig) -> RunConfig:
 
 def resolve_task_sets(cfg: RunConfig) -> RunConfig:
     """Expand task-set names (`osworld/subset32`) in env.tasks, eval.tasks and select.tasks into
-    task names, and env.tasks' MiniWoB tasks into fixed instances (env.instances_per_task), in place. Needs the task data: a ConfigError says how to fetch it."""
+    task names, and env.tasks' MiniWoB tasks into fixed instances (env.instances_per_task), in
+    place. Needs the task data: a ConfigError says how to fetch it."""
     try:
         cfg.env.tasks = envs.expand_instances(envs.expand_task_names(cfg.env.tasks), cfg.env.instances_per_task)
         if cfg.eval.tasks:

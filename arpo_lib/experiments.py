@@ -179,6 +179,19 @@ def finished_runs(cfg: RunConfig) -> tuple[list[dict[str, Any]], list[str]]:
     return done, missing
 
 
+def _require_finished_stages(cfg: RunConfig) -> None:
+    """RuntimeError naming what is missing unless the warm start, the selection, both baseline
+    evaluations and at least one run have finished (what `--report-only` reads, running nothing)."""
+    stages = [cfg.run_dir / "warm_start" / "done.json", RunDir(cfg.run_dir).selection / layout.SELECTION_RESULT,
+              cfg.run_dir / "eval_warm_start" / layout.EVAL_RESULTS,
+              cfg.run_dir / "eval_warm_start_train" / layout.EVAL_RESULTS]
+    absent = [str(p) for p in stages if not p.is_file()]
+    if absent:
+        raise RuntimeError(f"nothing to report in {cfg.run_dir} yet: stages not finished: {', '.join(absent)}")
+    if not finished_runs(cfg)[0]:
+        raise RuntimeError(f"nothing to report in {cfg.run_dir} yet: no run has finished")
+
+
 def run_comparison(cfg: RunConfig, *, report_only: bool = False) -> dict[str, Any]:
     """All stages; returns the report (also written to report.json / report.md / comparison.png).
 
@@ -190,27 +203,21 @@ def run_comparison(cfg: RunConfig, *, report_only: bool = False) -> dict[str, An
 
     t0 = time.monotonic()
     if report_only:
-        stages = [cfg.run_dir / "warm_start" / "done.json", RunDir(cfg.run_dir).selection / layout.SELECTION_RESULT,
-                  cfg.run_dir / "eval_warm_start" / layout.EVAL_RESULTS,
-                  cfg.run_dir / "eval_warm_start_train" / layout.EVAL_RESULTS]
-        absent = [str(p) for p in stages if not p.is_file()]
-        runs, missing = finished_runs(cfg)
-        if absent or not runs:
-            raise RuntimeError(f"nothing to report in {cfg.run_dir} yet: "
-                               + (f"stages not finished: {', '.join(absent)}" if absent else "no run has finished"))
+        _require_finished_stages(cfg)
         model_dir = cfg.run_dir / "warm_start" / "model"
-        tasks = selection_stage(cfg, model_dir)
     else:
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         model_dir = warm_start_stage(cfg)
-        tasks = selection_stage(cfg, model_dir)
-        missing = []
+    tasks = selection_stage(cfg, model_dir)
     warm = evaluate_model(cfg, model_dir, tasks, cfg.run_dir / "eval_warm_start")
     warm_train = evaluate_model(cfg, model_dir, tasks, cfg.run_dir / "eval_warm_start_train",
                                 temperature=cfg.rollout.temperature,
                                 samples_per_task=cfg.compare.baseline_samples_per_task)
-    if not report_only:
+    if report_only:
+        runs, missing = finished_runs(cfg)
+    else:
         runs = [run_arm(cfg, algo, seed, model_dir, tasks) for seed in cfg.compare.seeds for algo in cfg.compare.algos]
+        missing = []
     report = comparison_report(cfg, warm, runs, tasks, warm_train=warm_train)
     report["missing_runs"] = missing
     report["seconds_total_this_call"] = round(time.monotonic() - t0, 1)

@@ -220,9 +220,7 @@ def server_smoke_request(server: Any, cfg: RunConfig, task: str | None = None) -
     from arpo_lib.actions import ActionParseError, parse_response
     from arpo_lib.agent.client import chat_completion, ui_tars_messages
     from arpo_lib.agent.prompt import coord_mode_for
-    from arpo_lib.envs import make_env
-
-    from arpo_lib.envs import split_instance
+    from arpo_lib.envs import make_env, split_instance
 
     task, instance = split_instance(task or cfg.env.tasks[0])
     opts = dict(cfg.env.options)
