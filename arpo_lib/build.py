@@ -31,6 +31,7 @@ from arpo_lib.run.records import safe_join
 from arpo_lib.serving.launch import ServerHandle, start_server
 from arpo_lib.serving.weight_sync import ServedPolicy, save_for_server
 from arpo_lib.training import checkpoint as ckpt
+from arpo_lib.training.distributed import Ranks, barrier, device_for, init_process_group
 from arpo_lib.training.rollout import RolloutEngine
 from arpo_lib.training.trainer import Trainer
 from arpo_lib.types import WorkerPool
@@ -103,12 +104,12 @@ def env_pool(cfg: RunConfig) -> WorkerPool:
 
 
 def hf_policy(cfg: RunConfig, path: str | Path | None = None, *, lora: bool = True,
-              prompt: str | None = None) -> HFPolicy:
+              prompt: str | None = None, device: str | None = None) -> HFPolicy:
     """The in-process policy with every `model.*` switch and `agent.prompt` (or `prompt`).
-    `lora=False` for inference on saved (merged) weights."""
+    `lora=False` for inference on saved (merged) weights; `device` replaces model.device."""
     m = cfg.model
     return HFPolicy(
-        path or m.path, device=m.device, compute_dtype=m.compute_dtype, coord_mode=m.coord_mode,
+        path or m.path, device=device or m.device, compute_dtype=m.compute_dtype, coord_mode=m.coord_mode,
         history_images=m.history_images, max_new_tokens=m.max_new_tokens,
         gradient_checkpointing=m.gradient_checkpointing,
         checkpoint_every_n_layers=m.checkpoint_every_n_layers, kv_cache=m.kv_cache, vision_attention=m.vision_attention,
@@ -194,19 +195,29 @@ def evaluator(cfg: RunConfig) -> Any:
     return run_eval
 
 
-def trainer(cfg: RunConfig, *, resume: bool = False, policy: HFPolicy | None = None) -> Trainer:
+def trainer(cfg: RunConfig, *, resume: bool = False, policy: HFPolicy | None = None,
+            ranks: Ranks | None = None) -> Trainer:
     """A Trainer with everything it works with. `resume` continues the run in `cfg.run_dir` from
     its newest intact checkpoint (a run directory is never reused without it). A `policy`
-    passed in (tests, notebooks holding a model) is used instead of loading `model.path`."""
+    passed in (tests, notebooks holding a model) is used instead of loading `model.path`.
+    Under torchrun (`ranks`: from its environment variables) this process joins the process
+    group and trains its share on its own device (arpo_lib/training/distributed.py)."""
     cfg = resolve_task_sets(check_tasks(cfg))
+    ranks = Ranks.from_env() if ranks is None else ranks
+    if ranks.distributed:
+        if cfg.rollout.backend != "hf":
+            raise ConfigError(f"rollout.backend={cfg.rollout.backend!r} with {ranks.world_size} training processes: "
+                              "distributed training generates in-process for now (rollout.backend=hf)")
+        init_process_group(ranks, torch.device(device_for(ranks, cfg.model.device).replace("auto", "cpu")))
     run = RunDir(cfg.run_dir)
     checkpoint = ckpt.resume_point(run, resume)
+    barrier(ranks)  # every rank has looked at the run directory before rank 0 writes into it
     lora = cfg.model.lora_rank > 0
     if policy is None:
         # With LoRA a resume loads the base weights plus the saved adapter (the checkpoint's
         # merged weights would apply the adapter twice).
         model_path = str(checkpoint / "model") if checkpoint is not None and not lora else cfg.model.path
-        trained = hf_policy(cfg, model_path)
+        trained = hf_policy(cfg, model_path, device=device_for(ranks, cfg.model.device))
     else:
         trained = policy
         if checkpoint is not None and not lora:
@@ -216,7 +227,7 @@ def trainer(cfg: RunConfig, *, resume: bool = False, policy: HFPolicy | None = N
     reference = reference_model(cfg, trained.device) if cfg.algo.kl_coef > 0 else None
     served = served_policy(cfg, trained) if cfg.rollout.backend == "server" else None
     return Trainer(cfg, trained, make_pool=lambda: env_pool(cfg), served=served, evaluator=evaluator(cfg),
-                   checkpoint=checkpoint, resume=resume, reference=reference)
+                   checkpoint=checkpoint, resume=resume, reference=reference, ranks=ranks)
 
 
 @contextlib.contextmanager

@@ -2,7 +2,8 @@
 
     build-tiny-model --variant qwen2vl --out models/tiny-uitars-qwen2vl
     train   --config configs/smoke.yaml [key=value ...]     start a run
-    resume  --run runs/smoke                                continue a run from its last checkpoint
+            [--nproc-per-node N [--nnodes M --node-rank R --master-addr A]]   on N processes per node (torchrun)
+    resume  --run runs/smoke [--nproc-per-node N ...]       continue a run from its last checkpoint
     eval    --config configs/smoke.yaml [--model DIR] [key=value ...]
     smoke   [key=value ...]                                 execute notebooks/smoke_test.ipynb headlessly
     notebook NAME [config=F] [overrides='[k=v, ...]'] [run_name=N]   execute any notebook headlessly
@@ -29,13 +30,45 @@ def _cmd_build_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _torchrun(args: argparse.Namespace, command: list[str]) -> int:
+    """Run `python -m arpo_lib <command>` as `--nproc-per-node` processes (per node) under torchrun;
+    each joins the process group and trains its share (arpo_lib/training/distributed.py)."""
+    import subprocess
+
+    launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc_per_node}"]
+    if args.nnodes > 1:
+        launch += [f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}", f"--master-addr={args.master_addr}",
+                   f"--master-port={args.master_port}"]
+    else:
+        launch += ["--standalone"]
+    print("launching:", " ".join(launch + ["-m", "arpo_lib", *command]), flush=True)
+    return subprocess.run(launch + ["-m", "arpo_lib", *command]).returncode
+
+
+def _launches(args: argparse.Namespace) -> bool:
+    """Whether this call should start torchrun (asked for several processes, not already under it)."""
+    import os
+
+    return (args.nproc_per_node > 1 or args.nnodes > 1) and "LOCAL_RANK" not in os.environ
+
+
+def _is_main_process() -> bool:
+    import os
+
+    return os.environ.get("RANK", "0") == "0"
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from arpo_lib import build
 
+    if _launches(args):
+        return _torchrun(args, ["train", "--config", args.config, *(["--resume"] if args.resume else []),
+                                *args.overrides])
     cfg = build.load_config(args.config, args.overrides)
     with build.trainer(cfg, resume=args.resume) as trainer:
         trainer.train()
-    print(f"run directory: {cfg.run_dir}")
+    if _is_main_process():
+        print(f"run directory: {cfg.run_dir}")
     return 0
 
 
@@ -43,10 +76,14 @@ def _cmd_resume(args: argparse.Namespace) -> int:
     from arpo_lib import build
     from arpo_lib.run.layout import RunDir
 
+    if _launches(args):
+        # as `train --resume` (torchrun's own parser would take `--run` for its `--run-path`)
+        return _torchrun(args, ["train", "--config", str(RunDir(Path(args.run)).config), "--resume", *args.overrides])
     cfg = build.load_config(RunDir(Path(args.run)).config, args.overrides)
     with build.trainer(cfg, resume=True) as trainer:
         trainer.train()
-    print(f"run directory: {cfg.run_dir}")
+    if _is_main_process():
+        print(f"run directory: {cfg.run_dir}")
     return 0
 
 
@@ -208,6 +245,15 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_launch_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("several processes (torchrun underneath; one per GPU)")
+    g.add_argument("--nproc-per-node", type=int, default=1, help="training processes on this node")
+    g.add_argument("--nnodes", type=int, default=1, help="nodes (run the same command on each)")
+    g.add_argument("--node-rank", type=int, default=0, help="this node's rank (0 .. nnodes-1)")
+    g.add_argument("--master-addr", default="127.0.0.1", help="address of node 0")
+    g.add_argument("--master-port", type=int, default=29500, help="a free port on node 0")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="arpo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -223,11 +269,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default="configs/smoke.yaml")
     p.add_argument("--resume", action="store_true", help="continue the run of the same name if it exists")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=5")
+    _add_launch_options(p)
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("resume", help="continue a run from its last complete checkpoint")
     p.add_argument("--run", required=True, help="run directory (holds config.yaml)")
     p.add_argument("overrides", nargs="*")
+    _add_launch_options(p)
     p.set_defaults(func=_cmd_resume)
 
     p = sub.add_parser("eval", help="evaluate a model on a task set")

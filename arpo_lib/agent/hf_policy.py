@@ -17,7 +17,7 @@ import torch
 
 from arpo_lib.agent.model import autocast
 from arpo_lib.agent.model.kv_generation import CachedGenerator
-from arpo_lib.agent.model.logprobs import token_logprobs
+from arpo_lib.agent.model.logprobs import LogprobNet, token_logprobs
 from arpo_lib.agent.model.lora import (adapter_state_dict, apply_lora, cast_frozen_linears, load_adapter_state_dict,
                                        merged_state_dict)
 from arpo_lib.agent.model.packing import pack_segments
@@ -287,12 +287,22 @@ class HFPolicy(UITarsConversations):
         `model`: another network of the same architecture (the frozen KL reference) instead of ours.
         """
         model = model if model is not None else self.model
+        sharded = isinstance(model, LogprobNet)  # the FSDP copy of distributed training
         if pack and len(segments) > 1:
-            batch = pack_segments(model, segments)
+            batch = pack_segments(self.model if sharded else model, segments)
         else:
             batch = pad_segments(segments, self.pad_id, side="right")
         batch = {k: v.to(self.device) for k, v in batch.items()}
         targets = batch.pop("loss_mask").bool()  # (B, T)
+        token_lp = model(batch, targets, temperature) if sharded else self.forward_logprobs(model, batch, targets,
+                                                                                             temperature)
+        counts = [sum(seg.loss_mask) for seg in segments]
+        return list(torch.split(token_lp, counts))
+
+    def forward_logprobs(self, model: Any, batch: dict[str, torch.Tensor], targets: torch.Tensor,
+                         temperature: float) -> torch.Tensor:
+        """The training forward: the decoder over a padded or packed `batch`, then the LM head only
+        at the positions that predict a `targets` token -> their log-probs, (N,)."""
         with self.autocast():
             hidden = model.model(**batch, use_cache=False).last_hidden_state  # (B, T, H)
         # hidden at t-1 predicts token t (never across a packed boundary: a segment's first token is not trained)
@@ -301,10 +311,8 @@ class HFPolicy(UITarsConversations):
         selected = hidden[pred_mask]  # (N, H)
         tokens = batch["input_ids"][targets]  # (N,)
         with self.autocast():
-            token_lp = token_logprobs(selected, tokens, model.lm_head, temperature=temperature,
-                                      suppress_ids=self.suppress_ids, chunk=self.logprob_chunk)
-        counts = [sum(seg.loss_mask) for seg in segments]
-        return list(torch.split(token_lp, counts))
+            return token_logprobs(selected, tokens, model.lm_head, temperature=temperature,
+                                  suppress_ids=self.suppress_ids, chunk=self.logprob_chunk)
 
     # -- persistence -----------------------------------------------------------------------
     def load_adapter(self, directory: str | Path) -> None:

@@ -33,16 +33,20 @@ log = logging.getLogger(__name__)
 
 
 def save_checkpoint(ckpt_dir: Path, step: int, *, policy: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
-                    replay: ReplayBuffer, config: dict[str, Any], keep: int, state: dict[str, Any] | None = None) -> Path:
+                    replay: ReplayBuffer, config: dict[str, Any], keep: int, state: dict[str, Any] | None = None,
+                    optimizer_state: dict[str, Any] | None = None) -> Path:
     """Write model, optimizer, scheduler, replay buffer, RNG, step and the trainer's own `state`
-    (JSON) atomically; keep the newest `keep` checkpoints. Returns the checkpoint directory."""
+    (JSON) atomically; keep the newest `keep` checkpoints. Returns the checkpoint directory.
+    `optimizer_state` replaces `optimizer.state_dict()` (distributed training: the full state
+    gathered from the shards, keyed by parameter name)."""
     final = ckpt_dir / layout.step_name(step)
     tmp = ckpt_dir / f".tmp_{layout.step_name(step)}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     policy.save(tmp / layout.MODEL)
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / layout.OPTIMIZER)
+    optimizer_state = optimizer.state_dict() if optimizer_state is None else optimizer_state
+    torch.save({"optimizer": optimizer_state, "scheduler": scheduler.state_dict()}, tmp / layout.OPTIMIZER)
     replay.save(tmp / layout.REPLAY)
     trainer_state = {"step": step, "torch_rng": torch.get_rng_state().tolist(), "config": config,
                      "time": time.time(), "trainer": state or {}}
@@ -67,12 +71,13 @@ def save_checkpoint(ckpt_dir: Path, step: int, *, policy: Any, optimizer: torch.
     return final
 
 
-def load_checkpoint(checkpoint: Path, *, optimizer: torch.optim.Optimizer,
-                    scheduler: Any) -> tuple[int, ReplayBuffer, dict[str, Any]]:
+def load_checkpoint(checkpoint: Path, *, optimizer: torch.optim.Optimizer, scheduler: Any,
+                    load_optimizer: Any = None) -> tuple[int, ReplayBuffer, dict[str, Any]]:
     """Restore optimizer, scheduler and torch's RNG from a checkpoint; returns (step, replay buffer,
-    the trainer's own state). The model is loaded by whoever builds the policy (`arpo_lib.build`)."""
+    the trainer's own state). The model is loaded by whoever builds the policy (`arpo_lib.build`).
+    `load_optimizer(state)` replaces `optimizer.load_state_dict` (distributed training)."""
     opt = torch.load(checkpoint / layout.OPTIMIZER, weights_only=False)
-    optimizer.load_state_dict(opt["optimizer"])
+    (load_optimizer or optimizer.load_state_dict)(opt["optimizer"])
     scheduler.load_state_dict(opt["scheduler"])
     replay = ReplayBuffer.load(checkpoint / layout.REPLAY)
     state = json.loads((checkpoint / layout.TRAINER_STATE).read_text())

@@ -80,13 +80,14 @@ def supervised_warm_start(policy: Any, demos: Sequence[Trajectory], *, steps: in
 
 
 def warm_start(policy: Any, demos: Sequence[Trajectory], *, per_task: int, steps: int, lr: float, batch_size: int,
-               seed: int, record: Path, progress: bool = True) -> list[float]:
+               seed: int, record: Path | None, progress: bool = True) -> list[float]:
     """The run's warm start: `supervised_warm_start` on the first `per_task` demonstrations of
     each task, recorded in `record` (warm_start.jsonl) and logged."""
     chosen = first_per_task(demos, per_task)
     losses = supervised_warm_start(policy, chosen, steps=steps, lr=lr, batch_size=batch_size, seed=seed,
                                    progress=progress)
-    append_jsonl(record, {"demos": len(chosen), "steps": steps, "loss_first": losses[0], "loss_last": losses[-1]})
+    if record is not None:  # None: a distributed run's other ranks (rank 0 records)
+        append_jsonl(record, {"demos": len(chosen), "steps": steps, "loss_first": losses[0], "loss_last": losses[-1]})
     log.info("warm start: %d SFT steps on %d demonstrations, loss %.3f -> %.3f", steps, len(chosen), losses[0],
              losses[-1])
     return losses

@@ -24,9 +24,13 @@ Departures from the original, on purpose:
 - `algo.old_logprobs=recompute` (default, as ARPO) recomputes old log-probs with the current
   policy before the update; `behaviour` uses the log-probs stored at sampling time instead.
 - Checkpoints include the replay buffer and the data order; `resume` continues exactly.
+
+Distributed (torchrun, `ranks.world_size` > 1): each rank runs its share of the episodes and of
+every mini-batch on an FSDP2-sharded copy of the model; see arpo_lib/training/distributed.py.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import random
@@ -44,7 +48,9 @@ from arpo_lib.run.layout import RunDir
 from arpo_lib.run.records import append_jsonl
 from arpo_lib.run.seeding import stable_seed
 from arpo_lib.run.tracking import Tracker
+from arpo_lib.training import distributed as dist_
 from arpo_lib.training.checkpoint import drop_records_after, load_checkpoint, save_checkpoint
+from arpo_lib.training.distributed import SINGLE, Ranks
 from arpo_lib.training.optim import make_optimizer, micro_batches, warmup_schedule
 from arpo_lib.training.rollout import RolloutEngine, load_trajectory
 from arpo_lib.training.sft import collect_demonstrations, seed_replay, warm_start
@@ -85,19 +91,30 @@ class Trainer:
         checkpoint: the checkpoint to continue from (its model is already in `policy`).
         resume: continue the run in `cfg.run_dir` (records after the checkpoint are dropped).
         reference: a frozen model for the KL term (algo.kl_coef > 0).
+        ranks: this process's place among torchrun's processes (default: the only one).
     """
 
     # -- set-up ------------------------------------------------------------------------------------
     def __init__(self, cfg: RunConfig, policy: Any, *, make_pool: Callable[[], WorkerPool], served: Any = None,
                  evaluator: Callable[[RolloutEngine, str, list[str] | None], Any] | None = None, checkpoint: Path | None = None,
-                 resume: bool = False, reference: Any = None):
+                 resume: bool = False, reference: Any = None, ranks: Ranks = SINGLE):
         self.cfg, self.policy, self.served, self.evaluator, self.reference = cfg, policy, served, evaluator, reference
+        self.ranks = ranks
         self.run = RunDir(cfg.run_dir)
         self.run_dir, self.ckpt_dir, self.metrics_path = self.run.root, self.run.checkpoints, self.run.metrics
         self.run.root.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, self.run.config)
+        if ranks.is_main:
+            save_config(cfg, self.run.config)
         t, rp = cfg.train, cfg.algo.replay
-        self.optimizer = make_optimizer(t.optimizer, policy.trainable_parameters(), t.lr, t.weight_decay)
+        self.train_net = None
+        """The FSDP2-sharded copy the update trains when distributed (`policy.model` stays whole
+        for generation and old log-probs, and is refreshed from it after every update)."""
+        params = policy.trainable_parameters()
+        if ranks.distributed:
+            self.train_net = dist_.shard_for_training(policy.model, policy.forward_logprobs,
+                                                      compute_dtype=policy.compute_dtype)
+            params = [p for p in self.train_net.parameters() if p.requires_grad]
+        self.optimizer = make_optimizer(t.optimizer, params, t.lr, t.weight_decay)
         self.scheduler = warmup_schedule(self.optimizer, t.steps * t.updates_per_batch, t.warmup_ratio)
         self.replay: ReplayBuffer[dict[str, Any]] = ReplayBuffer(
             capacity_per_task=rp.capacity_per_task, success_threshold=rp.success_threshold, enabled=rp.enabled,
@@ -105,11 +122,13 @@ class Trainer:
         self.step = 0
         if checkpoint is not None:
             self.step, self.replay, state = load_checkpoint(checkpoint, optimizer=self.optimizer,
-                                                            scheduler=self.scheduler)
+                                                            scheduler=self.scheduler,
+                                                            load_optimizer=self._load_optimizer_state)
             log.info("resumed %s at step %d from %s", self.run.root, self.step, checkpoint.name)
-        if resume:
+        if resume and ranks.is_main:
             drop_records_after(self.run, self.step)
-        self.tracker = Tracker(cfg)
+        dist_.barrier(ranks)
+        self.tracker = Tracker(cfg if ranks.is_main else _without_tracking(cfg))
         self._make_pool = make_pool
         self._pool: WorkerPool | None = None
         self.weights_version = int(state.get("weights_version", 0)) if checkpoint is not None else 0
@@ -120,6 +139,23 @@ class Trainer:
         self._demos: list[Trajectory] | None = None
         self._warm_started = self._demos_seeded = checkpoint is not None
         self.seconds_warm_start = 0.0
+
+    def _load_optimizer_state(self, state: dict[str, Any]) -> None:
+        """A checkpoint's optimizer state, whichever number of processes wrote it: by position
+        (one process) or by parameter name (gathered from FSDP shards)."""
+        names = [f"net.{n}" for n, p in self.policy.model.named_parameters() if p.requires_grad]
+        by_name = any(isinstance(k, str) for k in state["state"]) or any(
+            isinstance(p, str) for g in state["param_groups"] for p in g["params"])
+        if self.train_net is not None:
+            dist_.load_full_optimizer_state(self.train_net, self.optimizer,
+                                            state if by_name else dist_.optimizer_state_by_name(state, names))
+        else:
+            self.optimizer.load_state_dict(dist_.optimizer_state_by_position(state, names) if by_name else state)
+
+    @property
+    def progress(self) -> bool:
+        """Progress bars: logging.progress, on rank 0 only."""
+        return self.cfg.logging.progress and self.ranks.is_main
 
     @property
     def pool(self) -> WorkerPool:
@@ -141,6 +177,7 @@ class Trainer:
         if self.served is not None:
             self.served.close()
         self.tracker.finish()
+        dist_.close_process_group(self.ranks)
 
     def __enter__(self) -> "Trainer":
         return self
@@ -161,7 +198,7 @@ class Trainer:
             self.seed_replay_with_demos()
         history = []
         bar = tqdm(total=end, initial=self.step, desc="ARPO" if self.replay.enabled else "GRPO",
-                   disable=not self.cfg.logging.progress)
+                   disable=not self.progress)
         while self.step < end:
             metrics = self.train_step()
             history.append(metrics)
@@ -180,17 +217,22 @@ class Trainer:
         tasks = task_batch(cfg.env.tasks, step, cfg.train.tasks_per_batch, cfg.train.seed)
         requests = episode_requests(tasks, cfg.rollout.group_size, cfg.train.seed, step)
         rollout_dir = self.run.rollouts(step)
-        if rollout_dir.exists():  # a step being redone after a crash
+        if rollout_dir.exists() and self.ranks.is_main:  # a step being redone after a crash
             shutil.rmtree(rollout_dir)
+        dist_.barrier(self.ranks)
         torch.manual_seed(stable_seed(cfg.train.seed, "sample", step))
         engine = self.engine()
-        trajs = engine.run(requests, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                           out_dir=rollout_dir, progress=cfg.logging.progress, description=f"rollout {step}",
-                           policy_version=self.weights_version)
+        # Each rank runs its share of the episodes; every rank then holds the whole batch, in order.
+        mine = engine.run(requests[self.ranks.rank::self.ranks.world_size], temperature=cfg.rollout.temperature,
+                          top_p=cfg.rollout.top_p, out_dir=rollout_dir, progress=self.progress,
+                          description=f"rollout {step}", policy_version=self.weights_version)
+        trajs = dist_.interleave(dist_.gather_objects(mine, self.ranks))
+        env_steps = int(dist_.all_reduce_sum([engine.env_steps], self.ranks)[0])
         t_rollout = time.monotonic() - t0
 
         groups = self.make_groups(tasks, trajs)
-        layout.write_groups(self.run.groups(step), [g.record() for g in groups])
+        if self.ranks.is_main:
+            layout.write_groups(self.run.groups(step), [g.record() for g in groups])
         t1 = time.monotonic()
         update = self.update(groups)
         if self.served is not None:
@@ -201,7 +243,9 @@ class Trainer:
         self.step += 1
         evaluation = {}
         if cfg.train.eval_every and (self.step % cfg.train.eval_every == 0 or self.step == cfg.train.steps):
-            evaluation = self.evaluate(layout.step_name(self.step)).metrics()
+            if self.ranks.is_main:  # the others wait: the evaluation is rank 0's
+                evaluation = self.evaluate(layout.step_name(self.step)).metrics()
+            dist_.barrier(self.ranks)
         metrics = {
             "step": self.step,
             "tasks": tasks,
@@ -217,8 +261,8 @@ class Trainer:
             "all_failed_groups": _mean([float(g.all_failed) for g in groups]),
             "replay_injections": sum(g.injected for g in groups),
             "replay_size": len(self.replay),
-            "env_steps": engine.env_steps,
-            "env_steps_per_s": engine.env_steps / max(t_rollout, 1e-9),
+            "env_steps": env_steps,
+            "env_steps_per_s": env_steps / max(t_rollout, 1e-9),
             "lr": self.scheduler.get_last_lr()[0],
             **update,
             "seconds_rollout": round(t_rollout, 3),
@@ -226,8 +270,9 @@ class Trainer:
             **(self.served.metrics() if self.served is not None else {}),
             **evaluation,
         }
-        append_jsonl(self.run.metrics, metrics)
-        self.tracker.log(metrics, step=self.step)
+        if self.ranks.is_main:
+            append_jsonl(self.run.metrics, metrics)
+            self.tracker.log(metrics, step=self.step)
         if self.step % cfg.train.checkpoint_every == 0 or self.step == cfg.train.steps:
             self.save_checkpoint()
         return metrics
@@ -276,12 +321,17 @@ class Trainer:
         def runs(adv: float) -> bool:
             return adv != 0.0 or with_kl
 
-        # Old log-probs for the whole batch before any update (ratio starts at 1, as ARPO), and
-        # with algo.replay.correction=tis the truncated importance weights of replayed members.
+        minibatches = [items[i::cfg.train.updates_per_batch] for i in range(cfg.train.updates_per_batch)]
+        # Which micro-batches this process runs in each mini-batch: all of them, or its share.
+        plans = [self._micro_plan([(seg, adv) for seg, adv, _ in mb if runs(adv)]) for mb in minibatches]
+        mine = {id(seg) for plan in plans for micro, _ in plan for seg, _ in micro}
+
+        # Old log-probs before any update (ratio starts at 1, as ARPO), and with
+        # algo.replay.correction=tis the truncated importance weights of replayed members.
         old: dict[int, torch.Tensor] = {}
         is_weights: dict[int, torch.Tensor] = {}
         for seg, adv, traj in items:
-            if not runs(adv):
+            if id(seg) not in mine:
                 continue
             behaviour = torch.tensor([lp for lp, m in zip(seg.behaviour_logprobs, seg.loss_mask) if m])
             if cfg.algo.old_logprobs == "behaviour":
@@ -292,22 +342,25 @@ class Trainer:
             if cfg.algo.replay.correction == "tis" and traj.replayed:
                 is_weights[id(seg)] = truncated_is_weights(old[id(seg)].double(), behaviour.double(),
                                                            cfg.algo.replay.tis_cap).float()
-        stats.update(_weight_stats(list(is_weights.values()), cfg.algo.replay.tis_cap))
-        minibatches = [items[i::cfg.train.updates_per_batch] for i in range(cfg.train.updates_per_batch)]
+        live_segs = {id(seg) for plan in plans for micro, live in plan if live for seg, _ in micro}
+        counted = [is_weights[id(seg)] for seg, _, _ in items if id(seg) in is_weights and id(seg) in live_segs]
+        stats.update(_weight_stats([w for ws in dist_.gather_objects(counted, self.ranks) for w in ws],
+                                   cfg.algo.replay.tis_cap))
+        train_model = self.train_net  # None: the policy's own model
         self.policy.model.train()
+        if train_model is not None:
+            train_model.train()
         losses, clips, norms, kls, ref_kls = [], [], [], [], []
-        for mb in minibatches:
+        for mb, plan in zip(minibatches, plans):
             if not mb:
                 continue
             n_seq = len(mb)
             n_tok = sum(sum(seg.loss_mask) for seg, _, _ in mb)
-            active = [(seg, adv) for seg, adv, _ in mb if runs(adv)]
             self.optimizer.zero_grad(set_to_none=True)
             mb_loss = 0.0
-            for micro in micro_batches(active, [len(s) for s, _ in active], cfg.train.token_budget,
-                                       cfg.train.micro_batch_size, packed=cfg.train.pack):
+            for micro, live in plan:
                 segs = [s for s, _ in micro]
-                new = self.policy.sequence_logprobs(segs, temperature, pack=cfg.train.pack)
+                new = self.policy.sequence_logprobs(segs, temperature, pack=cfg.train.pack, model=train_model)
                 logprobs = _pad(new)
                 old_lp = _pad([old[id(s)].to(logprobs.device) for s in segs])
                 mask = _pad([torch.ones_like(t) for t in new])
@@ -323,14 +376,19 @@ class Trainer:
                                       clip_high=cfg.algo.clip_high, dual_clip=cfg.algo.dual_clip,
                                       aggregation=cfg.algo.aggregation, ref_logprobs=ref_lp,
                                       kl_coef=cfg.algo.kl_coef, is_weights=weights)
-                # Exact aggregation across micro-batches: weight by this micro-batch's share.
+                # Exact aggregation across micro-batches (and ranks): weight by this micro-batch's
+                # share of the whole mini-batch. FSDP averages gradients over ranks, hence x world size;
+                # a padding micro-batch (a rank with less work keeping FSDP's collectives in step) counts 0.
                 share = float(mask.sum()) / n_tok if cfg.algo.aggregation == "token-mean" else len(micro) / n_seq
-                (loss * share).backward()
-                mb_loss += loss.item() * share
-                clips.append(m.get("clip_fraction", 0.0))
-                kls.append(m.get("approx_kl", 0.0))
-                ref_kls.append(m.get("kl", 0.0))
-            norm = float(torch.nn.utils.clip_grad_norm_(self.policy.trainable_parameters(), cfg.train.grad_clip))
+                (loss * (share * self.ranks.world_size if live else 0.0)).backward()
+                if live:
+                    mb_loss += loss.item() * share
+                    clips.append(m.get("clip_fraction", 0.0))
+                    kls.append(m.get("approx_kl", 0.0))
+                    ref_kls.append(m.get("kl", 0.0))
+            if self.ranks.distributed:
+                mb_loss = dist_.all_reduce_sum([mb_loss], self.ranks)[0]
+            norm = _grad_norm(torch.nn.utils.clip_grad_norm_(self._params(), cfg.train.grad_clip))
             if math.isfinite(norm):
                 self.optimizer.step()
                 self.consecutive_skips = 0
@@ -344,9 +402,38 @@ class Trainer:
                 self._skip_step(norm)
                 stats["skipped_steps"] += 1
         self.policy.model.eval()
+        if train_model is not None:
+            train_model.eval()
+            if stats["optimizer_steps"]:
+                dist_.sync_full_model(train_model, self.policy.model)
+            clips, kls, ref_kls = (sum(x, []) for x in zip(*dist_.gather_objects([clips, kls, ref_kls], self.ranks)))
         stats.update(loss=_mean(losses), clip_fraction=_mean(clips), grad_norm=_mean(norms), approx_kl=_mean(kls),
                      kl=_mean(ref_kls))
         return stats
+
+    def _params(self) -> list[torch.nn.Parameter]:
+        """The parameters the optimizer updates (the shards when distributed)."""
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def _micro_plan(self, active: list[tuple[Any, float]]) -> list[tuple[list[tuple[Any, float]], bool]]:
+        """This process's micro-batches of a mini-batch's sequences, each with `live`: all of them
+        in one process; with N ranks, its token-balanced share, padded to the busiest rank's count
+        with the shortest sequence, not live (FSDP needs every rank in every forward)."""
+        t = self.cfg.train
+
+        def micros(part: list[tuple[Any, float]]) -> list[list[tuple[Any, float]]]:
+            return micro_batches(part, [len(s) for s, _ in part], t.token_budget, t.micro_batch_size, packed=t.pack)
+
+        if not self.ranks.distributed:
+            return [(m, True) for m in micros(active)]
+        shares = dist_.split_by_tokens([len(s) for s, _ in active], self.ranks.world_size)
+        per_rank = [micros([active[i] for i in share]) for share in shares]
+        busiest = max(len(p) for p in per_rank)
+        plan = [(m, True) for m in per_rank[self.ranks.rank]]
+        if len(plan) < busiest:
+            shortest = min(active, key=lambda a: len(a[0]))
+            plan += [([shortest], False)] * (busiest - len(plan))
+        return plan
 
     def _replay_ages(self, groups: list[Group]) -> dict[str, Any]:
         """How stale the replayed trajectories of this batch are, in weight versions."""
@@ -374,9 +461,12 @@ class Trainer:
         (`max(warm_start.demos_per_task, train.demo_replay)` per supported task) into <run>/demos."""
         if self._demos is None:
             n = max(self.cfg.warm_start.demos_per_task, self.cfg.train.demo_replay)
-            self._demos = collect_demonstrations(
-                self.policy, self.pool, self.cfg.env.tasks, n, seed=self.cfg.train.seed, out_dir=self.run.demos,
-                max_steps=self.cfg.env.max_steps, progress=self.cfg.logging.progress) if n > 0 else []
+            demos = None
+            if self.ranks.is_main:  # distributed: rank 0 collects, every rank gets them
+                demos = collect_demonstrations(
+                    self.policy, self.pool, self.cfg.env.tasks, n, seed=self.cfg.train.seed, out_dir=self.run.demos,
+                    max_steps=self.cfg.env.max_steps, progress=self.progress) if n > 0 else []
+            self._demos = dist_.broadcast_object(demos, self.ranks)
         return self._demos
 
     def warm_start(self) -> list[float]:
@@ -385,9 +475,15 @@ class Trainer:
         if ws.steps <= 0 or self.step > 0 or self._warm_started:
             return []
         t0 = time.monotonic()
-        losses = warm_start(self.policy, self.demonstrations(), per_task=ws.demos_per_task, steps=ws.steps, lr=ws.lr,
-                            batch_size=ws.batch_size, seed=self.cfg.train.seed, record=self.run.warm_start_log,
-                            progress=self.cfg.logging.progress)
+        demos = self.demonstrations()
+        losses = []
+        if self.ranks.is_main:  # distributed: rank 0 trains the full model, then every rank gets it
+            losses = warm_start(self.policy, demos, per_task=ws.demos_per_task, steps=ws.steps, lr=ws.lr,
+                                batch_size=ws.batch_size, seed=self.cfg.train.seed, record=self.run.warm_start_log,
+                                progress=self.progress)
+        if self.train_net is not None:
+            dist_.broadcast_model(self.policy.model, self.ranks)
+            dist_.load_full_into_sharded(self.policy.model, self.train_net)
         self._warm_started = True
         self.weights_version += 1
         self.seconds_warm_start = time.monotonic() - t0
@@ -411,11 +507,27 @@ class Trainer:
         return self.evaluator(self.engine(), label, tasks)
 
     def save_checkpoint(self) -> Path:
-        return save_checkpoint(self.run.checkpoints, self.step, policy=self.policy, optimizer=self.optimizer,
-                               scheduler=self.scheduler, replay=self.replay, config=self.cfg.to_dict(),
-                               keep=self.cfg.train.keep_checkpoints,
-                               state={"consecutive_skips": self.consecutive_skips,
-                                      "weights_version": self.weights_version})
+        """Write this step's checkpoint (rank 0 writes; with FSDP every rank first hands over its
+        optimizer shard, stored whole so a resume may use another number of ranks)."""
+        full_optimizer = None
+        if self.train_net is not None:
+            full_optimizer = dist_.full_optimizer_state(self.train_net, self.optimizer)
+        path = self.run.checkpoints / layout.step_name(self.step)
+        if self.ranks.is_main:
+            path = save_checkpoint(self.run.checkpoints, self.step, policy=self.policy, optimizer=self.optimizer,
+                                   scheduler=self.scheduler, replay=self.replay, config=self.cfg.to_dict(),
+                                   keep=self.cfg.train.keep_checkpoints, optimizer_state=full_optimizer,
+                                   state={"consecutive_skips": self.consecutive_skips,
+                                          "weights_version": self.weights_version})
+        dist_.barrier(self.ranks)
+        return path
+
+
+def _without_tracking(cfg: RunConfig) -> RunConfig:
+    """The config for a rank other than 0: rank 0 alone logs to wandb."""
+    quiet = copy.deepcopy(cfg)
+    quiet.logging.wandb = "disabled"
+    return quiet
 
 
 def _weight_stats(weights: list[torch.Tensor], cap: float) -> dict[str, Any]:
@@ -425,6 +537,11 @@ def _weight_stats(weights: list[torch.Tensor], cap: float) -> dict[str, Any]:
     w = torch.cat(weights)
     return {"is_weight_mean": float(w.mean()), "is_weight_max": float(w.max()),
             "is_capped_share": float((w >= cap).float().mean())}
+
+
+def _grad_norm(norm: torch.Tensor) -> float:
+    """The global gradient norm as a float (a DTensor's full value when sharded)."""
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
 
 def _pad(seqs: list[torch.Tensor]) -> torch.Tensor:

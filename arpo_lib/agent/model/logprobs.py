@@ -8,7 +8,7 @@ chunk's logits exist, in forward and in backward. Same numbers; the LM head runs
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -39,3 +39,19 @@ def token_logprobs(hidden: torch.Tensor, tokens: torch.Tensor, head: torch.nn.Mo
         else:
             parts.append(_chunk_logprobs(h, t, head, temperature, suppress_ids))
     return torch.cat(parts)
+
+
+class LogprobNet(torch.nn.Module):
+    """A model and its training forward as ONE module call: (padded batch, target mask,
+    temperature) -> the target tokens' log-probs (`HFPolicy.sequence_logprobs`). Sharded with
+    FSDP2 (arpo_lib/training/distributed.py), its root unit (embeddings, final norm, the LM head
+    tied to them, the vision merger) is then gathered once around the whole forward."""
+
+    def __init__(self, net: torch.nn.Module, forward_fn: Callable[..., torch.Tensor]):
+        super().__init__()
+        self.net = net
+        self._forward_fn = forward_fn
+
+    def forward(self, batch: dict[str, torch.Tensor], targets: torch.Tensor, temperature: float) -> torch.Tensor:
+        # A fresh tensor, not a view: FSDP hooks the output for its backward
+        return self._forward_fn(self.net, batch, targets, temperature).clone()

@@ -1,0 +1,251 @@
+"""Training on several processes (GPUs, or CPU processes with gloo): PyTorch's FSDP2 plus the
+bookkeeping that makes N ranks compute the update one process would.
+
+    torchrun --nproc-per-node 2 -m arpo_lib train ...      (./workbench train --nproc-per-node 2)
+
+What each rank holds and does (rollout.backend=hf, the in-process mode):
+- the policy's full model (`HFPolicy.model`), used for generation and the "old" log-probs: no
+  collective inside generation, so episodes of different lengths never have to run in lockstep;
+- a sharded copy for the update (`shard_for_training`: every text decoder layer and vision block
+  its own FSDP2 unit, the rest in the root unit; bf16 compute with fp32 reduction on CUDA), whose
+  optimizer state is sharded too; after each update its full weights are gathered back into the
+  full model (`sync_full_model`);
+- its share of the episodes (`requests[rank::world]`), written to the shared run directory and
+  gathered to every rank in request order, so every rank forms the same groups with the same
+  seeded replay buffer (rank 0 alone writes records and checkpoints);
+- its share of each mini-batch's sequences, balanced by tokens (`split_by_tokens`), with the loss
+  normaliser of the WHOLE mini-batch (every rank knows it: all ranks hold the batch), scaled by
+  the world size because FSDP averages gradients over ranks. N ranks therefore take the same
+  optimizer step as one process, up to float summation order.
+
+FSDP2 all-gathers inside every forward, so all ranks must run the same number of forwards: a rank
+with fewer micro-batches than the busiest runs the shortest sequence with its loss times 0.
+
+Multi-node: the run directory must be on storage every node sees (ranks read each other's
+trajectory directories for replay).
+"""
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence, TypeVar
+
+import torch
+
+from arpo_lib.agent.model.logprobs import LogprobNet
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place among the training processes (torchrun's environment variables)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def from_env(cls) -> "Ranks":
+        return cls(rank=int(os.environ.get("RANK", 0)), world_size=int(os.environ.get("WORLD_SIZE", 1)),
+                   local_rank=int(os.environ.get("LOCAL_RANK", 0)))
+
+
+SINGLE = Ranks()
+
+
+def init_process_group(ranks: Ranks, device: torch.device) -> None:
+    """Join the process group (NCCL on CUDA, gloo on the CPU) unless already in one. The timeout is
+    long: rank 0 alone runs the periodic evaluation while the others wait."""
+    import torch.distributed as dist
+
+    if not ranks.distributed or dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(ranks.local_rank)
+    dist.init_process_group(backend, rank=ranks.rank, world_size=ranks.world_size,
+                            timeout=datetime.timedelta(hours=2))
+
+
+def device_for(ranks: Ranks, device: str) -> str:
+    """`model.device` for this rank: one GPU per process (cuda:LOCAL_RANK)."""
+    if ranks.distributed and device in ("auto", "cuda") and torch.cuda.is_available():
+        return f"cuda:{ranks.local_rank}"
+    return device
+
+
+# -- the sharded model ---------------------------------------------------------------------------
+def shard_for_training(model: torch.nn.Module, forward_fn: Any, *, compute_dtype: torch.dtype) -> LogprobNet:
+    """A sharded copy of `model` for the update: each text decoder layer and each vision block its
+    own FSDP2 unit, the rest in the root. Parameters stay fp32 (the master weights); on CUDA with a
+    16-bit `compute_dtype` the forward runs in it and gradients are reduced in fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    net = LogprobNet(copy.deepcopy(model), forward_fn)
+    device = next(model.parameters()).device
+    mp = MixedPrecisionPolicy()
+    if device.type == "cuda" and compute_dtype != torch.float32:
+        mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    for unit in shard_units(net.net):
+        fully_shard(unit, mp_policy=mp)
+    fully_shard(net, mp_policy=mp)
+    return net
+
+
+def shard_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers and vision blocks of a Qwen2-VL / Qwen2.5-VL model (any wrapping, e.g.
+    PEFT's, is looked through): each becomes its own FSDP unit."""
+    units = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and name.endswith(("language_model.layers", "visual.blocks")):
+            units.extend(module)
+    if not units:
+        raise ValueError(f"{type(model).__name__}: no decoder layers or vision blocks found to shard")
+    return units
+
+
+def sync_full_model(sharded: LogprobNet, full: torch.nn.Module) -> None:
+    """Gather the sharded weights (every rank takes part) into each rank's full model."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(sharded, options=StateDictOptions(full_state_dict=True))
+    prefix = "net."
+    with torch.no_grad():
+        missing, unexpected = full.load_state_dict({k[len(prefix):]: v for k, v in state.items()}, strict=False)
+    trainable = {n for n, p in full.named_parameters() if p.requires_grad}
+    if unexpected or trainable & set(missing):
+        raise RuntimeError(f"sharded and full model differ: missing {sorted(missing)[:3]}, unexpected {unexpected[:3]}")
+
+
+# -- splitting the work --------------------------------------------------------------------------
+def split_by_tokens(lengths: Sequence[int], world_size: int) -> list[list[int]]:
+    """Indices of `lengths` per rank, longest first to the least-loaded rank (ties: lower rank):
+    deterministic, so every rank computes every rank's share. Each share keeps the input order."""
+    load = [0] * world_size
+    shares: list[list[int]] = [[] for _ in range(world_size)]
+    for i in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
+        r = min(range(world_size), key=lambda k: (load[k], k))
+        shares[r].append(i)
+        load[r] += lengths[i]
+    return [sorted(s) for s in shares]
+
+
+def gather_objects(mine: list[T], ranks: Ranks) -> list[list[T]]:
+    """Every rank's list, on every rank (pickled over the process group)."""
+    import torch.distributed as dist
+
+    if not ranks.distributed:
+        return [mine]
+    out: list[Any] = [None] * ranks.world_size
+    dist.all_gather_object(out, mine)
+    return out
+
+
+def interleave(per_rank: list[list[T]]) -> list[T]:
+    """Undo `items[rank::world]`: the shares of `gather_objects` back in the original order."""
+    world = len(per_rank)
+    total = sum(len(p) for p in per_rank)
+    return [per_rank[i % world][i // world] for i in range(total)]
+
+
+def all_reduce_sum(values: Sequence[float], ranks: Ranks) -> list[float]:
+    """Element-wise sum of `values` over ranks (float64)."""
+    import torch.distributed as dist
+
+    if not ranks.distributed:
+        return list(values)
+    t = torch.tensor(list(values), dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def barrier(ranks: Ranks) -> None:
+    import torch.distributed as dist
+
+    if ranks.distributed:
+        dist.barrier()
+
+
+def load_full_into_sharded(full: torch.nn.Module, sharded: LogprobNet) -> None:
+    """Copy the full model's weights into the shards (after the warm start, which trains the full
+    model identically on every rank)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    state = {f"net.{k}": v for k, v in full.state_dict().items()}
+    set_model_state_dict(sharded, state, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+def full_optimizer_state(sharded: LogprobNet, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer state gathered from the shards, keyed by parameter name (every rank takes
+    part): what a checkpoint stores, loadable with any number of ranks."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(sharded, optimizer, options=StateDictOptions(full_state_dict=True,
+                                                                                 cpu_offload=True))
+
+
+def load_full_optimizer_state(sharded: LogprobNet, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Shard a `full_optimizer_state` (by name) onto this process group's ranks."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(sharded, optimizer, optim_state_dict=state,
+                             options=StateDictOptions(full_state_dict=True))
+
+
+def broadcast_object(obj: T, ranks: Ranks) -> T:
+    """Rank 0's `obj` on every rank."""
+    import torch.distributed as dist
+
+    if not ranks.distributed:
+        return obj
+    box = [obj if ranks.is_main else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def broadcast_model(model: torch.nn.Module, ranks: Ranks) -> None:
+    """Rank 0's weights and buffers into every rank's copy of `model`, in place."""
+    import torch.distributed as dist
+
+    if not ranks.distributed:
+        return
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            dist.broadcast(tensor, src=0)
+
+
+def optimizer_state_by_name(state: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
+    """A one-process `optimizer.state_dict()` (parameters by position in `names`, the trainable
+    parameters' names in order) in the by-name form of `full_optimizer_state`."""
+    return {"state": {names[i]: v for i, v in state["state"].items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
+
+
+def optimizer_state_by_position(state: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
+    """The inverse of `optimizer_state_by_name`: a `full_optimizer_state` for one process."""
+    index = {n: i for i, n in enumerate(names)}
+    unknown = sorted(set(state["state"]) - set(index))
+    if unknown:
+        raise ValueError(f"the checkpoint's optimizer holds state of parameters this model lacks: {unknown[:3]}")
+    return {"state": {index[n]: v for n, v in state["state"].items()},
+            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]]}
+
+
+def close_process_group(ranks: Ranks) -> None:
+    """Leave the process group (after a barrier, so no rank leaves while another still needs it)."""
+    import torch.distributed as dist
+
+    if ranks.distributed and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

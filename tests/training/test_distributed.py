@@ -1,0 +1,133 @@
+"""Distributed training (FSDP2, torchrun) against one process: the same ARPO steps, the same
+weights and metrics, and checkpoints that resume with another number of processes.
+
+The runs are real: `python -m arpo_lib train --nproc-per-node 2` starts torchrun, two processes
+join a gloo process group on the CPU, each runs its share of the MiniWoB episodes in its own
+headless Chromium and its share of every mini-batch on an FSDP2-sharded copy of the tiny model.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from arpo_lib.training import distributed
+
+COMMON = ["train.steps=2", "warm_start.steps=10", "warm_start.demos_per_task=2", "env.workers=1",
+          "logging.progress=false", "train.checkpoint_every=1", "train.eval_every=0", "train.keep_checkpoints=3"]
+EXACT = ["step", "tasks", "success_rate", "success_by_task", "mean_reward", "format_error_rate", "mean_steps",
+         "all_failed_groups", "replay_injections", "replay_size", "tokens", "sequences", "optimizer_steps", "env_steps"]
+CLOSE = ["loss", "grad_norm", "approx_kl", "lr"]
+
+
+# -- the pieces ----------------------------------------------------------------------------------
+def test_token_balanced_shares_cover_everything_once_and_are_balanced():
+    lengths = [900, 120, 450, 450, 30, 600, 610, 75]
+    shares = distributed.split_by_tokens(lengths, 3)
+    assert sorted(i for s in shares for i in s) == list(range(len(lengths)))
+    loads = [sum(lengths[i] for i in s) for s in shares]
+    assert max(loads) - min(loads) <= max(lengths)  # greedy longest-first: within one sequence
+    assert shares == distributed.split_by_tokens(lengths, 3)  # every rank computes every share
+    assert distributed.split_by_tokens([5, 5], 4) == [[0], [1], [], []]
+
+
+def test_interleave_undoes_the_strided_split():
+    items = list("abcdefg")
+    assert distributed.interleave([items[r::3] for r in range(3)]) == items
+    assert distributed.interleave([items]) == items
+
+
+def test_optimizer_state_converts_between_positions_and_names(tiny_qwen2vl):
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_qwen2vl)
+    params = [p for p in model.parameters() if p.requires_grad]
+    names = [f"net.{n}" for n, p in model.named_parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    sum((p * p).sum() for p in params).backward()
+    opt.step()
+    state = opt.state_dict()
+    by_name = distributed.optimizer_state_by_name(state, names)
+    assert set(by_name["state"]) == set(names)
+    back = distributed.optimizer_state_by_position(by_name, names)
+    assert back["param_groups"] == state["param_groups"]
+    assert all(torch.equal(back["state"][i]["exp_avg"], state["state"][i]["exp_avg"]) for i in state["state"])
+    with pytest.raises(ValueError, match="lacks"):
+        distributed.optimizer_state_by_position(by_name, names[1:])
+
+
+def test_every_decoder_layer_and_vision_block_is_a_unit(tiny_model):
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_model)
+    units = distributed.shard_units(model)
+    cfg = model.config
+    assert len(units) == cfg.text_config.num_hidden_layers + cfg.vision_config.depth
+    with pytest.raises(ValueError, match="no decoder layers"):
+        distributed.shard_units(torch.nn.Linear(2, 2))
+
+
+# -- real runs -----------------------------------------------------------------------------------
+def _train(out: Path, model: Path, name: str, nproc: int) -> Path:
+    _run(["train", "--config", "configs/smoke.yaml", f"--nproc-per-node={nproc}", f"model.path={model}",
+          f"out_dir={out}", f"name={name}", *COMMON])
+    return out / name
+
+
+def _run(args: list[str]) -> None:
+    done = subprocess.run([sys.executable, "-m", "arpo_lib", *args], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+
+
+def _weights(run: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(run / "checkpoints" / f"step_{step:06d}" / "model" / "model.safetensors")
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _assert_same(a: Path, b: Path) -> None:
+    wa, wb = _weights(a, 2), _weights(b, 2)
+    assert wa.keys() == wb.keys()
+    gap = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
+    moved = max(float((wa[k] - _weights(a, 1)[k]).abs().max()) for k in wa)
+    assert gap < 2e-5 and moved > 20 * gap, (gap, moved)
+    for ma, mb in zip(_metrics(a), _metrics(b), strict=True):
+        assert {k: ma[k] for k in EXACT} == {k: mb[k] for k in EXACT}
+        for k in CLOSE:
+            assert ma[k] == pytest.approx(mb[k], rel=1e-4, abs=1e-9), k
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_qwen2vl, chromium_available, tmp_path_factory):
+    if not chromium_available:
+        pytest.skip("needs chromium")
+    out = tmp_path_factory.mktemp("distributed")
+    return out, {n: _train(out, tiny_qwen2vl, f"np{n}", n) for n in (1, 2)}
+
+
+def test_two_processes_take_the_same_arpo_steps_as_one(runs):
+    _, run = runs
+    _assert_same(run[1], run[2])
+    two = _metrics(run[2])
+    assert [m["optimizer_steps"] for m in two] == [2, 2] and two[-1]["replay_size"] > 0
+    # rank 0 alone writes the records; both ranks wrote their own episodes into the run
+    assert len((run[2] / "metrics.jsonl").read_text().splitlines()) == 2
+    assert len(list((run[2] / "rollouts" / "step_000000").rglob("meta.json"))) == 8
+
+
+@pytest.mark.parametrize("written_by, resumed_by", [(2, 1), (1, 2)])
+def test_a_checkpoint_resumes_with_another_number_of_processes(runs, written_by, resumed_by):
+    out, run = runs
+    copy = out / f"resume-{written_by}-{resumed_by}"
+    shutil.copytree(run[written_by], copy)
+    shutil.rmtree(copy / "checkpoints" / "step_000002")  # as if killed during step 2
+    _run(["resume", "--run", str(copy), f"--nproc-per-node={resumed_by}", f"name={copy.name}"])
+    _assert_same(run[1], copy)
