@@ -85,3 +85,31 @@ def test_real_shape_paths_run_shrunk_on_cpu(tmp_path):
                                   "--steps", "2", "--max-new-tokens", "4", "--resolution", "448x336",
                                   "--device", "cpu", "--out", str(tmp_path)])
     assert rollout["same_tokens"] is True and rollout["prefill_reduction"] > 1
+
+
+def test_memory_table_parts_follow_the_documented_formula():
+    from benchmarks.memory_table import Counts, per_gpu_bytes
+
+    c = Counts(total=1000, root=100, largest_unit=50, text_linear=600, factored=40, lora_per_rank=3)
+    assert per_gpu_bytes(c, 1, "full-adamw") == {"weights": 4000, "gradients": 4000, "optimizer": 8000}
+    two = per_gpu_bytes(c, 2, "full-adamw")
+    assert two["weights"] == two["gradients"] == 2000 and two["optimizer"] == 4000
+    assert two["gathered units and unreduced root gradients"] == 2 * (100 + 100) + 6 * 100
+    assert two["full model for in-process rollouts"] == 4000
+    lora = per_gpu_bytes(c, 1, "lora-adamw", lora_rank=2)  # 6 adapter parameters
+    assert lora == {"weights": 2 * 600 + 4 * 400 + 4 * 6, "gradients": 24, "optimizer": 48}
+    assert per_gpu_bytes(c, 1, "full-adafactor")["optimizer"] == 160
+    with pytest.raises(ValueError, match="single-process"):
+        per_gpu_bytes(c, 2, "full-adafactor")
+
+
+def test_memory_table_of_the_real_shapes(tmp_path):
+    from benchmarks import memory_table
+
+    result = memory_table.main(["--out", str(tmp_path)])
+    seven = result["counts"]["7b"]
+    assert seven["total"] / 1e9 == pytest.approx(8.3, rel=0.05)
+    assert seven["root"] < seven["total"] / 4 and seven["largest_unit"] < seven["root"]
+    row = next(r for r in result["rows"] if r["shape"] == "7b" and r["update"] == "full-adamw")
+    assert row["1 GPU"] == f"{16 * seven['total'] / 2 ** 30:.1f} GiB"
+    assert (tmp_path / "memory_computed.json").is_file()

@@ -74,9 +74,9 @@ def test_every_decoder_layer_and_vision_block_is_a_unit(tiny_model):
 
 
 # -- real runs -----------------------------------------------------------------------------------
-def _train(out: Path, model: Path, name: str, nproc: int) -> Path:
+def _train(out: Path, model: Path, name: str, nproc: int, *extra: str) -> Path:
     _run(["train", "--config", "configs/smoke.yaml", f"--nproc-per-node={nproc}", f"model.path={model}",
-          f"out_dir={out}", f"name={name}", *COMMON])
+          f"out_dir={out}", f"name={name}", *COMMON, *extra])
     return out / name
 
 
@@ -123,6 +123,14 @@ def test_two_processes_take_the_same_arpo_steps_as_one(runs):
     assert len(list((run[2] / "rollouts" / "step_000000").rglob("meta.json"))) == 8
 
 
+def test_lora_with_activation_checkpointing_and_a_token_budget_too(tiny_qwen2vl, chromium_available, tmp_path):
+    if not chromium_available:
+        pytest.skip("needs chromium")
+    extra = ["model.lora_rank=4", "model.gradient_checkpointing=true", "train.token_budget=4000", "train.lr=1e-3"]
+    one, two = (_train(tmp_path, tiny_qwen2vl, f"lora{n}", n, *extra) for n in (1, 2))
+    _assert_same(one, two)
+
+
 @pytest.mark.parametrize("written_by, resumed_by", [(2, 1), (1, 2)])
 def test_a_checkpoint_resumes_with_another_number_of_processes(runs, written_by, resumed_by):
     out, run = runs
@@ -131,3 +139,14 @@ def test_a_checkpoint_resumes_with_another_number_of_processes(runs, written_by,
     shutil.rmtree(copy / "checkpoints" / "step_000002")  # as if killed during step 2
     _run(["resume", "--run", str(copy), f"--nproc-per-node={resumed_by}", f"name={copy.name}"])
     _assert_same(run[1], copy)
+
+
+def test_adafactor_with_several_processes_is_refused_with_the_reason(tiny_qwen2vl, tmp_path):
+    from arpo_lib import build
+    from arpo_lib.run.config import ConfigError
+
+    cfg = build.load_config("configs/smoke.yaml", [f"model.path={tiny_qwen2vl}", f"out_dir={tmp_path}",
+                                                   "train.optimizer=adafactor"])
+    with pytest.raises(ConfigError, match="cannot step FSDP shards"):
+        build.trainer(cfg, ranks=distributed.Ranks(rank=0, world_size=2))
+    assert not (tmp_path / "smoke").exists()

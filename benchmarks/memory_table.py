@@ -1,0 +1,161 @@
+"""Per-GPU memory of the policy update at 1, 2, 8 and 16 GPUs, COMPUTED from the real shapes (not
+measured): what `./workbench train --nproc-per-node N` holds before a single activation.
+
+    python benchmarks/memory_table.py            # writes benchmarks/results/memory_computed.json
+
+The parameter counts come from the published configs (benchmarks/common.py: REAL_SHAPES), built on
+torch's meta device (no weights, no memory). Per GPU, in bytes, with P parameters:
+
+- one process: fp32 weights 4P, fp32 gradients 4P, AdamW's two moments 8P (Adafactor: factored
+  second moments, one row and one column vector per matrix).
+- N > 1 processes (FSDP2, arpo_lib/training/distributed.py): weights, gradients and moments /N;
+  plus the gathered units in bf16 (the root unit -- embeddings and LM head -- stays gathered for
+  the whole forward and backward, and two decoder layers are in flight) and the root's unsharded
+  bf16 and fp32 gradients before the reduce-scatter; plus, with in-process rollouts
+  (rollout.backend=hf), every rank's full model for generation: 4P (LoRA: its frozen Linear
+  weights in bf16). A vLLM fleet (not built yet) would drop that replica.
+- LoRA (rank r on q/k/v/o/gate/up/down of the language model): the frozen Linear weights in bf16
+  (model.frozen_weights_dtype=auto on CUDA), the rest fp32, only the adapters have gradients and
+  moments.
+Activations are not counted: they depend on the sequence (15 screenshots at 1080p: ~41.7k tokens)
+and on activation checkpointing; the GPU issue measures them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import REAL_SHAPES, RESULTS_DIR  # noqa: E402
+
+GIB = 2 ** 30
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class Counts:
+    """Parameter counts of a model that decide its update's memory."""
+
+    total: int
+    root: int
+    """Outside every decoder layer and vision block (embeddings, LM head, final norm, merger)."""
+    largest_unit: int
+    """The largest decoder layer or vision block."""
+    text_linear: int
+    """Weights of the language model's Linear layers (stored in bf16 when frozen under LoRA)."""
+    factored: int
+    """Adafactor's state: rows + cols per matrix, the size of every vector parameter."""
+    lora_per_rank: int
+    """LoRA adapter parameters per unit of rank: sum of (in + out) over the target projections."""
+
+
+def count(model: Any) -> Counts:
+    """Counts of a (meta-device) Qwen2-VL / Qwen2.5-VL model."""
+    import torch
+
+    from arpo_lib.training.distributed import shard_units
+
+    units = shard_units(model)
+    in_units = {id(p) for u in units for p in u.parameters()}
+    params = list(model.parameters())
+    text_linear = lora = 0
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and "language_model.layers" in name:
+            text_linear += module.weight.numel()
+            if name.rsplit(".", 1)[-1] in LORA_TARGETS:
+                lora += module.in_features + module.out_features
+    return Counts(total=sum(p.numel() for p in params),
+                  root=sum(p.numel() for p in params if id(p) not in in_units),
+                  largest_unit=max(sum(p.numel() for p in u.parameters()) for u in units),
+                  text_linear=text_linear,
+                  factored=sum(sum(p.shape[-2:]) if p.dim() >= 2 else p.numel() for p in params),
+                  lora_per_rank=lora)
+
+
+def per_gpu_bytes(c: Counts, gpus: int, mode: str, lora_rank: int = 16) -> dict[str, float]:
+    """Bytes per GPU by part for `mode`: full-adamw, full-adafactor or lora-adamw."""
+    n = gpus
+    if mode == "lora-adamw":
+        adapters = lora_rank * c.lora_per_rank
+        weights = 2 * c.text_linear + 4 * (c.total - c.text_linear) + 4 * adapters
+        trained, optimizer = adapters, 8 * adapters
+    elif mode in ("full-adamw", "full-adafactor"):
+        if mode == "full-adafactor" and n > 1:
+            raise ValueError("Adafactor is single-process (torch's cannot step FSDP shards)")
+        weights, trained = 4 * c.total, c.total
+        optimizer = 8 * c.total if mode == "full-adamw" else 4 * c.factored
+    else:
+        raise ValueError(f"unknown mode {mode!r}")
+    parts = {"weights": weights / n, "gradients": 4 * trained / n, "optimizer": optimizer / n}
+    if n > 1:
+        gathered = c.root + 2 * c.largest_unit
+        parts["gathered units and unreduced root gradients"] = 2 * gathered + (6 * c.root if mode != "lora-adamw" else 0)
+        parts["full model for in-process rollouts"] = weights
+    return parts
+
+
+def table(counts: dict[str, Counts], gpus: tuple[int, ...] = (1, 2, 8, 16)) -> list[dict[str, Any]]:
+    rows = []
+    for shape, c in counts.items():
+        for mode in ("full-adamw", "lora-adamw", "full-adafactor"):
+            row: dict[str, Any] = {"shape": shape, "update": mode}
+            for n in gpus:
+                if mode == "full-adafactor" and n > 1:
+                    row[f"{n} GPU"] = "single-process only"
+                    continue
+                parts = per_gpu_bytes(c, n, mode)
+                replica = parts.get("full model for in-process rollouts", 0.0)
+                total = sum(parts.values())
+                row[f"{n} GPU"] = (f"{total / GIB:.1f} GiB" if not replica
+                                   else f"{(total - replica) / GIB:.1f} GiB (+{replica / GIB:.1f} rollout copy)")
+            rows.append(row)
+    return rows
+
+
+def meta_model(shape: str) -> Any:
+    """The real shape's model on the meta device (no weights allocated)."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from arpo_lib.agent.tiny_model import TinyModelSpec, _build_config
+    from benchmarks.common import tiny_model_dir
+
+    real = REAL_SHAPES[shape]
+    tokenizer = AutoProcessor.from_pretrained(tiny_model_dir(real["variant"])).tokenizer
+    config = _build_config(real["variant"], TinyModelSpec(**real["spec"]), tokenizer)
+    config.text_config.vocab_size = real["vocab"]
+    if "fullatt" in real:
+        config.vision_config.fullatt_block_indexes = real["fullatt"]
+    with torch.device("meta"):
+        return AutoModelForImageTextToText.from_config(config)
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    cols = list(rows[0])
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", nargs="+", default=["7b", "2b"], choices=sorted(REAL_SHAPES))
+    ap.add_argument("--out", default=str(RESULTS_DIR))
+    args = ap.parse_args(argv)
+    counts = {s: count(meta_model(s)) for s in args.shapes}
+    rows = table(counts)
+    result = {"kind": "computed, not measured", "counts": {s: asdict(c) for s, c in counts.items()}, "rows": rows,
+              "command": "python benchmarks/memory_table.py"}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "memory_computed.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(markdown(rows))
+    return result
+
+
+if __name__ == "__main__":
+    main()
