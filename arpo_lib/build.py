@@ -14,6 +14,7 @@ import contextlib
 import copy
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -79,9 +80,11 @@ def resolve_task_sets(cfg: RunConfig) -> RunConfig:
 
 
 # -- components ----------------------------------------------------------------------------------
-def env_pool(cfg: RunConfig) -> WorkerPool:
+def env_pool(cfg: RunConfig, share: int = 1) -> WorkerPool:
     """The run's environment workers: local processes or Ray actors (env.backend), in the
-    interpreter env.python names (`auto`: OSWorld's own environment for osworld tasks)."""
+    interpreter env.python names (`auto`: OSWorld's own environment for osworld tasks).
+    `share`: the number of training processes splitting the episodes (each gets its part of
+    env.workers)."""
     opts = dict(cfg.env.options)
     opts.setdefault("max_steps", cfg.env.max_steps)
     python = cfg.env.python
@@ -99,7 +102,7 @@ def env_pool(cfg: RunConfig) -> WorkerPool:
            "ray_num_cpus": cfg.env.ray_num_cpus} if cfg.env.backend == "ray" else {}
     from arpo_lib.envs.pool import make_pool
 
-    return make_pool(cfg.env.workers, opts, cfg.env.step_timeout_s, cfg.env.envs_per_worker,
+    return make_pool(math.ceil(cfg.env.workers / share), opts, cfg.env.step_timeout_s, cfg.env.envs_per_worker,
                      backend=cfg.env.backend, python=python, **ray)
 
 
@@ -208,6 +211,10 @@ def trainer(cfg: RunConfig, *, resume: bool = False, policy: HFPolicy | None = N
         if cfg.rollout.backend != "hf":
             raise ConfigError(f"rollout.backend={cfg.rollout.backend!r} with {ranks.world_size} training processes: "
                               "distributed training generates in-process for now (rollout.backend=hf)")
+        if cfg.train.optimizer == "adafactor":
+            raise ConfigError(f"train.optimizer=adafactor with {ranks.world_size} training processes: torch's Adafactor "
+                              "cannot step FSDP shards (its factored statistics need whole rows and columns). "
+                              "Use train.optimizer=adamw (its moments are sharded across the processes) or LoRA")
         init_process_group(ranks, torch.device(device_for(ranks, cfg.model.device).replace("auto", "cpu")))
     run = RunDir(cfg.run_dir)
     checkpoint = ckpt.resume_point(run, resume)
@@ -226,7 +233,7 @@ def trainer(cfg: RunConfig, *, resume: bool = False, policy: HFPolicy | None = N
         trained.load_adapter(checkpoint / "model")
     reference = reference_model(cfg, trained.device) if cfg.algo.kl_coef > 0 else None
     served = served_policy(cfg, trained) if cfg.rollout.backend == "server" else None
-    return Trainer(cfg, trained, make_pool=lambda: env_pool(cfg), served=served, evaluator=evaluator(cfg),
+    return Trainer(cfg, trained, make_pool=lambda: env_pool(cfg, ranks.world_size), served=served, evaluator=evaluator(cfg),
                    checkpoint=checkpoint, resume=resume, reference=reference, ranks=ranks)
 
 

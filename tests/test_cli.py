@@ -39,3 +39,49 @@ def test_train_then_resume_a_run_without_steps(tmp_path, tiny_qwen2vl, capsys):
     assert cli.main(["train", *args]) == 2
     assert "already holds a run" in capsys.readouterr().err
     assert cli.main(["resume", "--run", str(tmp_path / "c")]) == 0
+
+
+def _launched(monkeypatch, argv):
+    """The torchrun command `arpo <argv>` starts (subprocess.run captured, nothing run)."""
+    import subprocess
+
+    from arpo_lib import cli
+
+    seen = []
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: seen.append(cmd) or subprocess.CompletedProcess(cmd, 0))
+    assert cli.main(argv) == 0
+    return seen[0]
+
+
+def test_several_processes_start_torchrun_with_the_same_command(monkeypatch, capsys):
+    cmd = _launched(monkeypatch, ["train", "--config", "configs/smoke.yaml", "--nproc-per-node", "2", "train.steps=3"])
+    assert cmd[1:5] == ["-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone"]
+    assert cmd[5:] == ["-m", "arpo_lib", "train", "--config", "configs/smoke.yaml", "train.steps=3"]
+    multi = _launched(monkeypatch, ["resume", "--run", "runs/x", "--nproc-per-node", "8", "--nnodes", "2",
+                                    "--node-rank", "1", "--master-addr", "gpu-a"])
+    assert "--nnodes=2" in multi and "--node-rank=1" in multi and "--master-addr=gpu-a" in multi
+    # torchrun's parser would take `--run` for its own --run-path: a resume goes as `train --resume`
+    assert multi[-5:] == ["arpo_lib", "train", "--config", "runs/x/config.yaml", "--resume"]
+
+
+def test_the_slurm_script_launches_every_node_with_its_rank(tmp_path, monkeypatch):
+    import os
+    import shlex
+    import subprocess
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\nprintf 'gpu-a\\ngpu-b\\n'\n")
+    (bin_dir / "srun").write_text(f"#!/bin/sh\nprintf '%s' \"$4\" > {tmp_path}/cmd\n")  # srun OPT bash -c CMD
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu-[a-b]",
+           "SLURM_NNODES": "2", "SLURM_GPUS_PER_NODE": "h100:8"}
+    subprocess.run(["bash", "scripts/slurm_train.sh", "configs/osworld_full128.yaml", "train.steps=60"],
+                   env=env, check=True)
+    cmd = shlex.split((tmp_path / "cmd").read_text().replace("$SLURM_NODEID", "1"))
+    assert cmd[:2] == ["./workbench", "train"]
+    launch = _launched(monkeypatch, cmd[1:])
+    assert "--nproc-per-node=8" in launch and "--node-rank=1" in launch and "--master-addr=gpu-a" in launch
+    assert launch[-5:] == ["train", "--config", "configs/osworld_full128.yaml", "--resume", "train.steps=60"]

@@ -43,7 +43,8 @@ class EnvConfig:
     episode seed), the way an OSWorld task is one fixed configuration that ARPO trains on over and
     over. Names with `@<seed>` in `tasks` are fixed instances already."""
     workers: int = 2
-    """Parallel environment worker processes (one browser / VM each)."""
+    """Parallel environment worker processes (one browser / VM each). With several training
+    processes (torchrun) this is the total: each rank runs ceil(workers / world size) for its share."""
     envs_per_worker: int = 3
     """Environments (one per task) a worker keeps open, so returning to a task reuses its browser."""
     step_timeout_s: float = 120.0
