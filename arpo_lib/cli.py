@@ -20,6 +20,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 
 def _cmd_build_tiny_model(args: argparse.Namespace) -> int:
@@ -30,12 +31,12 @@ def _cmd_build_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _torchrun(args: argparse.Namespace, command: list[str]) -> int:
-    """Run `python -m arpo_lib <command>` as `--nproc-per-node` processes (per node) under torchrun;
-    each joins the process group and trains its share (arpo_lib/training/distributed.py)."""
+def _torchrun(args: argparse.Namespace, nproc: int, command: list[str]) -> int:
+    """Run `python -m arpo_lib <command>` as `nproc` processes (per node) under torchrun; each
+    joins the process group and trains its share (arpo_lib/training/distributed.py)."""
     import subprocess
 
-    launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc_per_node}"]
+    launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
     if args.nnodes > 1:
         launch += [f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}", f"--master-addr={args.master_addr}",
                    f"--master-port={args.master_port}"]
@@ -45,11 +46,13 @@ def _torchrun(args: argparse.Namespace, command: list[str]) -> int:
     return subprocess.run(launch + ["-m", "arpo_lib", *command]).returncode
 
 
-def _launches(args: argparse.Namespace) -> bool:
-    """Whether this call should start torchrun (asked for several processes, not already under it)."""
+def _processes(args: argparse.Namespace, cfg: Any) -> int:
+    """Training processes per node this call should start under torchrun (0: train here): the
+    `--nproc-per-node` flag, else train.nproc_per_node; never again inside torchrun's processes."""
     import os
 
-    return (args.nproc_per_node > 1 or args.nnodes > 1) and "LOCAL_RANK" not in os.environ
+    n = args.nproc_per_node or cfg.train.nproc_per_node
+    return n if (n > 1 or args.nnodes > 1) and "LOCAL_RANK" not in os.environ else 0
 
 
 def _is_main_process() -> bool:
@@ -61,10 +64,10 @@ def _is_main_process() -> bool:
 def _cmd_train(args: argparse.Namespace) -> int:
     from arpo_lib import build
 
-    if _launches(args):
-        return _torchrun(args, ["train", "--config", args.config, *(["--resume"] if args.resume else []),
-                                *args.overrides])
     cfg = build.load_config(args.config, args.overrides)
+    if nproc := _processes(args, cfg):
+        return _torchrun(args, nproc, ["train", "--config", args.config, *(["--resume"] if args.resume else []),
+                                       *args.overrides])
     with build.trainer(cfg, resume=args.resume) as trainer:
         trainer.train()
     if _is_main_process():
@@ -76,10 +79,11 @@ def _cmd_resume(args: argparse.Namespace) -> int:
     from arpo_lib import build
     from arpo_lib.run.layout import RunDir
 
-    if _launches(args):
-        # as `train --resume` (torchrun's own parser would take `--run` for its `--run-path`)
-        return _torchrun(args, ["train", "--config", str(RunDir(Path(args.run)).config), "--resume", *args.overrides])
     cfg = build.load_config(RunDir(Path(args.run)).config, args.overrides)
+    if nproc := _processes(args, cfg):
+        # as `train --resume` (torchrun's own parser would take `--run` for its `--run-path`)
+        return _torchrun(args, nproc, ["train", "--config", str(RunDir(Path(args.run)).config), "--resume",
+                                       *args.overrides])
     with build.trainer(cfg, resume=True) as trainer:
         trainer.train()
     if _is_main_process():
@@ -247,7 +251,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 def _add_launch_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("several processes (torchrun underneath; one per GPU)")
-    g.add_argument("--nproc-per-node", type=int, default=1, help="training processes on this node")
+    g.add_argument("--nproc-per-node", type=int, default=None,
+                   help="training processes on this node (default: train.nproc_per_node)")
     g.add_argument("--nnodes", type=int, default=1, help="nodes (run the same command on each)")
     g.add_argument("--node-rank", type=int, default=0, help="this node's rank (0 .. nnodes-1)")
     g.add_argument("--master-addr", default="127.0.0.1", help="address of node 0")

@@ -79,9 +79,18 @@ def evaluate_policy(trainer: Any, label: str, tasks: list[str] | None = None) ->
 
 
 def open_trainer(cfg: RunConfig) -> Any:
-    """A Trainer for the run: resumes from its last checkpoint when the run directory exists."""
-    from arpo_lib.training.checkpoint import latest_checkpoint
+    """A Trainer for the run: resumes from its last checkpoint when the run directory exists.
+    With train.nproc_per_node > 1 a `LaunchedTrainer`: the run trains in that many processes under
+    torchrun, and its `train` streams their progress here (arpo_lib/training/launch.py)."""
+    import os
 
+    from arpo_lib.training.checkpoint import latest_checkpoint
+    from arpo_lib.training.launch import LaunchedTrainer
+
+    if cfg.train.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
+        launched = LaunchedTrainer(cfg, cfg.train.nproc_per_node)
+        log.info("%s on %d processes: %s", cfg.run_dir, cfg.train.nproc_per_node, " ".join(launched.command()))
+        return launched
     run = RunDir(cfg.run_dir)
     resume = run.metrics.exists() or latest_checkpoint(run.checkpoints) is not None
     trainer = build.trainer(cfg, resume=resume)

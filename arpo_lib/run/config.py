@@ -197,6 +197,10 @@ class TrainConfig:
     """Tasks per rollout batch; each is rolled out `rollout.group_size` times."""
     updates_per_batch: int = 2
     """Optimizer steps per rollout batch (the batch is split into this many mini-batches; ARPO: 2)."""
+    nproc_per_node: int = 1
+    """Training processes on this node, one per GPU: above 1, `./workbench train` and the notebooks
+    start them under torchrun (FSDP2: arpo_lib/training/distributed.py). The command line's
+    `--nproc-per-node` (with `--nnodes` etc. for several nodes) overrides it."""
     micro_batch_size: int = 1
     """Sequences per forward/backward (gradient accumulation inside a mini-batch); used when
     `token_budget` is 0."""
@@ -434,7 +438,7 @@ def validate(cfg: RunConfig) -> None:
         "model.history_images": cfg.model.history_images, "model.max_new_tokens": cfg.model.max_new_tokens,
         "rollout.group_size": cfg.rollout.group_size, "train.tasks_per_batch": cfg.train.tasks_per_batch,
         "train.updates_per_batch": cfg.train.updates_per_batch,
-        "train.micro_batch_size": cfg.train.micro_batch_size,
+        "train.micro_batch_size": cfg.train.micro_batch_size, "train.nproc_per_node": cfg.train.nproc_per_node,
         "model.checkpoint_every_n_layers": cfg.model.checkpoint_every_n_layers, "eval.samples_per_task": cfg.eval.samples_per_task,
         "algo.replay.capacity_per_task": cfg.algo.replay.capacity_per_task,
         "train.keep_checkpoints": cfg.train.keep_checkpoints,

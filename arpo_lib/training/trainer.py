@@ -357,7 +357,7 @@ class Trainer:
             n_seq = len(mb)
             n_tok = sum(sum(seg.loss_mask) for seg, _, _ in mb)
             self.optimizer.zero_grad(set_to_none=True)
-            mb_loss = 0.0
+            mb_loss = mb_clip = mb_kl = mb_ref_kl = 0.0
             for micro, live in plan:
                 segs = [s for s, _ in micro]
                 new = self.policy.sequence_logprobs(segs, temperature, pack=cfg.train.pack, model=train_model)
@@ -381,13 +381,19 @@ class Trainer:
                 # a padding micro-batch (a rank with less work keeping FSDP's collectives in step) counts 0.
                 share = float(mask.sum()) / n_tok if cfg.algo.aggregation == "token-mean" else len(micro) / n_seq
                 (loss * (share * self.ranks.world_size if live else 0.0)).backward()
-                if live:
+                if live:  # the metrics: token means over the mini-batch, whatever its partition
                     mb_loss += loss.item() * share
-                    clips.append(m.get("clip_fraction", 0.0))
-                    kls.append(m.get("approx_kl", 0.0))
-                    ref_kls.append(m.get("kl", 0.0))
+                    tokens_share = float(mask.sum()) / n_tok
+                    mb_clip += m.get("clip_fraction", 0.0) * tokens_share
+                    mb_kl += m.get("approx_kl", 0.0) * tokens_share
+                    mb_ref_kl += m.get("kl", 0.0) * tokens_share
             if self.ranks.distributed:
-                mb_loss = dist_.all_reduce_sum([mb_loss], self.ranks)[0]
+                mb_loss, mb_clip, mb_kl, mb_ref_kl = dist_.all_reduce_sum([mb_loss, mb_clip, mb_kl, mb_ref_kl],
+                                                                          self.ranks)
+            if plan:
+                clips.append(mb_clip)
+                kls.append(mb_kl)
+                ref_kls.append(mb_ref_kl)
             norm = _grad_norm(torch.nn.utils.clip_grad_norm_(self._params(), cfg.train.grad_clip))
             if math.isfinite(norm):
                 self.optimizer.step()
@@ -406,7 +412,6 @@ class Trainer:
             train_model.eval()
             if stats["optimizer_steps"]:
                 dist_.sync_full_model(train_model, self.policy.model)
-            clips, kls, ref_kls = (sum(x, []) for x in zip(*dist_.gather_objects([clips, kls, ref_kls], self.ranks)))
         stats.update(loss=_mean(losses), clip_fraction=_mean(clips), grad_norm=_mean(norms), approx_kl=_mean(kls),
                      kl=_mean(ref_kls))
         return stats

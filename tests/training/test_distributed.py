@@ -1,7 +1,8 @@
 """Distributed training (FSDP2, torchrun) against one process: the same ARPO steps, the same
 weights and metrics, and checkpoints that resume with another number of processes.
 
-The runs are real: `python -m arpo_lib train --nproc-per-node 2` starts torchrun, two processes
+The runs are real: `python -m arpo_lib train --nproc-per-node 2` (or a notebook's
+`workflows.open_trainer` with train.nproc_per_node=2) starts torchrun, two processes
 join a gloo process group on the CPU, each runs its share of the MiniWoB episodes in its own
 headless Chromium and its share of every mini-batch on an FSDP2-sharded copy of the tiny model.
 """
@@ -105,18 +106,37 @@ def _assert_same(a: Path, b: Path) -> None:
             assert ma[k] == pytest.approx(mb[k], rel=1e-4, abs=1e-9), k
 
 
+def _train_from_a_notebook(out: Path, model: Path, name: str, nproc: int) -> tuple[Path, list[dict], str]:
+    """What subset_training.ipynb does with overrides=["train.nproc_per_node=N"]."""
+    from arpo_lib import workflows
+
+    cfg = workflows.prepare_run("configs/smoke.yaml", [f"model.path={model}", f"out_dir={out}",
+                                                       f"train.nproc_per_node={nproc}", *COMMON], name)
+    trainer = workflows.open_trainer(cfg)
+    assert trainer.warm_start() == [] and trainer.step == 0
+    streamed: list[dict] = []
+    history = trainer.train(on_step=streamed.append, echo=False)
+    assert history == streamed and trainer.step == 2
+    report = workflows.training_report(trainer)
+    trainer.close()
+    return out / name, history, report
+
+
 @pytest.fixture(scope="module")
 def runs(tiny_qwen2vl, chromium_available, tmp_path_factory):
     if not chromium_available:
         pytest.skip("needs chromium")
     out = tmp_path_factory.mktemp("distributed")
-    return out, {n: _train(out, tiny_qwen2vl, f"np{n}", n) for n in (1, 2)}
+    two, streamed, report = _train_from_a_notebook(out, tiny_qwen2vl, "np2", 2)
+    return out, {1: _train(out, tiny_qwen2vl, "np1", 1), 2: two}, streamed, report
 
 
 def test_two_processes_take_the_same_arpo_steps_as_one(runs):
-    _, run = runs
+    _, run, streamed, report = runs
     _assert_same(run[1], run[2])
     two = _metrics(run[2])
+    assert streamed == two  # the notebook saw every step as rank 0 recorded it
+    assert "steps: 2 / 2" in report and "replay buffer: 0 trajectories" not in report
     assert [m["optimizer_steps"] for m in two] == [2, 2] and two[-1]["replay_size"] > 0
     # rank 0 alone writes the records; both ranks wrote their own episodes into the run
     assert len((run[2] / "metrics.jsonl").read_text().splitlines()) == 2
@@ -133,7 +153,7 @@ def test_lora_with_activation_checkpointing_and_a_token_budget_too(tiny_qwen2vl,
 
 @pytest.mark.parametrize("written_by, resumed_by", [(2, 1), (1, 2)])
 def test_a_checkpoint_resumes_with_another_number_of_processes(runs, written_by, resumed_by):
-    out, run = runs
+    out, run, _, _ = runs
     copy = out / f"resume-{written_by}-{resumed_by}"
     shutil.copytree(run[written_by], copy)
     shutil.rmtree(copy / "checkpoints" / "step_000002")  # as if killed during step 2
