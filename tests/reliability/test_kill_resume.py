@@ -31,8 +31,8 @@ STEPS = 5
 TIMINGS = ("seconds_rollout", "seconds_update", "env_steps_per_s", "seconds_eval")
 
 
-def _train_args(model: Path, out: Path, name: str) -> list[str]:
-    return [sys.executable, "-m", "arpo_lib", "train", "--config", "configs/smoke.yaml",
+def _train_args(model: Path, out: Path, name: str, nproc: int = 1) -> list[str]:
+    return [sys.executable, "-m", "arpo_lib", "train", "--config", "configs/smoke.yaml", f"--nproc-per-node={nproc}",
             f"model.path={model}", f"out_dir={out}", f"name={name}",
             "env.tasks=[miniwob/click-test,miniwob/click-button]", "env.workers=1", "env.max_steps=2",
             "model.max_new_tokens=24", "rollout.group_size=2", "train.tasks_per_batch=2",
@@ -41,8 +41,8 @@ def _train_args(model: Path, out: Path, name: str) -> list[str]:
             "logging.progress=false"]
 
 
-def _resume_args(run: Path) -> list[str]:
-    return [sys.executable, "-m", "arpo_lib", "resume", "--run", str(run)]
+def _resume_args(run: Path, nproc: int = 1) -> list[str]:
+    return [sys.executable, "-m", "arpo_lib", "resume", "--run", str(run), f"--nproc-per-node={nproc}"]
 
 
 def _start(cmd: list[str]) -> subprocess.Popen:
@@ -120,10 +120,13 @@ def _assert_same(a: dict, b: dict, trial: str) -> None:
     assert a["optimizer"]["scheduler"] == b["optimizer"]["scheduler"]
 
 
+@pytest.mark.parametrize("nproc", [1, 2], ids=["1-process", "2-processes"])
 def test_sigkill_at_random_moments_then_resume_continues_exactly(tmp_path, tiny_qwen2vl, chromium_available,
-                                                                 figures, scale):
-    trials = scale(4, 20)
-    reference_seconds = _run_to_end(_train_args(tiny_qwen2vl, tmp_path, "reference"))
+                                                                 figures, scale, nproc):
+    """With 2 processes (torchrun, FSDP2 on gloo) the whole group -- torchrun, both ranks, their
+    browsers -- is killed; the resumed run must equal an uninterrupted 2-process run exactly."""
+    trials = scale(4, 20) if nproc == 1 else scale(2, 10)
+    reference_seconds = _run_to_end(_train_args(tiny_qwen2vl, tmp_path, "reference", nproc))
     reference = _final_state(tmp_path / "reference")
     step_seconds = max(0.5, sum(m["seconds_rollout"] + m["seconds_update"]
                                 for m in read_jsonl(tmp_path / "reference" / "metrics.jsonl")) / STEPS)
@@ -139,7 +142,7 @@ def test_sigkill_at_random_moments_then_resume_continues_exactly(tmp_path, tiny_
         # warm start), the rest after a random number of finished steps plus a random part of a
         # step (rollouts, the update, the checkpoint write). Every other trial also kills the
         # first resume.
-        for attempt, cmd in enumerate([_train_args(tiny_qwen2vl, tmp_path, name), _resume_args(run)]):
+        for attempt, cmd in enumerate([_train_args(tiny_qwen2vl, tmp_path, name, nproc), _resume_args(run, nproc)]):
             if attempt == 1 and not (trial % 2 and (run / "config.yaml").is_file()):
                 break
             done = len(read_jsonl(run / "metrics.jsonl"))
@@ -151,16 +154,16 @@ def test_sigkill_at_random_moments_then_resume_continues_exactly(tmp_path, tiny_
             if at is not None:
                 kills.append(_where(run, at))
         if (run / "config.yaml").is_file():
-            _run_to_end(_resume_args(run))
+            _run_to_end(_resume_args(run, nproc))
         else:  # killed before the run directory existed: a fresh start is the right recovery
-            _run_to_end(_train_args(tiny_qwen2vl, tmp_path, name))
+            _run_to_end(_train_args(tiny_qwen2vl, tmp_path, name, nproc))
         ck = latest_checkpoint(run / "checkpoints")
         _assert_same(reference, _final_state(run), f"trial {trial} (kills at {kills} s)")
         log.append({"trial": trial, "kills": kills, "final": ck.name})
         for p in run.glob("rollouts/*/*/*/*/*.png"):  # keep the temp dir small on long runs
             p.unlink()
     assert sum(len(t["kills"]) for t in log) >= trials // 2  # (a run may finish before its kill)
-    figures.update(trials=trials, kills=sum(len(t["kills"]) for t in log), steps_per_run=STEPS,
+    figures.update(processes=nproc, trials=trials, kills=sum(len(t["kills"]) for t in log), steps_per_run=STEPS,
                    kills_before_first_checkpoint=sum(k["checkpoint"] is None for t in log for k in t["kills"]),
                    kills_by_checkpoint={c: sum((k["checkpoint"] or "none") == c for t in log for k in t["kills"])
                                         for c in sorted({k["checkpoint"] or "none" for t in log for k in t["kills"]})},
