@@ -56,6 +56,30 @@ def tiny_model_dir(variant: str) -> Path:
     return path
 
 
+def real_config(shape: str) -> Any:
+    """The model config of a real shape (2b, 7b): the published widths and depths, the tokenizer
+    of the local tiny model of the same architecture."""
+    from transformers import AutoProcessor
+
+    from arpo_lib.agent.tiny_model import TinyModelSpec, _build_config
+
+    real = REAL_SHAPES[shape]
+    tokenizer = AutoProcessor.from_pretrained(tiny_model_dir(real["variant"])).tokenizer
+    config = _build_config(real["variant"], TinyModelSpec(**real["spec"]), tokenizer)
+    config.text_config.vocab_size = real["vocab"]
+    if "fullatt" in real:
+        config.vision_config.fullatt_block_indexes = real["fullatt"]
+    return config
+
+
+def meta_model(shape: str) -> Any:
+    """A real shape's model on torch's meta device: every parameter's shape, no memory."""
+    from transformers import AutoModelForImageTextToText
+
+    with torch.device("meta"):
+        return AutoModelForImageTextToText.from_config(real_config(shape))
+
+
 def build_policy(shape: str, device: str, text_layers: int | None = None, vision_layers: int | None = None,
                  **policy_kwargs: Any):
     """(HFPolicy, screenshot size) for a shape. Real shapes get random weights built on the device
@@ -68,17 +92,11 @@ def build_policy(shape: str, device: str, text_layers: int | None = None, vision
         if text_layers or vision_layers:
             raise ValueError("--text-layers/--vision-layers apply to the real shapes (2b, 7b)")
         return HFPolicy(tiny_model_dir(variant), device=device, **policy_kwargs), (320, 420)
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    from arpo_lib.agent.tiny_model import TinyModelSpec, _build_config
+    from transformers import AutoModelForImageTextToText
 
     real = REAL_SHAPES[shape]
     path = tiny_model_dir(real["variant"])
-    tokenizer = AutoProcessor.from_pretrained(path).tokenizer
-    config = _build_config(real["variant"], TinyModelSpec(**real["spec"]), tokenizer)
-    config.text_config.vocab_size = real["vocab"]
-    if "fullatt" in real:
-        config.vision_config.fullatt_block_indexes = real["fullatt"]
+    config = real_config(shape)
     if text_layers:
         config.text_config.num_hidden_layers = text_layers
         config.text_config.max_window_layers = text_layers

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import REAL_SHAPES, RESULTS_DIR  # noqa: E402
+from benchmarks.common import REAL_SHAPES, RESULTS_DIR, meta_model  # noqa: E402
 
 GIB = 2 ** 30
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -114,24 +114,6 @@ def table(counts: dict[str, Counts], gpus: tuple[int, ...] = (1, 2, 8, 16)) -> l
                                    else f"{(total - replica) / GIB:.1f} GiB (+{replica / GIB:.1f} rollout copy)")
             rows.append(row)
     return rows
-
-
-def meta_model(shape: str) -> Any:
-    """The real shape's model on the meta device (no weights allocated)."""
-    import torch
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    from arpo_lib.agent.tiny_model import TinyModelSpec, _build_config
-    from benchmarks.common import tiny_model_dir
-
-    real = REAL_SHAPES[shape]
-    tokenizer = AutoProcessor.from_pretrained(tiny_model_dir(real["variant"])).tokenizer
-    config = _build_config(real["variant"], TinyModelSpec(**real["spec"]), tokenizer)
-    config.text_config.vocab_size = real["vocab"]
-    if "fullatt" in real:
-        config.vision_config.fullatt_block_indexes = real["fullatt"]
-    with torch.device("meta"):
-        return AutoModelForImageTextToText.from_config(config)
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:

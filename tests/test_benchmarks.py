@@ -32,20 +32,9 @@ def test_rollout_benchmark_same_tokens_fewer_prefill(tmp_path):
 
 
 def _meta_model(shape):
-    from transformers import AutoModelForImageTextToText
+    from benchmarks.common import meta_model
 
-    from arpo_lib.agent.tiny_model import TinyModelSpec, _build_config
-    from benchmarks.common import tiny_model_dir
-    from transformers import AutoProcessor
-
-    real = REAL_SHAPES[shape]
-    tok = AutoProcessor.from_pretrained(tiny_model_dir(real["variant"])).tokenizer
-    config = _build_config(real["variant"], TinyModelSpec(**real["spec"]), tok)
-    config.text_config.vocab_size = real["vocab"]
-    if "fullatt" in real:
-        config.vision_config.fullatt_block_indexes = real["fullatt"]
-    with torch.device("meta"):
-        return AutoModelForImageTextToText.from_config(config)
+    return meta_model(shape)
 
 
 @pytest.mark.parametrize("shape,total_b,text_linear_b,vision_b", [("2b", 2.2, 1.3, 0.66), ("7b", 8.3, 6.5, 0.67)])
