@@ -170,20 +170,24 @@ class Trainer:
         return RolloutEngine(policy, self.pool, max_steps=self.cfg.env.max_steps,
                              format_coef=self.cfg.algo.format_coef, format_penalty=self.cfg.algo.format_penalty)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Close the environments, the server, the tracker and (distributed) the process group;
+        `failed`: leave the group without waiting for the other ranks (they may be stuck in a
+        collective this rank will never join; torchrun stops them when this process exits)."""
         if self._pool is not None:
             self._pool.close()
             self._pool = None
         if self.served is not None:
             self.served.close()
         self.tracker.finish()
-        dist_.close_process_group(self.ranks)
+        if not failed:
+            dist_.close_process_group(self.ranks)
 
     def __enter__(self) -> "Trainer":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close(failed=exc_type is not None)
 
     # -- the loop ----------------------------------------------------------------------------------
     def train(self, steps: int | None = None, on_step: Callable[[dict[str, Any]], None] | None = None
