@@ -170,3 +170,21 @@ def test_adafactor_with_several_processes_is_refused_with_the_reason(tiny_qwen2v
     with pytest.raises(ConfigError, match="cannot step FSDP shards"):
         build.trainer(cfg, ranks=distributed.Ranks(rank=0, world_size=2))
     assert not (tmp_path / "smoke").exists()
+
+
+def test_a_failed_launch_raises_with_the_processes_last_output(tmp_path):
+    from arpo_lib import build
+    from arpo_lib.training.launch import LaunchedTrainer
+
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho 'Setting OMP_NUM_THREADS environment variable'\n"
+                    "echo \"rank 1: ValueError: something broke ($*)\"\nexit 3\n")
+    fake.chmod(0o755)
+    cfg = build.load_config("configs/smoke.yaml", [f"out_dir={tmp_path}", "name=failing", "train.nproc_per_node=2"])
+    trainer = LaunchedTrainer(cfg, 2, python=str(fake))
+    with pytest.raises(RuntimeError, match=r"exit 3[\s\S]*something broke .*--nproc-per-node=2"):
+        trainer.train(echo=False, poll_s=0.05)
+    assert trainer.step == 0 and len(trainer.replay) == 0
+    assert (tmp_path / "failing" / "launch.yaml").is_file()
+    with pytest.raises(ValueError, match="at least 1"):
+        LaunchedTrainer(cfg, 0)
