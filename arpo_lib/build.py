@@ -30,7 +30,7 @@ from arpo_lib.run.config import ConfigError, RunConfig
 from arpo_lib.run.layout import RunDir
 from arpo_lib.run.records import safe_join
 from arpo_lib.serving.launch import ServerHandle, start_server
-from arpo_lib.serving.weight_sync import ServedPolicy, save_for_server
+from arpo_lib.serving.weight_sync import FollowingServed, ServedPolicy, save_for_server
 from arpo_lib.training import checkpoint as ckpt
 from arpo_lib.training.distributed import Ranks, barrier, device_for, init_process_group
 from arpo_lib.training.rollout import RolloutEngine
@@ -208,9 +208,6 @@ def trainer(cfg: RunConfig, *, resume: bool = False, policy: HFPolicy | None = N
     cfg = resolve_task_sets(check_tasks(cfg))
     ranks = Ranks.from_env() if ranks is None else ranks
     if ranks.distributed:
-        if cfg.rollout.backend != "hf":
-            raise ConfigError(f"rollout.backend={cfg.rollout.backend!r} with {ranks.world_size} training processes: "
-                              "distributed training generates in-process for now (rollout.backend=hf)")
         if cfg.train.optimizer == "adafactor":
             raise ConfigError(f"train.optimizer=adafactor with {ranks.world_size} training processes: torch's Adafactor "
                               "cannot step FSDP shards (its factored statistics need whole rows and columns). "
@@ -232,7 +229,10 @@ def trainer(cfg: RunConfig, *, resume: bool = False, policy: HFPolicy | None = N
     if checkpoint is not None and lora:
         trained.load_adapter(checkpoint / "model")
     reference = reference_model(cfg, trained.device) if cfg.algo.kl_coef > 0 else None
-    served = served_policy(cfg, trained) if cfg.rollout.backend == "server" else None
+    served = None
+    if cfg.rollout.backend == "server":  # distributed: rank 0 keeps the server current, the others follow
+        served = (served_policy(cfg, trained) if ranks.is_main
+                  else FollowingServed(connect=lambda url: server_policy(cfg, url)))
     return Trainer(cfg, trained, make_pool=lambda: env_pool(cfg, ranks.world_size), served=served, evaluator=evaluator(cfg),
                    checkpoint=checkpoint, resume=resume, reference=reference, ranks=ranks)
 

@@ -158,3 +158,36 @@ class ServedPolicy:
         if self.server is not None:
             self.server.stop()
             self.server = None
+
+
+class FollowingServed:
+    """The server of a distributed run, seen from a training process other than rank 0: it
+    connects to the URL rank 0 announces before each rollout batch (`Trainer.engine`) and never
+    pushes weights (rank 0 has, before announcing). Rank 0 records the server's metrics."""
+
+    def __init__(self, connect: Callable[[str], Any]):
+        self._connect = connect
+        self.client: Any = None
+        self.url: str | None = None
+
+    def follow(self, url: str) -> Any:
+        """The client of the server at `url` (a new one when rank 0's server moved, e.g. restarted)."""
+        if url != self.url:
+            if self.client is not None:
+                self.client.close()
+            self.client, self.url = self._connect(url), url
+        return self.client
+
+    def policy(self, version: int) -> Any:
+        if self.client is None:
+            raise RuntimeError("no server announced yet: rank 0 announces its server in Trainer.engine")
+        return self.client
+
+    def metrics(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+

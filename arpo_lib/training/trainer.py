@@ -163,10 +163,19 @@ class Trainer:
             self._pool = self._make_pool()
         return self._pool
 
-    def engine(self) -> RolloutEngine:
+    def engine(self, alone: bool = False) -> RolloutEngine:
         """The rollout engine with the generating policy: this process's model, or the server
-        (holding the current weights)."""
-        policy = self.policy if self.served is None else self.served.policy(self.weights_version)
+        (holding the current weights). Distributed, rank 0 brings the server up to date and
+        announces its URL to the other ranks, which all call this together (`alone`: rank 0
+        only, e.g. for its evaluation)."""
+        if self.served is None:
+            policy = self.policy
+        elif self.ranks.is_main:
+            policy = self.served.policy(self.weights_version)
+            if self.ranks.distributed and not alone:
+                dist_.broadcast_object(policy.base_url, self.ranks)
+        else:
+            policy = self.served.follow(dist_.broadcast_object(None, self.ranks))
         return RolloutEngine(policy, self.pool, max_steps=self.cfg.env.max_steps,
                              format_coef=self.cfg.algo.format_coef, format_penalty=self.cfg.algo.format_penalty)
 
@@ -513,7 +522,7 @@ class Trainer:
         `evaluator` that `build.trainer` gave); returns its `EvalResult`."""
         if self.evaluator is None:
             raise RuntimeError("this trainer was built without an evaluator (use arpo_lib.build.trainer)")
-        return self.evaluator(self.engine(), label, tasks)
+        return self.evaluator(self.engine(alone=True), label, tasks)
 
     def save_checkpoint(self) -> Path:
         """Write this step's checkpoint (rank 0 writes; with FSDP every rank first hands over its

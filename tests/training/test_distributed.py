@@ -188,3 +188,22 @@ def test_a_failed_launch_raises_with_the_processes_last_output(tmp_path):
     assert (tmp_path / "failing" / "launch.yaml").is_file()
     with pytest.raises(ValueError, match="at least 1"):
         LaunchedTrainer(cfg, 0)
+
+
+def test_two_processes_roll_out_through_one_server_that_rank_0_keeps_current(tiny_qwen2vl, chromium_available,
+                                                                            tmp_path):
+    """rollout.backend=server with 2 processes: rank 0 starts the server and restarts it on the
+    new weights after every update; both ranks send their episodes to it."""
+    if not chromium_available:
+        pytest.skip("needs chromium")
+    run = _train(tmp_path, tiny_qwen2vl, "served", 2, "rollout.backend=server", "serve.backend=hf",
+                 "rollout.weight_sync=restart", "env.max_steps=2", "model.max_new_tokens=24")
+    metrics = _metrics(run)
+    assert [m["step"] for m in metrics] == [1, 2] and all(m["optimizer_steps"] == 2 for m in metrics)
+    # rank 0's own client sent its half of the episodes' requests; the server holds the final weights
+    assert 0 < metrics[-1]["server_requests"] and metrics[-1]["seconds_sync_total"] > 0
+    served = load_file(run / "server_weights" / "model.safetensors")
+    final = _weights(run, 2)
+    assert all(torch.equal(served[k], final[k]) for k in final)
+    episodes = list((run / "rollouts" / "step_000001").rglob("meta.json"))
+    assert len(episodes) == 8 and all(json.loads(p.read_text())["status"] == "ok" for p in episodes)
