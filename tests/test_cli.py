@@ -54,15 +54,25 @@ def _launched(monkeypatch, argv):
     return seen[0]
 
 
-def test_several_processes_start_torchrun_with_the_same_command(monkeypatch, capsys):
+def test_several_processes_start_torchrun_with_the_same_command(monkeypatch, capsys, tmp_path):
+    from arpo_lib.run.config import load_config, save_config
+
     cmd = _launched(monkeypatch, ["train", "--config", "configs/smoke.yaml", "--nproc-per-node", "2", "train.steps=3"])
     assert cmd[1:5] == ["-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone"]
     assert cmd[5:] == ["-m", "arpo_lib", "train", "--config", "configs/smoke.yaml", "train.steps=3"]
-    multi = _launched(monkeypatch, ["resume", "--run", "runs/x", "--nproc-per-node", "8", "--nnodes", "2",
+    run = tmp_path / "x"
+    run.mkdir()
+    save_config(load_config("configs/smoke.yaml", [f"out_dir={tmp_path}", "name=x"]), run / "config.yaml")
+    multi = _launched(monkeypatch, ["resume", "--run", str(run), "--nproc-per-node", "8", "--nnodes", "2",
                                     "--node-rank", "1", "--master-addr", "gpu-a"])
     assert "--nnodes=2" in multi and "--node-rank=1" in multi and "--master-addr=gpu-a" in multi
     # torchrun's parser would take `--run` for its own --run-path: a resume goes as `train --resume`
-    assert multi[-5:] == ["arpo_lib", "train", "--config", "runs/x/config.yaml", "--resume"]
+    assert multi[-5:] == ["arpo_lib", "train", "--config", str(run / "config.yaml"), "--resume"]
+    # the config's train.nproc_per_node launches too; the flag wins over it
+    save_config(load_config("configs/smoke.yaml", [f"out_dir={tmp_path}", "name=x", "train.nproc_per_node=3"]),
+                run / "config.yaml")
+    assert "--nproc-per-node=3" in _launched(monkeypatch, ["resume", "--run", str(run)])
+    assert "--nproc-per-node=2" in _launched(monkeypatch, ["resume", "--run", str(run), "--nproc-per-node", "2"])
 
 
 def test_the_slurm_script_launches_every_node_with_its_rank(tmp_path, monkeypatch):
