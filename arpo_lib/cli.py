@@ -49,16 +49,16 @@ def _torchrun(args: argparse.Namespace, nproc: int, command: list[str]) -> int:
 def _processes(args: argparse.Namespace, cfg: Any) -> int:
     """Training processes per node this call should start under torchrun (0: train here): the
     `--nproc-per-node` flag, else train.nproc_per_node; never again inside torchrun's processes."""
-    import os
+    from arpo_lib.training.distributed import Ranks
 
     n = args.nproc_per_node or cfg.train.nproc_per_node
-    return n if (n > 1 or args.nnodes > 1) and "LOCAL_RANK" not in os.environ else 0
+    return n if (n > 1 or args.nnodes > 1) and not Ranks.under_torchrun() else 0
 
 
 def _is_main_process() -> bool:
-    import os
+    from arpo_lib.training.distributed import Ranks
 
-    return os.environ.get("RANK", "0") == "0"
+    return Ranks.from_env().is_main
 
 
 def _cmd_train(args: argparse.Namespace) -> int:

@@ -82,12 +82,11 @@ def open_trainer(cfg: RunConfig) -> Any:
     """A Trainer for the run: resumes from its last checkpoint when the run directory exists.
     With train.nproc_per_node > 1 a `LaunchedTrainer`: the run trains in that many processes under
     torchrun, and its `train` streams their progress here (arpo_lib/training/launch.py)."""
-    import os
-
     from arpo_lib.training.checkpoint import latest_checkpoint
+    from arpo_lib.training.distributed import Ranks
     from arpo_lib.training.launch import LaunchedTrainer
 
-    if cfg.train.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
+    if cfg.train.nproc_per_node > 1 and not Ranks.under_torchrun():
         launched = LaunchedTrainer(cfg, cfg.train.nproc_per_node)
         log.info("%s on %d processes: %s", cfg.run_dir, cfg.train.nproc_per_node, " ".join(launched.command()))
         return launched

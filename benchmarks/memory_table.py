@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import REAL_SHAPES, RESULTS_DIR, meta_model  # noqa: E402
+from arpo_lib.agent.model.lora import LORA_TARGETS  # noqa: E402
+from benchmarks.common import REAL_SHAPES, RESULTS_DIR, meta_model, table  # noqa: E402
 
 GIB = 2 ** 30
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,8 @@ def per_gpu_bytes(c: Counts, gpus: int, mode: str, lora_rank: int = 16) -> dict[
     return parts
 
 
-def table(counts: dict[str, Counts], gpus: tuple[int, ...] = (1, 2, 8, 16)) -> list[dict[str, Any]]:
+def memory_rows(counts: dict[str, Counts], gpus: tuple[int, ...] = (1, 2, 8, 16)) -> list[dict[str, Any]]:
+    """One row per shape and update: total GiB per GPU at each GPU count."""
     rows = []
     for shape, c in counts.items():
         for mode in ("full-adamw", "lora-adamw", "full-adafactor"):
@@ -116,26 +117,19 @@ def table(counts: dict[str, Counts], gpus: tuple[int, ...] = (1, 2, 8, 16)) -> l
     return rows
 
 
-def markdown(rows: list[dict[str, Any]]) -> str:
-    cols = list(rows[0])
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", nargs="+", default=["7b", "2b"], choices=sorted(REAL_SHAPES))
     ap.add_argument("--out", default=str(RESULTS_DIR))
     args = ap.parse_args(argv)
     counts = {s: count(meta_model(s)) for s in args.shapes}
-    rows = table(counts)
+    rows = memory_rows(counts)
     result = {"kind": "computed, not measured", "counts": {s: asdict(c) for s, c in counts.items()}, "rows": rows,
               "command": "python benchmarks/memory_table.py"}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "memory_computed.json").write_text(json.dumps(result, indent=1) + "\n")
-    print(markdown(rows))
+    print(table(rows, list(rows[0])))
     return result
 
 

@@ -284,7 +284,8 @@ class HFPolicy(UITarsConversations):
         predict a trained token, `logprob_chunk` positions at a time (arpo_lib.agent.model.logprobs):
         full-vocabulary logits over a multi-image sequence never exist. `pack` puts the segments
         end to end in one row instead of right-padded rows (arpo_lib.agent.model.packing).
-        `model`: another network of the same architecture (the frozen KL reference) instead of ours.
+        `model`: another network of the same architecture (the frozen KL reference) instead of ours,
+        or the FSDP-sharded `LogprobNet` of distributed training (one module call for the forward).
         """
         model = model if model is not None else self.model
         sharded = isinstance(model, LogprobNet)  # the FSDP copy of distributed training

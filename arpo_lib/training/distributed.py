@@ -55,6 +55,11 @@ class Ranks:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @staticmethod
+    def under_torchrun() -> bool:
+        """Whether this process is one of torchrun's (which must not start torchrun again)."""
+        return "LOCAL_RANK" in os.environ
+
     @classmethod
     def from_env(cls) -> "Ranks":
         return cls(rank=int(os.environ.get("RANK", 0)), world_size=int(os.environ.get("WORLD_SIZE", 1)),
@@ -178,8 +183,8 @@ def barrier(ranks: Ranks) -> None:
 
 
 def load_full_into_sharded(full: torch.nn.Module, sharded: LogprobNet) -> None:
-    """Copy the full model's weights into the shards (after the warm start, which trains the full
-    model identically on every rank)."""
+    """Copy the full model's weights into the shards (after the warm start, which rank 0 trained
+    and `broadcast_model` handed to every rank)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     state = {f"net.{k}": v for k, v in full.state_dict().items()}

@@ -43,6 +43,7 @@ class LaunchedTrainer:
         self.process: subprocess.Popen | None = None
         self.output: deque[str] = deque(maxlen=200)
         """The processes' last lines of output (for the error message of a failed run)."""
+        self._replay: tuple[Any, ReplayBuffer] | None = None
 
     # -- what a notebook reads ---------------------------------------------------------------------
     @property
@@ -57,7 +58,9 @@ class LaunchedTrainer:
         ckpt = latest_checkpoint(self.run.checkpoints)
         if ckpt is None:
             return ReplayBuffer(enabled=self.cfg.algo.replay.enabled)
-        return ReplayBuffer.load(ckpt / layout.REPLAY)
+        if self._replay is None or self._replay[0] != ckpt:  # read once per checkpoint
+            self._replay = (ckpt, ReplayBuffer.load(ckpt / layout.REPLAY))
+        return self._replay[1]
 
     def warm_start(self) -> list[float]:
         """Nothing here: the launched run warm-starts itself before its first step (rank 0 trains,

@@ -97,8 +97,9 @@ def _metrics(run: Path) -> list[dict]:
 def _assert_same(a: Path, b: Path) -> None:
     wa, wb = _weights(a, 2), _weights(b, 2)
     assert wa.keys() == wb.keys()
+    before = _weights(a, 1)
     gap = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
-    moved = max(float((wa[k] - _weights(a, 1)[k]).abs().max()) for k in wa)
+    moved = max(float((wa[k] - before[k]).abs().max()) for k in wa)
     assert gap < 2e-5 and moved > 20 * gap, (gap, moved)
     for ma, mb in zip(_metrics(a), _metrics(b), strict=True):
         assert {k: ma[k] for k in EXACT} == {k: mb[k] for k in EXACT}
@@ -207,3 +208,28 @@ def test_two_processes_roll_out_through_one_server_that_rank_0_keeps_current(tin
     assert all(torch.equal(served[k], final[k]) for k in final)
     episodes = list((run / "rollouts" / "step_000001").rglob("meta.json"))
     assert len(episodes) == 8 and all(json.loads(p.read_text())["status"] == "ok" for p in episodes)
+
+
+def test_interrupting_a_launched_run_stops_its_processes(tmp_path):
+    """What a notebook's interrupt does: KeyboardInterrupt inside `train` ends the whole process
+    group (torchrun and its ranks) and is raised again; the run can be resumed later."""
+    import time
+
+    from arpo_lib import build
+    from arpo_lib.training.launch import LaunchedTrainer
+
+    fake = tmp_path / "python"  # stands in for torchrun: records a step, then trains "forever"
+    fake.write_text('#!/bin/sh\ndir=$(dirname "$5")\n'
+                    'echo \'{"step": 1, "success_rate": 0.5}\' > "$dir/metrics.jsonl"\nsleep 120 & wait\n')
+    fake.chmod(0o755)
+    cfg = build.load_config("configs/smoke.yaml", [f"out_dir={tmp_path}", "name=interrupted"])
+    trainer = LaunchedTrainer(cfg, 2, python=str(fake))
+
+    def interrupt(metrics):
+        raise KeyboardInterrupt
+
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train(on_step=interrupt, echo=False, poll_s=0.05)
+    assert trainer.process.poll() is not None and time.monotonic() - start < 30
+    assert trainer.step == 1
