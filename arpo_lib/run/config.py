@@ -24,6 +24,9 @@ import yaml
 from arpo_lib.run.net import is_loopback
 from arpo_lib.run.records import safe_name
 
+LR_SCHEDULES = ("constant", "cosine", "linear")
+"""train.lr_schedule's choices (arpo_lib/training/optim.py: lr_factor)."""
+
 
 class ConfigError(ValueError):
     """A config file or override is invalid; the message names the key."""
@@ -224,6 +227,11 @@ class TrainConfig:
     row stop the run with an error (0 = never stop)."""
     warmup_ratio: float = 0.05
     """Share of total optimizer steps with linear warm-up."""
+    lr_schedule: str = "constant"
+    """After the warm-up: `constant` (ARPO), `cosine` or `linear` decay to lr x `min_lr_ratio` at
+    the last optimizer step (arpo_lib/training/optim.py)."""
+    min_lr_ratio: float = 0.0
+    """Where a decaying schedule ends, as a share of `lr`."""
     seed: int = 0
     """Seed of task order, environment seeds and sampling."""
     checkpoint_every: int = 1
@@ -472,6 +480,10 @@ def validate(cfg: RunConfig) -> None:
         _fail("train.lr", f"must be > 0, got {cfg.train.lr}")
     if not 0 <= cfg.train.warmup_ratio < 1:
         _fail("train.warmup_ratio", f"must be in [0, 1), got {cfg.train.warmup_ratio}")
+    if cfg.train.lr_schedule not in LR_SCHEDULES:
+        _fail("train.lr_schedule", f"{cfg.train.lr_schedule!r} is not one of {', '.join(LR_SCHEDULES)}")
+    if not 0 <= cfg.train.min_lr_ratio <= 1:
+        _fail("train.min_lr_ratio", f"must be in [0, 1], got {cfg.train.min_lr_ratio}")
     batch = cfg.train.tasks_per_batch * cfg.rollout.group_size
     if cfg.train.updates_per_batch > batch:
         _fail("train.updates_per_batch", f"{cfg.train.updates_per_batch} mini-batches from a batch of {batch} trajectories")

@@ -17,6 +17,8 @@ from typing import Sequence, TypeVar
 
 import torch
 
+from arpo_lib.run.config import LR_SCHEDULES
+
 T = TypeVar("T")
 
 
@@ -36,13 +38,31 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
                for v in state.values() if torch.is_tensor(v))
 
 
-def warmup_schedule(optimizer: torch.optim.Optimizer, total_updates: int,
-                    warmup_ratio: float) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warm-up over the first `warmup_ratio` of `total_updates` optimizer steps, then
-    constant (ARPO's subset run: 5%; the first step already uses lr / warmup, not 0)."""
-    warmup = math.ceil(warmup_ratio * max(1, total_updates))
+def lr_factor(update: int, total_updates: int, warmup_ratio: float, schedule: str = "constant",
+              min_lr_ratio: float = 0.0) -> float:
+    """The learning rate of optimizer step `update` (0-based) as a share of the peak: linear
+    warm-up over the first `warmup_ratio` of `total_updates` (ARPO's subset run: 5%; the first step
+    already uses lr / warmup, not 0), then `constant` (ARPO), or a `cosine` or `linear` decay that
+    reaches `min_lr_ratio` at the last step (verl's cosine schedule with its min_lr_ratio)."""
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(f"unknown lr schedule {schedule!r} ({', '.join(LR_SCHEDULES)})")
+    total = max(1, total_updates)
+    warmup = math.ceil(warmup_ratio * total)
+    if update < warmup:
+        return (update + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (update - warmup) / max(1, total - warmup - 1))
+    shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
+    return min_lr_ratio + (1.0 - min_lr_ratio) * shape
+
+
+def warmup_schedule(optimizer: torch.optim.Optimizer, total_updates: int, warmup_ratio: float,
+                    schedule: str = "constant", min_lr_ratio: float = 0.0) -> torch.optim.lr_scheduler.LambdaLR:
+    """torch's LambdaLR over `lr_factor` (its state is one counter, saved in every checkpoint)."""
+    lr_factor(0, total_updates, warmup_ratio, schedule, min_lr_ratio)  # unknown schedule: fail here
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda u: min(1.0, (u + 1) / warmup) if warmup > 0 else 1.0)
+        optimizer, lambda u: lr_factor(u, total_updates, warmup_ratio, schedule, min_lr_ratio))
 
 
 def token_budget_batches(lengths: Sequence[int], budget: int, packed: bool = False) -> list[list[int]]:

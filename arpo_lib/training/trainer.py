@@ -115,7 +115,8 @@ class Trainer:
                                                       compute_dtype=policy.compute_dtype)
             params = [p for p in self.train_net.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(t.optimizer, params, t.lr, t.weight_decay)
-        self.scheduler = warmup_schedule(self.optimizer, t.steps * t.updates_per_batch, t.warmup_ratio)
+        self.scheduler = warmup_schedule(self.optimizer, t.steps * t.updates_per_batch, t.warmup_ratio,
+                                         t.lr_schedule, t.min_lr_ratio)
         self.replay: ReplayBuffer[dict[str, Any]] = ReplayBuffer(
             capacity_per_task=rp.capacity_per_task, success_threshold=rp.success_threshold, enabled=rp.enabled,
             seed=stable_seed(t.seed, "replay"), std_threshold=rp.std_threshold, mean_threshold=rp.mean_threshold)

@@ -6,15 +6,17 @@ import os
 import signal
 import subprocess
 import sys
+import math
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from arpo_lib.run.config import load_config
+from arpo_lib.run.config import ConfigError, load_config
 from arpo_lib.run.records import read_jsonl
 from arpo_lib.training.checkpoint import latest_checkpoint
+from arpo_lib.training.optim import lr_factor
 from arpo_lib import build
 from arpo_lib.training.trainer import task_batch
 
@@ -185,6 +187,29 @@ def test_warmup_schedule(tmp_path, tiny_qwen2vl):
         t.scheduler.step()
     t.close()
     assert lrs == pytest.approx([0.5e-3, 1e-3, 1e-3, 1e-3])
+
+
+def test_decaying_lr_schedules_end_at_min_lr_ratio(tmp_path, tiny_qwen2vl):
+    cfg = _cfg(tmp_path, tiny_qwen2vl, "train.steps=5", "train.warmup_ratio=0.2", "train.lr=1e-3",
+               "train.lr_schedule=cosine", "train.min_lr_ratio=0.1")
+    t = build.trainer(cfg)  # 5 updates: 1 warm-up, then cos over 4 steps from 1e-3 to 1e-4
+    lrs = []
+    for _ in range(5):
+        lrs.append(t.scheduler.get_last_lr()[0])
+        t.optimizer.step()
+        t.scheduler.step()
+    t.close()
+    half = 1e-4 + 0.9e-3 * 0.5 * (1 + math.cos(math.pi / 3))
+    assert lrs == pytest.approx([1e-3, 1e-3, half, 1e-4 + 0.9e-3 * 0.25, 1e-4])
+    assert [lr_factor(u, 4, 0.0, "linear") for u in range(4)] == pytest.approx([1.0, 2 / 3, 1 / 3, 0.0])
+    assert lr_factor(10, 4, 0.0, "linear", 0.2) == pytest.approx(0.2)  # past the end: stays at the floor
+
+
+@pytest.mark.parametrize("override, message", [("train.lr_schedule=step", "train.lr_schedule"),
+                                               ("train.min_lr_ratio=1.5", "train.min_lr_ratio")])
+def test_lr_schedule_options_are_checked(tmp_path, tiny_qwen2vl, override, message):
+    with pytest.raises(ConfigError, match=message):
+        _cfg(tmp_path, tiny_qwen2vl, override)
 
 
 @pytest.mark.slow
