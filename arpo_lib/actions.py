@@ -662,3 +662,63 @@ def _type_lines(text: str) -> list[str]:
 
 def _paste(text: str) -> list[str]:
     return [f"pyperclip.copy({text!r})", "pyautogui.hotkey('ctrl', 'v')", f"time.sleep({PASTE_PAUSE_S!r})"]
+
+
+class UnsafeCodeError(ValueError):
+    """Code offered for execution is not what `to_pyautogui` generates (the desktop sandbox's action
+    server refuses it)."""
+
+
+_POINT_FUNCTIONS = frozenset({"click", "doubleClick", "rightClick", "moveTo", "dragTo"})
+_KEY_FUNCTIONS = frozenset({"hotkey", "press", "keyDown", "keyUp"})
+
+
+def _literal_arg(node: ast.AST, where: str) -> object:
+    try:
+        value = ast.literal_eval(node)
+    except ValueError:
+        raise UnsafeCodeError(f"{where}: argument {ast.unparse(node)!r} is not a literal") from None
+    if isinstance(value, float) and not math.isfinite(value):
+        raise UnsafeCodeError(f"{where}: non-finite number")
+    if not isinstance(value, (int, float, str)) or isinstance(value, bool):
+        raise UnsafeCodeError(f"{where}: argument of type {type(value).__name__}")
+    return value
+
+
+def check_action_code(code: str, screen_size: tuple[int, int]) -> None:
+    """Raise UnsafeCodeError unless `code` has the shape `to_pyautogui` produces: imports of
+    pyautogui/time/pyperclip/os only, the two fixed output-detaching lines, and calls from
+    GENERATED_CALLS with literal arguments, points inside the screen and keys from VALID_KEYS.
+    (What runs inside the desktop sandbox: a model cannot smuggle other code through it.)"""
+    try:
+        tree = ast.parse(code)
+    except SyntaxError as e:
+        raise UnsafeCodeError(f"not valid Python: {e.msg}") from None
+    width, height = screen_size
+    for stmt in tree.body:
+        where = ast.unparse(stmt)[:80]
+        if isinstance(stmt, ast.Import):
+            if [(a.name, a.asname) for a in stmt.names] not in ([("pyautogui", None)], [("time", None)],
+                                                                [("pyperclip", None)], [("os", None)]):
+                raise UnsafeCodeError(f"{where}: only pyautogui, time, pyperclip and os may be imported")
+            continue
+        if ast.unparse(stmt) in DETACH_OUTPUT:
+            continue
+        if not (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call)
+                and isinstance(stmt.value.func, ast.Attribute) and isinstance(stmt.value.func.value, ast.Name)):
+            raise UnsafeCodeError(f"{where}: only module.function(...) calls are allowed")
+        call = stmt.value
+        owner, name = call.func.value.id, call.func.attr  # type: ignore[attr-defined]
+        if (owner, name) not in GENERATED_CALLS:
+            raise UnsafeCodeError(f"{where}: {owner}.{name} is not an allowed call")
+        args = [_literal_arg(a, where) for a in call.args]
+        if any(k.arg is None for k in call.keywords):
+            raise UnsafeCodeError(f"{where}: ** arguments are not allowed")
+        kwargs = {k.arg: _literal_arg(k.value, where) for k in call.keywords}
+        point = args[:2] if len(args) >= 2 else [kwargs.get("x"), kwargs.get("y")]
+        if name in _POINT_FUNCTIONS or (name == "scroll" and "x" in kwargs):
+            x, y = point
+            if not (isinstance(x, int) and isinstance(y, int) and 0 <= x < width and 0 <= y < height):
+                raise UnsafeCodeError(f"{where}: point outside the {width}x{height} screen")
+        if name in _KEY_FUNCTIONS and not all(a in VALID_KEYS for a in args):
+            raise UnsafeCodeError(f"{where}: unknown key")

@@ -15,6 +15,17 @@ if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null \
   sudo_if_needed apt-get update -qq
   sudo_if_needed env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver xvfb xclip >/dev/null
 fi
+#    The desktop environments (desktop/<task>): a sandbox (bubblewrap), a window manager, the tool
+#    their set-up steps use (xdotool) and the suite's applications; without recommends (those
+#    would add Qt, gvfs and icon themes: a larger install and other-looking screens).
+if ! command -v bwrap >/dev/null || ! command -v openbox >/dev/null || ! command -v xdotool >/dev/null \
+    || ! command -v mousepad >/dev/null || ! command -v stterm >/dev/null || ! command -v pcmanfm >/dev/null \
+    || ! command -v dbus-launch >/dev/null; then
+  say "installing the desktop sandbox and applications with apt (bubblewrap openbox xdotool mousepad stterm pcmanfm dbus-x11)"
+  sudo_if_needed apt-get update -qq
+  sudo_if_needed env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+    bubblewrap openbox xdotool mousepad stterm pcmanfm dbus-x11 >/dev/null
+fi
 
 # 2. The Python environment.
 PY="${ARPO_PYTHON:-$(command -v python3.11 || command -v python3)}"

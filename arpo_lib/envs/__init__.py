@@ -207,6 +207,27 @@ register_env(
 )
 
 
+def _make_desktop(task: str, **options: Any) -> GUIEnv:
+    from arpo_lib.envs.desktop.env import DesktopEnv  # the sandbox starts at the first reset
+
+    return DesktopEnv(task, **options)
+
+
+def _desktop_tasks() -> Sequence[str]:
+    from arpo_lib.envs.desktop.tasks import desktop_tasks  # reads the suite's JSON files
+
+    return desktop_tasks()
+
+
+register_env(
+    "desktop",
+    _make_desktop,
+    "Real desktop applications (text editor, terminal, file manager, Chromium) in a sandboxed X "
+    "desktop, checked like OSWorld (options: screen, max_steps, settle_s, wait_s, reward)",
+    tasks=_desktop_tasks,
+)
+
+
 # ---- names beyond one task: domains and task sets ------------------------------------------
 
 def domain_of(task: str) -> str:

@@ -1,0 +1,153 @@
+"""The desktop rung: the sandbox (no network, own user, fresh home, every process ended), the
+action server's code check, the OSWorld-format task suite (each scripted solution scores 1, a
+no-op 0) and the environment contract. Skipped where bubblewrap, Xvfb, openbox or xdotool are
+missing (./workbench setup installs them)."""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from arpo_lib.actions import Action, UnsafeCodeError, check_action_code, to_pyautogui
+from arpo_lib.envs import list_envs, make_env
+from arpo_lib.envs.base import EnvError
+from arpo_lib.envs.desktop import tasks as suite
+from arpo_lib.envs.desktop.sandbox import Sandbox, desktop_unavailable
+from arpo_lib.envs.desktop.scripted import solution_actions
+
+REASON = desktop_unavailable()
+needs_desktop = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+SCREEN = (1280, 800)
+APPS = {"mousepad": "editor", "stterm": "terminal", "pcmanfm": "file manager", "chromium": "browser"}
+
+
+# ---- the suite's files (no sandbox needed) ---------------------------------------------------
+
+def test_the_suite_has_twelve_tasks_over_four_applications_in_osworld_format():
+    ids = suite.desktop_tasks()
+    assert len(ids) >= 12
+    apps = set()
+    for task_id in ids:
+        task = suite.load_task(task_id)
+        assert task["id"] == task_id and task["instruction"] and task["config"]
+        assert set(task["evaluator"]) >= {"func", "result", "expected"}
+        assert task["evaluator"]["func"] in suite.METRICS and task["evaluator"]["result"]["type"] in suite.GETTERS
+        assert all(step["type"] in suite.SETUP_STEPS for step in task["config"])
+        assert task["x_solution"], task_id
+        apps.update(suite.required_commands(task))
+    assert apps == set(APPS)
+    assert [f"desktop/{t}" for t in ids] == list_envs("desktop")
+
+
+def test_unknown_task_and_unknown_setup_step_are_clear_errors():
+    with pytest.raises(ValueError, match="no desktop task 'nope'"):
+        suite.load_task("nope")
+    with pytest.raises(EnvError, match="unknown type 'download'"):
+        suite.run_setup(object(), [{"type": "download", "parameters": {}}])
+
+
+def test_metrics_on_hand_made_results():
+    assert suite.compare_text_lines(b"a\nb  \n\n", ["a", "b"]) == 1.0
+    assert suite.compare_text_lines(b"a\nc\n", ["a", "b"]) == 0.0
+    assert suite.compare_text_lines(None, []) == 0.0
+    info = {"/d": {"kind": "dir", "mode": 0o755}, "/f": {"kind": "file", "mode": 0o644}, "/x": None}
+    assert suite.check_paths(info, dirs=["/d"], files=["/f"], absent=["/x"]) == 1.0
+    assert suite.check_paths(info, executable=["/f"]) == 0.0
+    assert suite.check_paths(info, files=["/d"]) == 0.0
+    assert suite.file_contains(b'{"url": "file:///p"}', "file:///p") == 1.0 and suite.file_contains(None, "x") == 0.0
+
+
+def test_the_code_check_accepts_generated_code_and_refuses_anything_else():
+    for action in [Action(kind="click", point=(10, 20)), Action(kind="type", text="héllo\n"),
+                   Action(kind="hotkey", keys=["ctrl", "s"]), Action(kind="scroll", point=(5, 5), direction="left"),
+                   Action(kind="drag", point=(1, 1), end_point=(99, 99)), Action(kind="left_double", point=(3, 4))]:
+        check_action_code(to_pyautogui(action, (100, 100)), (100, 100))
+    for bad, why in [("import subprocess", "may be imported"), ("import pyautogui\nos.system('id')", "not an allowed"),
+                     ("pyautogui.click(100, 5)", "outside"), ("pyautogui.write(open('/etc/passwd').read())", "literal"),
+                     ("pyautogui.press('nokey')", "unknown key"), ("x = 1", "only module.function"),
+                     ("pyautogui.click(**{'x': 1})", "\\*\\*"), ("pyautogui.click(", "not valid Python"),
+                     ("__import__('os').system('id')", "only module.function")]:
+        with pytest.raises(UnsafeCodeError, match=why):
+            check_action_code(bad, (100, 100))
+
+
+# ---- a real sandbox ---------------------------------------------------------------------------
+
+@needs_desktop
+def test_sandbox_isolation_fresh_home_and_cleanup():
+    with Sandbox(SCREEN) as box:
+        assert box.get_json("/screen_size") == {"width": SCREEN[0], "height": SCREEN[1]}
+        png = box.screenshot()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n"
+        who = box.execute("id -un; echo $HOME; cat /proc/net/dev | tail -n +3 | cut -d: -f1", shell=True)["output"].split()
+        assert who[:2] == ["user", "/home/user"] and who[2:] == ["lo"]  # own user; no network device but loopback
+        assert box.execute(["touch", "/etc/arpo-test"])["returncode"] != 0  # the host is read-only
+        assert not os.path.exists("/etc/arpo-test")
+        box.execute("echo kept > ~/file.txt", shell=True)
+        assert (box.home / "file.txt").read_text() == "kept\n"
+        box.launch(["sleep", "600"])
+        time.sleep(0.3)
+        assert box.reset_session() >= 1
+        assert sorted(p.name for p in box.home.iterdir()) == ["Desktop", "Documents", "Downloads"]
+        assert "sleep" not in box.execute(["ps", "-eo", "comm"])["output"].split()
+        refused = box.run_action("import os\nos.system('touch /home/user/pwned')")
+        assert refused["status"] == "refused" and not (box.home / "pwned").exists()
+        box.launch(["sleep", "600"])
+        workdir, pid = box.workdir, box.process.pid
+    assert not workdir.exists()
+    time.sleep(0.5)
+    leftover = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline(p).startswith("sleep600")]
+    assert not leftover and not os.path.exists(f"/proc/{pid}/status")
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b"").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+@needs_desktop
+def test_a_dead_sandbox_is_an_env_error_and_the_next_reset_replaces_it():
+    env = make_env("desktop/terminal-mkdir", screen=SCREEN, max_steps=3)
+    try:
+        env.reset()
+        env.sandbox.process.kill()
+        env.sandbox.process.wait()
+        with pytest.raises(EnvError):
+            env.step(Action(kind="type", text="ls\n"))
+        obs, _ = env.reset()
+        assert obs.screenshot.size == SCREEN
+        _, reward, terminated, truncated, _ = env.step(Action(kind="type", text="ls\n"))
+        assert (reward, terminated, truncated) == (0.0, False, False)
+        *_, truncated, _ = env.step(Action(kind="wait"))
+        *_, truncated, _ = env.step(Action(kind="wait"))
+        assert truncated  # the step cap ends the episode, scored like OSWorld
+    finally:
+        env.close()
+
+
+@needs_desktop
+@pytest.mark.slow
+@pytest.mark.parametrize("task_id", suite.desktop_tasks())
+def test_scripted_solution_scores_one_and_a_no_op_zero(task_id):
+    env = make_env(f"desktop/{task_id}", screen=SCREEN)
+    try:
+        obs, _ = env.reset()
+        assert obs.instruction == suite.load_task(task_id)["instruction"] and obs.screenshot.size == SCREEN
+        reward, steps = 0.0, 0
+        for action in solution_actions(task_id, obs.screenshot.size):
+            obs, reward, terminated, truncated, info = env.step(action)
+            steps += 1
+            assert info["action_error"] is None, info
+            if terminated or truncated:
+                break
+        assert terminated and reward == 1.0, f"{task_id}: the scripted solution scored {reward}"
+        env.reset()  # a fresh home: the solution's files are gone
+        *_, reward, terminated, _, _ = env.step(Action(kind="finished"))
+        assert terminated and reward == 0.0, f"{task_id}: a no-op scored {reward}"
+    finally:
+        env.close()
