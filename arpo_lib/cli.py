@@ -5,7 +5,7 @@
             [--nproc-per-node N [--nnodes M --node-rank R --master-addr A]]   on N processes per node (torchrun)
     resume  --run runs/smoke [--nproc-per-node N ...]       continue a run from its last checkpoint
     eval    --config configs/smoke.yaml [--model DIR] [key=value ...]
-    smoke   [key=value ...]                                 execute notebooks/smoke_test.ipynb headlessly
+    smoke   [--config FILE] [key=value ...]                   execute notebooks/smoke_test.ipynb headlessly
     notebook NAME [config=F] [overrides='[k=v, ...]'] [run_name=N]   execute any notebook headlessly
     config  [--config FILE] [key=value ...]                 print the resolved config and field docs
     osworld-tasks fetch [--source S] [--force] | list [SET] [--ids] | verify | prefetch [SET]   OSWorld task data
@@ -108,7 +108,8 @@ def _cmd_smoke(args: argparse.Namespace) -> int:
     from arpo_lib.run import layout
     from arpo_lib.workflows import execute_notebook, format_summary
 
-    out = execute_notebook("notebooks/smoke_test.ipynb", {"overrides": list(args.overrides)}, run_name=args.name)
+    out = execute_notebook("notebooks/smoke_test.ipynb", {"config": args.config, "overrides": list(args.overrides)},
+                           run_name=args.name)
     summary = json.loads((out.parent / layout.SUMMARY).read_text())
     print(format_summary(summary))
     print(f"executed notebook: {out}")
@@ -292,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("smoke", help="the CPU smoke run: executes notebooks/smoke_test.ipynb")
     p.add_argument("--name", default=None, help="run name (default: smoke-<time>)")
+    p.add_argument("--config", default="configs/smoke.yaml",
+                   help="run config (configs/desktop_smoke.yaml: the same on real desktop applications)")
     p.add_argument("overrides", nargs="*")
     p.set_defaults(func=_cmd_smoke)
 

@@ -102,3 +102,18 @@ def test_memory_table_of_the_real_shapes(tmp_path):
     row = next(r for r in result["rows"] if r["shape"] == "7b" and r["update"] == "full-adamw")
     assert row["1 GPU"] == f"{16 * seven['total'] / 2 ** 30:.1f} GiB"
     assert (tmp_path / "memory_computed.json").is_file()
+
+
+@pytest.mark.slow
+def test_desktop_benchmark_runs_small(tmp_path):
+    from arpo_lib.envs.desktop.sandbox import desktop_unavailable
+    from benchmarks import bench_desktop
+
+    if desktop_unavailable():
+        pytest.skip(desktop_unavailable())
+    result = bench_desktop.main(["--envs", "2", "--episodes", "1", "--screen", "960x600", "--out", str(tmp_path)])
+    (row,) = result["rows"]
+    assert row["envs"] == 2 and not row["errors"] and row["success"] == 1.0
+    assert row["rss_mib"] > 10 and row["reset_s"] > 0 and row["episodes_per_min"] > 0
+    assert [e["task"] for e in row["per_env"]] == ["editor-type-save", "terminal-mkdir"]
+    assert (tmp_path / "desktop_envs.json").is_file()

@@ -95,3 +95,24 @@ def test_the_slurm_script_launches_every_node_with_its_rank(tmp_path, monkeypatc
     launch = _launched(monkeypatch, cmd[1:])
     assert "--nproc-per-node=8" in launch and "--node-rank=1" in launch and "--master-addr=gpu-a" in launch
     assert launch[-5:] == ["train", "--config", "configs/osworld_full128.yaml", "--resume", "train.steps=60"]
+
+
+def test_smoke_takes_a_config_and_the_desktop_config_is_valid(monkeypatch, tmp_path):
+    import json
+
+    from arpo_lib import workflows
+    from arpo_lib.run.config import load_config
+
+    seen = {}
+
+    def fake_execute(path, params, run_name=None):
+        seen.update(path=path, params=params)
+        (tmp_path / "summary.json").write_text(json.dumps({}))
+        return tmp_path / "smoke_test.ipynb"
+
+    monkeypatch.setattr(workflows, "execute_notebook", fake_execute)
+    monkeypatch.setattr(workflows, "format_summary", lambda summary: "summary")
+    assert cli.main(["smoke", "--config", "configs/desktop_smoke.yaml", "train.steps=1"]) == 0
+    assert seen["params"] == {"config": "configs/desktop_smoke.yaml", "overrides": ["train.steps=1"]}
+    cfg = load_config("configs/desktop_smoke.yaml")
+    assert all(t.startswith("desktop/") for t in cfg.env.tasks) and cfg.env.options["screen"] == [960, 600]

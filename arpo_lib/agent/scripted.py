@@ -301,6 +301,8 @@ def scripted_response(
     Raises ValueError for an unsupported task (listing `SCRIPTED_TASKS`) or a page the script
     does not understand.
     """
+    if task.startswith("desktop/"):
+        return _desktop_response(task, step, image_size, coord_mode, resize)
     name = task_name(task)
     solver = SOLVERS.get(name)
     if solver is None:
@@ -310,6 +312,34 @@ def scripted_response(
     else:
         thought, actions = solver(instruction, _Page(info.get("dom_elements") or []), step)
     factor, min_pixels, max_pixels = resize
+    return format_response(thought, actions, image_size, coord_mode, factor=factor,
+                           min_pixels=min_pixels, max_pixels=max_pixels)
+
+
+def supports(task: str) -> bool:
+    """Whether the scripted agent can demonstrate `task` (a MiniWoB task it has a solver for, or
+    any task of the desktop suite, whose files hold their solutions)."""
+    if task.startswith("desktop/"):
+        from arpo_lib.envs.desktop.tasks import desktop_tasks
+
+        return task.split("/", 1)[1] in desktop_tasks()
+    return task_name(task) in SOLVERS
+
+
+def _desktop_response(task: str, step: int, image_size: tuple[int, int], coord_mode: str,
+                      resize: tuple[int, int, int]) -> str:
+    """Step `step` of a desktop task's scripted solution (its file's `x_solution`), then finished()."""
+    from arpo_lib.actions import parse_response
+    from arpo_lib.envs.desktop.scripted import solution_texts
+
+    texts = solution_texts(task.split("/", 1)[1])
+    if step < len(texts):
+        thought, text = f"Step {step + 1} of {len(texts)} of the task.", texts[step]
+    else:
+        thought, text = "The task is done.", "finished(content='')"
+    factor, min_pixels, max_pixels = resize
+    actions = parse_response(f"Thought: {thought}\nAction: {text}", image_size, coord_mode, factor=factor,
+                             min_pixels=min_pixels, max_pixels=max_pixels).actions
     return format_response(thought, actions, image_size, coord_mode, factor=factor,
                            min_pixels=min_pixels, max_pixels=max_pixels)
 

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
-from arpo_lib.agent.scripted import SCRIPTED_TASKS, ScriptedPolicy
+from arpo_lib.agent.scripted import SCRIPTED_TASKS, ScriptedPolicy, supports
 from arpo_lib.algo import ReplayBuffer
 from arpo_lib.run.records import append_jsonl
 from arpo_lib.training.rollout import RolloutEngine
@@ -33,9 +33,10 @@ def collect_demonstrations(policy: Any, pool: Any, tasks: Sequence[str], per_tas
     from arpo_lib.envs import split_instance
 
     bases = list(dict.fromkeys(split_instance(t)[0] for t in tasks))
-    supported = [t for t in bases if t.split("/", 1)[-1] in SCRIPTED_TASKS]
+    supported = [t for t in bases if supports(t)]
     if not supported:
-        raise ValueError(f"no scripted demonstrator for any of {list(tasks)}; supported: {list(SCRIPTED_TASKS)}")
+        raise ValueError(f"no scripted demonstrator for any of {list(tasks)}; supported: the desktop suite "
+                         f"and miniwob/{{{', '.join(SCRIPTED_TASKS)}}}")
     engine = RolloutEngine(ScriptedPolicy(policy), pool, max_steps=max_steps)
     requests = episode_requests(supported, per_task, seed, "demo")
     trajs = engine.run(requests, out_dir=out_dir, progress=progress, description="demonstrations")

@@ -151,3 +151,14 @@ def test_scripted_solution_scores_one_and_a_no_op_zero(task_id):
         assert terminated and reward == 0.0, f"{task_id}: a no-op scored {reward}"
     finally:
         env.close()
+
+
+def test_the_scripted_agent_demonstrates_desktop_tasks_step_by_step():
+    from arpo_lib.agent.scripted import scripted_response, supports
+
+    assert supports("desktop/terminal-copy") and supports("miniwob/click-test") and supports("miniwob/click-test@2")
+    assert not supports("desktop/nope") and not supports("miniwob/book-flight")
+    texts = [scripted_response("desktop/editor-append-line", "", {}, step, (960, 600), "qwen2vl") for step in range(4)]
+    assert [t.split("Action: ", 1)[1] for t in texts] == [
+        "hotkey(key='ctrl end')", "type(content='cherries')", "hotkey(key='ctrl s')", "finished(content='')"]
+    assert all(t.startswith("Thought: ") for t in texts)
