@@ -115,3 +115,27 @@ def test_check_parameters_unit():
         check_parameters({**fresh, "run_nme": "x"})
     # A kernel where the user already ran many cells cannot be judged: no false alarm.
     check_parameters({**fresh, "get_ipython": lambda: _IP(40), "cfg": object()})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, expect", [("smoke_test", "Smoke run summary"), ("evaluation", "task selection: kept")])
+def test_smoke_and_evaluation_notebooks_run_on_the_desktop_config(tmp_path, tiny_qwen2vl, name, expect):
+    """The desktop rung by parameters alone: real applications in the sandbox, the warm start on
+    the suite's scripted solutions, ARPO steps, evaluation and task selection."""
+    from arpo_lib.envs.desktop.sandbox import desktop_unavailable
+    from arpo_lib.workflows import execute_notebook
+
+    if desktop_unavailable():
+        pytest.skip(desktop_unavailable())
+    overrides = [f"model.path={tiny_qwen2vl}", f"out_dir={tmp_path}", "train.steps=1", "warm_start.steps=20",
+                 "eval.samples_per_task=1", "logging.progress=false", "select.enabled=true", "select.k=2",
+                 "env.tasks=[desktop/terminal-mkdir, desktop/editor-clear]", "env.workers=2"]
+    out = execute_notebook(f"notebooks/{name}.ipynb", {"config": "configs/desktop_smoke.yaml", "overrides": overrides},
+                           run_name="nb", out_dir=tmp_path)
+    nb = json.loads(out.read_text())
+    assert not [o for c in nb["cells"] for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    text = "".join("".join(o.get("text", "")) for c in nb["cells"] for o in c.get("outputs", []))
+    assert expect in text and "desktop/terminal-mkdir" in text
+    if name == "smoke_test":
+        summary = json.loads((tmp_path / "nb" / "summary.json").read_text())
+        assert summary["env_errors"] == 0 and summary["train_steps"] == 1
