@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from arpo_lib.envs.base import EnvError
+from arpo_lib.envs.desktop.server import ACTION_TIMEOUT_S
 
 DESKTOP_TOOLS = ("bwrap", "Xvfb", "openbox", "xdotool")
 """Commands the sandbox needs (Debian packages bubblewrap, xvfb, openbox, xdotool)."""
@@ -183,7 +184,7 @@ class Sandbox:
 
     def run_action(self, code: str) -> dict[str, Any]:
         """Agent code: the server runs it only if `check_action_code` accepts it (else status 'refused')."""
-        return self.post_json("/run_action", {"code": code})
+        return self.post_json("/run_action", {"code": code}, timeout=ACTION_TIMEOUT_S + 30)
 
     def active_window(self) -> dict[str, Any]:
         return self.get_json("/active_window")

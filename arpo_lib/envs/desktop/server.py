@@ -10,7 +10,7 @@ of its code is used) where one exists, so OSWorld's set-up steps and getters map
     POST /execute               {"command": [...] | "...", "shell": bool, "timeout": s}
                                 -> {"status", "output", "error", "returncode"}   (trusted: task set-up, checkers)
     POST /setup/launch          {"command", "shell"}: start an application and return
-    POST /file                  {"file_path"} -> the file's bytes (404 if absent)
+    POST /file                  {"file_path"} (JSON or form) -> the file's bytes (404 if absent)
     POST /run_action            {"code"}: agent actions; only code `check_action_code` accepts runs
     GET  /active_window         {"id", "name", "x", "y", "width", "height"} of the focused window
     POST /session/reset         end every application, re-create the home directory empty
@@ -32,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -206,8 +207,11 @@ def make_handler(desktop: Desktop, stop: threading.Event) -> type[BaseHTTPReques
             self._send(status, json.dumps(value).encode(), "application/json")
 
         def _body(self) -> dict[str, Any]:
+            """JSON, or a form (OSWorld's controller posts /file as form field `file_path`)."""
             length = int(self.headers.get("Content-Length") or 0)
-            raw = self.rfile.read(length) if length else b"{}"
+            raw = self.rfile.read(length) if length else b""
+            if self.headers.get("Content-Type", "").startswith("application/x-www-form-urlencoded"):
+                return {k: v[-1] for k, v in urllib.parse.parse_qs(raw.decode()).items()}
             return json.loads(raw or b"{}")
 
         def do_GET(self) -> None:  # noqa: N802 (http.server's naming)

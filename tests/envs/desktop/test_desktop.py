@@ -14,7 +14,7 @@ from arpo_lib.actions import Action, UnsafeCodeError, check_action_code, to_pyau
 from arpo_lib.envs import list_envs, make_env
 from arpo_lib.envs.base import EnvError
 from arpo_lib.envs.desktop import tasks as suite
-from arpo_lib.envs.desktop.sandbox import Sandbox, desktop_unavailable
+from arpo_lib.envs.desktop.sandbox import Sandbox, _UnixConnection, desktop_unavailable
 from arpo_lib.envs.desktop.scripted import solution_actions
 
 REASON = desktop_unavailable()
@@ -162,3 +162,54 @@ def test_the_scripted_agent_demonstrates_desktop_tasks_step_by_step():
     assert [t.split("Action: ", 1)[1] for t in texts] == [
         "hotkey(key='ctrl end')", "type(content='cherries')", "hotkey(key='ctrl s')", "finished(content='')"]
     assert all(t.startswith("Thought: ") for t in texts)
+
+
+@needs_desktop
+def test_a_hung_action_server_is_an_env_error_not_a_hang():
+    import signal as signals
+
+    import psutil
+
+    with Sandbox(SCREEN) as box:
+        server = next(p for p in psutil.Process(box.process.pid).children(recursive=True)
+                      if p.name().startswith("python") and "arpo_lib.envs.desktop.server" in p.cmdline())
+        os.kill(server.pid, signals.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(EnvError, match="POST /run_action failed"):
+            box.post_json("/run_action", {"code": "import pyautogui"}, timeout=2)
+        assert time.monotonic() - start < 10
+        os.kill(server.pid, signals.SIGCONT)
+
+
+@needs_desktop
+@pytest.mark.slow
+def test_desktop_episodes_on_ray_actors_through_the_rollout_engine(tiny_qwen2vl, tmp_path):
+    """The same contract on the Ray backend: the scripted agent solves a desktop task in an actor."""
+    ray = pytest.importorskip("ray")
+    from arpo_lib.agent.hf_policy import HFPolicy
+    from arpo_lib.agent.scripted import ScriptedPolicy
+    from arpo_lib.envs.ray_pool import RayEnvPool
+    from arpo_lib.training.rollout import RolloutEngine
+    from arpo_lib.types import EpisodeRequest
+
+    if ray.is_initialized():
+        pytest.skip("Ray is already initialised in this process")
+    policy = ScriptedPolicy(HFPolicy(tiny_qwen2vl, device="cpu", max_new_tokens=32))
+    with RayEnvPool(2, {"screen": [960, 600]}, timeout_s=120, init_kwargs={"num_cpus": 2}) as pool:
+        requests = [EpisodeRequest("desktop/terminal-mkdir", 0, 0), EpisodeRequest("desktop/editor-clear", 0, 0)]
+        trajs = RolloutEngine(policy, pool, max_steps=6).run(requests, out_dir=tmp_path, progress=False)
+    assert [(t.status, t.task_score) for t in trajs] == [("ok", 1.0), ("ok", 1.0)], [t.summary() for t in trajs]
+    assert trajs[0].num_steps == 2 and list(tmp_path.rglob("step_*.png"))  # type, then finished
+
+
+@needs_desktop
+def test_file_endpoint_takes_json_and_osworlds_form():
+    with Sandbox(SCREEN) as box:
+        box.execute("printf 'x1' > ~/a.txt", shell=True)
+        assert box.read_file("~/a.txt") == b"x1" and box.read_file("/home/user/a.txt") == b"x1"
+        connection = _UnixConnection(box.socket_path, 10)
+        connection.request("POST", "/file", body="file_path=%2Fhome%2Fuser%2Fa.txt",
+                           headers={"Content-Type": "application/x-www-form-urlencoded"})
+        response = connection.getresponse()
+        assert (response.status, response.read()) == (200, b"x1")
+        assert box.read_file("~/missing.txt") is None
