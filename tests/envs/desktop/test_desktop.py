@@ -4,7 +4,6 @@ no-op 0) and the environment contract. Skipped where bubblewrap, Xvfb, openbox o
 missing (./workbench setup installs them)."""
 from __future__ import annotations
 
-import json
 import os
 import time
 
