@@ -99,6 +99,8 @@ class Sandbox:
                     "--ro-bind", str(self.workdir / "group"), "/etc/group", "--setenv", "HOME", HOME_IN_SANDBOX,
                     "--setenv", "USER", "user", "--setenv", "LOGNAME", "user", "--setenv", "SHELL", "/bin/bash",
                     "--chdir", HOME_IN_SANDBOX]
+        for path in code_paths():  # after the private /tmp and /home, which could hide them
+            command += ["--ro-bind", path, path]
         for outside, inside in (binds or {}).items():
             command += ["--ro-bind", outside, inside]
         command += [sys.executable, "-m", "arpo_lib.envs.desktop.server", "--socket", f"{CHANNEL_IN_SANDBOX}/server.sock",
@@ -217,6 +219,21 @@ class Sandbox:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+MASKED_IN_SANDBOX = ("/tmp", "/run", "/home")
+"""Host directories the sandbox replaces with its own (empty) ones."""
+
+
+def code_paths() -> list[str]:
+    """What the action server needs from the host, read-only at the same paths: the repository,
+    the Python environment and its base interpreter. Only those under a directory the sandbox
+    masks (a clone in /tmp, a venv in /home/...) need binding; the rest of the host is visible
+    read-only already."""
+    candidates = {_repo_root(), sys.prefix, sys.base_prefix, str(Path(sys.executable).resolve().parent.parent)}
+    paths = {path for c in candidates for path in (c, os.path.realpath(c))}  # a symlinked path and its target
+    masked = {p for p in paths if os.path.isdir(p) and any(p == m or p.startswith(m + "/") for m in MASKED_IN_SANDBOX)}
+    return sorted(p for p in masked if not any(p.startswith(q + "/") for q in masked))
 
 
 def _repo_root() -> str:

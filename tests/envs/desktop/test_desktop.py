@@ -212,3 +212,21 @@ def test_file_endpoint_takes_json_and_osworlds_form():
         response = connection.getresponse()
         assert (response.status, response.read()) == (200, b"x1")
         assert box.read_file("~/missing.txt") is None
+
+
+def test_code_under_a_masked_directory_is_bound_into_the_sandbox(monkeypatch, tmp_path):
+    """A clone in /tmp or a venv in /home would be hidden by the sandbox's own /tmp and /home
+    (CI clones into /tmp): those paths are bound read-only at the same place."""
+    import sys as system
+
+    from arpo_lib.envs.desktop import sandbox
+
+    venv = tmp_path / "clone" / ".venv"
+    venv.mkdir(parents=True)
+    monkeypatch.setattr(system, "prefix", str(venv))
+    monkeypatch.setattr(sandbox, "_repo_root", lambda: str(tmp_path / "clone"))
+    paths = sandbox.code_paths()
+    assert str(tmp_path / "clone") in paths and str(venv) not in paths  # the outermost only
+    monkeypatch.setattr(sandbox, "_repo_root", lambda: "/usr/share")
+    monkeypatch.setattr(system, "prefix", "/usr")
+    assert str(tmp_path / "clone") not in sandbox.code_paths()
