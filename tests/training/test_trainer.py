@@ -177,28 +177,27 @@ def test_killed_training_resumes_with_nothing_lost_or_repeated(tmp_path, tiny_qw
     assert latest_checkpoint(run / "checkpoints").name == "step_000004"
 
 
+def _scheduled_lrs(trainer, updates: int) -> list[float]:
+    """The learning rate of each of `updates` optimizer steps (the trainer is closed after)."""
+    lrs = []
+    for _ in range(updates):
+        lrs.append(trainer.scheduler.get_last_lr()[0])
+        trainer.optimizer.step()
+        trainer.scheduler.step()
+    trainer.close()
+    return lrs
+
+
 def test_warmup_schedule(tmp_path, tiny_qwen2vl):
     cfg = _cfg(tmp_path, tiny_qwen2vl, "train.steps=4", "train.warmup_ratio=0.5", "train.lr=1e-3")
-    t = build.trainer(cfg)  # 4 updates, 2 of them warm-up: lr 0.5e-3, 1e-3, 1e-3, ...
-    lrs = []
-    for _ in range(4):
-        lrs.append(t.scheduler.get_last_lr()[0])
-        t.optimizer.step()
-        t.scheduler.step()
-    t.close()
+    lrs = _scheduled_lrs(build.trainer(cfg), 4)  # 4 updates, 2 of them warm-up: lr 0.5e-3, 1e-3, 1e-3, ...
     assert lrs == pytest.approx([0.5e-3, 1e-3, 1e-3, 1e-3])
 
 
 def test_decaying_lr_schedules_end_at_min_lr_ratio(tmp_path, tiny_qwen2vl):
     cfg = _cfg(tmp_path, tiny_qwen2vl, "train.steps=5", "train.warmup_ratio=0.2", "train.lr=1e-3",
                "train.lr_schedule=cosine", "train.min_lr_ratio=0.1")
-    t = build.trainer(cfg)  # 5 updates: 1 warm-up, then cos over 4 steps from 1e-3 to 1e-4
-    lrs = []
-    for _ in range(5):
-        lrs.append(t.scheduler.get_last_lr()[0])
-        t.optimizer.step()
-        t.scheduler.step()
-    t.close()
+    lrs = _scheduled_lrs(build.trainer(cfg), 5)  # 1 warm-up, then cos over 4 steps from 1e-3 to 1e-4
     half = 1e-4 + 0.9e-3 * 0.5 * (1 + math.cos(math.pi / 3))
     assert lrs == pytest.approx([1e-3, 1e-3, half, 1e-4 + 0.9e-3 * 0.25, 1e-4])
     assert [lr_factor(u, 4, 0.0, "linear") for u in range(4)] == pytest.approx([1.0, 2 / 3, 1 / 3, 0.0])

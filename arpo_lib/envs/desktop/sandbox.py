@@ -15,6 +15,7 @@ the PID namespace guarantee that when this process or the sandbox ends, everythi
 """
 from __future__ import annotations
 
+import functools
 import http.client
 import json
 import os
@@ -40,8 +41,10 @@ USER_ID = 1000
 CHANNEL_IN_SANDBOX = "/tmp/channel"  # in the sandbox's private /tmp: the root is read-only
 
 
+@functools.lru_cache(maxsize=None)
 def desktop_unavailable() -> str | None:
-    """Why no sandbox can start here (a missing tool, no user namespaces, no Pillow X grab), or None."""
+    """Why no sandbox can start here (a missing tool, no user namespaces, no Pillow X grab), or None.
+    Checked once per process (every sandbox start asks)."""
     for tool in DESKTOP_TOOLS:
         if not shutil.which(tool):
             return (f"{tool} is not installed: the desktop environments need Debian's bubblewrap, xvfb, "

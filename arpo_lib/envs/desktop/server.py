@@ -105,21 +105,9 @@ class Desktop:
 
     def end_applications(self) -> int:
         """SIGKILL every process of the sandbox but the server, the X server, the window manager
-        and the sandbox's init; returns how many were ended."""
-        mine = os.getpid()
+        and the sandbox's init (pid 1); returns how many were ended."""
         ended = 0
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            pid = int(entry.name)
-            if pid in self.keep or pid == 1 or pid == mine:
-                continue
-            try:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            if parent == 0:
-                continue
+        for pid in self._others():
             try:
                 os.kill(pid, signal.SIGKILL)
                 ended += 1
@@ -131,8 +119,8 @@ class Desktop:
         return ended
 
     def _others(self) -> list[int]:
-        return [int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit()
-                and int(e.name) not in self.keep and int(e.name) != 1]
+        return [pid for pid in (int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit())
+                if pid not in self.keep and pid != 1]
 
     def screenshot_png(self) -> bytes:
         from PIL import ImageGrab

@@ -115,22 +115,22 @@ SETUP_STEPS: dict[str, Callable[..., None]] = {
 def _vm_file(box: Any, path: str, wait_s: float = 0.0) -> bytes | None:
     """The file's bytes, or None if it does not exist (after waiting up to `wait_s` for it: some
     applications write their state a moment after the change)."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        data = box.read_file(path)
-        if data is not None or time.monotonic() >= deadline:
-            return data
-        time.sleep(0.25)
+    return _poll(lambda: box.read_file(path), lambda data: data is not None, wait_s)
 
 
 def _vm_path_info(box: Any, paths: list[str], wait_s: float = 0.0) -> dict[str, dict[str, Any] | None]:
     """Kind ('file', 'dir', ...) and mode of each path, None where absent (waiting up to `wait_s`
     for every path to exist)."""
+    return _poll(lambda: _path_info(box, paths), lambda info: None not in info.values(), wait_s)
+
+
+def _poll(fetch: Callable[[], Any], ready: Callable[[Any], bool], wait_s: float) -> Any:
+    """`fetch()` until `ready` says its result is there or `wait_s` have passed; the last result."""
     deadline = time.monotonic() + wait_s
     while True:
-        info = _path_info(box, paths)
-        if all(v is not None for v in info.values()) or time.monotonic() >= deadline:
-            return info
+        result = fetch()
+        if ready(result) or time.monotonic() >= deadline:
+            return result
         time.sleep(0.25)
 
 
