@@ -15,6 +15,7 @@ import copy
 import json
 import logging
 import math
+import threading
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -29,7 +30,7 @@ from arpo_lib.run import config as config_module
 from arpo_lib.run.config import ConfigError, RunConfig
 from arpo_lib.run.layout import RunDir
 from arpo_lib.run.records import safe_join
-from arpo_lib.serving.launch import ServerHandle, start_server
+from arpo_lib.serving.launch import ServerHandle, free_port, start_server
 from arpo_lib.serving.weight_sync import FollowingServed, ServedPolicy, save_for_server
 from arpo_lib.training import checkpoint as ckpt
 from arpo_lib.training.distributed import Ranks, barrier, device_for, init_process_group
@@ -129,9 +130,10 @@ def reference_model(cfg: RunConfig, device: torch.device) -> Any:
     return model.to(device).eval().requires_grad_(False)
 
 
-def server(cfg: RunConfig, model_path: str | None = None) -> ServerHandle:
+def server(cfg: RunConfig, model_path: str | None = None, replica: int = 0, port: int | None = None) -> ServerHandle:
     """Start the model server the config describes (`serve.*`) for `model_path` (default
-    `model.path`); its pid and url go to <run>/server.json. Not yet healthy: `wait_healthy()`."""
+    `model.path`); its pid and url go to <run>/server.json (replica i > 0 of a fleet:
+    server_i.json, its log server_i.log). `port` overrides serve.port. Not yet healthy: `wait_healthy()`."""
     s = cfg.serve
     model_path = model_path or cfg.model.path
     if s.backend == "hf":
@@ -139,14 +141,20 @@ def server(cfg: RunConfig, model_path: str | None = None) -> ServerHandle:
     else:
         options = {"max_model_len": s.max_model_len, "max_images": cfg.model.history_images, "dtype": s.dtype,
                    "gpu_memory_utilization": s.gpu_memory_utilization, "enable_prefix_caching": True,
-                   "device": s.device, "enforce_eager": s.enforce_eager, "weight_sync": s.weight_sync}
+                   "device": s.device, "enforce_eager": s.enforce_eager, "weight_sync": s.weight_sync,
+                   "tensor_parallel_size": s.tensor_parallel_size}
     run = RunDir(cfg.run_dir)
     run.root.mkdir(parents=True, exist_ok=True)
-    log.info("starting the %s server for %s (log: %s)", s.backend, model_path, run.server_log)
-    handle = start_server(model_path, backend=s.backend, host=s.host, port=s.port or None,
-                          served_model_name=s.served_model_name, log_path=run.server_log, python=s.python,
-                          api_key_env=s.api_key_env, **options)
-    run.server_info.write_text(json.dumps({
+    log_path, info_path = run.server_log, run.server_info
+    if replica:
+        log_path = log_path.with_name(f"{log_path.stem}_{replica}{log_path.suffix}")
+        info_path = info_path.with_name(f"{info_path.stem}_{replica}{info_path.suffix}")
+    env = {"CUDA_VISIBLE_DEVICES": s.cuda_devices[replica]} if s.cuda_devices else None
+    log.info("starting the %s server for %s (log: %s)", s.backend, model_path, log_path)
+    handle = start_server(model_path, backend=s.backend, host=s.host, port=port or s.port or None,
+                          served_model_name=s.served_model_name, log_path=log_path, python=s.python,
+                          api_key_env=s.api_key_env, env=env, **options)
+    info_path.write_text(json.dumps({
         "pid": handle.pid, "url": handle.url, "base_url": handle.base_url, "model": handle.model,
         "backend": s.backend, "log_path": str(handle.log_path), "api_key_env": s.api_key_env}, indent=1))
     return handle
@@ -173,9 +181,21 @@ def served_policy(cfg: RunConfig, trained: HFPolicy) -> ServedPolicy:
     trained policy's weights (rollout.weight_sync)."""
     r = cfg.rollout
 
-    def start(model_dir: str) -> ServerHandle:
-        handle = server(cfg, model_path=model_dir)
-        handle.wait_healthy(timeout_s=cfg.serve.startup_timeout_s)
+    handed_out: set[int] = set()
+    lock = threading.Lock()
+
+    def start(model_dir: str, replica: int) -> ServerHandle:
+        port = None
+        if cfg.serve.replicas > 1:  # replicas start at once: each its own port, none handed out twice
+            with lock:
+                port = next(p for p in iter(lambda: free_port(cfg.serve.host), None) if p not in handed_out)
+                handed_out.add(port)
+        handle = server(cfg, model_path=model_dir, replica=replica, port=port)
+        try:
+            handle.wait_healthy(timeout_s=cfg.serve.startup_timeout_s)
+        except BaseException:
+            handle.stop()
+            raise
         return handle
 
     def save() -> str:
@@ -183,7 +203,7 @@ def served_policy(cfg: RunConfig, trained: HFPolicy) -> ServedPolicy:
 
     return ServedPolicy(connect=lambda url: server_policy(cfg, url), save_weights=save, sync=r.weight_sync,
                         url=r.server_url, start=start if r.server_url is None else None,
-                        initial_model=trained.path)
+                        initial_model=trained.path, replicas=cfg.serve.replicas)
 
 
 def evaluator(cfg: RunConfig) -> Any:
@@ -208,10 +228,6 @@ def trainer(cfg: RunConfig, *, resume: bool = False, policy: HFPolicy | None = N
     cfg = resolve_task_sets(check_tasks(cfg))
     ranks = Ranks.from_env() if ranks is None else ranks
     if ranks.distributed:
-        if cfg.train.optimizer == "adafactor":
-            raise ConfigError(f"train.optimizer=adafactor with {ranks.world_size} training processes: torch's Adafactor "
-                              "cannot step FSDP shards (its factored statistics need whole rows and columns). "
-                              "Use train.optimizer=adamw (its moments are sharded across the processes) or LoRA")
         init_process_group(ranks, torch.device(device_for(ranks, cfg.model.device).replace("auto", "cpu")))
     run = RunDir(cfg.run_dir)
     checkpoint = ckpt.resume_point(run, resume)

@@ -128,6 +128,11 @@ class ServerPolicy(UITarsConversations):
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
+    @property
+    def base_urls(self) -> list[str]:
+        """The servers behind this policy (one; a `FleetPolicy` has several)."""
+        return [self.base_url]
+
     # -- internals ---------------------------------------------------------------------------
     @property
     def _api_key(self) -> str | None:
@@ -182,3 +187,92 @@ class ServerPolicy(UITarsConversations):
         else:  # the history text is the sampled tokens' own text, whatever the server's detokenizer did
             text = response_text(self.tokenizer, list(ids), self.eos_ids)
         return Generation(text=text, token_ids=list(ids), logprobs=logprobs)
+
+
+class FleetPolicy:
+    """Several servers of the same model (a trainer's `serve.replicas`) as one policy: each
+    episode is sent to one server for its whole life (the one with the fewest live episodes when
+    it starts, ties in turn; its conversation's growing prefix then stays in that server's prefix
+    cache), the servers answer
+    concurrently. Sampling does not depend on the server: every request carries its episode's
+    seed. Conversations and parsing are the first client's (every client has the same processor)."""
+
+    def __init__(self, clients: Sequence[ServerPolicy]):
+        if not clients:
+            raise ValueError("a fleet needs at least one server")
+        self.clients = list(clients)
+        self._server_of: dict[Any, int] = {}
+        self._turn = 0  # where the next tie-break starts: episodes one after another still rotate
+        self._pool = ThreadPoolExecutor(max_workers=len(self.clients), thread_name_prefix="arpo-fleet")
+
+    def __getattr__(self, name: str) -> Any:  # processor, parse, new_conversation, history_images, ...
+        if name in ("clients", "_server_of", "_turn", "_pool"):
+            raise AttributeError(name)
+        return getattr(self.clients[0], name)
+
+    @property
+    def base_urls(self) -> list[str]:
+        return [c.base_url for c in self.clients]
+
+    @property
+    def base_url(self) -> str:
+        return self.clients[0].base_url
+
+    def server_for(self, key: Any) -> int:
+        """The server of episode `key`: its own once chosen, else the one with fewest live
+        episodes (ties: the next in turn)."""
+        if key not in self._server_of:
+            n = len(self.clients)
+            load = [0] * n
+            for s in self._server_of.values():
+                load[s] += 1
+            chosen = min(range(n), key=lambda s: (load[s], (s - self._turn) % n))
+            self._server_of[key], self._turn = chosen, (chosen + 1) % n
+        return self._server_of[key]
+
+    def release(self, key: Any) -> None:
+        self._server_of.pop(key, None)
+        self.clients[0].release(key)
+
+    def generate(self, segments: Sequence[Segment], *, contexts: Sequence[Any] | None = None,
+                 seeds: Sequence[int] | None = None, cache_keys: Sequence[Any] | None = None,
+                 **options: Any) -> list[Generation]:
+        """`ServerPolicy.generate` over the fleet: each segment to its episode's server."""
+        if not segments:
+            return []
+        keys = list(cache_keys) if cache_keys is not None else [("call", i) for i in range(len(segments))]
+        by_server: dict[int, list[int]] = {}
+        for i, key in enumerate(keys):
+            by_server.setdefault(self.server_for(key), []).append(i)
+        if cache_keys is None:  # one-off requests: nothing to keep
+            for key in keys:
+                self._server_of.pop(key, None)
+
+        def pick(values: Sequence[Any] | None, idx: list[int]) -> list[Any] | None:
+            return None if values is None else [values[i] for i in idx]
+
+        jobs = {s: self._pool.submit(self.clients[s].generate, [segments[i] for i in idx],
+                                     contexts=pick(contexts, idx), seeds=pick(seeds, idx), **options)
+                for s, idx in by_server.items()}
+        out: list[Generation | None] = [None] * len(segments)
+        for s, idx in by_server.items():
+            for i, gen in zip(idx, jobs[s].result()):
+                out[i] = gen
+        return out  # type: ignore[return-value]
+
+    @property
+    def requests(self) -> int:
+        return sum(c.requests for c in self.clients)
+
+    @property
+    def prompt_mismatches(self) -> int:
+        return sum(c.prompt_mismatches for c in self.clients)
+
+    @property
+    def inexact(self) -> int:
+        return sum(c.inexact for c in self.clients)
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -349,6 +349,15 @@ class ServeConfig:
     """vLLM without CUDA graphs / compilation: starts faster, generates slower."""
     weight_sync: bool = False
     """Start vLLM so that a trainer can reload its weights in place (rollout.weight_sync=reload)."""
+    replicas: int = 1
+    """How many servers a training run starts (rollout.backend=server without server_url): each
+    holds the whole model, episodes are spread over them (each episode stays on one), and every
+    one is brought to the new weights after each update (in parallel)."""
+    tensor_parallel_size: int = 1
+    """GPUs each vLLM server splits the model over (vLLM's --tensor-parallel-size)."""
+    cuda_devices: list[str] | None = None
+    """Per replica, the GPUs it may use (CUDA_VISIBLE_DEVICES), e.g. ["4,5", "6,7"] for 2
+    replicas x tensor-parallel 2 beside 4 training processes on GPUs 0-3. None: inherited."""
     keep_running: bool = False
     """gpu_inference_server notebook: leave the server running at the end (for evaluation.ipynb with
     rollout.backend=server); stop it later with serving.stop_server(pid from <run>/server.json)."""
@@ -529,6 +538,17 @@ def validate(cfg: RunConfig) -> None:
         _fail("serve.device", f"must be auto, cuda or cpu, got {cfg.serve.device!r}")
     if not 0 <= cfg.serve.port <= 65535:
         _fail("serve.port", f"{cfg.serve.port} is not a port number")
+    if cfg.serve.replicas < 1 or cfg.serve.tensor_parallel_size < 1:
+        _fail("serve.replicas", "replicas and tensor_parallel_size must be >= 1")
+    if cfg.serve.replicas > 1 and cfg.rollout.server_url is not None:
+        _fail("serve.replicas", "several replicas are servers the run starts: leave rollout.server_url unset")
+    if cfg.serve.replicas > 1 and cfg.serve.port != 0:
+        _fail("serve.port", "several replicas need a free port each: leave serve.port at 0")
+    if cfg.serve.tensor_parallel_size > 1 and cfg.serve.backend != "vllm":
+        _fail("serve.tensor_parallel_size", "tensor parallelism is vLLM's (serve.backend=vllm)")
+    if cfg.serve.cuda_devices is not None and len(cfg.serve.cuda_devices) != cfg.serve.replicas:
+        _fail("serve.cuda_devices", f"one entry per replica: {cfg.serve.replicas} replicas, "
+                                    f"{len(cfg.serve.cuda_devices)} entries")
     if cfg.train.demo_replay < 0:
         _fail("train.demo_replay", "must be >= 0")
     if cfg.warm_start.demos_per_task < 0 or cfg.warm_start.steps < 0:

@@ -69,6 +69,7 @@ def screenshot_name(step: int) -> str:
 # -- a checkpoint directory -----------------------------------------------------------------------
 MODEL = "model"
 OPTIMIZER = "optimizer.pt"
+OPTIMIZER_SHARDS = "optimizer_shards"
 REPLAY = "replay.json"
 TRAINER_STATE = "trainer_state.json"
 MANIFEST = "manifest.json"

@@ -46,6 +46,7 @@ VLLM_OPTIONS: dict[str, Any] = {
     "logprobs_mode": "processed_logprobs",
     "weight_sync": False,  # dev endpoints + our worker extension: reload weights without a restart
     "enable_lora": False,  # serve LoRA adapters loaded at run time (/v1/load_lora_adapter)
+    "tensor_parallel_size": 1,  # GPUs the model is split over
     "max_lora_rank": 16,
 }
 VLLM_EXTENSION_DIR = Path(__file__).resolve().parent / "vllm_ext"
@@ -189,6 +190,8 @@ class ServerSpec:
             cmd += ["--worker-extension-cls", "arpo_vllm_ext.WeightSyncExtension"]
         if o["enable_lora"]:
             cmd += ["--enable-lora", "--max-lora-rank", str(int(o["max_lora_rank"]))]
+        if int(o["tensor_parallel_size"]) > 1:
+            cmd += ["--tensor-parallel-size", str(int(o["tensor_parallel_size"]))]
         return cmd + list(self.extra_args)
 
     @property

@@ -23,8 +23,9 @@ from __future__ import annotations
 import logging
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from arpo_lib.agent.client import post_json
 
@@ -79,45 +80,57 @@ SYNC_MODES = ("none", "reload", "restart")
 
 
 class ServedPolicy:
-    """A model server generating a trainer's rollouts, kept on the trainer's current weights.
+    """Model servers generating a trainer's rollouts, kept on the trainer's current weights: one,
+    or a fleet of `replicas` (each a whole copy of the model; episodes spread over them by
+    `FleetPolicy`, every one brought to each new version before the next rollout).
 
     Versions: the trainer counts its weight changes (warm start, each optimizer step);
-    `policy(version)` returns the client policy after making sure the server holds that version
-    (`sync`: `reload` in place, `restart` the server, `none` never: off-policy on purpose).
+    `policy(version)` returns the client policy after making sure the servers hold that version
+    (`sync`: `reload` in place, `restart` the servers, `none` never: off-policy on purpose).
 
     Args:
         connect: base URL -> a client policy (`ServerPolicy`).
         save_weights: writes the trainer's current weights as a model directory; returns it.
         sync: `none`, `reload` or `restart` (rollout.weight_sync).
-        url: an existing server's base URL; None = start one with `start`.
-        start: model directory -> a started, healthy server handle (`launch.ServerHandle`).
-        initial_model: what a server started with `sync=none` loads (the run's model path).
+        url: an existing server's base URL; None = start them with `start`.
+        start: (model directory, replica index) -> a started, healthy server handle.
+        initial_model: what servers started with `sync=none` load (the run's model path).
+        replicas: how many servers to start (serve.replicas); started and synced in parallel.
     """
 
     def __init__(self, *, connect: Callable[[str], Any], save_weights: Callable[[], str], sync: str,
-                 url: str | None = None, start: Callable[[str], Any] | None = None, initial_model: str = ""):
+                 url: str | None = None, start: Callable[[str, int], Any] | None = None, initial_model: str = "",
+                 replicas: int = 1):
         if sync not in SYNC_MODES:
             raise ValueError(f"sync must be one of {SYNC_MODES}, not {sync!r}")
         if url is None and start is None:
             raise ValueError("ServedPolicy needs a server url or a way to start one")
         if sync == "restart" and start is None:
             raise ValueError("weight sync 'restart' needs the server this run starts (no url)")
+        if replicas < 1 or (url is not None and replicas != 1):
+            raise ValueError(f"replicas must be >= 1 (and 1 for a server given by url), not {replicas}")
         self._connect, self._save, self.sync = connect, save_weights, sync
-        self._url, self._start, self._initial_model = url, start, initial_model
-        self.server: Any = None
-        """The server handle, when this object started the server."""
+        self._url, self._start, self._initial_model, self.replicas = url, start, initial_model, replicas
+        self.servers: list[Any] = []
+        """The server handles, when this object started the servers."""
         self.client: Any = None
+        """`ServerPolicy` (one server) or `FleetPolicy` (several)."""
         self.served_version: int | None = None
-        """The trainer's weight version the server generates with; None = unknown (someone else's server)."""
+        """The trainer's weight version the servers generate with; None = unknown (someone else's server)."""
         self.seconds_sync = 0.0
+        self._carried = dict.fromkeys(_COUNTERS, 0)  # counts of clients replaced by restarts
+        self._carried_by_replica = [0] * replicas
+
+    @property
+    def server(self) -> Any:
+        """The first server's handle (None: not started here)."""
+        return self.servers[0] if self.servers else None
 
     def policy(self, version: int) -> Any:
-        """The client policy, its server holding weight version `version` (unless sync is none)."""
+        """The client policy, its servers holding weight version `version` (unless sync is none)."""
         if self.client is None:
-            if self._url is None:  # our own server, started on the weights we hold now
-                model_dir = self._save() if self.sync != "none" else self._initial_model
-                self.server = self._start(model_dir)
-                self.client = self._connect(self.server.base_url)
+            if self._url is None:  # our own servers, started on the weights we hold now
+                self._start_all(self._save() if self.sync != "none" else self._initial_model)
                 self.served_version = version
             else:  # someone else's server: what it holds is unknown, so it gets our weights first
                 self.client = self._connect(self._url)
@@ -128,19 +141,37 @@ class ServedPolicy:
             self._push(version)
         return self.client
 
+    def _start_all(self, model_dir: str) -> None:
+        """Start every replica at once; if one fails, stop the others and raise its error."""
+        with ThreadPoolExecutor(max_workers=self.replicas, thread_name_prefix="arpo-serve") as pool:
+            jobs = [pool.submit(self._start, model_dir, i) for i in range(self.replicas)]
+            wait(jobs)
+        failed = [j.exception() for j in jobs if j.exception() is not None]
+        self.servers = [j.result() for j in jobs if j.exception() is None]
+        if failed:
+            self._stop_all()
+            raise failed[0]
+        self.client = connect_all(self._connect, [s.base_url for s in self.servers])
+
+    def _stop_all(self) -> None:
+        for server in self.servers:
+            server.stop()
+        self.servers = []
+
     def _push(self, version: int) -> None:
         t0 = time.monotonic()
         model_dir = self._save()
         if self.sync == "reload":
-            reload_weights(self.client.base_url, model_dir)
+            with ThreadPoolExecutor(max_workers=len(self.client.base_urls), thread_name_prefix="arpo-sync") as pool:
+                list(pool.map(lambda url: reload_weights(url, model_dir), self.client.base_urls))
         else:  # restart
-            self.server.stop()
-            old = self.client
-            old.close()
-            self.server = self._start(model_dir)
-            self.client = self._connect(self.server.base_url)
-            for counter in ("requests", "prompt_mismatches", "inexact"):  # totals over the run
-                setattr(self.client, counter, getattr(old, counter))
+            for counter in _COUNTERS:  # totals over the run
+                self._carried[counter] += getattr(self.client, counter)
+            for i, requests in enumerate(_requests_by_replica(self.client)):
+                self._carried_by_replica[i] += requests
+            self.client.close()
+            self._stop_all()
+            self._start_all(model_dir)
         self.served_version = version
         self.seconds_sync += time.monotonic() - t0
 
@@ -148,39 +179,55 @@ class ServedPolicy:
         if self.client is None:
             return {}
         c = self.client
-        return {"server_requests": c.requests, "server_prompt_mismatches": c.prompt_mismatches,
-                "server_inexact": c.inexact, "seconds_sync_total": round(self.seconds_sync, 3)}
+        out = {f"server_{name}": self._carried[name] + getattr(c, name) for name in _COUNTERS}
+        if len(c.base_urls) > 1:
+            out["server_requests_by_replica"] = [carried + now for carried, now in
+                                                 zip(self._carried_by_replica, _requests_by_replica(c))]
+        return {**out, "seconds_sync_total": round(self.seconds_sync, 3)}
 
     def close(self) -> None:
         if self.client is not None:
             self.client.close()
             self.client = None
-        if self.server is not None:
-            self.server.stop()
-            self.server = None
+        self._stop_all()
+
+
+_COUNTERS = ("requests", "prompt_mismatches", "inexact")
+
+
+def _requests_by_replica(client: Any) -> list[int]:
+    return [c.requests for c in getattr(client, "clients", [client])]
+
+
+def connect_all(connect: Callable[[str], Any], urls: Sequence[str]) -> Any:
+    """One client for the servers at `urls`: a `ServerPolicy`, or a `FleetPolicy` over several."""
+    from arpo_lib.agent.server_policy import FleetPolicy
+
+    clients = [connect(url) for url in urls]
+    return clients[0] if len(clients) == 1 else FleetPolicy(clients)
 
 
 class FollowingServed:
-    """The server of a distributed run, seen from a training process other than rank 0: it
-    connects to the URL rank 0 announces before each rollout batch (`Trainer.engine`) and never
-    pushes weights (rank 0 has, before announcing). Rank 0 records the server's metrics."""
+    """The servers of a distributed run, seen from a training process other than rank 0: it
+    connects to the URLs rank 0 announces before each rollout batch (`Trainer.engine`) and never
+    pushes weights (rank 0 has, before announcing). Rank 0 records the servers' metrics."""
 
     def __init__(self, connect: Callable[[str], Any]):
         self._connect = connect
         self.client: Any = None
-        self.url: str | None = None
+        self.urls: list[str] | None = None
 
-    def follow(self, url: str) -> Any:
-        """The client of the server at `url` (a new one when rank 0's server moved, e.g. restarted)."""
-        if url != self.url:
+    def follow(self, urls: Sequence[str]) -> Any:
+        """The client of the servers at `urls` (a new one when rank 0's servers moved, e.g. restarted)."""
+        if list(urls) != self.urls:
             if self.client is not None:
                 self.client.close()
-            self.client, self.url = self._connect(url), url
+            self.client, self.urls = connect_all(self._connect, urls), list(urls)
         return self.client
 
     def policy(self, version: int) -> Any:
         if self.client is None:
-            raise RuntimeError("no server announced yet: rank 0 announces its server in Trainer.engine")
+            raise RuntimeError("no server announced yet: rank 0 announces its servers in Trainer.engine")
         return self.client
 
     def metrics(self) -> dict[str, Any]:
@@ -190,4 +237,3 @@ class FollowingServed:
         if self.client is not None:
             self.client.close()
             self.client = None
-

@@ -3,6 +3,9 @@
     checkpoints/step_000004/
         model/               the policy in the Hugging Face layout (merged weights with LoRA, plus adapter.pt)
         optimizer.pt         optimizer and learning-rate schedule
+        optimizer_shards/    distributed runs: the optimizer state as torch.distributed.checkpoint
+                             files, each process writing its own shard in parallel (optimizer.pt
+                             then holds the schedule only)
         replay.json          the replay buffer with its random generator
         trainer_state.json   step, torch RNG, config
         manifest.json        size of every file (a resume detects truncated or missing files)
@@ -32,21 +35,55 @@ from arpo_lib.run.records import atomic_write_text, fsync_dir, read_jsonl
 log = logging.getLogger(__name__)
 
 
-def save_checkpoint(ckpt_dir: Path, step: int, *, policy: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
-                    replay: ReplayBuffer, config: dict[str, Any], keep: int, state: dict[str, Any] | None = None,
-                    optimizer_state: dict[str, Any] | None = None) -> Path:
-    """Write model, optimizer, scheduler, replay buffer, RNG, step and the trainer's own `state`
-    (JSON) atomically; keep the newest `keep` checkpoints. Returns the checkpoint directory.
-    `optimizer_state` replaces `optimizer.state_dict()` (distributed training: the full state
-    gathered from the shards, keyed by parameter name)."""
-    final = ckpt_dir / layout.step_name(step)
+def begin_checkpoint(ckpt_dir: Path, step: int) -> Path:
+    """The empty temporary directory step `step`'s checkpoint is written into (`finish_checkpoint`
+    moves it into place). Distributed: rank 0 calls this, then every rank writes its shards."""
     tmp = ckpt_dir / f".tmp_{layout.step_name(step)}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
+    return tmp
+
+
+def save_optimizer_shards(tmp: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Every rank writes its shard of the optimizer state (FSDP2: DTensors keyed by parameter
+    name) into `tmp/optimizer_shards/` with torch.distributed.checkpoint, in parallel: nothing is
+    gathered. A collective: all ranks call it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=tmp / layout.OPTIMIZER_SHARDS)
+
+
+def load_optimizer_shards(shards: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Read `optimizer_shards/` into `optimizer` (its parameters named as in `model`), re-sharded
+    for however many processes load it: each reads only the pieces of its own shard; one
+    process (no process group) reads whole tensors. A collective when distributed."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    state = get_optimizer_state_dict(model, optimizer)  # the layout to fill (creates the state)
+    dcp.load(state, checkpoint_id=shards, no_dist=not dist.is_initialized())
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=state)
+
+
+def save_checkpoint(ckpt_dir: Path, step: int, *, policy: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
+                    replay: ReplayBuffer, config: dict[str, Any], keep: int, state: dict[str, Any] | None = None,
+                    sharded: bool = False) -> Path:
+    """Write model, optimizer, scheduler, replay buffer, RNG, step and the trainer's own `state`
+    (JSON) atomically; keep the newest `keep` checkpoints. Returns the checkpoint directory.
+    `sharded`: the optimizer state is already in the temporary directory's `optimizer_shards/`
+    (`begin_checkpoint`, then `save_optimizer_shards` on every rank)."""
+    tmp = ckpt_dir / f".tmp_{layout.step_name(step)}"
+    if not sharded:
+        begin_checkpoint(ckpt_dir, step)
+    elif not (tmp / layout.OPTIMIZER_SHARDS / ".metadata").is_file():
+        raise FileNotFoundError(f"{tmp}: the optimizer shards are missing (save_optimizer_shards first)")
+    final = ckpt_dir / layout.step_name(step)
     policy.save(tmp / layout.MODEL)
-    optimizer_state = optimizer.state_dict() if optimizer_state is None else optimizer_state
-    torch.save({"optimizer": optimizer_state, "scheduler": scheduler.state_dict()}, tmp / layout.OPTIMIZER)
+    torch.save({"optimizer": None if sharded else optimizer.state_dict(), "scheduler": scheduler.state_dict()},
+               tmp / layout.OPTIMIZER)
     replay.save(tmp / layout.REPLAY)
     trainer_state = {"step": step, "torch_rng": torch.get_rng_state().tolist(), "config": config,
                      "time": time.time(), "trainer": state or {}}
@@ -75,9 +112,15 @@ def load_checkpoint(checkpoint: Path, *, optimizer: torch.optim.Optimizer, sched
                     load_optimizer: Any = None) -> tuple[int, ReplayBuffer, dict[str, Any]]:
     """Restore optimizer, scheduler and torch's RNG from a checkpoint; returns (step, replay buffer,
     the trainer's own state). The model is loaded by whoever builds the policy (`arpo_lib.build`).
-    `load_optimizer(state)` replaces `optimizer.load_state_dict` (distributed training)."""
+    `load_optimizer(state)` replaces `optimizer.load_state_dict`; it receives the path of the
+    `optimizer_shards/` directory when a distributed run wrote the checkpoint."""
     opt = torch.load(checkpoint / layout.OPTIMIZER, weights_only=False)
-    (load_optimizer or optimizer.load_state_dict)(opt["optimizer"])
+    if opt["optimizer"] is None:
+        if load_optimizer is None:
+            raise ValueError(f"{checkpoint}: the optimizer state is sharded; pass load_optimizer")
+        load_optimizer(checkpoint / layout.OPTIMIZER_SHARDS)
+    else:
+        (load_optimizer or optimizer.load_state_dict)(opt["optimizer"])
     scheduler.load_state_dict(opt["scheduler"])
     replay = ReplayBuffer.load(checkpoint / layout.REPLAY)
     state = json.loads((checkpoint / layout.TRAINER_STATE).read_text())

@@ -12,7 +12,8 @@ What each rank holds and does (rollout.backend=hf, the in-process mode):
   full model (`sync_full_model`);
 - its share of the episodes (`requests[rank::world]`), written to the shared run directory and
   gathered to every rank in request order, so every rank forms the same groups with the same
-  seeded replay buffer (rank 0 alone writes records and checkpoints);
+  seeded replay buffer (rank 0 alone writes records; in a checkpoint every rank writes its
+  optimizer shard with torch.distributed.checkpoint, rank 0 the rest: training/checkpoint.py);
 - its share of each mini-batch's sequences, balanced by tokens (`split_by_tokens`), with the loss
   normaliser of the WHOLE mini-batch (every rank knows it: all ranks hold the batch), scaled by
   the world size because FSDP averages gradients over ranks. N ranks therefore take the same
@@ -191,17 +192,9 @@ def load_full_into_sharded(full: torch.nn.Module, sharded: LogprobNet) -> None:
     set_model_state_dict(sharded, state, options=StateDictOptions(full_state_dict=True, strict=False))
 
 
-def full_optimizer_state(sharded: LogprobNet, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer state gathered from the shards, keyed by parameter name (every rank takes
-    part): what a checkpoint stores, loadable with any number of ranks."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    return get_optimizer_state_dict(sharded, optimizer, options=StateDictOptions(full_state_dict=True,
-                                                                                 cpu_offload=True))
-
-
 def load_full_optimizer_state(sharded: LogprobNet, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    """Shard a `full_optimizer_state` (by name) onto this process group's ranks."""
+    """Shard a whole optimizer state keyed by parameter name (a one-process checkpoint's, via
+    `optimizer_state_by_name`, or one gathered by earlier versions) onto this group's ranks."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     set_optimizer_state_dict(sharded, optimizer, optim_state_dict=state,
@@ -232,13 +225,13 @@ def broadcast_model(model: torch.nn.Module, ranks: Ranks) -> None:
 
 def optimizer_state_by_name(state: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
     """A one-process `optimizer.state_dict()` (parameters by position in `names`, the trainable
-    parameters' names in order) in the by-name form of `full_optimizer_state`."""
+    parameters' names in order) in the by-name form torch.distributed's state-dict helpers use."""
     return {"state": {names[i]: v for i, v in state["state"].items()},
             "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
 
 
 def optimizer_state_by_position(state: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
-    """The inverse of `optimizer_state_by_name`: a `full_optimizer_state` for one process."""
+    """The inverse of `optimizer_state_by_name`: a by-name state for one process."""
     index = {n: i for i, n in enumerate(names)}
     unknown = sorted(set(state["state"]) - set(index))
     if unknown:

@@ -49,7 +49,8 @@ from arpo_lib.run.records import append_jsonl
 from arpo_lib.run.seeding import stable_seed
 from arpo_lib.run.tracking import Tracker
 from arpo_lib.training import distributed as dist_
-from arpo_lib.training.checkpoint import drop_records_after, load_checkpoint, save_checkpoint
+from arpo_lib.training.checkpoint import (begin_checkpoint, drop_records_after, load_checkpoint,
+                                          load_optimizer_shards, save_checkpoint, save_optimizer_shards)
 from arpo_lib.training.distributed import SINGLE, Ranks
 from arpo_lib.training.optim import make_optimizer, micro_batches, warmup_schedule
 from arpo_lib.training.rollout import RolloutEngine, load_trajectory
@@ -141,9 +142,15 @@ class Trainer:
         self._warm_started = self._demos_seeded = checkpoint is not None
         self.seconds_warm_start = 0.0
 
-    def _load_optimizer_state(self, state: dict[str, Any]) -> None:
+    def _load_optimizer_state(self, state: dict[str, Any] | Path) -> None:
         """A checkpoint's optimizer state, whichever number of processes wrote it: by position
-        (one process) or by parameter name (gathered from FSDP shards)."""
+        (one process), by parameter name (gathered from FSDP shards by earlier versions), or the
+        directory of torch.distributed.checkpoint shards a distributed run writes (re-sharded for
+        this number of processes)."""
+        if isinstance(state, Path):
+            holder = self.train_net if self.train_net is not None else _named_as_sharded(self.policy.model)
+            load_optimizer_shards(state, holder, self.optimizer)
+            return
         names = [f"net.{n}" for n, p in self.policy.model.named_parameters() if p.requires_grad]
         by_name = any(isinstance(k, str) for k in state["state"]) or any(
             isinstance(p, str) for g in state["param_groups"] for p in g["params"])
@@ -165,16 +172,16 @@ class Trainer:
         return self._pool
 
     def engine(self, alone: bool = False) -> RolloutEngine:
-        """The rollout engine with the generating policy: this process's model, or the server
-        (holding the current weights). Distributed, rank 0 brings the server up to date and
-        announces its URL to the other ranks, which all call this together (`alone`: rank 0
+        """The rollout engine with the generating policy: this process's model, or the servers
+        (holding the current weights). Distributed, rank 0 brings the servers up to date and
+        announces their URLs to the other ranks, which all call this together (`alone`: rank 0
         only, e.g. for its evaluation)."""
         if self.served is None:
             policy = self.policy
         elif self.ranks.is_main:
             policy = self.served.policy(self.weights_version)
             if self.ranks.distributed and not alone:
-                dist_.broadcast_object(policy.base_url, self.ranks)
+                dist_.broadcast_object(policy.base_urls, self.ranks)
         else:
             policy = self.served.follow(dist_.broadcast_object(None, self.ranks))
         return RolloutEngine(policy, self.pool, max_steps=self.cfg.env.max_steps,
@@ -526,20 +533,34 @@ class Trainer:
         return self.evaluator(self.engine(alone=True), label, tasks)
 
     def save_checkpoint(self) -> Path:
-        """Write this step's checkpoint (rank 0 writes; with FSDP every rank first hands over its
-        optimizer shard, stored whole so a resume may use another number of ranks)."""
-        full_optimizer = None
-        if self.train_net is not None:
-            full_optimizer = dist_.full_optimizer_state(self.train_net, self.optimizer)
+        """Write this step's checkpoint. Distributed: every rank writes its optimizer shard in
+        parallel (torch.distributed.checkpoint; re-sharded on resume, so another number of ranks
+        may continue), then rank 0 writes the rest (the full model every rank holds, the schedule,
+        the replay buffer) and moves the checkpoint into place."""
+        sharded = self.train_net is not None
+        if sharded:
+            if self.ranks.is_main:
+                begin_checkpoint(self.run.checkpoints, self.step)
+            dist_.barrier(self.ranks)
+            save_optimizer_shards(self.run.checkpoints / f".tmp_{layout.step_name(self.step)}", self.train_net,
+                                  self.optimizer)
         path = self.run.checkpoints / layout.step_name(self.step)
         if self.ranks.is_main:
             path = save_checkpoint(self.run.checkpoints, self.step, policy=self.policy, optimizer=self.optimizer,
                                    scheduler=self.scheduler, replay=self.replay, config=self.cfg.to_dict(),
-                                   keep=self.cfg.train.keep_checkpoints, optimizer_state=full_optimizer,
+                                   keep=self.cfg.train.keep_checkpoints, sharded=sharded,
                                    state={"consecutive_skips": self.consecutive_skips,
                                           "weights_version": self.weights_version})
         dist_.barrier(self.ranks)
         return path
+
+
+def _named_as_sharded(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` under the name the sharded copy gives it (`net.`), so one process can read the
+    optimizer shards a distributed run wrote (same parameter names)."""
+    holder = torch.nn.Module()
+    holder.net = model
+    return holder
 
 
 def _without_tracking(cfg: RunConfig) -> RunConfig:

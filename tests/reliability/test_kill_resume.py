@@ -103,7 +103,31 @@ def _final_state(run: Path) -> dict:
         "warm_start": read_jsonl(run / "warm_start.jsonl"),
         "weights": load_file(ck / "model" / "model.safetensors"),
         "optimizer": torch.load(ck / "optimizer.pt", weights_only=False),
+        "optimizer_shards": _shards(ck),
     }
+
+
+def _shards(checkpoint: Path) -> dict[str, object]:
+    """The optimizer state a distributed run wrote as torch.distributed.checkpoint shards, whole
+    and flattened (`state.<param>.<field>` -> value); {} for a one-process checkpoint."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    shards = checkpoint / "optimizer_shards"
+    if not shards.is_dir():
+        return {}
+    whole = checkpoint.parent / f"{checkpoint.name}.whole.pt"
+    dcp_to_torch_save(shards, whole)
+    state = torch.load(whole, weights_only=False)
+    whole.unlink()
+
+    def flat(prefix: str, value: object) -> dict[str, object]:
+        if isinstance(value, dict):
+            return {k: v for key, sub in value.items() for k, v in flat(f"{prefix}.{key}", sub).items()}
+        if isinstance(value, list):
+            return {k: v for i, sub in enumerate(value) for k, v in flat(f"{prefix}.{i}", sub).items()}
+        return {prefix: value}
+
+    return flat("", state)
 
 
 def _assert_same(a: dict, b: dict, trial: str) -> None:
@@ -112,25 +136,50 @@ def _assert_same(a: dict, b: dict, trial: str) -> None:
     for name, tensor in a["weights"].items():
         assert torch.equal(tensor, b["weights"][name]), f"{trial}: weight {name} differs"
     oa, ob = a["optimizer"]["optimizer"], b["optimizer"]["optimizer"]
-    assert oa["state"].keys() == ob["state"].keys()
-    for k in oa["state"]:
-        for field in ("step", "exp_avg", "exp_avg_sq"):
-            assert torch.equal(torch.as_tensor(oa["state"][k][field]), torch.as_tensor(ob["state"][k][field])), \
-                f"{trial}: optimizer {field} differs"
+    if oa is None:  # written by several processes: the state is in the shards
+        sa, sb = a["optimizer_shards"], b["optimizer_shards"]
+        assert ob is None and sa.keys() == sb.keys() and any(".exp_avg_sq" in k for k in sa)
+        for key in sa:
+            same = torch.equal(sa[key], sb[key]) if torch.is_tensor(sa[key]) else sa[key] == sb[key]
+            assert same, f"{trial}: optimizer {key} differs"
+    else:
+        assert oa["state"].keys() == ob["state"].keys()
+        for k in oa["state"]:
+            for field in ("step", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(torch.as_tensor(oa["state"][k][field]), torch.as_tensor(ob["state"][k][field])), \
+                    f"{trial}: optimizer {field} differs"
     assert a["optimizer"]["scheduler"] == b["optimizer"]["scheduler"]
 
 
+@pytest.fixture(scope="module")
+def references(tiny_qwen2vl, chromium_available, tmp_path_factory):
+    """`references(nproc)`: an uninterrupted run's final state, its wall time and seconds per step
+    (each computed once per module)."""
+    if not chromium_available:
+        pytest.skip("needs chromium")
+    done: dict[int, tuple[dict, float, float]] = {}
+
+    def get(nproc: int) -> tuple[dict, float, float]:
+        if nproc not in done:
+            out = tmp_path_factory.mktemp(f"reference{nproc}")
+            seconds = _run_to_end(_train_args(tiny_qwen2vl, out, "reference", nproc))
+            final = _final_state(out / "reference")
+            step_seconds = max(0.5, sum(m["seconds_rollout"] + m["seconds_update"]
+                                        for m in read_jsonl(out / "reference" / "metrics.jsonl")) / STEPS)
+            assert final["step"] == STEPS and [m["step"] for m in final["metrics"]] == list(range(1, STEPS + 1))
+            done[nproc] = final, seconds, step_seconds
+        return done[nproc]
+
+    return get
+
+
 @pytest.mark.parametrize("nproc", [1, 2], ids=["1-process", "2-processes"])
-def test_sigkill_at_random_moments_then_resume_continues_exactly(tmp_path, tiny_qwen2vl, chromium_available,
-                                                                 figures, scale, nproc):
+def test_sigkill_at_random_moments_then_resume_continues_exactly(tmp_path, tiny_qwen2vl, references, figures, scale,
+                                                                 nproc):
     """With 2 processes (torchrun, FSDP2 on gloo) the whole group -- torchrun, both ranks, their
     browsers -- is killed; the resumed run must equal an uninterrupted 2-process run exactly."""
     trials = scale(4, 20) if nproc == 1 else scale(2, 10)
-    reference_seconds = _run_to_end(_train_args(tiny_qwen2vl, tmp_path, "reference", nproc))
-    reference = _final_state(tmp_path / "reference")
-    step_seconds = max(0.5, sum(m["seconds_rollout"] + m["seconds_update"]
-                                for m in read_jsonl(tmp_path / "reference" / "metrics.jsonl")) / STEPS)
-    assert reference["step"] == STEPS and [m["step"] for m in reference["metrics"]] == list(range(1, STEPS + 1))
+    reference, reference_seconds, step_seconds = references(nproc)
 
     rng = random.Random(20261122)
     log = []
@@ -168,3 +217,61 @@ def test_sigkill_at_random_moments_then_resume_continues_exactly(tmp_path, tiny_
                    kills_by_checkpoint={c: sum((k["checkpoint"] or "none") == c for t in log for k in t["kills"])
                                         for c in sorted({k["checkpoint"] or "none" for t in log for k in t["kills"]})},
                    reference_run_seconds=round(reference_seconds, 1), trial_log=log)
+
+
+def _rank_pid(session: int, rank: int, timeout_s: float = 120.0) -> int:
+    """The pid of torchrun's worker `rank` among the processes of `session` (its process group)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            try:
+                if os.getpgid(int(proc.name)) != session:
+                    continue
+                env = (proc / "environ").read_bytes().split(b"\0")
+            except (OSError, ProcessLookupError):
+                continue
+            if f"RANK={rank}".encode() in env and b"LOCAL_RANK=" + str(rank).encode() in env:
+                return int(proc.name)
+        time.sleep(0.2)
+    raise AssertionError(f"no process of rank {rank} appeared")
+
+
+def test_one_rank_killed_stops_the_whole_group_and_the_run_resumes_exactly(tmp_path, tiny_qwen2vl, references,
+                                                                           figures):
+    """SIGKILL rank 1 alone (as the OOM killer would) in the middle of a 2-process run: rank 0
+    must not wait forever in a collective -- the launcher ends the group and exits non-zero,
+    naming the lost rank, leaving no process behind -- and a resume continues exactly."""
+    reference, _, step_seconds = references(2)
+    run = tmp_path / "one-rank"
+    proc = _start(_train_args(tiny_qwen2vl, tmp_path, run.name, 2))
+    try:
+        while len(read_jsonl(run / "metrics.jsonl")) < 2:
+            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+            time.sleep(0.05)
+        time.sleep(0.5 * step_seconds)  # into step 3: rollouts or the update
+        victim = _rank_pid(proc.pid, 1)
+        killed_at = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        _, err = proc.communicate(timeout=300)
+        stopped_s = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    err = err.decode()
+    assert proc.returncode != 0
+    assert "SIGKILL" in err and "rank      : 1" in err, err[-3000:]
+    left = [p.name for p in Path("/proc").iterdir() if p.name.isdigit() and _in_group(int(p.name), proc.pid)]
+    assert not left, f"processes of the killed run still alive: {left}"
+    _run_to_end(_resume_args(run, 2))
+    _assert_same(reference, _final_state(run), "one rank killed")
+    figures.update(seconds_from_kill_to_group_exit=round(stopped_s, 1), metric_lines_at_kill=2)
+
+
+def _in_group(pid: int, group: int) -> bool:
+    try:
+        return os.getpgid(pid) == group
+    except ProcessLookupError:
+        return False

@@ -18,6 +18,10 @@ class _Client:
         self.base_url, self.closed = url, False
         self.requests = self.prompt_mismatches = self.inexact = 0
 
+    @property
+    def base_urls(self):
+        return [self.base_url]
+
     def close(self):
         self.closed = True
 
@@ -30,19 +34,21 @@ class _Server:
         self.stopped = True
 
 
-def _served(sync, url=None):
+def _served(sync, url=None, replicas=1, broken=()):
     saves, servers = [], []
 
     def save():
         saves.append(f"weights-{len(saves)}")
         return saves[-1]
 
-    def start(model_dir):
+    def start(model_dir, replica):
+        if replica in broken:
+            raise RuntimeError(f"replica {replica} did not come up")
         servers.append(_Server(len(servers), model_dir))
         return servers[-1]
 
     served = ServedPolicy(connect=_Client, save_weights=save, sync=sync, url=url,
-                          start=None if url else start, initial_model="models/base")
+                          start=None if url else start, initial_model="models/base", replicas=replicas)
     return served, saves, servers
 
 
@@ -54,8 +60,9 @@ def test_restart_starts_on_the_current_weights_and_restarts_on_new_ones():
     first.requests = 7
     second = served.policy(3)
     assert servers[0].stopped and first.closed and servers[1].model_dir == "weights-1"
-    assert second.requests == 7 and served.served_version == 3  # counters are totals over the run
-    assert served.metrics()["server_requests"] == 7 and served.seconds_sync > 0
+    assert second is not first and served.served_version == 3
+    second.requests = 2
+    assert served.metrics()["server_requests"] == 9 and served.seconds_sync > 0  # totals over the run
     served.close()
     assert servers[1].stopped and second.closed
 
@@ -80,11 +87,43 @@ def test_someone_elses_server_gets_our_weights_before_the_first_rollout(monkeypa
     assert [d for _, d in pushed] == ["weights-0", "weights-1"]
 
 
+def test_a_fleet_is_started_restarted_and_reloaded_as_a_whole(monkeypatch):
+    served, saves, servers = _served("restart", replicas=3)
+    fleet = served.policy(1)
+    assert fleet.base_urls == ["http://h:0/v1", "http://h:1/v1", "http://h:2/v1"]
+    assert [s.model_dir for s in servers] == ["weights-0"] * 3
+    fleet.clients[1].requests = 4
+    served.policy(2)
+    assert all(s.stopped for s in servers[:3]) and [s.model_dir for s in servers[3:]] == ["weights-1"] * 3
+    served.client.clients[2].requests = 1
+    assert served.metrics()["server_requests_by_replica"] == [0, 4, 1]  # totals over the run
+    assert served.metrics()["server_requests"] == 5
+    served.close()
+    assert all(s.stopped for s in servers)
+
+    pushed = []
+    monkeypatch.setattr("arpo_lib.serving.weight_sync.reload_weights", lambda url, d: pushed.append((url, d)))
+    served, saves, servers = _served("reload", replicas=2)
+    served.policy(0)
+    served.policy(1)
+    assert sorted(pushed) == [("http://h:0/v1", "weights-1"), ("http://h:1/v1", "weights-1")]
+    assert len(servers) == 2  # reloaded in place, not restarted
+
+
+def test_a_replica_that_fails_to_start_stops_the_others():
+    served, _, servers = _served("restart", replicas=3, broken={1})
+    with pytest.raises(RuntimeError, match="replica 1 did not come up"):
+        served.policy(0)
+    assert len(servers) == 2 and all(s.stopped for s in servers) and served.servers == []
+
+
 def test_impossible_combinations_are_refused():
     with pytest.raises(ValueError, match="restart"):
         ServedPolicy(connect=_Client, save_weights=str, sync="restart", url="http://h/v1")
     with pytest.raises(ValueError, match="sync"):
         ServedPolicy(connect=_Client, save_weights=str, sync="sometimes", url="http://h/v1")
+    with pytest.raises(ValueError, match="replicas"):
+        ServedPolicy(connect=_Client, save_weights=str, sync="reload", url="http://h/v1", replicas=2)
 
 
 class _Recorder(BaseHTTPRequestHandler):
