@@ -3,7 +3,8 @@ by scripts/setup_vllm_cpu.sh, once per machine) serving the warm-started tiny UI
 
 Start/health/stop, multi-turn requests with screenshots, greedy equivalence with the in-process
 policy, behaviour log-probs, a MiniWoB rollout through the server, constrained decoding, weight
-sync from a training step, and the evaluation notebook pointed at the server by parameters.
+sync from a training step, a training run's fleet of two servers kept on its weights, and the
+evaluation notebook pointed at the server by parameters.
 On a machine with vLLM elsewhere, ARPO_VLLM_PYTHON names its interpreter and no set-up runs.
 """
 from __future__ import annotations
@@ -256,6 +257,42 @@ def test_inference_server_notebook_starts_vllm_by_parameters(served_model, vllm_
     assert "'refused_without_key': True" in text and "vllm-test-key" not in text
     server = __import__("json").loads((tmp_path / "serve-vllm" / "server.json").read_text())
     assert server["backend"] == "vllm" and not Path(f"/proc/{server['pid']}").exists()
+
+
+def test_a_training_run_keeps_a_fleet_of_two_vllm_servers_on_its_weights(served_model, vllm_python, hf,
+                                                                         observations, tmp_path):
+    """serve.replicas=2: the run starts two vLLM servers, spreads its episodes over both, and after
+    the update reloads the new weights into both (in parallel): each then answers exactly as the
+    updated in-process policy. At the end both are stopped."""
+    from arpo_lib import build
+    from arpo_lib.run.config import load_config
+
+    cfg = load_config("configs/smoke.yaml", [
+        f"model.path={served_model}", f"out_dir={tmp_path}", "name=fleet", f"env.tasks=[{','.join(TASKS)}]",
+        "env.workers=2", "env.max_steps=3", "model.max_new_tokens=48", "model.history_images=5",
+        "rollout.group_size=2", "train.tasks_per_batch=2", "train.updates_per_batch=1", "train.steps=1",
+        "train.lr=3e-3", "warm_start.steps=0", "warm_start.demos_per_task=0", "train.demo_replay=1",
+        "rollout.backend=server", "rollout.weight_sync=reload", "serve.backend=vllm", "serve.replicas=2",
+        "serve.weight_sync=true", "serve.device=cpu", "serve.dtype=float32", "serve.max_model_len=4096",
+        "serve.enforce_eager=true", f"serve.python={vllm_python}", "logging.progress=false"])
+    segs, ctxs = _contexts(hf, observations)
+    with build.trainer(cfg) as trainer:
+        (metrics,) = trainer.train()
+        assert metrics["optimizer_steps"] == 1 and metrics["server_prompt_mismatches"] == 0
+        assert len(metrics["server_requests_by_replica"]) == 2 and min(metrics["server_requests_by_replica"]) > 0
+        fleet = trainer.served.client
+        pids = [server.pid for server in trainer.served.servers]
+        assert len(set(fleet.base_urls)) == 2
+        for replica in fleet.clients:
+            answers = replica.generate(segs, temperature=1.0, contexts=ctxs, seeds=list(range(len(segs))))
+            for seg, answer in zip(segs, answers):
+                with torch.no_grad():
+                    (new,) = trainer.policy.sequence_logprobs([_with_response(seg, answer)], 1.0)
+                    (old,) = hf.sequence_logprobs([_with_response(seg, answer)], 1.0)
+                assert torch.allclose(new, torch.tensor(answer.logprobs), atol=2e-3), replica.base_url
+                assert not torch.allclose(old, torch.tensor(answer.logprobs), atol=2e-3)
+    assert (tmp_path / "fleet" / "server_1.log").is_file()
+    assert not any(Path(f"/proc/{pid}").exists() and _in_group(pid, pid) for pid in pids)
 
 
 def test_stop_leaves_no_server_process(server):
