@@ -11,9 +11,11 @@ torch's meta device (no weights, no memory). Per GPU, in bytes, with P parameter
 - N > 1 processes (FSDP2, arpo_lib/training/distributed.py): weights, gradients and moments /N;
   plus the gathered units in bf16 (the root unit -- embeddings and LM head -- stays gathered for
   the whole forward and backward, and two decoder layers are in flight) and the root's unsharded
-  bf16 and fp32 gradients before the reduce-scatter; plus, with in-process rollouts
-  (rollout.backend=hf), every rank's full model for generation: 4P (LoRA: its frozen Linear
-  weights in bf16). A vLLM fleet (not built yet) would drop that replica.
+  bf16 and fp32 gradients before the reduce-scatter; plus every rank's full model, which
+  generates with in-process rollouts (rollout.backend=hf) and computes the old log-probs in
+  either mode: 4P (LoRA: its frozen Linear weights in bf16). Adafactor's state is sharded by
+  rows; a matrix's column statistics are replicated, so it is counted whole (an upper bound, a
+  few MiB).
 - LoRA (rank r on q/k/v/o/gate/up/down of the language model): the frozen Linear weights in bf16
   (model.frozen_weights_dtype=auto on CUDA), the rest fp32, only the adapters have gradients and
   moments.
@@ -84,17 +86,17 @@ def per_gpu_bytes(c: Counts, gpus: int, mode: str, lora_rank: int = 16) -> dict[
         weights = 2 * c.text_linear + 4 * (c.total - c.text_linear) + 4 * adapters
         trained, optimizer = adapters, 8 * adapters
     elif mode in ("full-adamw", "full-adafactor"):
-        if mode == "full-adafactor" and n > 1:
-            raise ValueError("Adafactor is single-process (torch's cannot step FSDP shards)")
         weights, trained = 4 * c.total, c.total
-        optimizer = 8 * c.total if mode == "full-adamw" else 4 * c.factored
+        optimizer = 8 * c.total / n if mode == "full-adamw" else 4 * c.factored
     else:
         raise ValueError(f"unknown mode {mode!r}")
-    parts = {"weights": weights / n, "gradients": 4 * trained / n, "optimizer": optimizer / n}
+    if mode == "lora-adamw":
+        optimizer /= n
+    parts = {"weights": weights / n, "gradients": 4 * trained / n, "optimizer": optimizer}
     if n > 1:
         gathered = c.root + 2 * c.largest_unit
         parts["gathered units and unreduced root gradients"] = 2 * gathered + (6 * c.root if mode != "lora-adamw" else 0)
-        parts["full model for in-process rollouts"] = weights
+        parts["full model for rollouts and old log-probs"] = weights
     return parts
 
 
@@ -105,14 +107,11 @@ def memory_rows(counts: dict[str, Counts], gpus: tuple[int, ...] = (1, 2, 8, 16)
         for mode in ("full-adamw", "lora-adamw", "full-adafactor"):
             row: dict[str, Any] = {"shape": shape, "update": mode}
             for n in gpus:
-                if mode == "full-adafactor" and n > 1:
-                    row[f"{n} GPU"] = "single-process only"
-                    continue
                 parts = per_gpu_bytes(c, n, mode)
-                replica = parts.get("full model for in-process rollouts", 0.0)
+                replica = parts.get("full model for rollouts and old log-probs", 0.0)
                 total = sum(parts.values())
                 row[f"{n} GPU"] = (f"{total / GIB:.1f} GiB" if not replica
-                                   else f"{(total - replica) / GIB:.1f} GiB (+{replica / GIB:.1f} rollout copy)")
+                                   else f"{(total - replica) / GIB:.1f} GiB (+{replica / GIB:.1f} full copy)")
             rows.append(row)
     return rows
 

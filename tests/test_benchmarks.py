@@ -84,12 +84,14 @@ def test_memory_table_parts_follow_the_documented_formula():
     two = per_gpu_bytes(c, 2, "full-adamw")
     assert two["weights"] == two["gradients"] == 2000 and two["optimizer"] == 4000
     assert two["gathered units and unreduced root gradients"] == 2 * (100 + 100) + 6 * 100
-    assert two["full model for in-process rollouts"] == 4000
+    assert two["full model for rollouts and old log-probs"] == 4000
     lora = per_gpu_bytes(c, 1, "lora-adamw", lora_rank=2)  # 6 adapter parameters
     assert lora == {"weights": 2 * 600 + 4 * 400 + 4 * 6, "gradients": 24, "optimizer": 48}
     assert per_gpu_bytes(c, 1, "full-adafactor")["optimizer"] == 160
-    with pytest.raises(ValueError, match="single-process"):
-        per_gpu_bytes(c, 2, "full-adafactor")
+    adafactor = per_gpu_bytes(c, 2, "full-adafactor")  # sharded weights and gradients, whole statistics
+    assert adafactor["weights"] == adafactor["gradients"] == 2000 and adafactor["optimizer"] == 160
+    with pytest.raises(ValueError, match="unknown mode"):
+        per_gpu_bytes(c, 2, "full-sgd")
 
 
 def test_memory_table_of_the_real_shapes(tmp_path):
