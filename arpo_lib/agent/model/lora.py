@@ -11,8 +11,9 @@ gradients 28 GB, AdamW's two moments 56 GB -- 112 GB before one activation. The 
   weights never change, and autocast casts every Linear weight to bf16 before its matmul anyway,
   so the frozen Linear weights are stored in bf16 at no change in any output (tested): 7B's base
   drops from 33 to ~18 GB. Embeddings and norms stay fp32 (they set the residual stream's dtype).
-- Adafactor (`train.optimizer: adafactor`, torch.optim.Adafactor): factored second moments and no
-  first moment, so optimizer state is ~O(rows + cols) per matrix instead of 2 x params.
+- Adafactor (`train.optimizer: adafactor`, torch.optim.Adafactor; on FSDP2 shards
+  `training.optim.ShardedAdafactor`): factored second moments and no first moment, so optimizer
+  state is ~O(rows + cols) per matrix instead of 2 x params.
 """
 from __future__ import annotations
 
