@@ -35,10 +35,15 @@ from arpo_lib.run.records import atomic_write_text, fsync_dir, read_jsonl
 log = logging.getLogger(__name__)
 
 
+def tmp_checkpoint_dir(ckpt_dir: Path, step: int) -> Path:
+    """Where step `step`'s checkpoint is written before `save_checkpoint` moves it into place."""
+    return ckpt_dir / f".tmp_{layout.step_name(step)}"
+
+
 def begin_checkpoint(ckpt_dir: Path, step: int) -> Path:
-    """The empty temporary directory step `step`'s checkpoint is written into (`finish_checkpoint`
-    moves it into place). Distributed: rank 0 calls this, then every rank writes its shards."""
-    tmp = ckpt_dir / f".tmp_{layout.step_name(step)}"
+    """The empty `tmp_checkpoint_dir`. Distributed: rank 0 calls this, then every rank writes its
+    optimizer shard into it, then rank 0 calls `save_checkpoint(..., sharded=True)`."""
+    tmp = tmp_checkpoint_dir(ckpt_dir, step)
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
@@ -75,7 +80,7 @@ def save_checkpoint(ckpt_dir: Path, step: int, *, policy: Any, optimizer: torch.
     (JSON) atomically; keep the newest `keep` checkpoints. Returns the checkpoint directory.
     `sharded`: the optimizer state is already in the temporary directory's `optimizer_shards/`
     (`begin_checkpoint`, then `save_optimizer_shards` on every rank)."""
-    tmp = ckpt_dir / f".tmp_{layout.step_name(step)}"
+    tmp = tmp_checkpoint_dir(ckpt_dir, step)
     if not sharded:
         begin_checkpoint(ckpt_dir, step)
     elif not (tmp / layout.OPTIMIZER_SHARDS / ".metadata").is_file():

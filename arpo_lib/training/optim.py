@@ -67,7 +67,7 @@ class ShardedAdafactor(torch.optim.Adafactor):
             if group["maximize"]:
                 raise ValueError("ShardedAdafactor: maximize is not supported")
             lr, wd, (eps1, eps2), d = group["lr"], group["weight_decay"], group["eps"], group["d"]
-            work = []  # (param, local param, local grad, state, sharded, global shape)
+            work = []  # (param, this rank's part of it, of its gradient, its state, its device mesh or None)
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -79,6 +79,9 @@ class ShardedAdafactor(torch.optim.Adafactor):
             if not work:
                 continue
             group_pg = next((w[4].get_group() for w in work if w[4] is not None), None)
+            if group_pg is not None and any(w[4] is None for w in work):
+                # a whole tensor's sums would be added up once per rank
+                raise ValueError("ShardedAdafactor: a parameter group mixes sharded and whole tensors")
             # (1) parameter norms, 2-D column sums, row-statistic sums
             c = []  # one-minus-beta2 per parameter
             for p, lp, lg, state, _ in work:

@@ -50,7 +50,8 @@ from arpo_lib.run.seeding import stable_seed
 from arpo_lib.run.tracking import Tracker
 from arpo_lib.training import distributed as dist_
 from arpo_lib.training.checkpoint import (begin_checkpoint, drop_records_after, load_checkpoint,
-                                          load_optimizer_shards, save_checkpoint, save_optimizer_shards)
+                                          load_optimizer_shards, save_checkpoint, save_optimizer_shards,
+                                          tmp_checkpoint_dir)
 from arpo_lib.training.distributed import SINGLE, Ranks
 from arpo_lib.training.optim import make_optimizer, micro_batches, warmup_schedule
 from arpo_lib.training.rollout import RolloutEngine, load_trajectory
@@ -542,8 +543,7 @@ class Trainer:
             if self.ranks.is_main:
                 begin_checkpoint(self.run.checkpoints, self.step)
             dist_.barrier(self.ranks)
-            save_optimizer_shards(self.run.checkpoints / f".tmp_{layout.step_name(self.step)}", self.train_net,
-                                  self.optimizer)
+            save_optimizer_shards(tmp_checkpoint_dir(self.run.checkpoints, self.step), self.train_net, self.optimizer)
         path = self.run.checkpoints / layout.step_name(self.step)
         if self.ranks.is_main:
             path = save_checkpoint(self.run.checkpoints, self.step, policy=self.policy, optimizer=self.optimizer,
