@@ -13,6 +13,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -115,7 +116,10 @@ def test_vllm_command_has_the_flags_ui_tars_needs():
     assert {"--max-model-len", "--dtype", "--gpu-memory-utilization"} <= set(cmd)
     assert cmd[cmd.index("--logprobs-mode") + 1] == "processed_logprobs"  # of the distribution sampled from
     assert "--enable-lora" not in cmd and "--worker-extension-cls" not in cmd
+    assert "--tensor-parallel-size" not in cmd
     assert "VLLM_CPU_KVCACHE_SPACE" not in spec.environment()
+    split = ServerSpec("m", backend="vllm", options={"device": "cuda", "tensor_parallel_size": 2}).command()
+    assert split[split.index("--tensor-parallel-size") + 1] == "2"
 
 
 def test_vllm_cpu_command_and_environment_for_weight_sync_and_lora():
@@ -247,6 +251,24 @@ def test_server_answers_bad_requests_with_openai_errors(server):
 
 
 @pytest.mark.slow
+def test_each_replica_of_a_fleet_gets_its_own_devices_port_log_and_record(tiny_qwen2vl, tmp_path):
+    """build.server for replica 1 of serve.replicas=2 with serve.cuda_devices: the server process
+    sees its own CUDA_VISIBLE_DEVICES; its log and record do not overwrite replica 0's."""
+    from arpo_lib import build
+
+    cfg = build.load_config("configs/smoke.yaml", [f"model.path={tiny_qwen2vl}", f"out_dir={tmp_path}", "name=fleet",
+                                                   "serve.replicas=2", 'serve.cuda_devices=["0,1","2,3"]'])
+    handle = build.server(cfg, replica=1)
+    try:
+        env = Path(f"/proc/{handle.pid}/environ").read_bytes().split(b"\0")
+        assert b"CUDA_VISIBLE_DEVICES=2,3" in env
+        record = json.loads((tmp_path / "fleet" / "server_1.json").read_text())
+        assert record["pid"] == handle.pid and record["log_path"].endswith("server_1.log")
+        assert not (tmp_path / "fleet" / "server.json").exists()
+    finally:
+        handle.stop()
+
+
 def test_stop_leaves_no_process(tiny_qwen2vl, tmp_path):
     handle = start_server(tiny_qwen2vl, device="cpu", threads=1, log_path=tmp_path / "server.log")
     handle.wait_healthy(timeout_s=60, poll_s=0.2)
