@@ -76,6 +76,8 @@ class Desktop:
         if self.wm is not None:
             self._wait_for_window_manager(deadline=time.monotonic() + 30)
         self.keep = {os.getpid(), self.xvfb.pid} | ({self.wm.pid} if self.wm else set())
+        self.launched: list[subprocess.Popen] = []
+        """Applications started by /setup/launch, reaped once they end."""
         self.fresh_home()
 
     def _wait_for_window_manager(self, deadline: float) -> None:
@@ -116,6 +118,7 @@ class Desktop:
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and any(_alive(p) for p in self._others()):
             time.sleep(0.05)
+        self.launched = [p for p in self.launched if p.poll() is None]  # reap the ended
         return ended
 
     def _others(self) -> list[int]:
@@ -143,8 +146,10 @@ class Desktop:
                 "error": done.stderr, "returncode": done.returncode}
 
     def launch(self, command: list[str] | str, shell: bool) -> None:
-        subprocess.Popen(command, shell=shell, env=self.env, cwd=self.home, stdin=subprocess.DEVNULL,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        self.launched = [p for p in self.launched if p.poll() is None]
+        self.launched.append(subprocess.Popen(command, shell=shell, env=self.env, cwd=self.home,
+                                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                              stderr=subprocess.DEVNULL, start_new_session=True))
 
     def active_window(self) -> dict[str, Any]:
         found = self.run(["xdotool", "getactivewindow", "getwindowname", "getwindowgeometry", "--shell"],
@@ -159,11 +164,22 @@ class Desktop:
 
 
 def _alive(pid: int) -> bool:
+    """Whether any thread of process `pid` has not exited. The main thread of a multi-threaded
+    application turns zombie before its other threads have exited and released its files: until
+    then its sockets still accept connections. (A PCManFM killed at a reset kept its
+    single-instance socket open for that long; the next episode's PCManFM handed its window
+    request to the dying one and exited: a black screen in ~1 in 10 resets.)"""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
+        threads = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
         return False
-    return state != "Z"
+    for thread in threads:
+        try:
+            if (thread / "stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                return True
+        except (OSError, IndexError):
+            continue
+    return False
 
 
 def _text(value: bytes | str | None) -> str:

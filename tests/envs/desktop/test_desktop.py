@@ -230,3 +230,29 @@ def test_code_under_a_masked_directory_is_bound_into_the_sandbox(monkeypatch, tm
     monkeypatch.setattr(sandbox, "_repo_root", lambda: "/usr/share")
     monkeypatch.setattr(system, "prefix", "/usr")
     assert str(tmp_path / "clone") not in sandbox.code_paths()
+
+
+def test_a_process_counts_as_ended_only_when_every_thread_has():
+    """The reset waits for killed applications with `_alive`: a multi-threaded process whose main
+    thread is already a zombie still holds its files (a PCManFM killed at a reset kept its
+    single-instance socket, and the next episode's PCManFM handed over to it and exited: ~1 in 10
+    resets showed a black screen). Here the main thread exits and another keeps running."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from arpo_lib.envs.desktop.server import _alive
+
+    code = ("import ctypes, threading, time; threading.Thread(target=time.sleep, args=(60,)).start(); "
+            "ctypes.CDLL(None).pthread_exit(None)")
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert _alive(proc.pid)  # the main thread is a zombie, the process is not done
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not _alive(proc.pid)
