@@ -128,8 +128,18 @@ def test_every_action_kind_reaches_a_real_window(screen):
     assert kinds == ["mousedown", "mouseup", "click"]
     # Elsewhere on the pad: at the same point, within Chrome's double-click time (500 ms on a quiet
     # machine), the single click above and the first of these two made the pair and no dblclick came.
+    # Chrome pairs the two clicks by the X server's event times; on a loaded 2-core machine the
+    # pair was once not recognised (CI, 1 run in many). Every attempt must deliver exactly two
+    # clicks; one of three must be seen as a double click.
     other = _screen_xy(driver, "pad", 0.7, 0.3)
-    assert "dblclick" in [e["kind"] for e in _act(driver, env, Action("left_double", point=other))]
+    attempts = []
+    for _ in range(3):
+        kinds = [e["kind"] for e in _act(driver, env, Action("left_double", point=other))]
+        assert kinds.count("click") == 2 and kinds.count("mousedown") == 2, kinds
+        attempts.append(kinds)
+        if "dblclick" in kinds:
+            break
+    assert "dblclick" in attempts[-1], attempts
     assert "contextmenu" in [e["kind"] for e in _act(driver, env, Action("right_single", point=pad))]
     end = _screen_xy(driver, "pad", 0.6, 0.7)
     drag = _act(driver, env, Action("drag", point=pad, end_point=end))
