@@ -127,7 +127,7 @@ def run_arm(cfg: RunConfig, algo: str, seed: int, model_dir: Path, tasks: list[s
     name = f"{algo}-s{seed}"
     final = cfg.run_dir / name / "final.json"
     if _done(final):
-        return _done(final)  # type: ignore[return-value]
+        return _with_final_at_train_temperature(cfg, _done(final), final, tasks)  # type: ignore[arg-type]
     run_cfg = _derive(cfg, name, **{"model.path": str(model_dir), "env.tasks": tasks, "eval.tasks": None,
                                     **ARMS[algo], "train.seed": seed,
                                     "warm_start.steps": 0, "warm_start.demos_per_task": 0,
@@ -143,6 +143,23 @@ def run_arm(cfg: RunConfig, algo: str, seed: int, model_dir: Path, tasks: list[s
     evaluation = evaluate_model(cfg, run_cfg.run_dir / "final_model", tasks, run_cfg.run_dir / "eval_final")
     record = {"algo": algo, "seed": seed, "eval": _eval_summary(evaluation),
               "seconds": round(time.monotonic() - t0, 1), **_train_summary(run_cfg.run_dir)}
+    atomic_write_text(final, json.dumps(record, indent=1))
+    return _with_final_at_train_temperature(cfg, record, final, tasks)
+
+
+def _with_final_at_train_temperature(cfg: RunConfig, record: dict[str, Any], final: Path,
+                                     tasks: list[str]) -> dict[str, Any]:
+    """`record` with `final_train_t` (the final policy at the training temperature on the training
+    tasks, `compare.baseline_samples_per_task` episodes each, the baseline's episode seeds) when
+    compare.final_at_train_temperature is on; measured once (cached in eval_final_t/, recorded in
+    final.json), also for runs that finished before the switch was turned on."""
+    if not cfg.compare.final_at_train_temperature or "final_train_t" in record:
+        return record
+    result = evaluate_model(cfg, final.parent / "final_model", tasks, final.parent / "eval_final_t",
+                            temperature=cfg.rollout.temperature,
+                            samples_per_task=cfg.compare.baseline_samples_per_task)
+    record = {**record, "final_train_t": {**_eval_summary(result),
+                                          "by_task": {t["task"]: t["success_rate"] for t in result.get("tasks") or []}}}
     atomic_write_text(final, json.dumps(record, indent=1))
     return record
 
@@ -279,6 +296,19 @@ def train_gain(run: dict[str, Any], baseline: dict[str, Any]) -> float:
     return _quarter(run["train_success"], True) - baseline["success_rate"]
 
 
+def final_gain(run: dict[str, Any], baseline: dict[str, Any]) -> float | None:
+    """The final policy's success at the training temperature minus the warm start's, task by
+    task (same episodes), averaged over tasks; None for a run measured without it."""
+    final = run.get("final_train_t")
+    if not final:
+        return None
+    warm = {t["task"]: t["success_rate"] for t in baseline.get("tasks") or []}
+    by_task = final.get("by_task") or {}
+    if by_task and all(task in warm for task in by_task):
+        return statistics.fmean(rate - warm[task] for task, rate in by_task.items())
+    return final["success_rate"] - baseline["success_rate"]
+
+
 def comparison_report(cfg: RunConfig, warm: dict[str, Any], runs: list[dict[str, Any]], tasks: list[str],
                       warm_train: dict[str, Any] | None = None) -> dict[str, Any]:
     """Per arm (mean, std, range and bootstrap 95% interval over seeds): final evaluation success
@@ -301,10 +331,16 @@ def comparison_report(cfg: RunConfig, warm: dict[str, Any], runs: list[dict[str,
             "train_success_first_quarter": _stats([train_quarter(r, False) for r in rs]),
             "train_gain_over_warm_start": _stats(gains),
             "every_seed_gained_15_points": all(g >= 0.15 for g in gains),
+            "gains_by_seed": gains,
             "all_failed_share": _stats([statistics.fmean(r["all_failed_groups"]) for r in rs]),
             "replay_injections": _stats([float(sum(r["replay_injections"])) for r in rs]),
             "seconds": _stats([float(r["seconds"]) for r in rs]),
         }
+        finals = [final_gain(r, warm_t) for r in rs]
+        if finals and all(f is not None for f in finals):
+            arm["final_gain_over_warm_start"] = _stats(finals)  # type: ignore[arg-type]
+            arm["final_gains_by_seed"] = finals
+            arm["every_seed_final_gained_15_points"] = all(f >= 0.15 for f in finals)  # type: ignore[operator]
         by_task = [quarter_by_task(r, True) for r in rs]
         arm["train_last_quarter_by_task"] = {
             task: statistics.fmean(b[task] for b in by_task if task in b)
@@ -368,6 +404,27 @@ def report_markdown(report: dict[str, Any]) -> str:
                      f"{tg['mean']:+.3f} [{tg['lo']:+.3f}, {tg['hi']:+.3f}] | "
                      f"{'yes' if a.get('every_seed_gained_15_points') else 'no'} | {a['all_failed_share']['mean']:.2f} | "
                      f"{a['replay_injections']['mean']:.1f} |")
+    arms_all = report["arms"]
+    if any(a.get("gains_by_seed") for a in arms_all.values()):
+        with_final = any(a.get("final_gains_by_seed") for a in arms_all.values())
+        lines += ["", "Training gain over the warm start per seed, task by task at the training temperature: "
+                  "last quarter of the training rollouts" + (
+                      "; and the final policy run on the training tasks with the baseline's episodes "
+                      "(`compare.final_at_train_temperature`)" if with_final else "") + ".", "",
+                  "| arm | measure | " + " | ".join(f"s{s}" for s in next(iter(arms_all.values()))["seeds"]) +
+                  " | mean [95% CI] | every seed +15 pts |",
+                  "|---|---|" + "---|" * (len(next(iter(arms_all.values()))["seeds"]) + 2)]
+        for algo, a in arms_all.items():
+            rows = [("last quarter", a.get("gains_by_seed"), a.get("train_gain_over_warm_start"),
+                     a.get("every_seed_gained_15_points")),
+                    ("final policy", a.get("final_gains_by_seed"), a.get("final_gain_over_warm_start"),
+                     a.get("every_seed_final_gained_15_points"))]
+            for label, gains, st, every in rows:
+                if gains:
+                    lines.append(f"| {ARM_LABELS.get(algo, algo)} | {label} | " +
+                                 " | ".join(f"{'**' if g < 0.15 else ''}{g:+.3f}{'**' if g < 0.15 else ''}"
+                                            for g in gains) +
+                                 f" | {st['mean']:+.3f} [{st['lo']:+.3f}, {st['hi']:+.3f}] | {'yes' if every else 'no'} |")
     if report.get("paired"):
         lines += ["", "Paired differences (same seed: same first batch, task order and evaluation episodes):", "",
                   "| comparison | measure | mean difference [95% CI] | seeds a > b | p (permutation) | p (sign) |",
@@ -390,10 +447,16 @@ def report_markdown(report: dict[str, Any]) -> str:
         for task, rate in by_task.items():
             cells = [report["arms"][a].get("train_last_quarter_by_task", {}).get(task) for a in arms]
             lines.append(f"| {task} | {rate:.3f} | " + " | ".join("–" if c is None else f"{c:.3f}" for c in cells) + " |")
-    lines += ["", "| run | final eval success | train success (last quarter) | injections | seconds |", "|---|---|---|---|---|"]
+    final_col = any(r.get("final_train_t") for r in report["runs"])
+    lines += ["", "| run | final eval success | train success (last quarter) | "
+              + ("final policy at T=train | " if final_col else "") + "injections | seconds |",
+              "|---|---|---|" + ("---|" if final_col else "") + "---|---|"]
     for r in sorted(report["runs"], key=lambda r: (r["algo"], r["seed"])):
+        final_cell = ""
+        if final_col:
+            final_cell = f"{r['final_train_t']['success_rate']:.3f} | " if r.get("final_train_t") else "– | "
         lines.append(f"| {r['algo']}-s{r['seed']} | {r['eval']['success_rate']:.3f} | "
-                     f"{train_quarter(r, True):.3f} | {sum(r['replay_injections'])} | {r['seconds']} |")
+                     f"{train_quarter(r, True):.3f} | {final_cell}{sum(r['replay_injections'])} | {r['seconds']} |")
     lines += ["", f"Tasks: {', '.join(report['tasks'])}"]
     if report.get("missing_runs"):
         lines[1:1] = ["", f"**Partial report: {len(report['missing_runs'])} run(s) not finished** "

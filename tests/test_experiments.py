@@ -47,7 +47,7 @@ def test_report_means_spread_and_gain():
     from arpo_lib.viz.plots import plot_comparison
 
     fig = plot_comparison(report)
-    assert len(fig.axes) == 4 and fig._repr_png_().startswith(b"\x89PNG")
+    assert len(fig.axes) == 5 and fig._repr_png_().startswith(b"\x89PNG")
 
 
 def test_three_arms_with_a_training_temperature_baseline():
@@ -83,9 +83,9 @@ def test_compare_config_is_checked():
 def test_tiny_comparison_end_to_end_and_rerun_repeats_nothing(tmp_path, tiny_qwen2vl, chromium_available):
     from arpo_lib.experiments import run_comparison
 
-    cfg = load_config("configs/learning_miniwob_short.yaml", [
-        f"model.path={tiny_qwen2vl}", f"out_dir={tmp_path}", "name=exp", "compare.seeds=[0]", "train.steps=1",
-        "eval.samples_per_task=1", "env.tasks=[miniwob/click-test, miniwob/click-button]"])
+    cfg_args = [f"model.path={tiny_qwen2vl}", f"out_dir={tmp_path}", "name=exp", "compare.seeds=[0]", "train.steps=1",
+                "eval.samples_per_task=1", "env.tasks=[miniwob/click-test, miniwob/click-button]"]
+    cfg = load_config("configs/learning_miniwob_short.yaml", cfg_args)
     report = run_comparison(cfg)
     exp = tmp_path / "exp"
     for path in ("warm_start/model/config.json", "selection/selection.json", "eval_warm_start/results.json",
@@ -109,11 +109,29 @@ def test_tiny_comparison_end_to_end_and_rerun_repeats_nothing(tmp_path, tiny_qwe
     again = run_comparison(cfg)
     assert again["arms"] == report["arms"]
     assert {p: p.stat().st_mtime for p in exp.rglob("metrics.jsonl")} == mtimes  # nothing was rerun
+    # The final policy at the training temperature, turned on after the runs finished: measured
+    # once per run on the baseline's episodes, recorded in final.json, nothing retrained.
+    (exp / "report.md").unlink()
+    with_final = load_config("configs/learning_miniwob_short.yaml", [*cfg_args, "compare.final_at_train_temperature=true"])
+    measured = run_comparison(with_final)
+    assert {p: p.stat().st_mtime for p in exp.rglob("metrics.jsonl")} == mtimes
+    for run in measured["runs"]:
+        final_t = json.loads((exp / f"{run['algo']}-s0" / "eval_final_t" / "results.json").read_text())
+        assert final_t["episodes"] == baseline["episodes"]
+        assert run["final_train_t"]["success_rate"] == final_t["success_rate"]
+        assert sorted(run["final_train_t"]["by_task"]) == sorted(report["tasks"])
+        assert json.loads((exp / f"{run['algo']}-s0" / "final.json").read_text())["final_train_t"] == run["final_train_t"]
+        # the same episodes as the warm start's baseline (paired): same task seeds, episode by episode
+        def seeds(d):
+            return sorted(json.loads(m.read_text())["seed"] for m in d.rglob("meta.json"))
+        assert seeds(exp / f"{run['algo']}-s0" / "eval_final_t") == seeds(exp / "eval_warm_start_train") != []
+    assert "final_gain_over_warm_start" in measured["arms"]["grpo"]
+    assert "| GRPO | final policy |" in (exp / "report.md").read_text()
     # --report-only: the finished runs' report, nothing run, the missing runs named
     (exp / "arpo_tis-s0" / "final.json").unlink()
     partial = run_comparison(cfg, report_only=True)
     assert partial["missing_runs"] == ["arpo_tis-s0"] and "arpo_tis" not in partial["arms"]
-    assert partial["arms"]["arpo"] == report["arms"]["arpo"]
+    assert partial["arms"]["arpo"] == measured["arms"]["arpo"]
     assert not (exp / "arpo_tis-s0" / "final.json").exists()
     assert "Partial report: 1 run(s) not finished** (arpo_tis-s0)" in (exp / "report.md").read_text()
     assert {p: p.stat().st_mtime for p in exp.rglob("metrics.jsonl")} == mtimes
@@ -206,3 +224,41 @@ def test_training_gain_is_taken_task_by_task():
     old = comparison_report(cfg, warm, [_run("arpo", 0, 0.5, [0.5, 0.5, 0.5, 0.6], [0] * 4, [0] * 4)],
                             ["easy", "hard"], warm_train=warm)
     assert old["arms"]["arpo"]["train_gain_over_warm_start"]["mean"] == pytest.approx(0.1)
+
+
+def test_final_policy_gain_is_taken_task_by_task_and_flags_every_seed():
+    """compare.final_at_train_temperature: each run's final policy on the training tasks with the
+    baseline's episodes; its gain is per task, averaged; a seed under +0.15 is named and bold."""
+    cfg = load_config("configs/learning_miniwob_short.yaml", ["compare.seeds=[0, 1]", "compare.algos=[grpo]"])
+    warm = {"success_rate": 0.5, "pass_at_k": 1.0, "episodes": 20, "env_errors": 0, "format_error_rate": 0.0,
+            "tasks": [{"task": "a", "success_rate": 0.1}, {"task": "b", "success_rate": 0.5}]}
+    by_task = [{"a": [1, 4], "b": [3, 4]}] * 4
+
+    def final(a, b):
+        return {"success_rate": (a + b) / 2, "pass_at_k": 1.0, "episodes": 20, "env_errors": 0,
+                "format_error_rate": 0.0, "by_task": {"a": a, "b": b}}
+
+    runs = [_run("grpo", 0, 0.5, [0.5] * 4, [0] * 4, [0] * 4, train_success_by_task=by_task,
+                 final_train_t=final(0.6, 0.9)),   # +0.5, +0.4 -> +0.45
+            _run("grpo", 1, 0.5, [0.5] * 4, [0] * 4, [0] * 4, train_success_by_task=by_task,
+                 final_train_t=final(0.2, 0.6))]   # +0.1, +0.1 -> +0.10
+    report = comparison_report(cfg, warm, runs, ["a", "b"], warm_train=warm)
+    arm = report["arms"]["grpo"]
+    assert arm["final_gains_by_seed"] == pytest.approx([0.45, 0.10])
+    assert arm["final_gain_over_warm_start"]["mean"] == pytest.approx(0.275)
+    assert not arm["every_seed_final_gained_15_points"]
+    assert arm["gains_by_seed"] == pytest.approx([0.2, 0.2]) and arm["every_seed_gained_15_points"]
+    md = report_markdown(report)
+    assert "| GRPO | final policy | +0.450 | **+0.100** | +0.275 [" in md and md.rstrip().count("| no |") == 1
+    assert "| GRPO | last quarter | +0.200 | +0.200 |" in md
+    assert "| grpo-s1 | 0.500 | 0.500 | 0.400 | 0 | 1.0 |" in md
+    # the figure's per-seed panel: a seed under +0.15 is hollow (its face fully transparent)
+    from arpo_lib.viz.plots import plot_comparison
+
+    panel = plot_comparison(report).axes[2]
+    final_points = [c for c in panel.collections if len(c.get_offsets()) == 2][1]  # dots, then triangles
+    assert [float(y) for _, y in final_points.get_offsets()] == pytest.approx([0.45, 0.10])
+    assert [float(f[3]) for f in final_points.get_facecolors()] == [1.0, 0.0]
+    # a run recorded without the measure: no final-policy row, no column
+    plain = comparison_report(cfg, warm, [dict(r, final_train_t=None) for r in runs], ["a", "b"], warm_train=warm)
+    assert "final_gain_over_warm_start" not in plain["arms"]["grpo"] and "final policy" not in report_markdown(plain)

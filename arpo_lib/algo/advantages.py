@@ -12,8 +12,9 @@ import numpy as np
 import torch
 
 
-def group_advantages(rewards: torch.Tensor | Sequence[float], eps: float = 1e-6) -> torch.Tensor:
-    """Standardise rewards within a group: (r - mean) / (std + eps).
+def group_advantages(rewards: torch.Tensor | Sequence[float], eps: float = 1e-6,
+                     norm_by_std: bool = True) -> torch.Tensor:
+    """Standardise rewards within a group: (r - mean) / (std + eps), or only r - mean.
 
     The std uses Bessel's correction (as torch.std and verl's GRPO estimator do), so the
     rewards (1, 0, 0, 0, 0, 0, 0, 0) give +2.475 for the success and -0.354 for each failure.
@@ -21,6 +22,10 @@ def group_advantages(rewards: torch.Tensor | Sequence[float], eps: float = 1e-6)
     Args:
         rewards: (G,) rewards of one group, or (N, G) for N groups (standardised along the last dim).
         eps: added to the std so an all-equal group gives zeros instead of 0/0.
+        norm_by_std: divide by the std (GRPO, ARPO, verl's default). False: r - mean only
+            (verl's `norm_adv_by_std_in_grpo=False`, "Dr. GRPO"): a group that is nearly all
+            successes (or all failures) then weighs by its small spread instead of being
+            blown up to unit scale -- (1, ..., 1, -0.5) of 16 gives the outlier -1.41, not -3.75.
 
     Returns:
         (G,) or (N, G) float32 advantages. A group of one (G = 1) has no spread to compare
@@ -36,6 +41,8 @@ def group_advantages(rewards: torch.Tensor | Sequence[float], eps: float = 1e-6)
     if r.shape[-1] == 1:
         return torch.zeros_like(r)
     mean = r.mean(dim=-1, keepdim=True)
+    if not norm_by_std:
+        return r - mean
     std = r.std(dim=-1, keepdim=True, unbiased=True)
     return (r - mean) / (std + eps)
 

@@ -175,6 +175,9 @@ class AlgoConfig:
     """Format reward when a response cannot be parsed (the episode ends there)."""
     adv_eps: float = 1e-6
     """Added to the group std in the advantage."""
+    norm_adv_by_std: bool = True
+    """Divide each group's centred rewards by their std (GRPO and ARPO). False: centred rewards
+    only (verl's `norm_adv_by_std_in_grpo=False`, "Dr. GRPO"), so nearly-solved groups push less."""
     clip_low: float = 0.2
     """PPO ratio lower clip: 1 - clip_low."""
     clip_high: float = 0.3
@@ -313,6 +316,11 @@ class CompareConfig:
     """Episodes per task of the warm start at the training temperature: the baseline each task's
     training-rollout success is compared with (more than eval.samples_per_task: the gain is one
     difference per task, and a noisy baseline biases every seed alike)."""
+    final_at_train_temperature: bool = False
+    """Also run every run's final policy on the training tasks at the training temperature, with
+    the baseline's episodes (`baseline_samples_per_task` per task, same seeds: paired) -> each
+    run's `eval_final_t/`: training success measured on many episodes at the end, beside the last
+    quarter's few rollouts. Runs finished without it get it on the next (non-report-only) call."""
 
 
 @dataclass

@@ -320,7 +320,8 @@ class Trainer:
             for t in fresh:  # after injection, with the fresh (pre-replacement) group
                 self.replay.add(task, t.replay_item(), t.task_score)
             adv = group_advantages(torch.tensor([t.reward for t in group], dtype=torch.float64),
-                                   eps=self.cfg.algo.adv_eps).tolist()
+                                   eps=self.cfg.algo.adv_eps,
+                                   norm_by_std=self.cfg.algo.norm_adv_by_std).tolist()
             groups.append(Group(task, group, adv, result.injected, result.all_failed))
         return groups
 

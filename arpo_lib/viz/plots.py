@@ -464,18 +464,45 @@ def plot_selection(selection: str | Path | dict[str, Any]) -> Figure:
 ARM_COLORS = {"grpo": "C1", "arpo": "C0", "arpo_tis": "C2"}
 
 
+def _plot_seed_gains(ax: Any, arms: dict[str, Any], label: dict[str, str], bar: float = 0.15) -> None:
+    """Training gain over the warm start of every seed (task by task at the training temperature):
+    the last quarter's rollouts (dots) and, where measured, the final policy (triangles); a seed
+    under `bar` is drawn hollow, so "every seed learned" is read off at a glance."""
+    drawn = False
+    for x, (algo, arm) in enumerate(arms.items()):
+        color = ARM_COLORS.get(algo)
+        for dx, key, marker in ((-0.15, "gains_by_seed", "o"), (0.15, "final_gains_by_seed", "^")):
+            gains = arm.get(key) or []
+            if not gains:
+                continue
+            drawn = True
+            ax.scatter([x + dx] * len(gains), gains, marker=marker, s=22, zorder=3,
+                       facecolors=[color if g >= bar else "none" for g in gains], edgecolors=color)
+            ax.hlines(sum(gains) / len(gains), x + dx - 0.1, x + dx + 0.1, color="0.2", lw=2)
+    if not drawn:
+        _no_data(ax)
+        return
+    ax.axhline(bar, color="0.4", ls="--", lw=1, label=f"+{bar:.2f} (the bar)")
+    ax.axhline(0, color="0.6", lw=0.8)
+    ax.scatter([], [], marker="o", facecolors="none", edgecolors="0.3", label="last quarter")
+    ax.scatter([], [], marker="^", facecolors="none", edgecolors="0.3", label="final policy")
+    ax.set_xticks(range(len(arms)), [label.get(a, a) for a in arms])
+    ax.set_title("training gain per seed (hollow: under the bar)", fontsize=10)
+    ax.legend(fontsize=7)
+
+
 def plot_comparison(report: dict[str, Any] | str | Path) -> Figure:
     """The comparison of `experiments.run_comparison`: training-rollout success and the share of
     all-failed groups per step (mean over seeds, band = bootstrap 95% interval of the mean, moving
-    average 3), final evaluation success per arm (mean, interval, every seed), and the paired
-    differences between arms (every seed, mean and interval, permutation p-value).
+    average 3), every seed's training gain over the warm start (last quarter, final policy), final
+    evaluation success per arm (mean, interval, every seed), and the paired differences between arms (every seed, mean and interval, permutation p-value).
     `report`: the dict, report.json, or the experiment dir."""
     if not isinstance(report, dict):
         path = Path(report)
         report = json.loads((path / "report.json" if path.is_dir() else path).read_text())
     arms = report["arms"]
-    fig = ReportFigure(figsize=(16, 3.8), layout="constrained")
-    ax_s, ax_f, ax_e, ax_d = fig.subplots(1, 4)
+    fig = ReportFigure(figsize=(20, 3.8), layout="constrained")
+    ax_s, ax_f, ax_g, ax_e, ax_d = fig.subplots(1, 5)
     label = {"grpo": "GRPO", "arpo": "ARPO", "arpo_tis": "ARPO+TIS"}
     for x, (algo, arm) in enumerate(arms.items()):
         color = ARM_COLORS.get(algo)
@@ -505,6 +532,7 @@ def plot_comparison(report: dict[str, Any] | str | Path) -> Figure:
     ax_e.set_ylim(0, 1)
     ax_e.set_title("final evaluation success (95% CI, seeds)", fontsize=10)
     ax_e.legend(fontsize=8)
+    _plot_seed_gains(ax_g, arms, label)
     pairs = [(name, m["eval"]) for name, m in (report.get("paired") or {}).items()]
     for y, (name, d) in enumerate(pairs):
         a, b = name.split("-")

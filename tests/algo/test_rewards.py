@@ -81,3 +81,18 @@ def test_is_all_failed_uses_population_std_like_the_original():
 def test_is_all_failed_rejects_empty():
     with pytest.raises(ValueError):
         is_all_failed([])
+
+
+def test_group_advantages_without_std_normalisation_only_centre():
+    # (1 x 15, -0.5): mean 0.90625; centred: +0.09375 for each success, -1.40625 for the outlier.
+    rewards = [1.0] * 15 + [-0.5]
+    centred = group_advantages(rewards, norm_by_std=False)
+    assert centred[:15].tolist() == pytest.approx([0.09375] * 15, abs=1e-7)
+    assert centred[15].item() == pytest.approx(-1.40625, abs=1e-7)
+    # standardised, the same group blows the outlier up to -3.75 (Bessel std 0.375)
+    assert group_advantages(rewards)[15].item() == pytest.approx(-3.75, rel=1e-5)
+    # a balanced binary group: centred is +-0.5, standardised +-0.935 (std 0.5345 with G=8)
+    balanced = group_advantages([1.0, 0.0] * 4, norm_by_std=False)
+    assert balanced.tolist() == pytest.approx([0.5, -0.5] * 4)
+    assert group_advantages([0.3] * 4, norm_by_std=False).tolist() == [0.0] * 4
+    assert group_advantages([[1.0, 0.0], [2.0, 4.0]], norm_by_std=False).tolist() == [[0.5, -0.5], [-1.0, 1.0]]

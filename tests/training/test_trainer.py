@@ -277,6 +277,18 @@ def test_infrastructure_failures_are_dropped_from_groups_and_never_stored(tmp_pa
     assert stored == [str(tmp_path / f"{a[-4:]}0"), str(tmp_path / f"{b[-4:]}3")]
 
 
+@pytest.mark.parametrize("norm, expected", [("true", [1.1547, -0.57735, -0.57735]),
+                                             ("false", [0.66667, -0.33333, -0.33333])])
+def test_group_advantages_follow_algo_norm_adv_by_std(tmp_path, tiny_qwen2vl, norm, expected):
+    from arpo_lib.types import Trajectory
+
+    with build.trainer(_cfg(tmp_path, tiny_qwen2vl, f"algo.norm_adv_by_std={norm}")) as trainer:
+        trajs = [Trajectory(task=TASKS[0], seed=i, sample=i, status="ok", task_score=s, reward=s,
+                            directory=str(tmp_path / str(i))) for i, s in enumerate([1.0, 0.0, 0.0])]
+        groups = trainer.make_groups(TASKS[:1], trajs)
+    assert groups[0].advantages == pytest.approx(expected, abs=1e-4)
+
+
 @pytest.mark.slow
 def test_lora_adafactor_token_budget_run_resumes_exactly(tmp_path, tiny_qwen2vl, chromium_available):
     """The memory switches through the whole trainer: only adapters change, the checkpoint's
