@@ -122,17 +122,68 @@ def evaluate_model(cfg: RunConfig, model_dir: Path, tasks: list[str], out: Path,
     return result.to_dict()
 
 
+def run_config(cfg: RunConfig, algo: str, seed: int, model_dir: Path, tasks: list[str]) -> RunConfig:
+    """The config of one run of the experiment: arm `algo`, training seed `seed`, from the warm
+    start in `model_dir` on the kept `tasks` (its directory: `<experiment>/<algo>-s<seed>`)."""
+    return _derive(cfg, f"{algo}-s{seed}", **{"model.path": str(model_dir), "env.tasks": tasks, "eval.tasks": None,
+                                              **ARMS[algo], "train.seed": seed,
+                                              "warm_start.steps": 0, "warm_start.demos_per_task": 0,
+                                              "train.demo_replay": 0,
+                                              "train.tasks_per_batch": min(cfg.train.tasks_per_batch, len(tasks))})
+
+
+SETTING_FREE = ("out_dir", "name", "model.path", "compare.", "logging.")
+"""Config keys (or prefixes) that do not change what a run of the experiment computes: where it
+lives, the experiment's seed list and arms, logging. Every other key is part of a run's setting."""
+
+
+def _flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def setting_changes(saved: Path, cfg: RunConfig) -> dict[str, tuple[Any, Any]]:
+    """Dotted key -> (value in the config saved at `saved`, value in `cfg`) for every key of a
+    run's setting that differs (keys of `SETTING_FREE` left out; a key the saved config predates
+    counts with its default)."""
+    import yaml
+
+    before = _flat(config_from_dict(yaml.safe_load(saved.read_text()) or {}).to_dict())
+    now = _flat(cfg.to_dict())
+    return {k: (before.get(k), now.get(k)) for k in sorted(before.keys() | now.keys())
+            if before.get(k) != now.get(k) and not any(k == f or (f.endswith(".") and k.startswith(f))
+                                                       for f in SETTING_FREE)}
+
+
+def require_same_setting(run_cfg: RunConfig) -> None:
+    """RuntimeError when the run directory already holds a run (started or finished) made with
+    another setting: the experiment caches runs by directory, so changing e.g. train.steps and
+    rerunning under the same name would otherwise report the old runs as the new setting's, or
+    resume them with the new one."""
+    saved = RunDir(run_cfg.run_dir).config
+    if not saved.is_file():
+        return
+    changes = setting_changes(saved, run_cfg)
+    if changes:
+        shown = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in list(changes.items())[:8])
+        raise RuntimeError(f"{run_cfg.run_dir} holds a run made with another setting ({shown}"
+                           f"{', ...' if len(changes) > 8 else ''}): give the experiment another name "
+                           f"(name=...) or move that run away")
+
+
 def run_arm(cfg: RunConfig, algo: str, seed: int, model_dir: Path, tasks: list[str]) -> dict[str, Any]:
     """One RL run from the warm start, then its final evaluation; resumable, cached in final.json."""
-    name = f"{algo}-s{seed}"
-    final = cfg.run_dir / name / "final.json"
+    run_cfg = run_config(cfg, algo, seed, model_dir, tasks)
+    final = run_cfg.run_dir / "final.json"
+    require_same_setting(run_cfg)
     if _done(final):
         return _with_final_at_train_temperature(cfg, _done(final), final, tasks)  # type: ignore[arg-type]
-    run_cfg = _derive(cfg, name, **{"model.path": str(model_dir), "env.tasks": tasks, "eval.tasks": None,
-                                    **ARMS[algo], "train.seed": seed,
-                                    "warm_start.steps": 0, "warm_start.demos_per_task": 0,
-                                    "train.demo_replay": 0,
-                                    "train.tasks_per_batch": min(cfg.train.tasks_per_batch, len(tasks))})
+    name = run_cfg.name
     resume = RunDir(run_cfg.run_dir).metrics.exists()
     t0 = time.monotonic()
     with build.trainer(run_cfg, resume=resume) as trainer:

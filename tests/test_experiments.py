@@ -262,3 +262,34 @@ def test_final_policy_gain_is_taken_task_by_task_and_flags_every_seed():
     # a run recorded without the measure: no final-policy row, no column
     plain = comparison_report(cfg, warm, [dict(r, final_train_t=None) for r in runs], ["a", "b"], warm_train=warm)
     assert "final_gain_over_warm_start" not in plain["arms"]["grpo"] and "final policy" not in report_markdown(plain)
+
+
+def test_a_run_made_with_another_setting_is_refused_not_reused(tmp_path):
+    """Runs are cached by directory: rerunning an experiment under the same name after changing
+    e.g. train.steps must not report (or resume) the old runs as the new setting's."""
+    from arpo_lib.experiments import require_same_setting, run_config, setting_changes
+    from arpo_lib.run.config import save_config
+
+    def cfg(*extra):
+        return load_config("configs/learning_miniwob_short.yaml", [f"out_dir={tmp_path}", "name=exp", *extra])
+
+    tasks, model = ["miniwob/click-test"], tmp_path / "exp" / "warm_start" / "model"
+    first = run_config(cfg(), "arpo", 0, model, tasks)
+    require_same_setting(first)  # nothing there yet
+    first.run_dir.mkdir(parents=True)
+    save_config(first, first.run_dir / "config.yaml")
+    # the experiment's seed list, its arms and the later measure do not change a run: accepted
+    require_same_setting(run_config(cfg("compare.seeds=[0, 1, 2, 3]", "compare.final_at_train_temperature=true"),
+                                    "arpo", 0, model, tasks))
+    changed = run_config(cfg("train.steps=7", "algo.kl_coef=0.1"), "arpo", 0, model, tasks)
+    assert setting_changes(first.run_dir / "config.yaml", changed) == {
+        "algo.kl_coef": (0.0, 0.1), "train.steps": (first.train.steps, 7)}
+    with pytest.raises(RuntimeError, match=r"another setting \(algo.kl_coef: 0.0 -> 0.1, train.steps: .* -> 7\)"):
+        require_same_setting(changed)
+    # a key the saved config predates counts with its default (older runs stay usable)
+    text = (first.run_dir / "config.yaml").read_text().replace("  norm_adv_by_std: true\n", "")
+    (first.run_dir / "config.yaml").write_text(text)
+    assert "norm_adv_by_std" not in text
+    require_same_setting(first)
+    with pytest.raises(RuntimeError, match="algo.norm_adv_by_std: True -> False"):
+        require_same_setting(run_config(cfg("algo.norm_adv_by_std=false"), "arpo", 0, model, tasks))
