@@ -73,9 +73,10 @@ def _done(path: Path) -> dict[str, Any] | None:
 def warm_start_stage(cfg: RunConfig) -> Path:
     """SFT on scripted demonstrations once; returns the saved model directory."""
     model_dir = cfg.run_dir / "warm_start" / "model"
+    ws_cfg = _derive(cfg, "warm_start", **{"train.steps": 0, "train.demo_replay": 0})
+    require_same_setting(ws_cfg, free=WARM_START_FREE, only=WARM_START_SETTING)
     if _done(cfg.run_dir / "warm_start" / "done.json"):
         return model_dir
-    ws_cfg = _derive(cfg, "warm_start", **{"train.steps": 0, "train.demo_replay": 0})
     with build.trainer(ws_cfg, resume=RunDir(ws_cfg.run_dir).config.exists()) as trainer:
         t0 = time.monotonic()
         losses = trainer.warm_start()
@@ -147,20 +148,32 @@ def _flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def setting_changes(saved: Path, cfg: RunConfig) -> dict[str, tuple[Any, Any]]:
+WARM_START_SETTING = ("warm_start.", "env.", "model.", "agent.", "train.seed")
+"""What the warm start depends on (its demonstrations, model and prompt), for the same check.
+env.tasks and env.instances_per_task are not compared there: the trainer saves them expanded
+into fixed instances, so the saved form is not the experiment's."""
+WARM_START_FREE = ("out_dir", "name", "env.tasks", "env.instances_per_task")
+
+
+def _matches(key: str, patterns: tuple[str, ...]) -> bool:
+    return any(key == p or (p.endswith(".") and key.startswith(p)) for p in patterns)
+
+
+def setting_changes(saved: Path, cfg: RunConfig, free: tuple[str, ...] = SETTING_FREE,
+                    only: tuple[str, ...] | None = None) -> dict[str, tuple[Any, Any]]:
     """Dotted key -> (value in the config saved at `saved`, value in `cfg`) for every key of a
-    run's setting that differs (keys of `SETTING_FREE` left out; a key the saved config predates
-    counts with its default)."""
+    run's setting that differs (keys of `free` left out; with `only`, only those keys; a key the
+    saved config predates counts with its default)."""
     import yaml
 
     before = _flat(config_from_dict(yaml.safe_load(saved.read_text()) or {}).to_dict())
     now = _flat(cfg.to_dict())
     return {k: (before.get(k), now.get(k)) for k in sorted(before.keys() | now.keys())
-            if before.get(k) != now.get(k) and not any(k == f or (f.endswith(".") and k.startswith(f))
-                                                       for f in SETTING_FREE)}
+            if before.get(k) != now.get(k) and not _matches(k, free) and (only is None or _matches(k, only))}
 
 
-def require_same_setting(run_cfg: RunConfig) -> None:
+def require_same_setting(run_cfg: RunConfig, free: tuple[str, ...] = SETTING_FREE,
+                         only: tuple[str, ...] | None = None) -> None:
     """RuntimeError when the run directory already holds a run (started or finished) made with
     another setting: the experiment caches runs by directory, so changing e.g. train.steps and
     rerunning under the same name would otherwise report the old runs as the new setting's, or
@@ -168,7 +181,7 @@ def require_same_setting(run_cfg: RunConfig) -> None:
     saved = RunDir(run_cfg.run_dir).config
     if not saved.is_file():
         return
-    changes = setting_changes(saved, run_cfg)
+    changes = setting_changes(saved, run_cfg, free, only)
     if changes:
         shown = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in list(changes.items())[:8])
         raise RuntimeError(f"{run_cfg.run_dir} holds a run made with another setting ({shown}"

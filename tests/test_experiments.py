@@ -293,3 +293,20 @@ def test_a_run_made_with_another_setting_is_refused_not_reused(tmp_path):
     require_same_setting(first)
     with pytest.raises(RuntimeError, match="algo.norm_adv_by_std: True -> False"):
         require_same_setting(run_config(cfg("algo.norm_adv_by_std=false"), "arpo", 0, model, tasks))
+
+
+def test_a_warm_start_made_with_another_setting_is_refused(tmp_path):
+    from arpo_lib.experiments import _derive, warm_start_stage
+    from arpo_lib.run.config import save_config
+
+    def cfg(*extra):
+        return load_config("configs/learning_miniwob_short.yaml", [f"out_dir={tmp_path}", "name=exp", *extra])
+
+    ws = _derive(cfg(), "warm_start", **{"train.steps": 0, "train.demo_replay": 0})
+    ws.run_dir.mkdir(parents=True)
+    save_config(ws, ws.run_dir / "config.yaml")
+    (ws.run_dir / "done.json").write_text('{"steps": 300}')
+    # the RL settings do not touch the warm start: the finished one is used as it is
+    assert warm_start_stage(cfg("algo.kl_coef=0.1", "train.steps=99")) == ws.run_dir / "model"
+    with pytest.raises(RuntimeError, match=r"warm_start holds a run made with another setting \(warm_start.steps"):
+        warm_start_stage(cfg("warm_start.steps=7"))
