@@ -474,21 +474,23 @@ def report_markdown(report: dict[str, Any]) -> str:
         lines += ["", "Training gain over the warm start per seed, task by task at the training temperature: "
                   "last quarter of the training rollouts" + (
                       "; and the final policy run on the training tasks with the baseline's episodes "
-                      "(`compare.final_at_train_temperature`)" if with_final else "") + ".", "",
-                  "| arm | measure | " + " | ".join(f"s{s}" for s in next(iter(arms_all.values()))["seeds"]) +
-                  " | mean [95% CI] | every seed +15 pts |",
-                  "|---|---|" + "---|" * (len(next(iter(arms_all.values()))["seeds"]) + 2)]
+                      "(`compare.final_at_train_temperature`)" if with_final else "") + ".", ""]
+        seeds = sorted({seed for a in arms_all.values() for seed in a["seeds"]})  # arms may lag (partial report)
+        lines += ["| arm | measure | " + " | ".join(f"s{seed}" for seed in seeds) + " | mean [95% CI] | every seed +15 pts |",
+                  "|---|---|" + "---|" * (len(seeds) + 2)]
         for algo, a in arms_all.items():
             rows = [("last quarter", a.get("gains_by_seed"), a.get("train_gain_over_warm_start"),
                      a.get("every_seed_gained_15_points")),
                     ("final policy", a.get("final_gains_by_seed"), a.get("final_gain_over_warm_start"),
                      a.get("every_seed_final_gained_15_points"))]
             for label, gains, st, every in rows:
-                if gains:
-                    lines.append(f"| {ARM_LABELS.get(algo, algo)} | {label} | " +
-                                 " | ".join(f"{'**' if g < 0.15 else ''}{g:+.3f}{'**' if g < 0.15 else ''}"
-                                            for g in gains) +
-                                 f" | {st['mean']:+.3f} [{st['lo']:+.3f}, {st['hi']:+.3f}] | {'yes' if every else 'no'} |")
+                if not gains:
+                    continue
+                by_seed = dict(zip(a["seeds"], gains))
+                cells = ["–" if seed not in by_seed else
+                         (f"**{by_seed[seed]:+.3f}**" if by_seed[seed] < 0.15 else f"{by_seed[seed]:+.3f}") for seed in seeds]
+                lines.append(f"| {ARM_LABELS.get(algo, algo)} | {label} | " + " | ".join(cells) +
+                             f" | {st['mean']:+.3f} [{st['lo']:+.3f}, {st['hi']:+.3f}] | {'yes' if every else 'no'} |")
     if report.get("paired"):
         lines += ["", "Paired differences (same seed: same first batch, task order and evaluation episodes):", "",
                   "| comparison | measure | mean difference [95% CI] | seeds a > b | p (permutation) | p (sign) |",

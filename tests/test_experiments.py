@@ -259,6 +259,10 @@ def test_final_policy_gain_is_taken_task_by_task_and_flags_every_seed():
     final_points = [c for c in panel.collections if len(c.get_offsets()) == 2][1]  # dots, then triangles
     assert [float(y) for _, y in final_points.get_offsets()] == pytest.approx([0.45, 0.10])
     assert [float(f[3]) for f in final_points.get_facecolors()] == [1.0, 0.0]
+    # an arm that has finished fewer seeds (a partial report): its cells stay under their seeds
+    lagging = comparison_report(load_config("configs/learning_miniwob_short.yaml", ["compare.seeds=[0, 1]"]), warm,
+                                [*runs, dict(runs[1], algo="arpo")], ["a", "b"], warm_train=warm)
+    assert "| ARPO | final policy | – | **+0.100** | +0.100 [" in report_markdown(lagging)
     # a run recorded without the measure: no final-policy row, no column
     plain = comparison_report(cfg, warm, [dict(r, final_train_t=None) for r in runs], ["a", "b"], warm_train=warm)
     assert "final_gain_over_warm_start" not in plain["arms"]["grpo"] and "final policy" not in report_markdown(plain)

@@ -495,7 +495,8 @@ def plot_comparison(report: dict[str, Any] | str | Path) -> Figure:
     """The comparison of `experiments.run_comparison`: training-rollout success and the share of
     all-failed groups per step (mean over seeds, band = bootstrap 95% interval of the mean, moving
     average 3), every seed's training gain over the warm start (last quarter, final policy), final
-    evaluation success per arm (mean, interval, every seed), and the paired differences between arms (every seed, mean and interval, permutation p-value).
+    evaluation success per arm (mean, interval, every seed), and the paired differences between
+    arms (every seed, mean and interval, permutation p-value).
     `report`: the dict, report.json, or the experiment dir."""
     if not isinstance(report, dict):
         path = Path(report)
