@@ -35,7 +35,7 @@ from typing import Any
 from arpo_lib import build
 from arpo_lib.evaluation.stats import band, bootstrap_ci, paired_permutation_test, sign_test
 from arpo_lib.run import layout
-from arpo_lib.run.config import RunConfig, config_from_dict
+from arpo_lib.run.config import RunConfig, config_changes, config_from_dict, read_saved_config
 from arpo_lib.run.layout import RunDir
 from arpo_lib.run.records import atomic_write_text, read_jsonl
 
@@ -138,16 +138,6 @@ SETTING_FREE = ("out_dir", "name", "model.path", "compare.", "logging.")
 lives, the experiment's seed list and arms, logging. Every other key is part of a run's setting."""
 
 
-def _flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 WARM_START_SETTING = ("warm_start.", "env.", "model.", "agent.", "train.seed")
 """What the warm start depends on (its demonstrations, model and prompt), for the same check.
 env.tasks and env.instances_per_task are not compared there: the trainer saves them expanded
@@ -164,12 +154,8 @@ def setting_changes(saved: Path, cfg: RunConfig, free: tuple[str, ...] = SETTING
     """Dotted key -> (value in the config saved at `saved`, value in `cfg`) for every key of a
     run's setting that differs (keys of `free` left out; with `only`, only those keys; a key the
     saved config predates counts with its default)."""
-    import yaml
-
-    before = _flat(config_from_dict(yaml.safe_load(saved.read_text()) or {}).to_dict())
-    now = _flat(cfg.to_dict())
-    return {k: (before.get(k), now.get(k)) for k in sorted(before.keys() | now.keys())
-            if before.get(k) != now.get(k) and not _matches(k, free) and (only is None or _matches(k, only))}
+    return {k: v for k, v in config_changes(read_saved_config(saved), cfg).items()
+            if not _matches(k, free) and (only is None or _matches(k, only))}
 
 
 def require_same_setting(run_cfg: RunConfig, free: tuple[str, ...] = SETTING_FREE,

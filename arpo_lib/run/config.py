@@ -724,6 +724,28 @@ def save_config(cfg: RunConfig, path: str | Path) -> None:
     Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 
+def read_saved_config(path: str | Path) -> RunConfig:
+    """The config saved at `path` (a run directory's config.yaml); keys it predates get defaults."""
+    return config_from_dict(yaml.safe_load(Path(path).read_text()) or {})
+
+
+def flat_dict(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested dict as dotted key -> leaf value ({"train": {"lr": 1}} -> {"train.lr": 1})."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out.update(flat_dict(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def config_changes(before: RunConfig, after: RunConfig) -> dict[str, tuple[Any, Any]]:
+    """Dotted key -> (value in `before`, value in `after`) for every key that differs, sorted."""
+    a, b = flat_dict(before.to_dict()), flat_dict(after.to_dict())
+    return {k: (a.get(k), b.get(k)) for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)}
+
+
 def field_docs(cls: type = RunConfig, prefix: str = "") -> dict[str, str]:
     """Dotted key -> one-line docstring, read from the source (for `arpo config --help` and docs)."""
     import ast

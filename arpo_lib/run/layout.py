@@ -1,7 +1,8 @@
 """Every file and directory name a run writes, in one place, and the `groups.json` schema.
 
     <out_dir>/<name>/                   a run directory (`RunDir`)
-        config.yaml                     the config it was started with
+        config.yaml                     the config it was started (or last resumed) with
+        config.until_step_000012.yaml   the config before a resume at step 12 that changed it
         metrics.jsonl                   one line per training step (the source of truth)
         warm_start.jsonl                the supervised warm start's record
         demos/                          scripted demonstrations (trajectory directories)
@@ -93,6 +94,10 @@ class RunDir:
     @property
     def config(self) -> Path:
         return self.root / CONFIG
+
+    def config_until(self, step: int) -> Path:
+        """Where a resume at `step` with a changed config keeps the config the run had until then."""
+        return self.root / f"config.until_{step_name(step)}.yaml"
 
     @property
     def metrics(self) -> Path:

@@ -43,7 +43,7 @@ import torch
 
 from arpo_lib.algo import ReplayBuffer, group_advantages, policy_loss, truncated_is_weights
 from arpo_lib.run import layout
-from arpo_lib.run.config import RunConfig, save_config
+from arpo_lib.run.config import RunConfig, config_changes, read_saved_config, save_config
 from arpo_lib.run.layout import RunDir
 from arpo_lib.run.records import append_jsonl
 from arpo_lib.run.seeding import stable_seed
@@ -105,8 +105,6 @@ class Trainer:
         self.run = RunDir(cfg.run_dir)
         self.run_dir, self.ckpt_dir, self.metrics_path = self.run.root, self.run.checkpoints, self.run.metrics
         self.run.root.mkdir(parents=True, exist_ok=True)
-        if ranks.is_main:
-            save_config(cfg, self.run.config)
         t, rp = cfg.train, cfg.algo.replay
         self.train_net = None
         """The FSDP2-sharded copy the update trains when distributed (`policy.model` stays whole
@@ -130,6 +128,8 @@ class Trainer:
             log.info("resumed %s at step %d from %s", self.run.root, self.step, checkpoint.name)
         if resume and ranks.is_main:
             drop_records_after(self.run, self.step)
+        if ranks.is_main:
+            self._record_config(resume)
         dist_.barrier(ranks)
         self.tracker = Tracker(cfg if ranks.is_main else _without_tracking(cfg))
         self._make_pool = make_pool
@@ -142,6 +142,21 @@ class Trainer:
         self._demos: list[Trajectory] | None = None
         self._warm_started = self._demos_seeded = checkpoint is not None
         self.seconds_warm_start = 0.0
+
+    def _record_config(self, resume: bool) -> None:
+        """Write the run's config.yaml. A resume with a changed config keeps the one the run had
+        until now as config.until_step_<N>.yaml and logs the changed keys, so the record of how
+        steps 1..N were made is not overwritten."""
+        path = self.run.config
+        if resume and path.is_file():
+            changes = config_changes(read_saved_config(path), self.cfg)
+            if changes:
+                kept = self.run.config_until(self.step)
+                path.replace(kept)
+                log.warning("resuming %s at step %d with a changed config (%s); the config until now is kept in %s",
+                            self.run.root, self.step,
+                            ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items()), kept.name)
+        save_config(self.cfg, path)
 
     def _load_optimizer_state(self, state: dict[str, Any] | Path) -> None:
         """A checkpoint's optimizer state, whichever number of processes wrote it: by position

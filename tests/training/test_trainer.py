@@ -112,6 +112,7 @@ def test_resume_continues_exactly(tmp_path, tiny_qwen2vl, chromium_available):
         t.train()
         w_split, buf_split = _params(t), t.replay.state_dict()
         opt_split = t.optimizer.state_dict()
+    assert not list((tmp_path / "split").glob("config.until_*"))  # same config: nothing kept aside
     drop = ("seconds_rollout", "seconds_update", "env_steps_per_s")
     a = [{k: v for k, v in m.items() if k not in drop} for m in read_jsonl(tmp_path / "straight" / "metrics.jsonl")]
     b = [{k: v for k, v in m.items() if k not in drop} for m in read_jsonl(tmp_path / "split" / "metrics.jsonl")]
@@ -231,6 +232,25 @@ def test_resume_without_a_checkpoint_starts_over_without_duplicate_lines(tmp_pat
     t = build.trainer(cfg, resume=True)
     assert t.step == 0 and read_jsonl(run / "metrics.jsonl") == []
     t.close()
+
+
+def test_a_resume_with_a_changed_config_keeps_the_config_the_run_had(tmp_path, tiny_qwen2vl, caplog):
+    """config.yaml records how the run was made: a resume with the same config leaves it alone;
+    one with another lr keeps the earlier config as config.until_step_<N>.yaml, names the key."""
+    import yaml
+
+    cfg = _cfg(tmp_path, tiny_qwen2vl)
+    build.trainer(cfg).close()
+    run = tmp_path / "t"
+    build.trainer(cfg, resume=True).close()
+    assert sorted(p.name for p in run.glob("config*.yaml")) == ["config.yaml"]
+    changed = _cfg(tmp_path, tiny_qwen2vl, "train.lr=0.002")
+    with caplog.at_level("WARNING"):
+        build.trainer(changed, resume=True).close()
+    assert sorted(p.name for p in run.glob("config*.yaml")) == ["config.until_step_000000.yaml", "config.yaml"]
+    assert yaml.safe_load((run / "config.until_step_000000.yaml").read_text())["train"]["lr"] == cfg.train.lr
+    assert yaml.safe_load((run / "config.yaml").read_text())["train"]["lr"] == 0.002
+    assert "train.lr" in caplog.text and "config.until_step_000000.yaml" in caplog.text
 
 
 @pytest.mark.slow
