@@ -406,7 +406,10 @@ def comparison_report(cfg: RunConfig, warm: dict[str, Any], runs: list[dict[str,
         if a not in arms or b not in arms:
             continue
         seeds = sorted(set(arms[a]["seeds"]) & set(arms[b]["seeds"]))
-        pairs[f"{a}-{b}"] = {m: _paired(runs, a, b, seeds, m) for m in ("eval", "train")}
+        measures = ["eval", "train"]
+        if all(r.get("final_train_t") for r in runs if r["algo"] in (a, b) and r["seed"] in seeds):
+            measures.append("final_t")
+        pairs[f"{a}-{b}"] = {m: _paired(runs, a, b, seeds, m) for m in measures}
     return {"experiment": str(cfg.run_dir), "tasks": tasks, "steps": cfg.train.steps,
             "rollouts_per_step": cfg.train.tasks_per_batch * cfg.rollout.group_size,
             "eval": {"samples_per_task": cfg.eval.samples_per_task, "temperature": cfg.eval.temperature,
@@ -418,12 +421,20 @@ def comparison_report(cfg: RunConfig, warm: dict[str, Any], runs: list[dict[str,
             "arms": arms, "paired": pairs, "runs": runs}
 
 
+PAIRED_MEASURES = {"eval": "final eval success", "train": "train success, last quarter",
+                   "final_t": "final policy at T=train"}
+"""The measures arms are compared on, seed by seed (`final_t` where every run of both has it)."""
+
+
 def _paired(runs: list[dict[str, Any]], a: str, b: str, seeds: list[int], measure: str) -> dict[str, Any]:
-    """Per-seed differences a - b of final evaluation success (`eval`) or last-quarter training
-    success (`train`), their mean with a bootstrap interval, and two-sided p-values."""
+    """Per-seed differences a - b of final evaluation success (`eval`), last-quarter training
+    success (`train`) or the final policy's success on the training tasks at the training
+    temperature (`final_t`), their mean with a bootstrap interval, and two-sided p-values."""
     def value(algo: str, seed: int) -> float:
         r = next(r for r in runs if r["algo"] == algo and r["seed"] == seed)
-        return r["eval"]["success_rate"] if measure == "eval" else train_quarter(r, True)
+        if measure == "eval":
+            return r["eval"]["success_rate"]
+        return r["final_train_t"]["success_rate"] if measure == "final_t" else train_quarter(r, True)
 
     xa, xb = [value(a, s) for s in seeds], [value(b, s) for s in seeds]
     diffs = [x - y for x, y in zip(xa, xb)]
@@ -479,15 +490,16 @@ def report_markdown(report: dict[str, Any]) -> str:
                              f" | {st['mean']:+.3f} [{st['lo']:+.3f}, {st['hi']:+.3f}] | {'yes' if every else 'no'} |")
     if report.get("paired"):
         lines += ["", "Paired differences (same seed: same first batch, task order and evaluation episodes):", "",
-                  "| comparison | measure | mean difference [95% CI] | seeds a > b | p (permutation) | p (sign) |",
+                  "| comparison | measure | mean difference [95% CI] | seeds a > b / a < b / equal | p (permutation) | p (sign) |",
                   "|---|---|---|---|---|---|"]
         for name, measures in report["paired"].items():
             a, b = name.split("-")
             for measure, d in measures.items():
-                wins = sum(x > 0 for x in d["differences"])
-                label = "final eval success" if measure == "eval" else "train success, last quarter"
-                lines.append(f"| {ARM_LABELS.get(a, a)} − {ARM_LABELS.get(b, b)} | {label} | "
-                             f"{d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}] | {wins}/{len(d['differences'])} | "
+                diffs = d["differences"]
+                wins, losses = sum(x > 0 for x in diffs), sum(x < 0 for x in diffs)
+                lines.append(f"| {ARM_LABELS.get(a, a)} − {ARM_LABELS.get(b, b)} | {PAIRED_MEASURES[measure]} | "
+                             f"{d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}] | "
+                             f"{wins} / {losses} / {len(diffs) - wins - losses} | "
                              f"{d['p_permutation']:.3f} | {d['p_sign']:.3f} |")
     by_task = report.get("warm_start_train_by_task") or {}
     if by_task and any(a.get("train_last_quarter_by_task") for a in report["arms"].values()):

@@ -42,7 +42,7 @@ def test_report_means_spread_and_gain():
     assert paired["differences"] == [0.25, 0.5] and paired["p_permutation"] == pytest.approx(0.5)
     md = report_markdown(report)
     assert "| ARPO | 2 | 0.625 [0.500, 0.750] | +0.375 | 0.125 → 0.875 |" in md
-    assert "| ARPO − GRPO | final eval success | +0.375 [+0.250, +0.500] | 2/2 | 0.500 | 0.500 |" in md
+    assert "| ARPO − GRPO | final eval success | +0.375 [+0.250, +0.500] | 2 / 0 / 0 | 0.500 | 0.500 |" in md
     assert "arpo-s1: eval 0.750, injections 2" in report_digest(report)
     from arpo_lib.viz.plots import plot_comparison
 
@@ -263,9 +263,19 @@ def test_final_policy_gain_is_taken_task_by_task_and_flags_every_seed():
     lagging = comparison_report(load_config("configs/learning_miniwob_short.yaml", ["compare.seeds=[0, 1]"]), warm,
                                 [*runs, dict(runs[1], algo="arpo")], ["a", "b"], warm_train=warm)
     assert "| ARPO | final policy | – | **+0.100** | +0.100 [" in report_markdown(lagging)
+    # arms compared seed by seed on the final policy too: seed 0 equal, seed 1 +0.35
+    two = comparison_report(load_config("configs/learning_miniwob_short.yaml", ["compare.seeds=[0, 1]"]), warm,
+                            [*runs, *(dict(r, algo="arpo", final_train_t=final(0.6, 0.9)) for r in runs)],
+                            ["a", "b"], warm_train=warm)
+    assert two["paired"]["arpo-grpo"]["final_t"]["differences"] == pytest.approx([0.0, 0.35])
+    assert "| ARPO − GRPO | final policy at T=train | +0.175 [+0.000, +0.350] | 1 / 0 / 1 | 1.000 |" in report_markdown(two)
     # a run recorded without the measure: no final-policy row, no column
     plain = comparison_report(cfg, warm, [dict(r, final_train_t=None) for r in runs], ["a", "b"], warm_train=warm)
     assert "final_gain_over_warm_start" not in plain["arms"]["grpo"] and "final policy" not in report_markdown(plain)
+    plain_two = comparison_report(load_config("configs/learning_miniwob_short.yaml", ["compare.seeds=[0, 1]"]), warm,
+                                  [dict(r, final_train_t=None, algo=algo) for r in runs for algo in ("grpo", "arpo")],
+                                  ["a", "b"], warm_train=warm)
+    assert set(plain_two["paired"]["arpo-grpo"]) == {"eval", "train"}
 
 
 def test_a_run_made_with_another_setting_is_refused_not_reused(tmp_path):
