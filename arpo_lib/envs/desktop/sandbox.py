@@ -183,6 +183,11 @@ class Sandbox:
     def launch(self, command: list[str] | str, shell: bool = False) -> None:
         self.post_json("/setup/launch", {"command": command, "shell": shell})
 
+    def launched(self) -> list[dict[str, Any]]:
+        """The applications launched since the last reset: command, pid, returncode (None while
+        running) and the tail of their stdout+stderr."""
+        return self.get_json("/setup/launched")
+
     def read_file(self, path: str) -> bytes | None:
         status, data = self.request("POST", "/file", {"file_path": path})
         return data if status == 200 else None

@@ -10,6 +10,8 @@ of its code is used) where one exists, so OSWorld's set-up steps and getters map
     POST /execute               {"command": [...] | "...", "shell": bool, "timeout": s}
                                 -> {"status", "output", "error", "returncode"}   (trusted: task set-up, checkers)
     POST /setup/launch          {"command", "shell"}: start an application and return
+    GET  /setup/launched        [{"command", "pid", "returncode" (None: running), "output"}] of this
+                                episode's launched applications (output: the tail of their stdout+stderr)
     POST /file                  {"file_path"} (JSON or form) -> the file's bytes (404 if absent)
     POST /run_action            {"code"}: agent actions; only code `check_action_code` accepts runs
     GET  /active_window         {"id", "name", "x", "y", "width", "height"} of the focused window
@@ -43,6 +45,10 @@ EXECUTE_TIMEOUT_S = 120.0
 """Default limit of a trusted /execute command."""
 HOME_DIRS = ("Desktop", "Documents", "Downloads")
 """Created in every fresh home directory."""
+LAUNCH_LOGS = Path("/tmp/launched")
+"""stdout+stderr of each launched application (the sandbox's own /tmp), emptied at every reset."""
+LAUNCH_OUTPUT_CHARS = 2000
+"""How much of an application's output /setup/launched returns (the end of it)."""
 
 
 class UnixHTTPServer(ThreadingHTTPServer):
@@ -78,6 +84,8 @@ class Desktop:
         self.keep = {os.getpid(), self.xvfb.pid} | ({self.wm.pid} if self.wm else set())
         self.launched: list[subprocess.Popen] = []
         """Applications started by /setup/launch, reaped once they end."""
+        self.launch_records: list[tuple[Any, subprocess.Popen, Path]] = []
+        """(command, process, output log) of every application launched since the last reset."""
         self.fresh_home()
 
     def _wait_for_window_manager(self, deadline: float) -> None:
@@ -104,6 +112,8 @@ class Desktop:
                 child.unlink(missing_ok=True)
         for name in HOME_DIRS:
             (self.home / name).mkdir(exist_ok=True)
+        self.launch_records = []
+        shutil.rmtree(LAUNCH_LOGS, ignore_errors=True)
 
     def end_applications(self) -> int:
         """SIGKILL every process of the sandbox but the server, the X server, the window manager
@@ -146,10 +156,30 @@ class Desktop:
                 "error": done.stderr, "returncode": done.returncode}
 
     def launch(self, command: list[str] | str, shell: bool) -> None:
+        """Start an application and return; its output goes to a log that `launched` reads, so a
+        window that never appears can be explained (a crash, a missing library, a bad argument)."""
         self.launched = [p for p in self.launched if p.poll() is None]
-        self.launched.append(subprocess.Popen(command, shell=shell, env=self.env, cwd=self.home,
-                                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                              stderr=subprocess.DEVNULL, start_new_session=True))
+        LAUNCH_LOGS.mkdir(parents=True, exist_ok=True)
+        log_path = LAUNCH_LOGS / f"{len(self.launch_records)}.log"
+        with open(log_path, "wb") as log:  # OSError (e.g. no such program) goes to the caller: HTTP 500
+            process = subprocess.Popen(command, shell=shell, env=self.env, cwd=self.home, stdin=subprocess.DEVNULL,
+                                       stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.launched.append(process)
+        self.launch_records.append((command, process, log_path))
+
+    def launched_applications(self) -> list[dict[str, Any]]:
+        """Every application launched since the last reset: command, pid, exit code (None while
+        it runs) and the tail of its output."""
+        out = []
+        for command, process, log_path in self.launch_records:
+            try:
+                with open(log_path, "rb") as log:
+                    log.seek(max(0, log_path.stat().st_size - LAUNCH_OUTPUT_CHARS))
+                    output = log.read().decode(errors="replace")
+            except OSError:
+                output = ""
+            out.append({"command": command, "pid": process.pid, "returncode": process.poll(), "output": output})
+        return out
 
     def active_window(self) -> dict[str, Any]:
         found = self.run(["xdotool", "getactivewindow", "getwindowname", "getwindowgeometry", "--shell"],
@@ -227,6 +257,8 @@ def make_handler(desktop: Desktop, stop: threading.Event) -> type[BaseHTTPReques
                 self._send(200, b"Linux", "text/plain")
             elif self.path == "/active_window":
                 self._json(desktop.active_window())
+            elif self.path == "/setup/launched":
+                self._json(desktop.launched_applications())
             elif self.path == "/health":
                 self._json({"ok": True, "display": desktop.display, "pid": os.getpid()})
             else:
@@ -242,7 +274,11 @@ def make_handler(desktop: Desktop, stop: threading.Event) -> type[BaseHTTPReques
                 self._json(desktop.run(body["command"], bool(body.get("shell", False)),
                                        float(body.get("timeout", EXECUTE_TIMEOUT_S))))
             elif self.path == "/setup/launch":
-                desktop.launch(body["command"], bool(body.get("shell", False)))
+                try:
+                    desktop.launch(body["command"], bool(body.get("shell", False)))
+                except OSError as e:
+                    self._json({"status": "error", "error": f"cannot launch {body['command']!r}: {e}"}, 500)
+                    return
                 self._json({"status": "success"})
             elif self.path == "/file":
                 name = str(body["file_path"])

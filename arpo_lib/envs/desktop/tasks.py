@@ -97,8 +97,25 @@ def _activate_window(box: Any, window_name: str, timeout: float = 30.0, strict: 
                                 shell=True, timeout=10)["output"].split("\n")
             running = box.execute(["ps", "-eo", "comm="], timeout=10)["output"].split()
             raise EnvError(f"no window named like {window_name!r} appeared within {timeout:.0f} s "
-                           f"(windows: {sorted(set(n for n in names if n))}; processes: {sorted(set(running))})")
+                           f"(windows: {sorted(set(n for n in names if n))}; processes: {sorted(set(running))})"
+                           + _launched_summary(box))
         time.sleep(0.2)
+
+
+def _launched_summary(box: Any) -> str:
+    """What the applications this episode launched did: '; launched: mousepad (exited 1: <its
+    last output>)', or '' when none were launched."""
+    try:
+        apps = box.launched()
+    except EnvError:
+        return ""
+    parts = []
+    for app in apps:
+        command = app["command"] if isinstance(app["command"], str) else " ".join(app["command"])
+        state = "running" if app["returncode"] is None else f"exited {app['returncode']}"
+        output = " ".join(app["output"].split())[-300:]
+        parts.append(f"{command} ({state}{': ' + output if output else ''})")
+    return f"; launched: {'; '.join(parts)}" if parts else ""
 
 
 SETUP_STEPS: dict[str, Callable[..., None]] = {

@@ -93,6 +93,20 @@ def test_sandbox_isolation_fresh_home_and_cleanup():
         assert "sleep" not in box.execute(["ps", "-eo", "comm"])["output"].split()
         refused = box.run_action("import os\nos.system('touch /home/user/pwned')")
         assert refused["status"] == "refused" and not (box.home / "pwned").exists()
+        # what launched applications did is kept for the episode (and gone after a reset)
+        box.launch("echo starting; echo 'cannot open display' >&2; exit 3", shell=True)
+        box.launch(["sleep", "600"])
+        time.sleep(0.5)
+        failed, running = box.launched()
+        assert failed["returncode"] == 3 and failed["output"] == "starting\ncannot open display\n"
+        assert running["command"] == ["sleep", "600"] and running["returncode"] is None
+        with pytest.raises(EnvError, match="HTTP 500.*no-such-program"):
+            box.launch(["no-such-program"])
+        with pytest.raises(EnvError, match=r"launched: echo starting.*\(exited 3: starting cannot open display\); "
+                                           r"sleep 600 \(running\)"):
+            suite.SETUP_STEPS["activate_window"](box, "No Such Window", timeout=0.5)
+        box.reset_session()
+        assert box.launched() == []
         box.launch(["sleep", "600"])
         workdir, pid = box.workdir, box.process.pid
     assert not workdir.exists()
