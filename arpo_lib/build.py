@@ -27,11 +27,11 @@ from arpo_lib.agent.server_policy import ServerPolicy
 from arpo_lib.evaluation.evaluate import EvalResult, evaluate_run
 from arpo_lib.evaluation.protocols import PROTOCOLS
 from arpo_lib.run import config as config_module
-from arpo_lib.run.config import ConfigError, RunConfig
+from arpo_lib.run.config import ConfigError, RunConfig, server_urls
 from arpo_lib.run.layout import RunDir
 from arpo_lib.run.records import safe_join
 from arpo_lib.serving.launch import ServerHandle, free_port, start_server
-from arpo_lib.serving.weight_sync import FollowingServed, ServedPolicy, save_for_server
+from arpo_lib.serving.weight_sync import FollowingServed, ServedPolicy, connect_all, save_for_server
 from arpo_lib.training import checkpoint as ckpt
 from arpo_lib.training.distributed import Ranks, barrier, device_for, init_process_group
 from arpo_lib.training.rollout import RolloutEngine
@@ -164,8 +164,9 @@ def server_policy(cfg: RunConfig, url: str | None = None, prompt: str | None = N
     """A client policy for the server at `url` (default rollout.server_url), with `rollout.*`'s
     request settings."""
     r = cfg.rollout
-    started_here = url is not None and url != r.server_url
-    url = url or r.server_url
+    given = server_urls(cfg)
+    started_here = url is not None and url not in given
+    url = url or (given[0] if given else None)
     if not url:
         raise ValueError("rollout.backend=server needs rollout.server_url (or a server the workflow starts)")
     # a server this run started wants serve.api_key_env's key unless the client names its own
@@ -268,13 +269,13 @@ def engine(cfg: RunConfig, scripted: bool = False, protocol: str = "run") -> Ite
     handle = None
     if cfg.rollout.backend == "server":
         # Generation on the server: only the processor is loaded here (a GPU's memory stays vLLM's).
-        url = cfg.rollout.server_url
-        if url is None:
+        urls = server_urls(cfg)
+        if not urls:
             handle = server(cfg)
             handle.wait_healthy(timeout_s=cfg.serve.startup_timeout_s)
-            url = handle.base_url
-        acting: Any = server_policy(cfg, url, prompt=p.prompt)
-        log.info("generating with %s at %s", acting.served_model, url)
+            urls = [handle.base_url]
+        acting: Any = connect_all(lambda url: server_policy(cfg, url, prompt=p.prompt), urls)
+        log.info("generating with %s at %s", acting.served_model, ", ".join(urls))
     else:
         acting = hf_policy(cfg, lora=False, prompt=p.prompt)
         if scripted:

@@ -128,8 +128,10 @@ class RolloutConfig:
     backend: str = "hf"
     """Who generates actions: `hf` (the model in this process) or `server` (an OpenAI-compatible
     endpoint: vLLM, our hf server, or remote; see `server_url`)."""
-    server_url: str | None = None
-    """The endpoint's base URL (`http://host:port/v1`) for backend=server. None: the trainer or
+    server_url: str | list[str] | None = None
+    """The endpoint's base URL (`http://host:port/v1`) for backend=server, or a list of them
+    (servers of the same model started elsewhere, e.g. one per node: episodes are spread over them
+    as over `serve.replicas`, and every one gets each new version's weights). None: the trainer or
     evaluation starts a server from `serve.*` for the run and stops it at the end."""
     server_model: str | None = None
     """Model name to request; None = the first one the server lists."""
@@ -521,6 +523,10 @@ def validate(cfg: RunConfig) -> None:
             not (cfg.serve.backend == "vllm" and cfg.serve.weight_sync):
         _fail("rollout.weight_sync", "reload needs a vLLM server started with serve.weight_sync=true "
                                      "(serve.backend=vllm); use restart for the hf server")
+    urls = server_urls(cfg)
+    if cfg.rollout.server_url is not None and (not urls or len(set(urls)) != len(urls) or
+                                               not all(re.match(r"https?://[^/\s]+", u) for u in urls)):
+        _fail("rollout.server_url", f"expected http(s)://host:port/v1 URLs, each once, got {cfg.rollout.server_url!r}")
     if cfg.rollout.weight_sync == "restart" and cfg.rollout.server_url is not None:
         _fail("rollout.weight_sync", "restart works only with the server the run starts itself "
                                      "(leave rollout.server_url unset); use reload for a running vLLM")
@@ -601,8 +607,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
         if value is None and type(None) in args:
             return None
-        inner = [a for a in args if a is not type(None)][0]
-        return _coerce(value, inner, key)
+        inner = [a for a in args if a is not type(None)]
+        listed = [a for a in inner if typing.get_origin(a) is list]
+        if isinstance(value, (list, tuple)) and listed:  # `str | list[str]`: a list goes to the list type
+            return _coerce(value, listed[0], key)
+        return _coerce(value, inner[0], key)
     if origin is list:
         if isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
@@ -718,6 +727,12 @@ def load_config(path: str | Path | None = None, overrides: Any = None) -> RunCon
 def config_from_dict(data: dict[str, Any]) -> RunConfig:
     """Rebuild a config saved with `RunConfig.to_dict()` (e.g. from a run directory)."""
     return _build(RunConfig, data)
+
+
+def server_urls(cfg: RunConfig) -> list[str]:
+    """rollout.server_url as a list ([] when the run starts its own servers)."""
+    url = cfg.rollout.server_url
+    return [] if url is None else [url] if isinstance(url, str) else list(url)
 
 
 def save_config(cfg: RunConfig, path: str | Path) -> None:

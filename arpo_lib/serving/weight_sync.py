@@ -92,25 +92,31 @@ class ServedPolicy:
         connect: base URL -> a client policy (`ServerPolicy`).
         save_weights: writes the trainer's current weights as a model directory; returns it.
         sync: `none`, `reload` or `restart` (rollout.weight_sync).
-        url: an existing server's base URL; None = start them with `start`.
+        url: an existing server's base URL, or several (a fleet started elsewhere: episodes spread
+            over them, every one reloaded); None = start them with `start`.
         start: (model directory, replica index) -> a started, healthy server handle.
         initial_model: what servers started with `sync=none` load (the run's model path).
         replicas: how many servers to start (serve.replicas); started and synced in parallel.
     """
 
     def __init__(self, *, connect: Callable[[str], Any], save_weights: Callable[[], str], sync: str,
-                 url: str | None = None, start: Callable[[str, int], Any] | None = None, initial_model: str = "",
-                 replicas: int = 1):
+                 url: str | Sequence[str] | None = None, start: Callable[[str, int], Any] | None = None,
+                 initial_model: str = "", replicas: int = 1):
         if sync not in SYNC_MODES:
             raise ValueError(f"sync must be one of {SYNC_MODES}, not {sync!r}")
         if url is None and start is None:
             raise ValueError("ServedPolicy needs a server url or a way to start one")
         if sync == "restart" and start is None:
             raise ValueError("weight sync 'restart' needs the server this run starts (no url)")
-        if replicas < 1 or (url is not None and replicas != 1):
-            raise ValueError(f"replicas must be >= 1 (and 1 for a server given by url), not {replicas}")
+        urls = None if url is None else [url] if isinstance(url, str) else list(url)
+        if urls is not None and not urls:
+            raise ValueError("ServedPolicy got an empty list of server urls")
+        if replicas < 1 or (urls is not None and replicas != 1):
+            raise ValueError(f"replicas must be >= 1 (and 1 for servers given by url: their number is the "
+                             f"urls'), not {replicas}")
         self._connect, self._save, self.sync = connect, save_weights, sync
-        self._url, self._start, self._initial_model, self.replicas = url, start, initial_model, replicas
+        self._urls, self._start, self._initial_model = urls, start, initial_model
+        self.replicas = len(urls) if urls is not None else replicas
         self.servers: list[Any] = []
         """The server handles, when this object started the servers."""
         self.client: Any = None
@@ -119,7 +125,7 @@ class ServedPolicy:
         """The trainer's weight version the servers generate with; None = unknown (someone else's server)."""
         self.seconds_sync = 0.0
         self._carried = dict.fromkeys(_COUNTERS, 0)  # counts of clients replaced by restarts
-        self._carried_by_replica = [0] * replicas
+        self._carried_by_replica = [0] * self.replicas
 
     @property
     def server(self) -> Any:
@@ -129,11 +135,11 @@ class ServedPolicy:
     def policy(self, version: int) -> Any:
         """The client policy, its servers holding weight version `version` (unless sync is none)."""
         if self.client is None:
-            if self._url is None:  # our own servers, started on the weights we hold now
+            if self._urls is None:  # our own servers, started on the weights we hold now
                 self._start_all(self._save() if self.sync != "none" else self._initial_model)
                 self.served_version = version
-            else:  # someone else's server: what it holds is unknown, so it gets our weights first
-                self.client = self._connect(self._url)
+            else:  # someone else's servers: what they hold is unknown, so they get our weights first
+                self.client = connect_all(self._connect, self._urls)
             if self.sync == "none" and version > 0:
                 log.warning("rollout.weight_sync=none, so the server does not have the weights of the warm "
                             "start or of the updates: rollouts are off-policy")

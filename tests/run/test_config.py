@@ -62,6 +62,9 @@ def test_suggestion_for_typo():
     (["rollout.constrained=true"], "rollout.constrained"),
     (["rollout.backend=server", "rollout.constrained=true", "algo.old_logprobs=behaviour"], "algo.old_logprobs"),
     (["rollout.api_key_env=sk-abc123"], "rollout.api_key_env"),
+    (["rollout.backend=server", "rollout.server_url=[http://h:1/v1, http://h:1/v1]"], "rollout.server_url"),
+    (["rollout.backend=server", "rollout.server_url=[h:1/v1]"], "rollout.server_url"),
+    (["rollout.backend=server", "rollout.server_url=[]"], "rollout.server_url"),
     (["serve.device=tpu"], "serve.device"),
 ])
 def test_impossible_values_fail_naming_the_key(override, key):
@@ -94,3 +97,14 @@ def test_a_removed_key_in_an_old_run_directory_is_dropped_with_a_warning():
     with pytest.warns(UserWarning, match="rollout.save_screenshots is no longer used"):
         cfg = config_from_dict(data)
     assert not hasattr(cfg.rollout, "save_screenshots")
+
+
+def test_server_url_takes_one_url_or_a_list():
+    from arpo_lib.run.config import server_urls
+
+    one = load_config("configs/smoke.yaml", ["rollout.backend=server", "rollout.server_url=http://a:1/v1"])
+    assert one.rollout.server_url == "http://a:1/v1" and server_urls(one) == ["http://a:1/v1"]
+    two = load_config("configs/smoke.yaml", ["rollout.backend=server", "rollout.server_url=[http://a:1/v1, http://b:2/v1]"])
+    assert server_urls(two) == ["http://a:1/v1", "http://b:2/v1"]
+    assert config_from_dict(two.to_dict()) == two  # and back from a run directory
+    assert server_urls(load_config("configs/smoke.yaml", [])) == []

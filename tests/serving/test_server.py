@@ -269,6 +269,33 @@ def test_each_replica_of_a_fleet_gets_its_own_devices_port_log_and_record(tiny_q
         handle.stop()
 
 
+@pytest.mark.slow
+def test_an_evaluation_spreads_its_episodes_over_servers_given_by_url(tiny_qwen2vl, tmp_path, chromium_available):
+    """rollout.server_url as a list: build.engine connects to every server, the episodes go to both."""
+    from arpo_lib import build
+    from arpo_lib.agent.server_policy import FleetPolicy
+    from arpo_lib.evaluation.evaluate import evaluate_run
+
+    handles = [start_server(tiny_qwen2vl, device="cpu", threads=1, max_new_tokens=12,
+                            log_path=tmp_path / f"server{i}.log") for i in range(2)]
+    try:
+        for handle in handles:
+            handle.wait_healthy(timeout_s=60, poll_s=0.2)
+        urls = [h.base_url for h in handles]
+        cfg = build.load_config("configs/smoke.yaml", [
+            f"model.path={tiny_qwen2vl}", f"out_dir={tmp_path}", "name=two", "env.tasks=[miniwob/click-test]",
+            "env.workers=2", "env.max_steps=1", "eval.samples_per_task=4", "logging.progress=false",
+            "rollout.backend=server", f"rollout.server_url=[{', '.join(urls)}]"])
+        with build.engine(cfg) as engine:
+            assert isinstance(engine.policy, FleetPolicy) and engine.policy.base_urls == urls
+            result = evaluate_run(engine, cfg, tmp_path / "two" / "eval")
+            assert result.to_dict()["episodes"] == 4
+            assert [c.requests for c in engine.policy.clients] == [2, 2]  # one step per episode, spread evenly
+    finally:
+        for handle in handles:
+            handle.stop()
+
+
 def test_stop_leaves_no_process(tiny_qwen2vl, tmp_path):
     handle = start_server(tiny_qwen2vl, device="cpu", threads=1, log_path=tmp_path / "server.log")
     handle.wait_healthy(timeout_s=60, poll_s=0.2)

@@ -87,6 +87,24 @@ def test_someone_elses_server_gets_our_weights_before_the_first_rollout(monkeypa
     assert [d for _, d in pushed] == ["weights-0", "weights-1"]
 
 
+def test_servers_started_elsewhere_are_one_fleet_and_each_gets_our_weights(monkeypatch):
+    """rollout.server_url as a list (e.g. one vLLM per node): one client over all, every one
+    reloaded with each new version, requests counted per server."""
+    pushed = []
+    monkeypatch.setattr("arpo_lib.serving.weight_sync.reload_weights", lambda url, d: pushed.append((url, d)))
+    urls = ["http://node0:8000/v1", "http://node1:8000/v1"]
+    served, saves, servers = _served("reload", url=urls)
+    fleet = served.policy(0)
+    assert fleet.base_urls == urls and served.replicas == 2 and not servers
+    assert sorted(pushed) == [(u, "weights-0") for u in urls]
+    fleet.clients[1].requests = 3
+    served.policy(1)
+    assert sorted(pushed[2:]) == [(u, "weights-1") for u in urls]
+    assert served.metrics()["server_requests_by_replica"] == [0, 3]
+    with pytest.raises(ValueError, match="empty"):
+        ServedPolicy(connect=_Client, save_weights=str, sync="reload", url=[])
+
+
 def test_a_fleet_is_started_restarted_and_reloaded_as_a_whole(monkeypatch):
     served, saves, servers = _served("restart", replicas=3)
     fleet = served.policy(1)
