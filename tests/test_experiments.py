@@ -269,6 +269,10 @@ def test_final_policy_gain_is_taken_task_by_task_and_flags_every_seed():
                             ["a", "b"], warm_train=warm)
     assert two["paired"]["arpo-grpo"]["final_t"]["differences"] == pytest.approx([0.0, 0.35])
     assert "| ARPO − GRPO | final policy at T=train | +0.175 [+0.000, +0.350] | 1 / 0 / 1 | 1.000 |" in report_markdown(two)
+    paired_panel = plot_comparison(two).axes[4]  # final eval (dots) and final policy (triangles) per seed
+    assert [[float(x) for x, _ in c.get_offsets()] for c in paired_panel.collections
+            if len(c.get_offsets()) == 2][1] == pytest.approx([0.0, 0.35])
+    assert "p = " in paired_panel.get_yticklabels()[0].get_text() and " / " in paired_panel.get_yticklabels()[0].get_text()
     # a run recorded without the measure: no final-policy row, no column
     plain = comparison_report(cfg, warm, [dict(r, final_train_t=None) for r in runs], ["a", "b"], warm_train=warm)
     assert "final_gain_over_warm_start" not in plain["arms"]["grpo"] and "final policy" not in report_markdown(plain)

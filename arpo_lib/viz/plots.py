@@ -534,16 +534,24 @@ def plot_comparison(report: dict[str, Any] | str | Path) -> Figure:
     ax_e.set_title("final evaluation success (95% CI, seeds)", fontsize=10)
     ax_e.legend(fontsize=8)
     _plot_seed_gains(ax_g, arms, label)
-    pairs = [(name, m["eval"]) for name, m in (report.get("paired") or {}).items()]
-    for y, (name, d) in enumerate(pairs):
-        a, b = name.split("-")
-        ax_d.scatter(d["differences"], [y] * len(d["differences"]), color=ARM_COLORS.get(a), s=14, zorder=3)
-        ax_d.errorbar([d["mean"]], [y], xerr=[[d["mean"] - d["lo"]], [d["hi"] - d["mean"]]], color="0.2",
-                      capsize=4, marker="o")
+    pairs = list((report.get("paired") or {}).items())
+    with_final = any("final_t" in m for _, m in pairs)
+    for y, (name, measures) in enumerate(pairs):
+        a = name.split("-")[0]
+        for dy, key, marker in ((0.0, "eval", "o"), (-0.3, "final_t", "^")):
+            d = measures.get(key)
+            if d is None:
+                continue
+            ax_d.scatter(d["differences"], [y + dy] * len(d["differences"]), color=ARM_COLORS.get(a), s=14,
+                         marker=marker, zorder=3)
+            ax_d.errorbar([d["mean"]], [y + dy], xerr=[[d["mean"] - d["lo"]], [d["hi"] - d["mean"]]], color="0.2",
+                          capsize=4, marker=marker)
     ax_d.axvline(0, color="0.4", lw=1)
-    ax_d.set_yticks(range(len(pairs)), [f"{label.get(n.split('-')[0])} − {label.get(n.split('-')[1])}\n"
-                                        f"p = {d['p_permutation']:.3f}" for n, d in pairs], fontsize=8)
-    ax_d.set_title("paired difference in final eval success", fontsize=10)
+    ax_d.set_yticks(range(len(pairs)), [
+        f"{label.get(n.split('-')[0])} − {label.get(n.split('-')[1])}\np = {m['eval']['p_permutation']:.3f}"
+        + (f" / {m['final_t']['p_permutation']:.3f}" if "final_t" in m else "") for n, m in pairs], fontsize=8)
+    ax_d.set_title("paired difference per seed" + ("\n(o final eval, ^ final policy at T=train)" if with_final
+                                                   else " in final eval success"), fontsize=10)
     if not pairs:
         _no_data(ax_d)
     fig.suptitle(f"{' vs '.join(label.get(a, a) for a in arms)}: {len(report['tasks'])} tasks, {report['steps']} steps x "
