@@ -8,6 +8,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import time
+
 import pytest
 
 from arpo_lib.actions import Action
@@ -215,6 +217,52 @@ def test_every_browser_draws_the_same_seed_with_the_same_pixels():
         finally:
             env.close()
     assert len(screens) == 1
+
+
+@needs_browser
+def test_a_screenshot_waits_for_the_images_the_page_is_still_loading(env_pool):
+    """click-dialog's close icon (a CSS background sprite) was once screenshotted before it had
+    loaded. Here a background image served 1.5 s late: the screenshot shows it, and says it waited."""
+    import io
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (8, 8), (255, 0, 255)).save(buffer, format="PNG")
+    magenta = buffer.getvalue()
+
+    class Slow(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            time.sleep(1.5)
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(magenta)))
+            self.end_headers()
+            self.wfile.write(magenta)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        env = env_pool("click-test")
+        env.reset(seed=0)
+        before = env.images_awaited
+        env.driver.execute_script(
+            "var d = document.createElement('div');"
+            "d.style.cssText = 'position:absolute;left:0;top:60px;width:40px;height:40px;"
+            f"background-image:url(http://127.0.0.1:{server.server_address[1]}/late.png)';"
+            "document.body.appendChild(d);")
+        shot = env._grab_screen()
+        assert env.images_awaited == before + 1
+        assert shot.getpixel((20 * SCALE, 80 * SCALE)) == (255, 0, 255)
+        env._grab_screen()  # loaded now: nothing to wait for
+        assert env.images_awaited == before + 1
+    finally:
+        server.shutdown()
 
 
 @needs_browser
