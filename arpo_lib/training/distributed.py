@@ -241,9 +241,15 @@ def optimizer_state_by_position(state: dict[str, Any], names: Sequence[str]) -> 
 
 
 def close_process_group(ranks: Ranks) -> None:
-    """Leave the process group (after a barrier, so no rank leaves while another still needs it)."""
+    """Leave the process group (after a barrier, so no rank leaves while another still needs it).
+    Objects no longer referenced (an FSDP2 module the caller dropped) are freed first: left to
+    the interpreter's exit, a process that had run FSDP2 on gloo aborted at exit ('terminate
+    called without an active exception') in about 1 run in 6 on 2 busy cores; 0 in 30 after."""
+    import gc
+
     import torch.distributed as dist
 
     if ranks.distributed and dist.is_initialized():
+        gc.collect()
         dist.barrier()
         dist.destroy_process_group()

@@ -214,6 +214,8 @@ class Trainer:
             self.served.close()
         self.tracker.finish()
         if not failed:
+            if self.ranks.distributed:
+                self.train_net = None  # the FSDP2 copy is freed before the group ends (close_process_group)
             dist_.close_process_group(self.ranks)
 
     def __enter__(self) -> "Trainer":

@@ -13,6 +13,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 from torch.distributed.fsdp import fully_shard
 
 from arpo_lib.training.checkpoint import save_optimizer_shards
+from arpo_lib.training.distributed import Ranks, close_process_group
 from arpo_lib.training.optim import ShardedAdafactor
 
 
@@ -62,8 +63,8 @@ def main(out: str) -> None:
         torch.save({"model": whole.state_dict(), "optimizer": ref.state_dict()}, Path(out) / "whole.pt")
         print(json.dumps({"weight_gap": weight_gap, "moved": moved, "state_gap": state_gap,
                           "placements": placements, "keys": sorted(opt.state[sharded.a.weight])}))
-    dist.barrier()  # as close_process_group does: rank 1 leaving while rank 0 still wrote aborted it once in CI
-    dist.destroy_process_group()
+    del sharded, opt, holder, gathered, full  # the FSDP2 module freed before the group ends (close_process_group)
+    close_process_group(Ranks(rank=dist.get_rank(), world_size=2, local_rank=dist.get_rank()))
 
 
 if __name__ == "__main__":
