@@ -255,7 +255,9 @@ def test_final_policy_gain_is_taken_task_by_task_and_flags_every_seed():
     # the figure's per-seed panel: a seed under +0.15 is hollow (its face fully transparent)
     from arpo_lib.viz.plots import plot_comparison
 
-    panel = plot_comparison(report).axes[2]
+    one_arm = plot_comparison(report)
+    assert len(one_arm.axes) == 4  # one arm: no paired-difference panel (an empty one read "no data")
+    panel = one_arm.axes[2]
     final_points = [c for c in panel.collections if len(c.get_offsets()) == 2][1]  # dots, then triangles
     assert [float(y) for _, y in final_points.get_offsets()] == pytest.approx([0.45, 0.10])
     assert [float(f[3]) for f in final_points.get_facecolors()] == [1.0, 0.0]

@@ -495,15 +495,16 @@ def plot_comparison(report: dict[str, Any] | str | Path) -> Figure:
     """The comparison of `experiments.run_comparison`: training-rollout success and the share of
     all-failed groups per step (mean over seeds, band = bootstrap 95% interval of the mean, moving
     average 3), every seed's training gain over the warm start (last quarter, final policy), final
-    evaluation success per arm (mean, interval, every seed), and the paired differences between
-    arms (every seed, mean and interval, permutation p-value).
+    evaluation success per arm (mean, interval, every seed), and, with two arms or more, the paired
+    differences between arms (every seed, mean and interval, permutation p-value).
     `report`: the dict, report.json, or the experiment dir."""
     if not isinstance(report, dict):
         path = Path(report)
         report = json.loads((path / "report.json" if path.is_dir() else path).read_text())
     arms = report["arms"]
-    fig = ReportFigure(figsize=(20, 3.8), layout="constrained")
-    ax_s, ax_f, ax_g, ax_e, ax_d = fig.subplots(1, 5)
+    pairs = list((report.get("paired") or {}).items())
+    fig = ReportFigure(figsize=(20 if pairs else 16, 3.8), layout="constrained")
+    ax_s, ax_f, ax_g, ax_e, *ax_d = fig.subplots(1, 5 if pairs else 4)  # one arm: nothing to pair
     label = {"grpo": "GRPO", "arpo": "ARPO", "arpo_tis": "ARPO+TIS"}
     for x, (algo, arm) in enumerate(arms.items()):
         color = ARM_COLORS.get(algo)
@@ -534,7 +535,17 @@ def plot_comparison(report: dict[str, Any] | str | Path) -> Figure:
     ax_e.set_title("final evaluation success (95% CI, seeds)", fontsize=10)
     ax_e.legend(fontsize=8)
     _plot_seed_gains(ax_g, arms, label)
-    pairs = list((report.get("paired") or {}).items())
+    if pairs:
+        _plot_paired(ax_d[0], pairs, label)
+    fig.suptitle(f"{' vs '.join(label.get(a, a) for a in arms)}: {len(report['tasks'])} tasks, {report['steps']} steps x "
+                 f"{report['rollouts_per_step']} rollouts, {len(report['runs'])} runs", fontsize=11)
+    return fig
+
+
+def _plot_paired(ax_d: Any, pairs: list[tuple[str, dict[str, Any]]], label: dict[str, str]) -> None:
+    """The paired differences between arms, seed by seed: final evaluation (dots) and, where
+    measured, the final policy at the training temperature (triangles), with the mean, its
+    interval and the permutation p-values."""
     with_final = any("final_t" in m for _, m in pairs)
     for y, (name, measures) in enumerate(pairs):
         a = name.split("-")[0]
@@ -552,8 +563,3 @@ def plot_comparison(report: dict[str, Any] | str | Path) -> Figure:
         + (f" / {m['final_t']['p_permutation']:.3f}" if "final_t" in m else "") for n, m in pairs], fontsize=8)
     ax_d.set_title("paired difference per seed" + ("\n(o final eval, ^ final policy at T=train)" if with_final
                                                    else " in final eval success"), fontsize=10)
-    if not pairs:
-        _no_data(ax_d)
-    fig.suptitle(f"{' vs '.join(label.get(a, a) for a in arms)}: {len(report['tasks'])} tasks, {report['steps']} steps x "
-                 f"{report['rollouts_per_step']} rollouts, {len(report['runs'])} runs", fontsize=11)
-    return fig
