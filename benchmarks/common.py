@@ -136,11 +136,18 @@ def synthetic_trajectory(policy: Any, n_screenshots: int, size: tuple[int, int],
     return conv.current
 
 
-def timed(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: int = 1) -> tuple[float, Any]:
-    """(median seconds, last result) over `repeats` runs after `warmup`."""
+def timed(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: int = 1,
+          info: dict | None = None) -> tuple[float, Any]:
+    """(median seconds, last result) over `repeats` runs after `warmup`. `info` receives
+    `first_s`, the first warm-up call's seconds (a compile, a cold cache)."""
     out = None
-    for _ in range(warmup):
+    for i in range(warmup):
+        sync(device)
+        start = time.perf_counter()
         out = fn()
+        sync(device)
+        if i == 0 and info is not None:
+            info["first_s"] = time.perf_counter() - start
     times = []
     for _ in range(repeats):
         sync(device)
@@ -164,6 +171,76 @@ def reset_peak(device: torch.device) -> None:
 
 def peak_gib(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def max_rel_grad_diff(reference: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> float:
+    """max over parameters of max|g - g_ref| / max|g_ref| (host tensors, compared in fp32 one at a time)."""
+    worst = 0.0
+    for name, ref in reference.items():
+        ref32, g32 = ref.float(), grads[name].float()
+        worst = max(worst, float((ref32 - g32).abs().max() / (ref32.abs().max() + 1e-12)))
+    return worst
+
+
+KERNEL_CATEGORIES = (  # first match wins; names of CUDA kernels and of aten ops on the CPU
+    ("attention", ("flash", "fmha", "attention", "sdpa", "scaled_dot_product")),
+    ("matmul", ("gemm", "xmma", "nvjet", "cutlass", "cublas", "aten::mm", "aten::addmm", "aten::bmm",
+                "aten::baddbmm", "matmul", "sm90_", "ampere_")),
+    ("copy / cast", ("copy", "memcpy", "memset", "aten::to", "cast")),
+    ("reduction", ("reduce", "softmax", "norm", "sum", "aten::max", "logsumexp")),
+)
+
+
+def kernel_category(name: str) -> str:
+    low = name.lower()
+    return next((cat for cat, keys in KERNEL_CATEGORIES if any(k in low for k in keys)), "elementwise / other")
+
+
+def profile_summary(fn: Callable[[], Any], device: torch.device, top: int = 12) -> dict[str, Any]:
+    """One call of `fn` under torch.profiler: its time split by kernel category and the `top`
+    kernels (CUDA: GPU kernel time; CPU: the ops' own CPU time, which excludes their children).
+    No trace file: a 7B step's trace is hundreds of MB; this summary is what RESULTS.md shows."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync(device)
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        fn()
+        sync(device)
+    wall = time.perf_counter() - start
+    events = []
+    for e in prof.key_averages():
+        if cuda:
+            if e.device_type != DeviceType.CUDA:
+                continue
+            us = e.self_device_time_total
+        else:
+            if not e.key.startswith("aten::"):
+                continue
+            us = e.self_cpu_time_total
+        if us > 0:
+            events.append((e.key, e.count, us / 1e3))
+    total = sum(ms for _, _, ms in events) or 1.0
+    categories: dict[str, float] = {}
+    for name, _, ms in events:
+        categories[kernel_category(name)] = categories.get(kernel_category(name), 0.0) + ms
+    events.sort(key=lambda e: -e[2])
+    return {
+        "clock": "GPU kernel" if cuda else "CPU op self",
+        "wall_s": wall, "kernel_ms": total,
+        "categories": [{"category": c, "ms": ms, "share": ms / total}
+                       for c, ms in sorted(categories.items(), key=lambda kv: -kv[1])],
+        "top": [{"name": name[:90], "calls": n, "ms": ms, "share": ms / total} for name, n, ms in events[:top]],
+    }
+
+
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 def train_flops(model: Any, segment: Any) -> dict[str, float]:

@@ -15,7 +15,7 @@ HEADER = """# Benchmark results
 
 Written by `python benchmarks/report.py` from `benchmarks/results/*.json`. Each benchmark runs the
 naive path and ours in one process (ratios within one run); the exact command is under each table.
-`bash benchmarks/run_gpu.sh` takes every GPU figure in one go. What the paths are:
+`python benchmarks/run_gpu.py --list` shows the GPU runs, in parts that each fit a 10-minute command. What the paths are:
 [bench_update.py](bench_update.py), [bench_rollout.py](bench_rollout.py); the FLOP formula behind MFU
 is `train_flops` in [common.py](common.py) (text linears, causal attention, LM head at trained
 positions, vision linears and windowed attention; recomputation excluded).
@@ -33,7 +33,9 @@ positions, vision linears and windowed attention; recomputation excluded).
 | frozen Linear weights stored in bf16 under LoRA | `arpo_lib/agent/model/lora.py` | auto (`model.frozen_weights_dtype`) | identical outputs and adapter gradients under bf16 autocast (tests) |
 | Adafactor | `arpo_lib/agent/model/lora.py` | adamw (`train.optimizer`) | state < 25% of AdamW's on the tiny model (tests) |
 | packing several trajectories into one row | `arpo_lib/agent/model/packing.py` | off (`train.pack`) | same log-probs and gradients as padded rows (tests). With SDPA the block-diagonal mask is dense and rules out the flash kernel: on the CPU, 4 tiny trajectories packed took 1.9x longer than padded rows with 22% padding (below). Kept off until a GPU says otherwise; ARPO's long single-trajectory rows carry no padding anyway |
-| torch.compile | - | - | not tried: no GPU in the session that built this |
+| torch.compile of the decoder layers | `arpo_lib/agent/model/compile.py`, path `ours+compile` | off (benchmarks only) | same log-probs and gradients on the CPU (inductor and aot_eager); GPU figure: `run_gpu.py 4` |
+| SDPA backend forced (cuDNN, flash, efficient) | path `ours+cudnn` etc. in bench_update.py | PyTorch's choice | GPU figure: `run_gpu.py 4` |
+| selective checkpointing / activation offload | paths `ours+ckptN`, `ours+offload` | every layer | machinery checked on the CPU; at 41.7k tokens an uncheckpointed 7B layer keeps about 8 GB (bf16), so few layers can go without |
 """
 
 
@@ -63,23 +65,78 @@ def plot_rollout(r: dict, path: Path) -> bool:
     return True
 
 
-def main() -> None:
+GOALS = """## The goals (GPU issue)
+
+| goal | measured | status |
+|---|---|---|
+"""
+
+
+def goals(gpu: list[dict]) -> str:
+    """The GPU issue's goals against the GPU results present: met, missed, or not measured."""
+    def full_shots(r: dict, shape: str) -> bool:
+        return (r.get("benchmark") == "update" and r["shape"] == shape and r["screenshots"] >= 15
+                and not r.get("text_layers") and not r.get("vision_layers"))
+
+    lines = []
+    seven = [r for r in gpu if full_shots(r, "7b")]
+    speed = [row["speed-up"] for r in seven if r.get("reference_path") == "naive" for row in r["rows"]
+             if row["path"] != "naive" and row.get("speed-up")]
+    lines.append(("7B update fwd+bwd at least 3x the naive path",
+                  f"{max(speed):.2f}x" if speed else None, max(speed) >= 3 if speed else None))
+    mfu = [(row["MFU"], row["path"]) for r in seven for row in r["rows"] if row.get("MFU") and row["path"] != "naive"]
+    best = max(mfu) if mfu else None
+    lines.append(("7B update at least 40% MFU", f"{best[0]:.1%} ({best[1]})" if best else None,
+                  best[0] >= 0.40 if best else None))
+    two = [r["update"] for r in gpu if full_shots(r, "2b") and (r.get("update") or {}).get("optimizer") == "adamw"
+           and not r["update"].get("lora_rank")]
+    peak2 = [u["peak GiB"] for u in two if u.get("peak GiB")]
+    lines.append(("2B complete update (AdamW) under 40 GB", f"{min(peak2):.1f} GiB" if peak2 else
+                  ("out of memory" if two else None), (min(peak2) * 2**30 / 1e9 < 40) if peak2 else (False if two else None)))
+    fits = [(u["peak GiB"], u["optimizer"], u.get("lora_rank")) for r in gpu if full_shots(r, "7b")
+            for u in [r.get("update") or {}] if u.get("peak GiB")]
+    tried = [r for r in gpu if full_shots(r, "7b") and r.get("update")]
+    # an H100 80GB holds 79.6 GiB: a run under 79 GiB fits one (also when it was measured on an H200)
+    lines.append(("a 7B configuration that trains on one 80 GB GPU",
+                  "; ".join(f"{o}{f' LoRA r{k}' if k else ''}: {g:.1f} GiB" for g, o, k in fits) or
+                  ("out of memory" if tried else None), any(g <= 79.0 for g, _, _ in fits) if tried else None))
+    rows = [f"| {goal} | {measured or '-'} | {'not measured' if ok is None else ('met' if ok else 'missed')} |"
+            for goal, measured, ok in lines]
+    return GOALS + "\n".join(rows) + "\n"
+
+
+def main(results_dir: Path = RESULTS_DIR, out: Path = ROOT / "benchmarks" / "RESULTS.md") -> str:
+    """RESULTS.md from the update and rollout results in `results_dir` (the memory table and the
+    desktop benchmark have their own sections in the README)."""
     parts = [HEADER]
-    results = [json.loads(p.read_text()) for p in sorted(RESULTS_DIR.glob("*.json"))]
+    results = [json.loads(p.read_text()) for p in sorted(Path(results_dir).glob("*.json"))]
+    results = [r for r in results if r.get("benchmark") in ("update", "rollout")]
     gpu = [r for r in results if not r["device"].startswith("CPU")]
     if not gpu:
         parts.append("**No GPU figures yet**: every result below was taken on the CPU at tiny sizes (they check\n"
                      "the machinery and the equivalence of the paths; their timings say nothing about a GPU).\n")
+    if gpu:
+        parts.append(goals(gpu))
     for r in results:
         if r["benchmark"] == "update":
             parts.append(f"## Update: {r['shape']}, {r['screenshots']} screenshots, {r['tokens']:,} tokens "
                          f"({r['trained_tokens']} trained) on {r['device']}\n")
             parts.append(f"{r['flops']['total'] / 1e12:.2f} TFLOP per forward+backward. "
                          f"Activation checkpointing: {r['checkpointing']}. Weights: {r.get('weights', 'fp32')}.\n")
-            parts.append(table(r["rows"], ["path", "status", "s/fwd+bwd", "speed-up", "tokens/s", "MFU", "peak GiB"]))
+            columns = ["path", "status", "s/fwd+bwd", "speed-up", "tokens/s", "MFU", "peak GiB"]
+            columns += [c for c in ("first call s", "max |dlogprob|", "max rel dgrad")
+                        if any(row.get(c) is not None for row in r["rows"])]
+            parts.append(table(r["rows"], columns))
             if r.get("max_abs_logprob_diff") is not None:
                 parts.append(f"\nmax |log-prob difference| {r['max_abs_logprob_diff']:.2g}, "
                              f"max relative gradient difference {r['max_rel_grad_diff']:.2g}")
+            if r.get("profile"):
+                prof = r["profile"]
+                parts.append(f"\nProfile of `{prof['path']}` ({prof['clock']} time, {prof['kernel_ms']:.0f} ms in "
+                             f"all, one fwd+bwd of {prof['wall_s']:.2f} s wall):\n")
+                parts.append(table(prof["categories"], ["category", "ms", "share"]))
+                parts.append("")
+                parts.append(table(prof["top"], ["name", "calls", "ms", "share"]))
             if r.get("update"):
                 parts.append("\nComplete update (fwd+bwd + optimizer step): " +
                              ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
@@ -92,12 +149,13 @@ def main() -> None:
             parts.append(f"\nprefill tokens {r['prefill_reduction']:.1f}x fewer; generation {r['speed_up']:.2f}x "
                          f"faster; same sampled tokens on both paths: {r['same_tokens']}")
             image = f"rollout_{r['shape']}_{r['envs']}x{r['steps']}.png"
-            if plot_rollout(r, ROOT / "benchmarks" / image):
+            if plot_rollout(r, Path(out).parent / image):
                 parts.append(f"\n![per-step prefill tokens and time]({image})")
         parts.append(f"\n`{r['command']}`\n")
-    out = ROOT / "benchmarks" / "RESULTS.md"
-    out.write_text("\n".join(parts))
+    text = "\n".join(parts)
+    Path(out).write_text(text)
     print(f"written {out}")
+    return text
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 (no timing assertions), and the FLOP formula must give the real models' parameter counts."""
 from __future__ import annotations
 
+import json
 
 import pytest
 import torch
@@ -63,7 +64,7 @@ def test_window_spans():
 @pytest.mark.slow
 def test_real_shape_paths_run_shrunk_on_cpu(tmp_path):
     """The 2B shape's real widths and vocabulary (random weights, one decoder and one vision
-    layer): what benchmarks/run_gpu.sh runs on a GPU, down to building the model and the
+    layer): what benchmarks/run_gpu.py runs on a GPU, down to building the model and the
     UI-TARS-sized image processing."""
     update = bench_update.main(["--shape", "2b", "--text-layers", "1", "--vision-layers", "1", "--screenshots", "1",
                                 "--resolution", "448x336", "--device", "cpu", "--repeats", "1", "--out", str(tmp_path)])
@@ -119,3 +120,82 @@ def test_desktop_benchmark_runs_small(tmp_path):
     assert row["rss_mib"] > 10 and row["reset_s"] > 0 and row["episodes_per_min"] > 0
     assert [e["task"] for e in row["per_env"]] == ["editor-type-save", "terminal-mkdir"]
     assert (tmp_path / "desktop_envs.json").is_file()
+
+
+@pytest.mark.slow
+def test_gpu_plan_parts_fit_a_device_command_and_rehearse_on_cpu(tmp_path):
+    """benchmarks/run_gpu.py: each part's estimate fits the device's 10-minute command with room,
+    and every step (both benchmarks, every lever path, the profile, the GPU tests) runs shrunk on
+    the CPU and leaves its results file."""
+    from benchmarks import run_gpu
+
+    for part, steps in run_gpu.PARTS.items():
+        assert sum(minutes for _, minutes, _ in steps) <= 8.5, part
+        assert len(steps) + 2 <= 8  # one JSON per step, the log and the status: the device returns 8 files
+    statuses = run_gpu.main(["all", "--rehearse", "--out", str(tmp_path)])
+    assert [s["step"] for s in statuses] == [name for steps in run_gpu.PARTS.values() for name, _, _ in steps]
+    assert all(s["status"] == "ok" for s in statuses), statuses
+    written = {p.name for p in tmp_path.glob("*.json")}
+    assert {"update_tiny25_1shots.json", "update_tiny_1shots.json", "update_tiny_1shots_adamw.json",
+            "update_tiny25_1shots_lora16_adamw.json", "update_tiny25_1shots_adafactor.json",
+            "update_tiny25_1shots_compile.json", "update_tiny25_1shots_sdpa.json"} <= written, written
+    levers = json.loads((tmp_path / "update_tiny25_1shots_compile.json").read_text())
+    assert [r["path"] for r in levers["rows"]] == ["ours", "ours+compile"]
+    assert levers["rows"][1]["max |dlogprob|"] < 1e-5 and levers["profile"]["categories"]
+    assert (tmp_path / "part3.log").read_text().count("passed") >= 1
+
+
+def test_path_levers_parse_and_unknown_ones_are_refused():
+    spec = bench_update.parse_path("ours+compile+ckpt2+cudnn")
+    assert (spec["base"], spec["compile"], spec["ckpt"], spec["sdpa"], spec["chunk"]) == ("ours", True, 2, "cudnn", 1024)
+    assert bench_update.parse_path("naive")["vision"] == "loop"
+    with pytest.raises(ValueError, match="unknown lever 'fast'"):
+        bench_update.parse_path("ours+fast")
+    with pytest.raises(ValueError, match="base"):
+        bench_update.parse_path("best+compile")
+
+
+def _gpu_update(shape, rows=(), update=None, reference="naive"):
+    return {"benchmark": "update", "device": "NVIDIA H100 80GB HBM3", "shape": shape, "screenshots": 15,
+            "rows": list(rows), "update": update, "reference_path": reference, "text_layers": None,
+            "vision_layers": None}
+
+
+def test_goals_table_says_met_missed_or_not_measured():
+    from benchmarks.report import goals
+
+    assert goals([]).count("not measured") == 4
+    results = [
+        _gpu_update("7b", [{"path": "naive", "s/fwd+bwd": 38.7, "MFU": 0.09},
+                           {"path": "ours", "s/fwd+bwd": 11.0, "speed-up": 3.5, "MFU": 0.33}]),
+        _gpu_update("7b", [{"path": "ours", "MFU": 0.33}, {"path": "ours+compile", "MFU": 0.41}], reference="ours"),
+        _gpu_update("2b", update={"optimizer": "adamw", "lora_rank": 0, "peak GiB": 38.5}),
+        _gpu_update("7b", update={"optimizer": "adafactor", "lora_rank": 0, "status": "out of memory"}),
+        _gpu_update("7b", update={"optimizer": "adamw", "lora_rank": 16, "peak GiB": 31.0}),
+    ]
+    lines = {line.split(" | ")[0].strip("| "): line for line in goals(results).splitlines() if line.startswith("| ")}
+    assert lines["7B update fwd+bwd at least 3x the naive path"].endswith("| 3.50x | met |")
+    assert "41.0% (ours+compile) | met" in lines["7B update at least 40% MFU"]
+    assert lines["2B complete update (AdamW) under 40 GB"].endswith("| missed |")  # 38.5 GiB = 41.3 GB
+    assert "adamw LoRA r16: 31.0 GiB | met" in lines["a 7B configuration that trains on one 80 GB GPU"]
+
+
+def test_report_renders_every_committed_result_and_a_gpu_goals_table(tmp_path):
+    """benchmarks/report.py over the committed results (the memory table and desktop results are
+    not its business), then over a copy with one result marked as taken on a GPU."""
+    import shutil
+
+    from benchmarks import report
+    from benchmarks.common import RESULTS_DIR
+
+    text = report.main(RESULTS_DIR, tmp_path / "RESULTS.md")
+    assert "No GPU figures yet" in text and "## Update: tiny25" in text and "## The goals" not in text
+    results = tmp_path / "results"
+    shutil.copytree(RESULTS_DIR, results)
+    update = json.loads((results / "update_7b_L1V2_1shots.json").read_text())
+    update.update(device="NVIDIA H100 80GB HBM3", screenshots=15, text_layers=None, vision_layers=None,
+                  reference_path="naive")
+    (results / "update_7b_L1V2_1shots.json").write_text(json.dumps(update))
+    text = report.main(results, tmp_path / "RESULTS.md")
+    assert "No GPU figures yet" not in text
+    assert "| 7B update fwd+bwd at least 3x the naive path | 1.03x | missed |" in text

@@ -339,17 +339,25 @@ class HFPolicy(UITarsConversations):
         (directory / "arpo_policy.json").write_text(json.dumps({"coord_mode": self.coord_mode}))
 
 
-def enable_activation_checkpointing(model: Any, every_n_layers: int = 1) -> None:
+def enable_activation_checkpointing(model: Any, every_n_layers: int = 1, offload: bool = False) -> None:
     """Recompute decoder-layer activations in backward, every `every_n_layers`-th layer (1 = all:
     least memory; larger = less recomputation). Non-reentrant: works with frozen inputs (LoRA) and
-    with the checkpointed log-prob chunks."""
+    with the checkpointed log-prob chunks. `offload`: the activations kept for the recompute wait in
+    pinned host memory (less GPU memory, a copy each way)."""
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.23
-        model.activation_checkpointing_enable(kwargs, every_n_layers=every_n_layers)
-    elif every_n_layers != 1:
-        raise ValueError("model.checkpoint_every_n_layers > 1 needs transformers >= 5.23")
+        model.activation_checkpointing_enable(kwargs, every_n_layers=every_n_layers, offload=offload)
+    elif every_n_layers != 1 or offload:
+        raise ValueError("model.checkpoint_every_n_layers > 1 and activation offload need transformers >= 5.23")
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def disable_activation_checkpointing(model: Any) -> None:
+    if hasattr(model, "activation_checkpointing_disable"):  # transformers >= 5.23
+        model.activation_checkpointing_disable()
+    else:
+        model.gradient_checkpointing_disable()
 
 
 def pad_segments(segments: Sequence[Segment], pad_id: int, side: str) -> dict[str, torch.Tensor]:

@@ -1,0 +1,159 @@
+"""Every GPU figure of the GPU issue, in parts that each end inside a lent device's 10-minute command.
+
+  python benchmarks/run_gpu.py --list                      # the parts, their steps and time estimates
+  python benchmarks/run_gpu.py 1 --out "$OUT"              # part 1 on the GPU (results + log into $OUT)
+  python benchmarks/run_gpu.py all --rehearse --out /tmp/r # every step shrunk, on the CPU (tests do this)
+  python benchmarks/run_gpu.py all --rehearse --real-shapes --out /tmp/r   # at the real widths (~15 min)
+
+A part runs its steps in order (most needed first), each a subprocess with a timeout, and starts a
+step only when the part's remaining time covers the step's estimate: a part never outruns its
+deadline (default 9 minutes), and what ran is in `$OUT` (one JSON per step, `part<N>.log`,
+`part<N>_status.json`), at most 8 files per part (the device returns no more). Then, here:
+copy the JSON into benchmarks/results/ and run `python benchmarks/report.py`.
+
+The estimates are minutes on an H100 from the issue's reference figures (7B fwd+bwd at 15 1080p
+screenshots: 38.7 s naive) plus model building; a part's first run corrects them. Device session
+(see the README's "GPU figures" section for the `run` calls):
+  part 1  update fwd+bwd naive vs ours, 7B and 2B, 15 screenshots (goal: 3x, 40% MFU)
+  part 2  complete updates: 2B AdamW (goal < 40 GB), 7B LoRA AdamW, 7B full Adafactor (goal: fits 80 GB)
+  part 3  rollouts 2B 8 x 15 KV-cached vs re-prefill; the GPU tests
+  part 4  levers for the 7B update: torch.compile, SDPA backends, a profile (if the goals are missed)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# (name, estimated minutes on an H100, argv after `python`)
+PARTS: dict[str, list[tuple[str, float, list[str]]]] = {
+    "1": [
+        ("update_7b", 5.0, ["benchmarks/bench_update.py", "--shape", "7b", "--screenshots", "15", "--repeats", "2"]),
+        ("update_2b", 1.5, ["benchmarks/bench_update.py", "--shape", "2b", "--screenshots", "15", "--repeats", "2"]),
+    ],
+    "2": [
+        ("update_2b_adamw", 1.5, ["benchmarks/bench_update.py", "--shape", "2b", "--screenshots", "15", "--paths", "ours",
+                                  "--repeats", "2", "--update", "--optimizer", "adamw"]),
+        ("update_7b_lora16_adamw", 2.5, ["benchmarks/bench_update.py", "--shape", "7b", "--screenshots", "15",
+                                         "--paths", "ours", "--repeats", "2", "--update", "--optimizer", "adamw",
+                                         "--lora-rank", "16"]),
+        ("update_7b_adafactor", 3.0, ["benchmarks/bench_update.py", "--shape", "7b", "--screenshots", "15",
+                                      "--paths", "ours", "--repeats", "2", "--update", "--optimizer", "adafactor"]),
+    ],
+    "3": [
+        ("rollout_2b", 3.0, ["benchmarks/bench_rollout.py", "--shape", "2b", "--envs", "8", "--steps", "15",
+                             "--max-new-tokens", "48"]),
+        ("gpu_tests", 2.0, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/agent/model/test_gpu.py",
+                            "tests/training/test_distributed_gpu.py"]),
+    ],
+    "4": [
+        ("levers_7b_compile", 4.5, ["benchmarks/bench_update.py", "--shape", "7b", "--screenshots", "15", "--repeats", "2",
+                                    "--paths", "ours,ours+compile", "--profile", "ours", "--tag", "compile"]),
+        ("levers_7b_sdpa", 3.5, ["benchmarks/bench_update.py", "--shape", "7b", "--screenshots", "15", "--repeats", "2",
+                                 "--paths", "ours,ours+cudnn,ours+flash,ours+efficient", "--tag", "sdpa"]),
+    ],
+}
+
+# What a rehearsal puts after each benchmark's arguments (later flags win in argparse): one
+# screenshot, one repeat, on the CPU; the shapes swapped for the tiny models of the same
+# architectures (seconds), or with `real_shapes` kept at their real widths with one layer each
+# (minutes: a 7B-wide step takes ~1.5 min on 2 cores).
+REHEARSAL = {
+    "benchmarks/bench_update.py": ["--device", "cpu", "--screenshots", "1", "--repeats", "1",
+                                   "--compile-backend", "aot_eager"],
+    "benchmarks/bench_rollout.py": ["--device", "cpu", "--envs", "2", "--steps", "2", "--max-new-tokens", "4"],
+}
+REAL_SHAPES_SHRUNK = ["--text-layers", "1", "--vision-layers", "1", "--resolution", "224x224"]
+TINY_OF = {"2b": "tiny", "7b": "tiny25"}
+
+
+def step_command(argv: list[str], out: Path, rehearse: bool, real_shapes: bool = False) -> list[str]:
+    cmd = [sys.executable, *argv]
+    if argv[0] in REHEARSAL:
+        cmd += ["--out", str(out)]
+        if rehearse:
+            cmd += REHEARSAL[argv[0]]
+            if real_shapes:
+                cmd += REAL_SHAPES_SHRUNK
+            else:
+                cmd = [TINY_OF.get(a, a) if cmd[i - 1] == "--shape" else a for i, a in enumerate(cmd)]
+    return cmd
+
+
+def run_part(part: str, out: Path, deadline_s: float, rehearse: bool, real_shapes: bool = False) -> list[dict]:
+    """Run one part's steps under its deadline; returns their status rows (also written to `out`)."""
+    out.mkdir(parents=True, exist_ok=True)
+    log_path = out / f"part{part}.log"
+    start = time.monotonic()
+    statuses = []
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with open(log_path, "a") as log:
+        def say(text: str) -> None:
+            print(text, flush=True)
+            log.write(text + "\n")
+            log.flush()
+
+        for name, minutes, argv in PARTS[part]:
+            left = deadline_s - (time.monotonic() - start)
+            if not rehearse and left < minutes * 60:
+                statuses.append({"step": name, "status": f"skipped: {left:.0f} s left, estimate {minutes * 60:.0f} s"})
+                say(f"[run_gpu] {name}: skipped ({left:.0f} s left in the part, estimated {minutes:.1f} min)")
+                continue
+            cmd = step_command(argv, out, rehearse, real_shapes)
+            say(f"[run_gpu] {name} (estimate {minutes:.1f} min, {left:.0f} s left): {' '.join(cmd[1:])}")
+            t0 = time.monotonic()
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            # the output loop below ends when the step is killed (a rehearsal gives each step the whole deadline)
+            timer = threading.Timer(deadline_s if rehearse else max(1.0, left), proc.kill)
+            timer.start()
+            try:
+                for line in proc.stdout:
+                    if "USDT:" in line or "gpuGetDeviceCount" in line:  # the profiler's CPU-only chatter
+                        continue
+                    print(line, end="", flush=True)
+                    log.write(line)
+                proc.wait()
+            finally:
+                timed_out = not timer.is_alive() and proc.returncode != 0
+                timer.cancel()
+            status = "timed out" if timed_out else ("ok" if proc.returncode == 0 else f"exit {proc.returncode}")
+            seconds = time.monotonic() - t0
+            statuses.append({"step": name, "status": status, "seconds": round(seconds, 1), "estimate_s": minutes * 60})
+            say(f"[run_gpu] {name}: {status} in {seconds:.0f} s")
+    (out / f"part{part}_status.json").write_text(json.dumps(statuses, indent=1) + "\n")
+    return statuses
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("part", nargs="?", choices=[*PARTS, "all"])
+    ap.add_argument("--list", action="store_true", help="print the parts and their steps")
+    ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--deadline", type=float, default=540.0, help="seconds a part may take (default 9 min)")
+    ap.add_argument("--rehearse", action="store_true", help="every step shrunk to run on the CPU (tiny models)")
+    ap.add_argument("--real-shapes", action="store_true",
+                    help="with --rehearse: the 2B/7B widths with one layer each instead of the tiny models")
+    args = ap.parse_args(argv)
+    if args.list or not args.part:
+        for part, steps in PARTS.items():
+            total = sum(m for _, m, _ in steps)
+            print(f"part {part} (about {total:.1f} min on an H100):")
+            for name, minutes, step in steps:
+                print(f"  {name:24s} {minutes:4.1f} min  python {' '.join(step)}")
+        return []
+    statuses = []
+    for part in (PARTS if args.part == "all" else [args.part]):
+        statuses += run_part(part, Path(args.out), args.deadline, args.rehearse, args.real_shapes)
+    return statuses
+
+
+if __name__ == "__main__":
+    statuses = main()
+    sys.exit(0 if all(s["status"] in ("ok",) or s["status"].startswith("skipped") for s in statuses) else 1)

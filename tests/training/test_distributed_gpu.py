@@ -1,0 +1,43 @@
+"""FSDP2 on the GPU: the sharded training step of the tiny model equals the whole model's, over
+NCCL on one CUDA device (skipped without one: CI has no GPU) and, as the same script's check on
+every machine, over gloo with two CPU processes."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+
+
+def _run(kind: str, nproc: int, model: Path) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+                           str(HERE / "fsdp_step_ranks.py"), kind, str(model)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_step_like_the_whole_model(tiny_qwen25vl):
+    gaps = _run("cpu", 2, tiny_qwen25vl)
+    assert gaps["world_size"] == 2 and gaps["compute_dtype"] == "torch.float32"
+    assert gaps["logprob_gap"] < 1e-4 and gaps["grad_gap"] < 1e-3
+    assert gaps["moved"] > 0.5 * gaps["lr"] and gaps["weight_gap"] <= 2 * gaps["lr"] + 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_nccl_fsdp2_step_on_the_gpu_like_the_whole_model(tiny_qwen25vl):
+    """bf16 compute on both sides (FSDP2's param dtype vs autocast): bf16-sized gaps."""
+    gaps = _run("cuda", 1, tiny_qwen25vl)
+    assert gaps["compute_dtype"] == "torch.bfloat16"
+    assert gaps["logprob_gap"] < 0.1 and gaps["grad_gap"] < 0.1
+    assert gaps["moved"] > 0.5 * gaps["lr"] and gaps["weight_gap"] <= 2 * gaps["lr"] + 1e-6
