@@ -116,7 +116,8 @@ def hf_policy(cfg: RunConfig, path: str | Path | None = None, *, lora: bool = Tr
         path or m.path, device=device or m.device, compute_dtype=m.compute_dtype, coord_mode=m.coord_mode,
         history_images=m.history_images, max_new_tokens=m.max_new_tokens,
         gradient_checkpointing=m.gradient_checkpointing,
-        checkpoint_every_n_layers=m.checkpoint_every_n_layers, kv_cache=m.kv_cache, vision_attention=m.vision_attention,
+        checkpoint_every_n_layers=m.checkpoint_every_n_layers, freeze_vision_tower=m.freeze_vision_tower,
+        kv_cache=m.kv_cache, vision_attention=m.vision_attention,
         logprob_chunk=m.logprob_chunk, lora_rank=m.lora_rank if lora else 0, lora_alpha=m.lora_alpha,
         lora_dropout=m.lora_dropout, lora_seed=cfg.train.seed, frozen_weights_dtype=m.frozen_weights_dtype,
         prompt=prompt or cfg.agent.prompt)

@@ -9,7 +9,7 @@ SDPA backend); every path is checked against the first one's log-probs and gradi
 Reported: seconds per fwd+bwd (and the first call's, which holds a compile), tokens/s, MFU (FLOP
 formula in common.train_flops), peak memory, the differences; `--profile PATH` adds a
 torch.profiler summary by kernel category. `--update` adds the optimizer step (a complete ARPO
-update's memory) with `--optimizer` and `--lora-rank`.
+update's memory, on the last path of `--paths`) with `--optimizer` and `--lora-rank`.
 
   python benchmarks/bench_update.py --shape 7b --screenshots 15          # on a GPU
   python benchmarks/bench_update.py --shape tiny --screenshots 3 --device cpu   # CPU check
@@ -29,7 +29,8 @@ from benchmarks.common import (build_policy, device_name, max_rel_grad_diff, pea
                                profile_summary, reset_peak, synthetic_trajectory, table, timed, train_flops,
                                transformers_version, write_result)
 from arpo_lib.training.optim import make_optimizer, optimizer_state_bytes  # noqa: E402
-from arpo_lib.agent.hf_policy import disable_activation_checkpointing, enable_activation_checkpointing  # noqa: E402
+from arpo_lib.agent.hf_policy import (disable_activation_checkpointing, enable_activation_checkpointing,  # noqa: E402
+                                      set_vision_tower_trainable)
 from arpo_lib.agent.model.compile import compile_decoder_layers, is_compiled, uncompile_decoder_layers  # noqa: E402
 from arpo_lib.agent.model.vision_attention import use_batched_vision_attention, use_looped_vision_attention  # noqa: E402
 
@@ -41,6 +42,7 @@ MODIFIERS = """a path is a base (naive, ours) and '+'-joined levers on top of it
   compile            torch.compile of every decoder layer (--compile-backend; the first call holds the compile)
   ckptN              activation checkpointing of every N-th decoder layer (ckpt0: none) instead of the run's setting
   offload            the checkpointed layers' saved activations in pinned host memory
+  frozenvision       the vision module gets no gradient (model.freeze_vision_tower; ARPO trains it)
   flash, efficient, cudnn, math   the only SDPA backend allowed (text and vision attention)"""
 SDPA_BACKENDS = ("flash", "efficient", "cudnn", "math")
 
@@ -49,10 +51,12 @@ def parse_path(name: str) -> dict:
     base, *levers = name.split("+")
     if base not in BASES:
         raise ValueError(f"path {name!r}: the base must be one of {sorted(BASES)}")
-    spec = dict(BASES[base], base=base, compile=False, ckpt=None, offload=False, sdpa=None)
+    spec = dict(BASES[base], base=base, compile=False, ckpt=None, offload=False, sdpa=None, frozen_vision=False)
     for lever in levers:
         if lever == "compile":
             spec["compile"] = True
+        elif lever == "frozenvision":
+            spec["frozen_vision"] = True
         elif lever == "offload":
             spec["offload"] = True
         elif lever in SDPA_BACKENDS:
@@ -74,6 +78,8 @@ def set_path(policy, name: str, checkpointing: int = 1, compile_backend: str = "
         enable_activation_checkpointing(policy.model, every or 1, offload=p["offload"])
     elif checkpointing or p["ckpt"] is not None:
         disable_activation_checkpointing(policy.model)
+    if policy.peft_model is None:  # under LoRA the tower is frozen anyway
+        set_vision_tower_trainable(policy.model, not p["frozen_vision"])
     if p["compile"] and not is_compiled(policy.model):
         compile_decoder_layers(policy.model, backend=compile_backend)
     elif not p["compile"] and is_compiled(policy.model):
@@ -227,12 +233,12 @@ def main(argv: list[str] | None = None) -> dict:
         policy.model.zero_grad(set_to_none=True)
     pack_diff = None
     if args.pack:
-        set_path(policy, "ours", checkpointing)
+        set_path(policy, "ours", checkpointing, args.compile_backend)
         pack_rows, pack_diff = packing_rows(policy, size, args.pack, device, args.repeats)
         rows += pack_rows
     update = None
-    if args.update:
-        set_path(policy, "ours", checkpointing)
+    if args.update:  # with the last path's levers
+        spec = set_path(policy, paths[-1], checkpointing, args.compile_backend)
         reset_peak(device)
         optimizer = make_optimizer(args.optimizer, policy.trainable_parameters(), lr=1e-6, weight_decay=0.0)
 
@@ -241,11 +247,13 @@ def main(argv: list[str] | None = None) -> dict:
             optimizer.step()
 
         try:
-            seconds, _ = timed(step, device, max(1, args.repeats - 1))
-            update = {"optimizer": args.optimizer, "lora_rank": args.lora_rank, "s/update": seconds,
+            with attention_backend(spec):
+                seconds, _ = timed(step, device, max(1, args.repeats - 1))
+            update = {"optimizer": args.optimizer, "lora_rank": args.lora_rank, "path": paths[-1], "s/update": seconds,
                       "peak GiB": peak_gib(device), "optimizer state GiB": optimizer_state_bytes(optimizer) / 2**30}
         except torch.OutOfMemoryError:
-            update = {"optimizer": args.optimizer, "lora_rank": args.lora_rank, "status": "out of memory"}
+            update = {"optimizer": args.optimizer, "lora_rank": args.lora_rank, "path": paths[-1],
+                      "status": "out of memory"}
     result = {
         "benchmark": "update", "device": device_name(device), "shape": args.shape, "screenshots": args.screenshots,
         "tokens": len(segment), "trained_tokens": sum(segment.loss_mask), "image_tokens": sum(segment.mm_token_type_ids),

@@ -174,9 +174,12 @@ def peak_gib(device: torch.device) -> float | None:
 
 
 def max_rel_grad_diff(reference: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> float:
-    """max over parameters of max|g - g_ref| / max|g_ref| (host tensors, compared in fp32 one at a time)."""
+    """max over the parameters both have of max|g - g_ref| / max|g_ref| (host tensors, compared in
+    fp32 one at a time)."""
     worst = 0.0
     for name, ref in reference.items():
+        if name not in grads:  # frozen on this path (frozenvision)
+            continue
         ref32, g32 = ref.float(), grads[name].float()
         worst = max(worst, float((ref32 - g32).abs().max() / (ref32.abs().max() + 1e-12)))
     return worst

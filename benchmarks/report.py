@@ -93,8 +93,9 @@ def goals(gpu: list[dict]) -> str:
     peak2 = [u["peak GiB"] for u in two if u.get("peak GiB")]
     lines.append(("2B complete update (AdamW) under 40 GB", f"{min(peak2):.1f} GiB" if peak2 else
                   ("out of memory" if two else None), (min(peak2) * 2**30 / 1e9 < 40) if peak2 else (False if two else None)))
-    fits = [(u["peak GiB"], u["optimizer"], u.get("lora_rank")) for r in gpu if full_shots(r, "7b")
-            for u in [r.get("update") or {}] if u.get("peak GiB")]
+    fits = [(u["peak GiB"], u["optimizer"] + (f" ({u['path']})" if u.get("path", "ours") != "ours" else ""),
+             u.get("lora_rank")) for r in gpu if full_shots(r, "7b") for u in [r.get("update") or {}]
+            if u.get("peak GiB")]
     tried = [r for r in gpu if full_shots(r, "7b") and r.get("update")]
     # an H100 80GB holds 79.6 GiB: a run under 79 GiB fits one (also when it was measured on an H200)
     lines.append(("a 7B configuration that trains on one 80 GB GPU",

@@ -16,8 +16,8 @@ screenshots: 38.7 s naive) plus model building; a part's first run corrects them
 (see the README's "GPU figures" section for the `run` calls):
   part 1  update fwd+bwd naive vs ours, 7B and 2B, 15 screenshots (goal: 3x, 40% MFU)
   part 2  complete updates: 2B AdamW (goal < 40 GB), 7B LoRA AdamW, 7B full Adafactor (goal: fits 80 GB)
-  part 3  rollouts 2B 8 x 15 KV-cached vs re-prefill; the GPU tests
-  part 4  levers for the 7B update: torch.compile, SDPA backends, a profile (if the goals are missed)
+  part 3  rollouts 2B 8 x 15 KV-cached vs re-prefill; 7B full Adafactor with the vision tower frozen; the GPU tests
+  part 4  levers for the 7B update: torch.compile, SDPA backends, frozen vision, a profile (if goals are missed)
 """
 from __future__ import annotations
 
@@ -50,14 +50,18 @@ PARTS: dict[str, list[tuple[str, float, list[str]]]] = {
     "3": [
         ("rollout_2b", 3.0, ["benchmarks/bench_rollout.py", "--shape", "2b", "--envs", "8", "--steps", "15",
                              "--max-new-tokens", "48"]),
+        ("update_7b_adafactor_frozenvision", 3.0, ["benchmarks/bench_update.py", "--shape", "7b", "--screenshots", "15",
+                                                   "--paths", "ours+frozenvision", "--repeats", "2", "--update",
+                                                   "--optimizer", "adafactor", "--tag", "frozenvision"]),
         ("gpu_tests", 2.0, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/agent/model/test_gpu.py",
                             "tests/training/test_distributed_gpu.py"]),
     ],
     "4": [
         ("levers_7b_compile", 4.5, ["benchmarks/bench_update.py", "--shape", "7b", "--screenshots", "15", "--repeats", "2",
                                     "--paths", "ours,ours+compile", "--profile", "ours", "--tag", "compile"]),
-        ("levers_7b_sdpa", 3.5, ["benchmarks/bench_update.py", "--shape", "7b", "--screenshots", "15", "--repeats", "2",
-                                 "--paths", "ours,ours+cudnn,ours+flash,ours+efficient", "--tag", "sdpa"]),
+        ("levers_7b_sdpa_vision", 3.5, ["benchmarks/bench_update.py", "--shape", "7b", "--screenshots", "15",
+                                        "--repeats", "2", "--paths", "ours,ours+cudnn,ours+flash,ours+frozenvision",
+                                        "--tag", "sdpa_vision"]),
     ],
 }
 

@@ -138,7 +138,8 @@ def test_gpu_plan_parts_fit_a_device_command_and_rehearse_on_cpu(tmp_path):
     written = {p.name for p in tmp_path.glob("*.json")}
     assert {"update_tiny25_1shots.json", "update_tiny_1shots.json", "update_tiny_1shots_adamw.json",
             "update_tiny25_1shots_lora16_adamw.json", "update_tiny25_1shots_adafactor.json",
-            "update_tiny25_1shots_compile.json", "update_tiny25_1shots_sdpa.json"} <= written, written
+            "update_tiny25_1shots_compile.json", "update_tiny25_1shots_sdpa_vision.json",
+            "update_tiny25_1shots_adafactor_frozenvision.json"} <= written, written
     levers = json.loads((tmp_path / "update_tiny25_1shots_compile.json").read_text())
     assert [r["path"] for r in levers["rows"]] == ["ours", "ours+compile"]
     assert levers["rows"][1]["max |dlogprob|"] < 1e-5 and levers["profile"]["categories"]

@@ -114,6 +114,7 @@ class HFPolicy(UITarsConversations):
         max_new_tokens: int = 256,
         gradient_checkpointing: bool = False,
         checkpoint_every_n_layers: int = 1,
+        freeze_vision_tower: bool = False,
         kv_cache: bool = True,
         vision_attention: str = "batched",
         logprob_chunk: int = 1024,
@@ -155,6 +156,8 @@ class HFPolicy(UITarsConversations):
         report_checkpoint_sampling(path, self.model.generation_config)
         if gradient_checkpointing:
             enable_activation_checkpointing(self.model, checkpoint_every_n_layers)
+        if freeze_vision_tower:
+            set_vision_tower_trainable(self.model, False)
         if vision_attention == "batched":
             use_batched_vision_attention(self.model)
         elif vision_attention != "loop":
@@ -164,6 +167,7 @@ class HFPolicy(UITarsConversations):
         """The PeftModel when LoRA is on (`self.model` is the same network with adapters inside)."""
         if lora_rank > 0:
             self.peft_model = apply_lora(self.model, lora_rank, lora_alpha, lora_dropout, seed=lora_seed)
+            drop_frozen_vision_input_grads(self.model)  # the tower is frozen under LoRA
             if frozen_weights_dtype == "auto" and self.compute_dtype != torch.float32:
                 cast_frozen_linears(self.model, self.compute_dtype)
         if frozen_weights_dtype not in ("auto", "float32"):
@@ -351,6 +355,34 @@ def enable_activation_checkpointing(model: Any, every_n_layers: int = 1, offload
         raise ValueError("model.checkpoint_every_n_layers > 1 and activation offload need transformers >= 5.23")
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    drop_frozen_vision_input_grads(model)
+
+
+def set_vision_tower_trainable(model: Any, trainable: bool) -> None:
+    """Train, or freeze, the whole vision module of a Qwen2-VL / Qwen2.5-VL model (patch embedding,
+    blocks and the merger into the language model), as EasyR1's `freeze_vision_tower` does."""
+    model.model.visual.requires_grad_(trainable)
+    drop_frozen_vision_input_grads(model)
+
+
+def drop_frozen_vision_input_grads(model: Any) -> int:
+    """Remove transformers' hook that makes the patch embedding's output require grad when the
+    vision module has nothing to train (frozen, or LoRA on the language model); returns how many.
+
+    Activation checkpointing turns on `enable_input_require_grads`, which hooks every sub-model's
+    input embeddings, the vision patch embedding included: a frozen tower then still records its
+    whole graph, keeps its activations and runs its backward for gradients that go nowhere. Our
+    checkpointing is non-reentrant, which needs no input that requires grad."""
+    visual = next((m for m in model.modules() if hasattr(m, "patch_embed") and hasattr(m, "blocks")), None)
+    if visual is None or any(p.requires_grad for p in visual.parameters()):
+        return 0
+    # By the hook's name: a second `enable_input_require_grads` (peft's, when it wraps a model that
+    # checkpoints) replaces the list of handles and leaves the first hook untracked.
+    hooks = visual.patch_embed._forward_hooks
+    stale = [key for key, fn in hooks.items() if getattr(fn, "__name__", "") == "make_inputs_require_grads"]
+    for key in stale:
+        del hooks[key]
+    return len(stale)
 
 
 def disable_activation_checkpointing(model: Any) -> None:

@@ -88,6 +88,11 @@ class ModelConfig:
     checkpoint_every_n_layers: int = 1
     """With gradient_checkpointing: checkpoint every n-th decoder layer only (1 = all, least memory;
     larger = less recomputation where memory is left over; transformers >= 5.23)."""
+    freeze_vision_tower: bool = False
+    """Train only the language model: the vision module (blocks and merger, as EasyR1's switch of
+    this name) gets no gradient, so its activations are not kept for the backward and its
+    backward does not run. ARPO trains it (its examples/config.yaml: `freeze_vision_tower: false`),
+    hence the default; true is a memory and speed lever for a full update (LoRA freezes it anyway)."""
     kv_cache: bool = True
     """Rollouts keep each episode's KV cache between steps and prefill only the new turn
     (arpo_lib/agent/model/kv_generation.py); false = re-prefill the whole history every step."""

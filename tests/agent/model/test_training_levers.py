@@ -230,3 +230,34 @@ def test_compiled_decoder_layers_give_the_eager_values_and_can_be_undone(policy)
         torch.testing.assert_close(eager_grads[name], compiled_grads[name], atol=1e-5, rtol=1e-4, msg=name)
     with pytest.raises(ValueError, match="no language_model.layers"):
         compile_decoder_layers(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("setting", ["freeze_vision_tower", "lora"])
+def test_a_frozen_vision_tower_records_no_graph_under_checkpointing(tiny_qwen25vl, setting):
+    """model.freeze_vision_tower (and LoRA, which freezes the tower too): no vision weight gets a
+    gradient, the tower's activations are not recorded although activation checkpointing hooks
+    the patch embedding to require grad (the hook is dropped), and the language model's gradients
+    are exactly those of the trained-tower run (the tower's output does not depend on it)."""
+    from arpo_lib.agent.hf_policy import HFPolicy
+    from benchmarks.common import synthetic_trajectory
+
+    def run(**kwargs):
+        policy = HFPolicy(tiny_qwen25vl, device="cpu", gradient_checkpointing=True, **kwargs)
+        policy.model.train()
+        seg = synthetic_trajectory(policy, 2, (320, 420))
+        visual = policy.model.model.visual if policy.peft_model is None else policy.peft_model.base_model.model.model.visual
+        seen = []
+        visual.blocks[0].register_forward_hook(lambda m, i, o: seen.append((o[0] if isinstance(o, tuple) else o).requires_grad))
+        policy.sequence_logprobs([seg])[0].sum().backward()
+        grads = {n: p.grad for n, p in policy.model.named_parameters() if p.grad is not None}
+        return seen[0], grads, visual
+
+    recorded, trained, _ = run()
+    assert recorded and any(".visual." in n for n in trained)
+    recorded, frozen, visual = run(**({"freeze_vision_tower": True} if setting == "freeze_vision_tower" else {"lora_rank": 4}))
+    assert not recorded and not any(".visual." in n for n in frozen)
+    assert not any(p.requires_grad for p in visual.parameters())
+    if setting == "freeze_vision_tower":
+        assert frozen.keys() == {n for n in trained if ".visual." not in n}
+        for name, grad in frozen.items():
+            torch.testing.assert_close(grad, trained[name], atol=0, rtol=0, msg=name)
