@@ -1,8 +1,9 @@
 """Run under torchrun by tests/training/test_distributed_gpu.py: the training forward+backward and
 an AdamW step of the tiny Qwen2.5-VL-architecture model on its FSDP2-sharded copy (NCCL on CUDA,
 gloo on the CPU), against the same on the whole model in the same process. Every rank trains on the
-same two trajectories, so the averaged sharded gradient must equal the whole model's. Prints one
-JSON line (rank 0) with the gaps."""
+same two trajectories, so the averaged sharded gradient must equal the whole model's. Activation
+checkpointing on; `frozen-vision` adds model.freeze_vision_tower. Prints one JSON line (rank 0)
+with the gaps."""
 from __future__ import annotations
 
 import copy
@@ -19,13 +20,14 @@ from benchmarks.common import synthetic_trajectory
 LR = 1e-4
 
 
-def main(kind: str, model: str) -> None:
+def main(kind: str, model: str, frozen_vision: bool = False) -> None:
     ranks = Ranks.from_env()
     cuda = kind == "cuda"
     if cuda:
         torch.cuda.set_device(ranks.local_rank)
     dist.init_process_group("nccl" if cuda else "gloo")
-    policy = HFPolicy(model, device=f"cuda:{ranks.local_rank}" if cuda else "cpu")
+    policy = HFPolicy(model, device=f"cuda:{ranks.local_rank}" if cuda else "cpu", gradient_checkpointing=True,
+                      freeze_vision_tower=frozen_vision)
     policy.model.train()
     segments = [synthetic_trajectory(policy, 2, (320, 420), seed=s) for s in range(2)]
     gathered = copy.deepcopy(policy.model)  # receives the sharded weights after the step
@@ -36,13 +38,17 @@ def main(kind: str, model: str) -> None:
     sharded_lp = torch.cat(policy.sequence_logprobs(segments, model=net))
     (-sharded_lp.mean()).backward()
 
-    grad_gap = 0.0
+    grad_gap, trained = 0.0, 0
     for (name, p), (_, q) in zip(policy.model.named_parameters(), net.net.named_parameters()):
+        assert (p.grad is None) == (q.grad is None) == (not p.requires_grad), name
+        if p.grad is None:
+            continue
+        trained += 1
         full = q.grad.full_tensor().float()
         grad_gap = max(grad_gap, float((full - p.grad.float()).abs().max() / (p.grad.abs().max() + 1e-12)))
     before = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
-    for params in (policy.model.parameters(), net.parameters()):
-        opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
+    for module in (policy.model, net):
+        opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=LR, weight_decay=0.0)
         opt.step()
     sync_full_model(net, gathered)
     with torch.no_grad():
@@ -53,10 +59,11 @@ def main(kind: str, model: str) -> None:
         print(json.dumps({"device": torch.cuda.get_device_name() if cuda else "cpu", "world_size": ranks.world_size,
                           "compute_dtype": str(policy.compute_dtype),
                           "logprob_gap": float((whole_lp - sharded_lp).detach().abs().max()),
-                          "grad_gap": grad_gap, "weight_gap": weight_gap, "moved": moved, "lr": LR}))
+                          "grad_gap": grad_gap, "weight_gap": weight_gap, "moved": moved, "lr": LR,
+                          "trained_tensors": trained, "tensors": len(before)}))
     del net, opt  # the FSDP2 module freed before the group ends (close_process_group)
     close_process_group(Ranks(rank=ranks.rank, world_size=max(2, ranks.world_size), local_rank=ranks.local_rank))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], frozen_vision="frozen-vision" in sys.argv[3:])

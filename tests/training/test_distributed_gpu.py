@@ -16,19 +16,21 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
 
-def _run(kind: str, nproc: int, model: Path) -> dict:
+def _run(kind: str, nproc: int, model: Path, *flags: str) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-                           str(HERE / "fsdp_step_ranks.py"), kind, str(model)],
+                           str(HERE / "fsdp_step_ranks.py"), kind, str(model), *flags],
                           capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.slow
-def test_two_gloo_ranks_step_like_the_whole_model(tiny_qwen25vl):
-    gaps = _run("cpu", 2, tiny_qwen25vl)
+@pytest.mark.parametrize("flags", [(), ("frozen-vision",)])
+def test_two_gloo_ranks_step_like_the_whole_model(tiny_qwen25vl, flags):
+    gaps = _run("cpu", 2, tiny_qwen25vl, *flags)
     assert gaps["world_size"] == 2 and gaps["compute_dtype"] == "torch.float32"
+    assert (gaps["trained_tensors"] < gaps["tensors"]) == bool(flags)  # the vision tensors frozen
     assert gaps["logprob_gap"] < 1e-4 and gaps["grad_gap"] < 1e-3
     assert gaps["moved"] > 0.5 * gaps["lr"] and gaps["weight_gap"] <= 2 * gaps["lr"] + 1e-6
 
