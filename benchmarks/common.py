@@ -85,8 +85,9 @@ def build_policy(shape: str, device: str, text_layers: int | None = None, vision
     """(HFPolicy, screenshot size) for a shape. Real shapes get random weights built on the device
     and 1080p screenshots at UI-TARS's pixel limits; `tiny` loads the local checkpoint.
     `text_layers` / `vision_layers` shrink a real shape's depth (a CPU check of the real widths)."""
-    from arpo_lib.agent.hf_policy import HFPolicy
+    from arpo_lib.agent.hf_policy import HFPolicy, resolve_device
 
+    device = str(resolve_device(device))  # "auto" -> cuda or cpu (torch.device("auto") is no device)
     if shape in ("tiny", "tiny25"):
         variant = "qwen2vl" if shape == "tiny" else "qwen25vl"
         if text_layers or vision_layers:

@@ -66,13 +66,13 @@ PARTS: dict[str, list[tuple[str, float, list[str]]]] = {
 }
 
 # What a rehearsal puts after each benchmark's arguments (later flags win in argparse): one
-# screenshot, one repeat, on the CPU; the shapes swapped for the tiny models of the same
+# screenshot, one repeat, on the device the real command would pick (`auto`: the CPU here, as
+# the GPU run's own default, so a rehearsal runs the GPU run's device handling); the shapes swapped for the tiny models of the same
 # architectures (seconds), or with `real_shapes` kept at their real widths with one layer each
 # (minutes: a 7B-wide step takes ~1.5 min on 2 cores).
 REHEARSAL = {
-    "benchmarks/bench_update.py": ["--device", "cpu", "--screenshots", "1", "--repeats", "1",
-                                   "--compile-backend", "aot_eager"],
-    "benchmarks/bench_rollout.py": ["--device", "cpu", "--envs", "2", "--steps", "2", "--max-new-tokens", "4"],
+    "benchmarks/bench_update.py": ["--screenshots", "1", "--repeats", "1", "--compile-backend", "aot_eager"],
+    "benchmarks/bench_rollout.py": ["--envs", "2", "--steps", "2", "--max-new-tokens", "4"],
 }
 REAL_SHAPES_SHRUNK = ["--text-layers", "1", "--vision-layers", "1", "--resolution", "224x224"]
 TINY_OF = {"2b": "tiny", "7b": "tiny25"}
