@@ -14,7 +14,8 @@ copy the JSON into benchmarks/results/ and run `python benchmarks/report.py`.
 The estimates are minutes on an H100 from the issue's reference figures (7B fwd+bwd at 15 1080p
 screenshots: 38.7 s naive) plus model building; a part's first run corrects them. Device session
 (see the README's "GPU figures" section for the `run` calls):
-  part 1  update fwd+bwd naive vs ours, 7B and 2B, 15 screenshots (goal: 3x, 40% MFU)
+  part 1  update fwd+bwd naive vs ours, 7B and 2B, 15 screenshots (goal: 3x, 40% MFU); 2B with half
+          the layers checkpointed and with cuDNN attention
   part 2  complete updates: 2B AdamW (goal < 40 GB), 7B LoRA AdamW, 7B full Adafactor (goal: fits 80 GB)
   part 3  rollouts 2B 8 x 15 KV-cached vs re-prefill; 7B full Adafactor with the vision tower frozen; the GPU tests
   part 4  levers for the 7B update: torch.compile, SDPA backends, frozen vision, a profile (if goals are missed)
@@ -37,6 +38,8 @@ PARTS: dict[str, list[tuple[str, float, list[str]]]] = {
     "1": [
         ("update_7b", 5.0, ["benchmarks/bench_update.py", "--shape", "7b", "--screenshots", "15", "--repeats", "2"]),
         ("update_2b", 1.5, ["benchmarks/bench_update.py", "--shape", "2b", "--screenshots", "15", "--repeats", "2"]),
+        ("levers_2b", 1.5, ["benchmarks/bench_update.py", "--shape", "2b", "--screenshots", "15", "--repeats", "2",
+                            "--paths", "ours,ours+ckpt2,ours+cudnn", "--tag", "levers"]),
     ],
     "2": [
         ("update_2b_adamw", 1.5, ["benchmarks/bench_update.py", "--shape", "2b", "--screenshots", "15", "--paths", "ours",
