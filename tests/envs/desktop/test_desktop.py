@@ -110,8 +110,15 @@ def test_sandbox_isolation_fresh_home_and_cleanup():
         box.launch(["sleep", "600"])
         workdir, pid = box.workdir, box.process.pid
     assert not workdir.exists()
-    time.sleep(0.5)
-    leftover = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline(p).startswith("sleep600")]
+    # The kernel ends the sandbox's processes when its PID namespace dies, asynchronously: under a
+    # full test run's load a killed `sleep 600` was still there after a fixed 0.5 s (CI, once). A
+    # leaked one would stay for 600 s; a zombie has no command line and does not count.
+    deadline = time.monotonic() + 15
+    while True:
+        leftover = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline(p).startswith("sleep600")]
+        if not leftover or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert not leftover and not os.path.exists(f"/proc/{pid}/status")
 
 
