@@ -230,7 +230,8 @@ def profile_summary(fn: Callable[[], Any], device: torch.device, top: int = 12) 
     total = sum(ms for _, _, ms in events) or 1.0
     categories: dict[str, float] = {}
     for name, _, ms in events:
-        categories[kernel_category(name)] = categories.get(kernel_category(name), 0.0) + ms
+        category = kernel_category(name)
+        categories[category] = categories.get(category, 0.0) + ms
     events.sort(key=lambda e: -e[2])
     return {
         "clock": "GPU kernel" if cuda else "CPU op self",

@@ -13,7 +13,7 @@ copy the JSON into benchmarks/results/ and run `python benchmarks/report.py`.
 
 The estimates are minutes on an H100 from the issue's reference figures (7B fwd+bwd at 15 1080p
 screenshots: 38.7 s naive) plus model building; a part's first run corrects them. Device session
-(see the README's "GPU figures" section for the `run` calls):
+(the `run` recipe is in the README, "Speed and memory on one GPU"):
   part 1  update fwd+bwd naive vs ours, 7B and 2B, 15 screenshots (goal: 3x, 40% MFU); 2B with half
           the layers checkpointed and with cuDNN attention
   part 2  complete updates: 2B AdamW (goal < 40 GB), 7B LoRA AdamW, 7B full Adafactor (goal: fits 80 GB)
