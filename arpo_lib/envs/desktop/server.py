@@ -1,5 +1,6 @@
-"""The action server that runs INSIDE a desktop sandbox (see sandbox.py): it starts the X server
-and the window manager, then answers HTTP on a Unix socket the host shares with the sandbox.
+"""The action server of a desktop sandbox (see sandbox.py): it starts the X server and the window
+manager, then answers HTTP on a listening socket the host hands it as a file descriptor. No path
+of that socket exists where the sandbox's programs could see it: only the host can call it.
 
 Its endpoints follow OSWorld's VM server (desktop_env/server, from its documented behaviour; none
 of its code is used) where one exists, so OSWorld's set-up steps and getters map onto it:
@@ -13,23 +14,35 @@ of its code is used) where one exists, so OSWorld's set-up steps and getters map
     GET  /setup/launched        [{"command", "pid", "returncode" (None: running), "output"}] of this
                                 episode's launched applications (output: the tail of their stdout+stderr)
     POST /file                  {"file_path"} (JSON or form) -> the file's bytes (404 if absent)
-    POST /run_action            {"code"}: agent actions; only code `check_action_code` accepts runs
+    POST /run_action            {"code"}: agent actions; only code `check_action_code` accepts runs,
+                                in an isolated interpreter (-I, from /), with a CPU-time limit; keys
+                                and mouse buttons it leaves held are released after it
     GET  /active_window         {"id", "name", "x", "y", "width", "height"} of the focused window
-    POST /session/reset         end every application, re-create the home directory empty
+    POST /session/reset         end every application (until none is left), re-create the home empty
     POST /shutdown
 
-Only the Python standard library, Pillow and the command-line tools of the sandbox are used here:
-the server starts in well under a second and never imports torch.
+Every failure is a JSON error with a 4xx/5xx status (a body over MAX_BODY_BYTES: 413).
+
+Two modes (confinement.py): in `namespaces` the server runs inside the bubblewrap sandbox as its
+only user, with the sandbox's limits set on itself (its children inherit them); in `user` it runs
+on the host as root and starts the applications and the trusted commands as the dedicated agent
+uid (`--agent-uid`), while the X server, the window manager and the checked actions stay its own.
+
+Only the Python standard library, Pillow, python-xlib and the command-line tools of the sandbox are
+used here: the server starts in well under a second and never imports torch.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import io
 import json
 import os
+import resource
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -43,50 +56,101 @@ ACTION_TIMEOUT_S = 60.0
 """One agent action (a pyautogui snippet) may take this long; OSWorld's server allows 120 s."""
 EXECUTE_TIMEOUT_S = 120.0
 """Default limit of a trusted /execute command."""
+MAX_BODY_BYTES = 8 * 2**20
+"""Largest request body accepted (413 above)."""
 HOME_DIRS = ("Desktop", "Documents", "Downloads")
 """Created in every fresh home directory."""
-LAUNCH_LOGS = Path("/tmp/launched")
-"""stdout+stderr of each launched application (the sandbox's own /tmp), emptied at every reset."""
 LAUNCH_OUTPUT_CHARS = 2000
 """How much of an application's output /setup/launched returns (the end of it)."""
+WATCH_INTERVAL_S = 0.1
+"""How often the watcher compares the episode's processes and memory with the limits."""
+DESKTOP_THREADS = 64
+"""Headroom for the desktop's own threads (server, X server, window manager) in RLIMIT_NPROC."""
+RESET_DEADLINE_S = 20.0
+"""A reset that cannot end every process of the episode within this long fails (HTTP 500)."""
+OPENBOX_CONFIG = Path(__file__).with_name("openbox-rc.xml")
+
+
+class RequestError(Exception):
+    """A request the server refuses: answered as JSON {"error"} with `status`."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class UnixHTTPServer(ThreadingHTTPServer):
+    """HTTP on an already-listening Unix socket handed over by the host."""
+
     address_family = socket.AF_UNIX
     daemon_threads = True
 
-    def server_bind(self) -> None:  # HTTPServer's bind looks up a host name: not for a path
-        self.socket.bind(self.server_address)
+    def __init__(self, listen_fd: int, handler: type[BaseHTTPRequestHandler]) -> None:
+        super().__init__("", handler, bind_and_activate=False)
+        self.socket.close()
+        self.socket = socket.socket(fileno=listen_fd)
+        self.socket.set_inheritable(False)
         self.server_name, self.server_port = "sandbox", 0
 
 
 class Desktop:
-    """The X server, the window manager and every application started for the agent."""
+    """The X server, the window manager and every application started for the agent.
 
-    def __init__(self, display: str, screen: tuple[int, int], home: Path, wm: str | None) -> None:
-        self.display, self.screen, self.home = display, screen, home
-        self.env = {**os.environ, "DISPLAY": display, "HOME": str(home), "NO_AT_BRIDGE": "1",
-                    "XDG_RUNTIME_DIR": "/tmp/runtime", "PYTHONDONTWRITEBYTECODE": "1"}
-        Path("/tmp/runtime").mkdir(mode=0o700, exist_ok=True)
-        number = display.lstrip(":")
-        self.xvfb = subprocess.Popen(
-            ["Xvfb", display, "-screen", "0", f"{screen[0]}x{screen[1]}x24", "-nolisten", "tcp", "-noreset"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 30
-        while not Path(f"/tmp/.X11-unix/X{number}").exists():
-            if self.xvfb.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"Xvfb {display} did not start (exit {self.xvfb.poll()})")
-            time.sleep(0.05)
-        self.wm = subprocess.Popen([wm], env=self.env, stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.DEVNULL) if wm else None
-        if self.wm is not None:
+    `agent` is None in namespaces mode (everything runs as the sandbox's one user) or (uid, gid) in
+    user mode (applications and trusted commands run as that uid)."""
+
+    def __init__(self, screen: tuple[int, int], home: Path, wm: str | None, *, runtime_dir: Path, log_dir: Path,
+                 agent: tuple[int, int] | None = None, display: str | None = None) -> None:
+        self.screen, self.home, self.agent, self.runtime_dir = screen, home, agent, runtime_dir
+        self.logs = log_dir
+        """Output of launched applications; in user mode a directory only the server may write (the
+        agent could otherwise turn it into a link and have root write where it points)."""
+        self.xvfb, self.display = self._start_x(display)
+        self.env = {"HOME": str(home), "USER": "user", "LOGNAME": "user", "SHELL": "/bin/bash",
+                    "PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
+                    "DISPLAY": self.display, "NO_AT_BRIDGE": "1", "XDG_RUNTIME_DIR": str(runtime_dir),
+                    "PYTHONDONTWRITEBYTECODE": "1"}
+        self.wm = None
+        if wm:
+            command = [wm, "--config-file", str(OPENBOX_CONFIG)] if Path(wm).name == "openbox" else [wm]
+            self.wm = subprocess.Popen(command, env={**self.env, "HOME": "/nonexistent"}, cwd="/",
+                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             self._wait_for_window_manager(deadline=time.monotonic() + 30)
         self.keep = {os.getpid(), self.xvfb.pid} | ({self.wm.pid} if self.wm else set())
         self.launched: list[subprocess.Popen] = []
         """Applications started by /setup/launch, reaped once they end."""
         self.launch_records: list[tuple[Any, subprocess.Popen, Path]] = []
         """(command, process, output log) of every application launched since the last reset."""
+        self._input_lock = threading.Lock()
+        self.reset_lock = threading.Lock()
+        """Held while the episode's processes are being ended (a reset, or the watcher)."""
+        self.incidents: list[str] = []
+        """What the watcher did since the last reset ("pids limit: ...")."""
         self.fresh_home()
+
+    # -- start-up ----------------------------------------------------------------------------
+    def _start_x(self, display: str | None) -> tuple[subprocess.Popen, str]:
+        """Xvfb on `display`, or on the first free display it finds (-displayfd) when None."""
+        read_fd, write_fd = os.pipe()
+        command = ["Xvfb", "-screen", "0", f"{self.screen[0]}x{self.screen[1]}x24", "-nolisten", "tcp", "-noreset"]
+        command = [*command[:1], display, *command[1:]] if display else [*command, "-displayfd", str(write_fd)]
+        xvfb = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+                                pass_fds=() if display else (write_fd,), cwd="/")
+        os.close(write_fd)
+        deadline = time.monotonic() + 30
+        if display is None:
+            with os.fdopen(read_fd) as announced:
+                number = announced.readline().strip()
+            if not number:
+                raise RuntimeError(f"Xvfb did not start (exit {xvfb.poll()})")
+            display = f":{number}"
+        else:
+            os.close(read_fd)
+        while not Path(f"/tmp/.X11-unix/X{display.lstrip(':')}").exists():
+            if xvfb.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"Xvfb {display} did not start (exit {xvfb.poll()})")
+            time.sleep(0.05)
+        return xvfb, display
 
     def _wait_for_window_manager(self, deadline: float) -> None:
         """Until the window manager announces itself (_NET_SUPPORTING_WM_CHECK on the root window):
@@ -104,37 +168,101 @@ class Desktop:
         finally:
             connection.close()
 
+    # -- the episode -------------------------------------------------------------------------
     def fresh_home(self) -> None:
-        for child in self.home.iterdir():
-            if child.is_dir() and not child.is_symlink():
-                shutil.rmtree(child, ignore_errors=True)
-            else:
-                child.unlink(missing_ok=True)
-        for name in HOME_DIRS:
-            (self.home / name).mkdir(exist_ok=True)
+        """Empty the home directory and give it the usual folders (as the agent's user)."""
+        if self.agent is None:
+            for child in self.home.iterdir():
+                if child.is_dir() and not child.is_symlink():
+                    shutil.rmtree(child, ignore_errors=True)
+                else:
+                    child.unlink(missing_ok=True)
+            for name in HOME_DIRS:
+                (self.home / name).mkdir(exist_ok=True)
+        else:  # as the agent's uid: root must not follow links the agent left in its home
+            names = " ".join(HOME_DIRS)
+            self.run(f"find . -mindepth 1 -delete 2>/dev/null; rm -rf ./* ./.[!.]* 2>/dev/null; mkdir -p {names}",
+                     shell=True, timeout=60)
         self.launch_records = []
-        shutil.rmtree(LAUNCH_LOGS, ignore_errors=True)
+        self.incidents = []
+        shutil.rmtree(self.logs, ignore_errors=True)
+
+    def watch(self, pids: int, total_memory_mib: int, stop: threading.Event) -> None:
+        """Until `stop`: every WATCH_INTERVAL_S, count the episode's threads and resident memory;
+        above a limit, end every program of the episode (a fork bomb or a memory hog ends its own
+        episode's applications, never the machine) and record why."""
+        page_mib = os.sysconf("SC_PAGE_SIZE") / 2**20
+        while not stop.wait(WATCH_INTERVAL_S):
+            tasks = rss_pages = 0
+            for pid in self._others():
+                try:
+                    with open(f"/proc/{pid}/stat") as f:
+                        fields_after_name = f.read().rsplit(")", 1)[1].split()
+                    tasks += int(fields_after_name[17])
+                    rss_pages += int(fields_after_name[21])
+                except (OSError, IndexError, ValueError):
+                    continue
+            rss_mib = rss_pages * page_mib
+            if tasks > pids or rss_mib > total_memory_mib:
+                why = (f"pids limit: {tasks} threads > {pids}" if tasks > pids
+                       else f"memory limit: {rss_mib:.0f} MiB > {total_memory_mib} MiB")
+                try:
+                    with self.reset_lock:
+                        ended = self.end_applications()
+                except RuntimeError as e:
+                    why += f" ({e})"
+                    ended = 0
+                self.incidents.append(f"{why}: ended the episode's {ended} processes")
 
     def end_applications(self) -> int:
-        """SIGKILL every process of the sandbox but the server, the X server, the window manager
-        and the sandbox's init (pid 1); returns how many were ended."""
-        ended = 0
-        for pid in self._others():
-            try:
-                os.kill(pid, signal.SIGKILL)
-                ended += 1
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and any(_alive(p) for p in self._others()):
-            time.sleep(0.05)
+        """End every process of the episode (all but the server, the X server, the window manager
+        and the sandbox's init), looping until none is left; returns how many were ended.
+
+        namespaces: one kill(-1, SIGSTOP) freezes every process of the PID namespace at once (none
+        can fork after it), the desktop's own are continued, the frozen ones killed; repeated until
+        the namespace holds only the desktop. user: kill(-1, SIGKILL) run as the agent's uid ends
+        every process of that uid at once."""
+        ended: set[int] = set()
+        deadline = time.monotonic() + RESET_DEADLINE_S
+        while True:
+            others = self._others()
+            if not others:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{len(others)} processes of the episode survived {RESET_DEADLINE_S:.0f} s of killing")
+            if self.agent is None:
+                _require_own_pid_namespace()
+                os.kill(-1, signal.SIGSTOP)
+                for pid in self.keep - {os.getpid()}:
+                    _signal(pid, signal.SIGCONT)
+                for pid in self._others():
+                    if _signal(pid, signal.SIGKILL):
+                        ended.add(pid)
+            else:
+                self.run(["/bin/sh", "-c", "kill -KILL -1"], False, 10)
+                ended.update(others)
+            wait_until = time.monotonic() + 5
+            while time.monotonic() < wait_until and any(_alive(p) for p in self._others()):
+                time.sleep(0.02)
         self.launched = [p for p in self.launched if p.poll() is None]  # reap the ended
-        return ended
+        return len(ended)
 
     def _others(self) -> list[int]:
-        return [pid for pid in (int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit())
-                if pid not in self.keep and pid != 1]
+        """Live processes of the episode: in namespaces mode every process of the PID namespace
+        but the desktop's own and init; in user mode every process of the agent's uid."""
+        pids = []
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            pid = int(entry.name)
+            if pid in self.keep or pid == 1 or not _alive(pid):
+                continue
+            if self.agent is not None and _real_uid(pid) != self.agent[0]:
+                continue
+            pids.append(pid)
+        return pids
 
+    # -- what the endpoints do ---------------------------------------------------------------
     def screenshot_png(self) -> bytes:
         from PIL import ImageGrab
 
@@ -143,27 +271,63 @@ class Desktop:
         image.convert("RGB").save(buffer, format="PNG", compress_level=1)
         return buffer.getvalue()
 
+    def _as_agent(self) -> dict[str, Any]:
+        """subprocess arguments that run a command as the agent's user, in its home."""
+        kwargs: dict[str, Any] = {"env": self.env, "cwd": self.home}
+        if self.agent is not None:
+            kwargs.update(user=self.agent[0], group=self.agent[1], extra_groups=[])
+        return kwargs
+
     def run(self, command: list[str] | str, shell: bool, timeout: float) -> dict[str, Any]:
+        """A trusted command (set-up, checker), as the agent's user."""
+        return _run(command, shell=shell, timeout=timeout, **self._as_agent())
+
+    def run_action(self, code: str, cpu_s: int) -> dict[str, Any]:
+        """Checked agent code in an isolated interpreter started from / (nothing the agent wrote can
+        shadow a module), with a CPU-time limit; keys and buttons left held are released after."""
+        prefix = (f"import resource; resource.setrlimit(resource.RLIMIT_CPU, ({cpu_s}, {cpu_s}))\n"
+                  "import pyautogui; pyautogui.FAILSAFE = False; pyautogui.PAUSE = 0.05\n")
+        env = {k: v for k, v in self.env.items() if k != "HOME"} | {"HOME": "/nonexistent"}
         try:
-            done = subprocess.run(command, shell=shell, env=self.env, cwd=self.home, capture_output=True,
-                                  text=True, timeout=timeout, stdin=subprocess.DEVNULL)
-        except subprocess.TimeoutExpired as e:
-            return {"status": "error", "output": _text(e.stdout), "error": f"timed out after {timeout:.0f} s",
-                    "returncode": -1}
-        except OSError as e:
-            return {"status": "error", "output": "", "error": str(e), "returncode": -1}
-        return {"status": "success" if done.returncode == 0 else "error", "output": done.stdout,
-                "error": done.stderr, "returncode": done.returncode}
+            return _run([sys.executable, "-I", "-c", prefix + code], shell=False, timeout=ACTION_TIMEOUT_S,
+                        env=env, cwd="/")
+        finally:
+            self.release_input()
+
+    def release_input(self) -> list[str]:
+        """Release every key and mouse button still held (an action may press keyDown('shift') and
+        never release it, or be killed mid-drag): nothing held carries into the next action."""
+        from Xlib import X, display
+        from Xlib.ext import xtest
+
+        released = []
+        with self._input_lock:
+            connection = display.Display(self.display)
+            try:
+                for index, byte in enumerate(connection.query_keymap()):
+                    for bit in range(8):
+                        if byte & (1 << bit):
+                            xtest.fake_input(connection, X.KeyRelease, index * 8 + bit)
+                            released.append(f"key {index * 8 + bit}")
+                mask = connection.screen().root.query_pointer().mask
+                for button, flag in ((1, X.Button1Mask), (2, X.Button2Mask), (3, X.Button3Mask)):
+                    if mask & flag:
+                        xtest.fake_input(connection, X.ButtonRelease, button)
+                        released.append(f"button {button}")
+                connection.sync()
+            finally:
+                connection.close()
+        return released
 
     def launch(self, command: list[str] | str, shell: bool) -> None:
         """Start an application and return; its output goes to a log that `launched` reads, so a
         window that never appears can be explained (a crash, a missing library, a bad argument)."""
         self.launched = [p for p in self.launched if p.poll() is None]
-        LAUNCH_LOGS.mkdir(parents=True, exist_ok=True)
-        log_path = LAUNCH_LOGS / f"{len(self.launch_records)}.log"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        log_path = self.logs / f"{len(self.launch_records)}.log"
         with open(log_path, "wb") as log:  # OSError (e.g. no such program) goes to the caller: HTTP 500
-            process = subprocess.Popen(command, shell=shell, env=self.env, cwd=self.home, stdin=subprocess.DEVNULL,
-                                       stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            process = subprocess.Popen(command, shell=shell, stdin=subprocess.DEVNULL, stdout=log,
+                                       stderr=subprocess.STDOUT, start_new_session=True, **self._as_agent())
         self.launched.append(process)
         self.launch_records.append((command, process, log_path))
 
@@ -181,6 +345,21 @@ class Desktop:
             out.append({"command": command, "pid": process.pid, "returncode": process.poll(), "output": output})
         return out
 
+    def read_file(self, name: str) -> bytes | None:
+        """A file of the desktop (`~/` means the home), read as the agent's user; None if absent."""
+        path = str(self.home / name[2:]) if name.startswith("~/") else name
+        if self.agent is None:
+            try:
+                with open(path, "rb") as f:
+                    if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                        return None
+                    return f.read(MAX_FILE_BYTES + 1)[:MAX_FILE_BYTES]
+            except OSError:
+                return None
+        done = subprocess.run(["/bin/sh", "-c", 'test -f "$1" && exec head -c "$2" -- "$1"', "sh", path,
+                               str(MAX_FILE_BYTES)], capture_output=True, timeout=60, **self._as_agent())
+        return done.stdout if done.returncode == 0 else None
+
     def active_window(self) -> dict[str, Any]:
         found = self.run(["xdotool", "getactivewindow", "getwindowname", "getwindowgeometry", "--shell"],
                          False, 10)
@@ -191,6 +370,61 @@ class Desktop:
         return {"id": int(fields.get("WINDOW", 0)), "name": lines[0] if lines else "",
                 "x": int(fields.get("X", 0)), "y": int(fields.get("Y", 0)),
                 "width": int(fields.get("WIDTH", 0)), "height": int(fields.get("HEIGHT", 0))}
+
+    def stop(self) -> None:
+        self.end_applications()
+        for proc in (self.wm, self.xvfb):
+            if proc is not None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+
+
+MAX_FILE_BYTES = 256 * 2**20
+"""/file returns at most this much of a file."""
+
+
+def _run(command: list[str] | str, *, shell: bool, timeout: float, **kwargs: Any) -> dict[str, Any]:
+    try:
+        done = subprocess.run(command, shell=shell, capture_output=True, text=True, errors="replace",
+                              timeout=timeout, stdin=subprocess.DEVNULL, **kwargs)
+    except subprocess.TimeoutExpired as e:
+        return {"status": "error", "output": _text(e.stdout), "error": f"timed out after {timeout:.0f} s",
+                "returncode": -1}
+    except (OSError, ValueError) as e:
+        return {"status": "error", "output": "", "error": str(e), "returncode": -1}
+    return {"status": "success" if done.returncode == 0 else "error", "output": done.stdout,
+            "error": done.stderr, "returncode": done.returncode}
+
+
+def _signal(pid: int, signum: int) -> bool:
+    try:
+        os.kill(pid, signum)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def _real_uid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("Uid:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+HOST_PID_NAMESPACE: str | None = None
+"""The host's PID namespace (passed by the host): kill(-1) is refused there."""
+
+
+def _require_own_pid_namespace() -> None:
+    """kill(-1) must only ever run inside the sandbox's own PID namespace: on a host, as root, it
+    would signal every process of the machine."""
+    own = os.readlink("/proc/self/ns/pid")
+    if HOST_PID_NAMESPACE is None or own == HOST_PID_NAMESPACE or os.getpid() == 1:
+        raise RuntimeError(f"refusing kill(-1): not in the sandbox's own PID namespace ({own})")
 
 
 def _alive(pid: int) -> bool:
@@ -218,7 +452,7 @@ def _text(value: bytes | str | None) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else value
 
 
-def make_handler(desktop: Desktop, stop: threading.Event) -> type[BaseHTTPRequestHandler]:
+def make_handler(desktop: Desktop, stop: threading.Event, action_cpu_s: int) -> type[BaseHTTPRequestHandler]:
     from arpo_lib.actions import UnsafeCodeError, check_action_code
 
     class Handler(BaseHTTPRequestHandler):
@@ -242,13 +476,45 @@ def make_handler(desktop: Desktop, stop: threading.Event) -> type[BaseHTTPReques
 
         def _body(self) -> dict[str, Any]:
             """JSON, or a form (OSWorld's controller posts /file as form field `file_path`)."""
-            length = int(self.headers.get("Content-Length") or 0)
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                raise RequestError(400, "Content-Length is not a number") from None
+            if length < 0 or length > MAX_BODY_BYTES:
+                self.close_connection = True  # the unread body must not be parsed as a request
+                raise RequestError(413, f"request body of {length} bytes (at most {MAX_BODY_BYTES})")
             raw = self.rfile.read(length) if length else b""
-            if self.headers.get("Content-Type", "").startswith("application/x-www-form-urlencoded"):
-                return {k: v[-1] for k, v in urllib.parse.parse_qs(raw.decode()).items()}
-            return json.loads(raw or b"{}")
+            try:
+                if self.headers.get("Content-Type", "").startswith("application/x-www-form-urlencoded"):
+                    return {k: v[-1] for k, v in urllib.parse.parse_qs(raw.decode()).items()}
+                body = json.loads(raw or b"{}")
+            except (ValueError, RecursionError) as e:
+                raise RequestError(400, f"request body is not JSON: {type(e).__name__}") from None
+            if not isinstance(body, dict):
+                raise RequestError(400, "request body must be a JSON object")
+            return body
+
+        def _guarded(self, answer: Any) -> None:
+            """Run one endpoint; every failure becomes a JSON error, never a dropped connection."""
+            try:
+                answer()
+            except RequestError as e:
+                self._json({"error": str(e)}, e.status)
+            except (BrokenPipeError, ConnectionResetError):
+                self.close_connection = True
+            except Exception as e:  # noqa: BLE001 (the server must answer whatever happened)
+                try:
+                    self._json({"error": f"{type(e).__name__}: {_safe(str(e))}"}, 500)
+                except OSError:
+                    self.close_connection = True
 
         def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+            self._guarded(self._get)
+
+        def do_POST(self) -> None:  # noqa: N802
+            self._guarded(self._post)
+
+        def _get(self) -> None:
             if self.path == "/screenshot":
                 self._send(200, desktop.screenshot_png(), "image/png")
             elif self.path == "/screen_size":
@@ -260,77 +526,146 @@ def make_handler(desktop: Desktop, stop: threading.Event) -> type[BaseHTTPReques
             elif self.path == "/setup/launched":
                 self._json(desktop.launched_applications())
             elif self.path == "/health":
-                self._json({"ok": True, "display": desktop.display, "pid": os.getpid()})
+                self._json({"ok": True, "display": desktop.display, "pid": os.getpid(),
+                            "incidents": list(desktop.incidents)})
             else:
-                self._json({"error": f"no endpoint {self.path}"}, 404)
+                raise RequestError(404, f"no endpoint {_safe(self.path)}")
 
-        def do_POST(self) -> None:  # noqa: N802
-            try:
-                body = self._body()
-            except (ValueError, json.JSONDecodeError) as e:
-                self._json({"error": f"request body is not JSON: {e}"}, 400)
-                return
+        def _post(self) -> None:
+            body = self._body()
             if self.path in ("/execute", "/setup/execute"):
-                self._json(desktop.run(body["command"], bool(body.get("shell", False)),
-                                       float(body.get("timeout", EXECUTE_TIMEOUT_S))))
+                command = _command(body)
+                timeout = _number(body, "timeout", EXECUTE_TIMEOUT_S, 1, 3600)
+                self._json(desktop.run(command, bool(body.get("shell", False)), timeout))
             elif self.path == "/setup/launch":
+                command = _command(body)
                 try:
-                    desktop.launch(body["command"], bool(body.get("shell", False)))
+                    desktop.launch(command, bool(body.get("shell", False)))
                 except OSError as e:
-                    self._json({"status": "error", "error": f"cannot launch {body['command']!r}: {e}"}, 500)
-                    return
+                    raise RequestError(500, f"cannot launch {command!r}: {e}") from None
                 self._json({"status": "success"})
             elif self.path == "/file":
-                name = str(body["file_path"])
-                path = desktop.home / name[2:] if name.startswith("~/") else Path(name)
-                if path.is_file():
-                    self._send(200, path.read_bytes(), "application/octet-stream")
-                else:
-                    self._json({"error": f"{path} does not exist"}, 404)
+                name = body.get("file_path")
+                if not isinstance(name, str) or not name or "\0" in name:
+                    raise RequestError(400, "file_path must be a non-empty string")
+                data = desktop.read_file(name)
+                if data is None:
+                    raise RequestError(404, f"{_safe(name)} does not exist")
+                self._send(200, data, "application/octet-stream")
             elif self.path == "/run_action":
-                code = str(body.get("code", ""))
+                code = body.get("code", "")
                 try:
                     check_action_code(code, desktop.screen)
                 except UnsafeCodeError as e:
-                    self._json({"status": "refused", "error": str(e), "returncode": -1}, 403)
+                    self._json({"status": "refused", "error": _safe(str(e)), "returncode": -1}, 403)
                     return
-                prefix = "import pyautogui; pyautogui.FAILSAFE = False; pyautogui.PAUSE = 0.05\n"
-                self._json(desktop.run([sys.executable, "-c", prefix + code], False, ACTION_TIMEOUT_S))
+                done = desktop.run_action(code, action_cpu_s)
+                if desktop.incidents:
+                    done["incidents"] = list(desktop.incidents)
+                self._json(done)
             elif self.path == "/session/reset":
-                ended = desktop.end_applications()
-                desktop.fresh_home()
+                with desktop.reset_lock:
+                    ended = desktop.end_applications()
+                    desktop.fresh_home()
                 self._json({"status": "success", "ended": ended})
             elif self.path == "/shutdown":
                 self._json({"status": "success"})
                 stop.set()
             else:
-                self._json({"error": f"no endpoint {self.path}"}, 404)
+                raise RequestError(404, f"no endpoint {_safe(self.path)}")
 
     return Handler
 
 
+def _command(body: dict[str, Any]) -> list[str] | str:
+    command = body.get("command")
+    if isinstance(command, str) and command and "\0" not in command:
+        return command
+    if isinstance(command, list) and command and all(isinstance(c, str) and "\0" not in c for c in command):
+        return command
+    raise RequestError(400, "command must be a non-empty string or list of strings")
+
+
+def _number(body: dict[str, Any], key: str, default: float, low: float, high: float) -> float:
+    value = body.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise RequestError(400, f"{key} must be a number in [{low}, {high}]")
+    return float(value)
+
+
+def _safe(text: str) -> str:
+    """Text that survives JSON encoding and logs (lone surrogates replaced), at most 500 chars."""
+    return text.encode("utf-8", "replace").decode("utf-8")[:500]
+
+
+def _no_dump() -> None:
+    """Make this process undumpable: other processes of the same uid can no longer read its memory,
+    open its /proc files or take its descriptors (the listening socket among them)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    PR_SET_DUMPABLE = 4
+    if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this process when the host process that started it ends (user mode; in namespaces
+    mode bubblewrap's --die-with-parent does it). The sandbox's watcher ends the rest."""
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    PR_SET_PDEATHSIG = 1
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # the parent ended before the request took effect
+        os._exit(1)
+
+
+def set_limits(limits: dict[str, int]) -> None:
+    """The sandbox's resource limits, on this process (every process it starts inherits them).
+    In user mode this process is root, which the kernel exempts from RLIMIT_NPROC; the agent's uid,
+    which its children switch to, is not."""
+    mib = 2**20
+    for which, value in ((resource.RLIMIT_NPROC, limits["pids"] + DESKTOP_THREADS), (resource.RLIMIT_DATA, limits["memory_mib"] * mib),
+                         (resource.RLIMIT_FSIZE, limits["file_mib"] * mib), (resource.RLIMIT_CORE, 0)):
+        resource.setrlimit(which, (value, value))
+
+
 def main(argv: list[str] | None = None) -> int:
+    global HOST_PID_NAMESPACE
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--socket", required=True, help="Unix socket path to serve on")
+    parser.add_argument("--listen-fd", type=int, required=True, help="listening Unix socket handed over by the host")
     parser.add_argument("--screen", default="1920x1080")
-    parser.add_argument("--display", default=":0")
+    parser.add_argument("--display", default=None, help="X display (default: the first free one)")
     parser.add_argument("--home", default=os.environ.get("HOME", "/home/user"))
+    parser.add_argument("--runtime-dir", default="/tmp/runtime")
+    parser.add_argument("--log-dir", default="/tmp/launched", help="where launched applications' output goes")
+    parser.add_argument("--die-with-parent", action="store_true", help="user mode: end when the host process ends")
     parser.add_argument("--wm", default="openbox", help="window manager command ('' for none)")
+    parser.add_argument("--limits", default="{}", help="JSON: confinement.Limits fields")
+    parser.add_argument("--agent-uid", type=int, default=None, help="user mode: the agent's uid (and gid)")
+    parser.add_argument("--host-pid-namespace", default=None)
     args = parser.parse_args(argv)
+    HOST_PID_NAMESPACE = args.host_pid_namespace
+    if args.die_with_parent:
+        _die_with_parent()
+    _no_dump()
+    limits = json.loads(args.limits)
+    set_limits(limits)
     width, height = (int(v) for v in args.screen.lower().split("x"))
-    desktop = Desktop(args.display, (width, height), Path(args.home), args.wm or None)
-    Path(args.socket).unlink(missing_ok=True)
+    agent = (args.agent_uid, args.agent_uid) if args.agent_uid is not None else None
+    runtime = Path(args.runtime_dir)
+    runtime.mkdir(mode=0o700, exist_ok=True)
+    if agent is not None:
+        os.chown(runtime, *agent)
+    desktop = Desktop((width, height), Path(args.home), args.wm or None, runtime_dir=runtime,
+                      log_dir=Path(args.log_dir), agent=agent, display=args.display)
     stop = threading.Event()
-    server = UnixHTTPServer(args.socket, make_handler(desktop, stop))
+    server = UnixHTTPServer(args.listen_fd, make_handler(desktop, stop, limits["action_cpu_s"]))
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(target=desktop.watch, args=(limits["pids"], limits["total_memory_mib"], stop), daemon=True).start()
     print("ready", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     stop.wait()
     server.shutdown()
-    desktop.end_applications()
-    for proc in (desktop.wm, desktop.xvfb):
-        if proc is not None:
-            proc.terminate()
+    desktop.stop()
     return 0
 
 

@@ -85,14 +85,14 @@ def test_sandbox_isolation_fresh_home_and_cleanup():
         assert box.execute(["touch", "/etc/arpo-test"])["returncode"] != 0  # the host is read-only
         assert not os.path.exists("/etc/arpo-test")
         box.execute("echo kept > ~/file.txt", shell=True)
-        assert (box.home / "file.txt").read_text() == "kept\n"
+        assert box.read_file("~/file.txt") == b"kept\n"
         box.launch(["sleep", "600"])
         time.sleep(0.3)
         assert box.reset_session() >= 1
-        assert sorted(p.name for p in box.home.iterdir()) == ["Desktop", "Documents", "Downloads"]
+        assert box.execute("ls -A ~", shell=True)["output"].split() == ["Desktop", "Documents", "Downloads"]
         assert "sleep" not in box.execute(["ps", "-eo", "comm"])["output"].split()
         refused = box.run_action("import os\nos.system('touch /home/user/pwned')")
-        assert refused["status"] == "refused" and not (box.home / "pwned").exists()
+        assert refused["status"] == "refused" and box.read_file("~/pwned") is None
         # what launched applications did is kept for the episode (and gone after a reset)
         box.launch("echo starting; echo 'cannot open display' >&2; exit 3", shell=True)
         box.launch(["sleep", "600"])
@@ -192,7 +192,7 @@ def test_a_hung_action_server_is_an_env_error_not_a_hang():
 
     with Sandbox(SCREEN) as box:
         server = next(p for p in psutil.Process(box.process.pid).children(recursive=True)
-                      if p.name().startswith("python") and "arpo_lib.envs.desktop.server" in p.cmdline())
+                      if p.name().startswith("python") and any("arpo_lib.envs.desktop.server" in a for a in p.cmdline()))
         os.kill(server.pid, signals.SIGSTOP)
         start = time.monotonic()
         with pytest.raises(EnvError, match="POST /run_action failed"):
@@ -235,22 +235,22 @@ def test_file_endpoint_takes_json_and_osworlds_form():
         assert box.read_file("~/missing.txt") is None
 
 
-def test_code_under_a_masked_directory_is_bound_into_the_sandbox(monkeypatch, tmp_path):
-    """A clone in /tmp or a venv in /home would be hidden by the sandbox's own /tmp and /home
-    (CI clones into /tmp): those paths are bound read-only at the same place."""
+def test_the_sandbox_sees_its_python_and_the_package_but_not_the_repository(monkeypatch, tmp_path):
+    """The interpreter, the virtual environment and arpo_lib are bound read-only at the same paths
+    (outermost directories only; nothing under /usr, which is bound already); the rest of the
+    repository (runs, models, notebooks) is not."""
     import sys as system
 
-    from arpo_lib.envs.desktop import sandbox
+    from arpo_lib.envs.desktop import confinement
 
     venv = tmp_path / "clone" / ".venv"
-    venv.mkdir(parents=True)
+    (venv / "lib" / "site-packages").mkdir(parents=True)
     monkeypatch.setattr(system, "prefix", str(venv))
-    monkeypatch.setattr(sandbox, "_repo_root", lambda: str(tmp_path / "clone"))
-    paths = sandbox.code_paths()
-    assert str(tmp_path / "clone") in paths and str(venv) not in paths  # the outermost only
-    monkeypatch.setattr(sandbox, "_repo_root", lambda: "/usr/share")
-    monkeypatch.setattr(system, "prefix", "/usr")
-    assert str(tmp_path / "clone") not in sandbox.code_paths()
+    monkeypatch.setattr(system, "path", [str(venv / "lib" / "site-packages"), str(tmp_path / "clone")])
+    paths = confinement.python_paths()
+    assert str(venv) in paths and str(venv / "lib" / "site-packages") not in paths  # the outermost only
+    assert str(tmp_path / "clone") not in paths and not any(p.startswith("/usr/") or p == "/usr" for p in paths)
+    assert confinement.arpo_package_dir().endswith("/arpo_lib")
 
 
 def test_a_process_counts_as_ended_only_when_every_thread_has():

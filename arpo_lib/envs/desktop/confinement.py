@@ -1,0 +1,351 @@
+"""What confines a desktop sandbox, computed on the host: the file system the sandbox sees, its
+environment variables, the seccomp filter, the resource limits, and which isolation mode can run
+on this machine. sandbox.py turns these into one process; server.py applies the limits inside.
+
+The promise (docs/desktop.md, "Threat model"): a hostile agent, whatever it types, saves or clicks,
+reads nothing of the host beyond the system trees listed here (and of /etc only what every user of
+the host may read, minus known secrets), writes nothing to the host, reaches no network and no host
+socket, cannot reach the control API, runs no code through the action channel but whitelisted
+pyautogui calls, and is bounded in processes, memory, file size and disk.
+
+Two isolation modes:
+- `namespaces` (bubblewrap; the default wherever user namespaces work, as root or as an ordinary
+  user): new user, PID, network, IPC, UTS and mount namespaces, a read-only view of the listed host
+  trees, size-capped tmpfs for every writable directory, a seccomp filter, no nested namespaces.
+- `user` (the fallback where user namespaces are refused, e.g. a container runtime that forbids
+  them; needs root): the agent's programs run as a dedicated unprivileged uid with its own home
+  and a clean environment. It loses the mount, PID and network namespaces: see `USER_MODE_LOSSES`.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, BinaryIO
+
+HOME_IN_SANDBOX = "/home/user"
+USER_ID = 1000
+"""The sandbox's own user `user` (namespaces mode: uid 1000 inside, mapped to the caller outside)."""
+SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
+ISOLATION_MODES = ("auto", "namespaces", "user")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Resource limits of one sandbox. Every field is a config key under `env.options.limits`."""
+
+    pids: int = 1024
+    """Processes and threads the episode's programs may have at once (Chromium alone runs ~150
+    threads). Watched by the action server every 0.1 s (above it, every program of the episode is
+    ended) and, where the kernel applies it (a caller other than root), RLIMIT_NPROC."""
+    memory_mib: int = 4096
+    """Data memory of any one process (RLIMIT_DATA: heap and private mappings)."""
+    total_memory_mib: int = 8192
+    """Resident memory of the episode's programs together (watched like `pids`)."""
+    file_mib: int = 1024
+    """Largest file any process may write (RLIMIT_FSIZE)."""
+    action_cpu_s: int = 20
+    """CPU seconds one agent action may use (RLIMIT_CPU of the action's process)."""
+    home_mib: int = 1024
+    """Size of the home directory (a tmpfs: nothing the agent writes lands on the host's disk)."""
+    scratch_mib: int = 256
+    """Size of each scratch directory: /tmp, /run, /var/tmp and /dev/shm (tmpfs each)."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"limits.{f.name} must be a positive integer, got {value!r}")
+        if self.pids < 64:
+            raise ValueError(f"limits.pids must be >= 64 (the desktop itself needs ~20), got {self.pids}")
+
+    @classmethod
+    def from_options(cls, value: "Limits | dict[str, Any] | None") -> "Limits":
+        """From a config mapping; an unknown key is an error naming it."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown desktop limit(s) {unknown}: known are {sorted(known)}")
+        return cls(**value)
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+# ---- what this machine offers --------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def bwrap_features() -> frozenset[str]:
+    """The bubblewrap options this machine's bwrap knows, of those the sandbox uses when present:
+    `--size` (sized tmpfs, bubblewrap >= 0.7) and `--disable-userns` (>= 0.8)."""
+    if not shutil.which("bwrap"):
+        return frozenset()
+    text = subprocess.run(["bwrap", "--help"], capture_output=True, text=True).stdout
+    return frozenset(option for option in ("--size", "--disable-userns") if option in text)
+
+
+@functools.lru_cache(maxsize=None)
+def user_namespaces_refused() -> str | None:
+    """Why bubblewrap cannot create a user namespace here, or None when it can."""
+    if not shutil.which("bwrap"):
+        return "bubblewrap is not installed"
+    probe = subprocess.run(["bwrap", "--unshare-all", "--unshare-user", "--die-with-parent", "--ro-bind", "/", "/",
+                            "true"], capture_output=True, text=True)
+    return None if probe.returncode == 0 else (probe.stderr.strip()[:300] or f"exit {probe.returncode}")
+
+
+def choose_isolation(requested: str = "auto") -> str:
+    """The isolation mode to run: `requested`, or for "auto" namespaces where user namespaces work,
+    else the dedicated-user fallback when running as root. Raises RuntimeError naming the fix."""
+    if requested not in ISOLATION_MODES:
+        raise ValueError(f"isolation must be one of {ISOLATION_MODES}, got {requested!r}")
+    refused = user_namespaces_refused()
+    if requested == "namespaces" or (requested == "auto" and refused is None):
+        if refused is not None:
+            raise RuntimeError(f"bubblewrap cannot create namespaces here: {refused}. {USERNS_FIXES}")
+        return "namespaces"
+    if os.geteuid() != 0:
+        raise RuntimeError(f"no isolation mode can run here: user namespaces are refused ({refused}) and the "
+                           f"dedicated-user fallback needs root. {USERNS_FIXES}")
+    return "user"
+
+
+USERNS_FIXES = ("Fixes: on Ubuntu 24.04, allow bubblewrap user namespaces (sysctl "
+                "kernel.apparmor_restrict_unprivileged_userns=0, or an AppArmor profile for bwrap); in a "
+                "container, run it with user namespaces allowed (e.g. Docker's --security-opt "
+                "seccomp=unconfined); as root, env.options.isolation=user runs the dedicated-user fallback.")
+
+USER_MODE_LOSSES = (
+    "no mount namespace: the agent's programs can read every world-readable host file and write the "
+    "host's world-writable directories (/tmp, /var/tmp, /dev/shm); only files no other user may read "
+    "(mode 0600 and the like, /root) stay out of reach",
+    "no PID namespace: the agent sees the host's process list and command lines",
+    "no network namespace: the network is blocked for the agent's uid only where iptables can be used "
+    "(root with netfilter); otherwise the agent reaches the network and host services on loopback",
+    "no size-capped home: disk use is bounded per file (limits.file_mib), not in total",
+    "no seccomp filter: the kernel's whole system-call surface is open to an unprivileged uid",
+)
+"""What the `user` fallback does not promise that `namespaces` does (docs/desktop.md repeats it)."""
+
+
+# ---- the file system a sandbox sees ---------------------------------------------------------------
+
+ETC_SECRETS = ("environment", "ssh", "shadow", "shadow-", "gshadow", "gshadow-", "sudoers", "sudoers.d",
+               "ssl/private", "apt/auth.conf", "apt/auth.conf.d", "security/opasswd", "krb5.keytab",
+               "credstore", "credstore.encrypted", "wireguard", "NetworkManager/system-connections",
+               "letsencrypt", "docker", "containerd", "kubernetes", "rancher", "boto.cfg", "wgetrc", "netrc",
+               "machine-id", "hostname", "hosts", "resolv.conf", "passwd", "group", "passwd-", "group-")
+"""Under /etc, hidden even when world-readable: credentials, keys and host identity. (passwd, group,
+hostname, hosts and machine-id are replaced by the sandbox's own.)"""
+SYSTEM_TREES = ("/usr", "/etc", "/opt/google")
+"""Host trees the sandbox sees read-only (those that exist): programs, libraries, fonts,
+configuration, and Google Chrome where its .deb is installed. Nothing else of the host."""
+ROOT_LINKS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
+"""Top-level entries that merged-/usr systems make symlinks into /usr (bound when real directories)."""
+READ_ONLY_EXTRAS = ("/var/cache/fontconfig",)
+"""Small host caches applications read (fontconfig rebuilds its cache in every fresh home without it)."""
+SCRATCH_DIRS = ("/tmp", "/run", "/var/tmp", "/dev/shm")
+
+
+def unreadable_for_others(root: str = "/etc") -> list[tuple[str, str]]:
+    """Entries under `root` that an unprivileged other user of the host could not read: ("dir" or
+    "file", path), directories not descended into. The sandbox's uid maps to the caller, who may be
+    root, so its own permission checks would let these through: they are masked instead."""
+    masked: list[tuple[str, str]] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        keep = []
+        for name in dirnames:
+            path = os.path.join(dirpath, name)
+            try:
+                mode = os.lstat(path).st_mode
+            except OSError:
+                continue
+            if stat.S_ISLNK(mode):
+                continue
+            if mode & (stat.S_IROTH | stat.S_IXOTH) != (stat.S_IROTH | stat.S_IXOTH):
+                masked.append(("dir", path))
+            else:
+                keep.append(name)
+        dirnames[:] = keep
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            try:
+                mode = os.lstat(path).st_mode
+            except OSError:
+                continue
+            if not stat.S_ISLNK(mode) and not mode & stat.S_IROTH:
+                masked.append(("file", path))
+    return masked
+
+
+def etc_masks() -> list[tuple[str, str]]:
+    """("dir" | "file", path) under /etc to hide: the unreadable ones and ETC_SECRETS."""
+    masks = dict((path, kind) for kind, path in unreadable_for_others("/etc"))
+    for name in ETC_SECRETS:
+        path = f"/etc/{name}"
+        if os.path.lexists(path) and not any(path.startswith(m + "/") for m in masks):
+            masks[path] = "dir" if os.path.isdir(path) and not os.path.islink(path) else "file"
+    return sorted((kind, path) for path, kind in masks.items())
+
+
+def python_paths() -> list[str]:
+    """Host directories the sandbox's Python needs, read-only at the same paths: the interpreter's
+    installation, the virtual environment and any site-packages directory on sys.path outside
+    them (where pyautogui, python-xlib, Pillow and pyseccomp live). The outermost ones only;
+    those under /usr are visible already."""
+    candidates = {sys.prefix, sys.base_prefix, str(Path(sys.executable).resolve().parent.parent)}
+    candidates |= {p for p in sys.path if p and os.path.basename(p) in ("site-packages", "dist-packages")}
+    return _outermost(candidates)
+
+
+def arpo_package_dir() -> str:
+    """The arpo_lib package on the host: the only part of the repository the sandbox sees."""
+    return str(Path(__file__).resolve().parents[2])
+
+
+def _outermost(paths: set[str]) -> list[str]:
+    real = {q for p in paths if p and os.path.isdir(p) for q in (os.path.abspath(p), os.path.realpath(p))}
+    real = {p for p in real if not _covered(p)}
+    return sorted(p for p in real if not any(p.startswith(q + "/") for q in real))
+
+
+def _covered(path: str) -> bool:
+    return any(path == t or path.startswith(t + "/") for t in SYSTEM_TREES if os.path.isdir(t))
+
+
+def bwrap_arguments(workdir: Path, limits: Limits, *, network: bool = False, seccomp_fd: int | None = None,
+                    binds: dict[str, str] | None = None, environment: dict[str, str] | None = None) -> list[str]:
+    """The bubblewrap options (everything before the command) of a namespaces-mode sandbox.
+    `workdir` holds the sandbox's own passwd, group, hostname, hosts and machine-id files
+    (write_identity_files)."""
+    features = bwrap_features()
+    args = ["--die-with-parent", "--new-session", "--unshare-user", "--unshare-pid", "--unshare-ipc",
+            "--unshare-uts", "--unshare-cgroup-try", "--hostname", "desktop",
+            "--uid", str(USER_ID), "--gid", str(USER_ID), "--clearenv"]
+    if not network:
+        args.append("--unshare-net")
+    if "--disable-userns" in features:
+        args.append("--disable-userns")
+    for tree in SYSTEM_TREES:
+        if os.path.isdir(tree):
+            args += ["--ro-bind", tree, tree]
+    for name in ROOT_LINKS:
+        path = f"/{name}"
+        if os.path.islink(path):
+            args += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            args += ["--ro-bind", path, path]
+    for kind, path in etc_masks():
+        args += ["--tmpfs", path, "--remount-ro", path] if kind == "dir" else ["--ro-bind", "/dev/null", path]
+    for name in IDENTITY_FILES:
+        args += ["--ro-bind", str(workdir / name), f"/etc/{name}"]
+    args += ["--proc", "/proc", "--dev", "/dev"]
+    for path in READ_ONLY_EXTRAS:
+        if os.path.isdir(path):
+            args += ["--ro-bind", path, path]
+    for path, mib in [*((d, limits.scratch_mib) for d in SCRATCH_DIRS), (HOME_IN_SANDBOX, limits.home_mib)]:
+        args += (["--size", str(mib * 2**20)] if "--size" in features else []) + ["--tmpfs", path]
+    args += ["--symlink", "../run", "/var/run", "--symlink", "../run/lock", "/var/lock"]
+    for path in [*python_paths(), arpo_package_dir()]:  # after the tmpfs mounts, which could hide them
+        args += ["--ro-bind", path, path]
+    for outside, inside in (binds or {}).items():
+        args += ["--ro-bind", outside, inside]
+    for name, value in (environment or sandbox_environment()).items():
+        args += ["--setenv", name, value]
+    args += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", HOME_IN_SANDBOX]
+    if seccomp_fd is not None:
+        args += ["--seccomp", str(seccomp_fd)]
+    return args
+
+
+IDENTITY_FILES = ("passwd", "group", "hostname", "hosts", "machine-id")
+
+
+def write_identity_files(workdir: Path, uid: int = USER_ID, home: str = HOME_IN_SANDBOX) -> None:
+    """The sandbox's own /etc/passwd, group, hostname, hosts and machine-id (read-only inside)."""
+    (workdir / "passwd").write_text(f"user:x:{uid}:{uid}:Desktop user:{home}:/bin/bash\n"
+                                    "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")
+    (workdir / "group").write_text(f"user:x:{uid}:\nnogroup:x:65534:\n")
+    (workdir / "hostname").write_text("desktop\n")
+    (workdir / "hosts").write_text("127.0.0.1\tlocalhost desktop\n::1\tlocalhost\n")
+    (workdir / "machine-id").write_text(os.urandom(16).hex() + "\n")
+
+
+def sandbox_environment(home: str = HOME_IN_SANDBOX) -> dict[str, str]:
+    """The whole environment of the sandbox's processes: nothing of the host's (no tokens, no
+    credentials, no paths)."""
+    return {"HOME": home, "USER": "user", "LOGNAME": "user", "SHELL": "/bin/bash", "PATH": SANDBOX_PATH,
+            "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
+
+
+# ---- the seccomp filter ----------------------------------------------------------------------------
+
+DENIED_SYSCALLS = (
+    # namespaces and mounts: no nested sandbox, no changing what the sandbox sees
+    "unshare", "setns", "mount", "umount", "umount2", "pivot_root", "chroot", "move_mount", "open_tree",
+    "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr",
+    # other processes' memory and descriptors (the action server's among them)
+    "ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd", "kcmp",
+    # the kernel's larger attack surface
+    "bpf", "perf_event_open", "userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register",
+    "keyctl", "add_key", "request_key", "init_module", "finit_module", "delete_module", "kexec_load",
+    "kexec_file_load", "reboot", "swapon", "swapoff", "syslog", "acct", "quotactl", "quotactl_fd",
+    "lookup_dcookie", "open_by_handle_at", "name_to_handle_at", "iopl", "ioperm", "uselib", "vhangup",
+    "nfsservctl", "fanotify_init", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex",
+    "personality",
+)
+"""Refused with EPERM inside the sandbox (Docker's default profile refuses much the same set)."""
+NAMESPACE_CLONE_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000,
+                         0x40000000, 0x00000080)
+"""CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWTIME: clone() with any is refused."""
+TERMINAL_INJECTION_IOCTLS = (0x5412, 0x541C)
+"""TIOCSTI (push characters into a terminal's input) and TIOCLINUX."""
+
+
+def seccomp_filter_bpf(out: BinaryIO) -> list[str]:
+    """Write the sandbox's seccomp program (classic BPF, what `bwrap --seccomp` loads) to `out`,
+    built with libseccomp (through pyseccomp, or libseccomp's own `seccomp` module where installed).
+    Returns the system calls this libseccomp does not know (left out)."""
+    seccomp = _seccomp_module()
+    denied = seccomp.ERRNO(1)  # EPERM
+    rules = seccomp.SyscallFilter(defaction=seccomp.ALLOW)
+    unknown = []
+    for name in DENIED_SYSCALLS:
+        try:
+            rules.add_rule(denied, name)
+        except (RuntimeError, OSError, ValueError):
+            unknown.append(name)
+    for flag in NAMESPACE_CLONE_FLAGS:
+        rules.add_rule(denied, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
+    # clone3 passes its flags in memory a filter cannot read: refused as "not implemented", so the C
+    # library falls back to clone(), whose flags the rules above see (what Docker and Flatpak do).
+    rules.add_rule(seccomp.ERRNO(38), "clone3")
+    for request in TERMINAL_INJECTION_IOCTLS:
+        rules.add_rule(denied, "ioctl", seccomp.Arg(1, seccomp.MASKED_EQ, 0xFFFFFFFF, request))
+    rules.export_bpf(out)
+    return unknown
+
+
+def _seccomp_module() -> Any:
+    try:
+        import seccomp  # libseccomp's own binding (Debian: python3-seccomp)
+        return seccomp
+    except ImportError:
+        pass
+    try:
+        import pyseccomp
+    except ImportError as e:
+        raise RuntimeError("the desktop sandbox needs a libseccomp binding: pip install pyseccomp "
+                           "(./workbench setup installs it)") from e
+    except RuntimeError as e:  # pyseccomp raises this when libseccomp.so is missing
+        raise RuntimeError(f"{e}: install libseccomp (Debian/Ubuntu: apt-get install libseccomp2)") from e
+    return pyseccomp
