@@ -223,7 +223,7 @@ register_env(
     "desktop",
     _make_desktop,
     "Real desktop applications (text editor, terminal, file manager, Chromium) in a sandboxed X "
-    "desktop, checked like OSWorld (options: screen, max_steps, settle_s, wait_s, reward)",
+    "desktop, checked like OSWorld (options: screen, max_steps, settle_s, wait_s, reward, limits, isolation)",
     tasks=_desktop_tasks,
 )
 

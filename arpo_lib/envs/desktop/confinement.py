@@ -207,6 +207,13 @@ def python_paths() -> list[str]:
     return _outermost(candidates)
 
 
+def site_directories() -> list[str]:
+    """The site-packages directories on this interpreter's sys.path (those PYTHONPATH adds
+    included): the sandbox's isolated interpreters (-I ignores PYTHONPATH) put them back."""
+    return [p for p in dict.fromkeys(sys.path)
+            if p and os.path.basename(p) in ("site-packages", "dist-packages") and os.path.isdir(p)]
+
+
 def arpo_package_dir() -> str:
     """The arpo_lib package on the host: the only part of the repository the sandbox sees."""
     return str(Path(__file__).resolve().parents[2])

@@ -18,17 +18,25 @@ from PIL import Image
 from arpo_lib.actions import Action, ActionParseError, to_pyautogui
 from arpo_lib.envs.base import EnvError, GUIEnv, Observation
 from arpo_lib.envs.desktop import tasks as suite
+from arpo_lib.envs.desktop.confinement import ISOLATION_MODES, Limits
 from arpo_lib.envs.desktop.sandbox import Sandbox
 
 
 class DesktopEnv(GUIEnv):
     """One task of the desktop suite. Options: `screen` (width, height), `max_steps`, `settle_s`
-    (pause after each action before the screenshot), `wait_s` (what a `wait()` action waits)."""
+    (pause after each action before the screenshot), `wait_s` (what a `wait()` action waits),
+    `limits` (the sandbox's resource limits: confinement.Limits fields), `isolation` ("auto",
+    "namespaces" or "user": confinement.py)."""
 
     def __init__(self, task: str, *, screen: tuple[int, int] = (1920, 1080), max_steps: int = 15,
-                 settle_s: float = 0.5, wait_s: float = 1.0, reward: str = "binary") -> None:
+                 settle_s: float = 0.5, wait_s: float = 1.0, reward: str = "binary",
+                 limits: Limits | dict[str, Any] | None = None, isolation: str = "auto") -> None:
         if max_steps < 1:
             raise ValueError(f"max_steps must be >= 1, got {max_steps}")
+        if isolation not in ISOLATION_MODES:
+            raise ValueError(f"isolation must be one of {ISOLATION_MODES}, got {isolation!r}")
+        self.limits = Limits.from_options(limits)  # an unknown or impossible limit fails here, not at reset
+        self.isolation = isolation
         self.task = suite.load_task(task)
         absent = [c for c in suite.required_commands(self.task) if not shutil.which(c)]
         if absent:
@@ -63,7 +71,7 @@ class DesktopEnv(GUIEnv):
         if self._box is None or not self._box.alive():
             if self._box is not None:
                 self._box.close()
-            self._box = Sandbox(self.screen)
+            self._box = Sandbox(self.screen, limits=self.limits, isolation=self.isolation)
             self.timings["start_s"] = time.monotonic() - t0
         try:
             self._box.reset_session()
@@ -97,6 +105,8 @@ class DesktopEnv(GUIEnv):
                 raise EnvError(f"{self.name}: the action server refused generated code: {done['error']}")
             if done.get("returncode") != 0:
                 error = (done.get("error") or "")[-300:] or f"exit {done.get('returncode')}"
+            if done.get("incidents"):  # the sandbox ended the episode's programs (a limit was crossed)
+                error = "; ".join(done["incidents"])[-300:]
             time.sleep(self.settle_s)
         truncated = not terminated and self._steps >= self.max_steps
         reward = raw = 0.0

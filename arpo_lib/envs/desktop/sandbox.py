@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import fcntl
 import functools
+import grp
 import http.client
 import json
 import logging
@@ -50,13 +51,13 @@ DESKTOP_TOOLS = ("bwrap", "Xvfb", "openbox", "xdotool")
 """Commands the sandbox needs (Debian packages bubblewrap, xvfb, openbox, xdotool)."""
 START_TIMEOUT_S = 60.0
 AGENT_UIDS = range(61000, 62000)
-"""User mode: the dedicated agent uids (one per sandbox, chosen among those no account and no
-process uses)."""
+"""User mode: where new agent accounts' uids are taken from (one account per concurrent sandbox)."""
 UID_LOCKS = Path("/run/arpo-desktop-uids")
-_BOOT = ("import sys; sys.path.insert(0, {path!r}); from arpo_lib.envs.desktop.server import main; "
+_BOOT = ("import sys; sys.path[:0] = {paths!r}; from arpo_lib.envs.desktop.server import main; "
          "sys.exit(main(sys.argv[1:]))")
 """How the server starts: an isolated interpreter (-I: no environment variables, no user site, no
-current directory on sys.path) that imports arpo_lib from the one directory given."""
+current directory on sys.path) that imports arpo_lib from the one directory given, and finds its
+packages in the host's site directories (those PYTHONPATH added included)."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -111,7 +112,9 @@ class Sandbox:
         self.isolation = confinement.choose_isolation(isolation)
         self.network_blocked = not network
         self.agent_uid: int | None = None
+        self._agent_gid: int | None = None
         self._uid_lock: int | None = None
+        self._home_lock: int | None = None
         self.workdir = Path(tempfile.mkdtemp(prefix="arpo-desktop-"))
         control = self.workdir / "control"  # the socket, the log, the launch logs: the host's only
         control.mkdir(mode=0o700)
@@ -126,7 +129,7 @@ class Sandbox:
                 command, pass_fds, env, cwd = self._namespaces_command(listener.fileno(), network, window_manager, binds)
             else:
                 command, pass_fds, env, cwd = self._user_command(listener.fileno(), network, window_manager)
-            self._watcher = self._start_watcher()
+            self._watcher = self._start_watcher(self._agent_gid)
             self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, start_new_session=True,
                                             pass_fds=pass_fds, env=env, cwd=cwd)
@@ -142,8 +145,9 @@ class Sandbox:
 
     # -- starting ------------------------------------------------------------------------------
     def _server_arguments(self, listen_fd: int, window_manager: str) -> list[str]:
-        return [sys.executable, "-I", "-c", _BOOT.format(path=str(Path(confinement.arpo_package_dir()).parent)),
-                "--listen-fd", str(listen_fd), "--screen", f"{self.screen[0]}x{self.screen[1]}",
+        sites = confinement.site_directories()
+        boot = _BOOT.format(paths=[str(Path(confinement.arpo_package_dir()).parent), *sites])
+        return [sys.executable, "-I", "-c", boot, "--python-path", json.dumps(sites), "--listen-fd", str(listen_fd), "--screen", f"{self.screen[0]}x{self.screen[1]}",
                 "--wm", window_manager, "--limits", json.dumps(self.limits.as_dict()),
                 "--host-pid-namespace", os.readlink("/proc/self/ns/pid")]
 
@@ -167,12 +171,13 @@ class Sandbox:
                       window_manager: str) -> tuple[list[str], tuple[int, ...], dict[str, str], str]:
         """The fallback: the server on the host as root, the agent's programs as a fresh uid, in a
         home only that uid may enter, with the network blocked for it where iptables works."""
-        self.agent_uid, self._uid_lock = _claim_agent_uid()
-        self.workdir.chmod(0o711)  # the agent's uid may pass through to its home, nothing else
-        for name in ("home", "runtime"):
-            path = self.workdir / name
-            path.mkdir(mode=0o700)
-            os.chown(path, self.agent_uid, self.agent_uid)
+        self.agent_uid, gid, self._uid_lock = _claim_agent_account()
+        self._agent_gid = gid
+        self._home_lock = _claim_user_home(self.agent_uid, gid)
+        self.workdir.chmod(0o711)  # the agent's uid may pass through to its runtime directory, nothing else
+        runtime = self.workdir / "runtime"
+        runtime.mkdir(mode=0o700)
+        os.chown(runtime, self.agent_uid, gid)
         if not network:
             self.network_blocked = _block_network(self.agent_uid, True)
         missing = _unreadable_for(self.agent_uid, [sys.executable, confinement.arpo_package_dir()])
@@ -182,28 +187,28 @@ class Sandbox:
         log.warning("desktop sandbox in the 'user' fallback (no user namespaces here): it does not promise: %s",
                     "; ".join(confinement.USER_MODE_LOSSES))
         command = [*self._server_arguments(listen_fd, window_manager), "--agent-uid", str(self.agent_uid),
-                   "--home", str(self.workdir / "home"), "--runtime-dir", str(self.workdir / "runtime"),
+                   "--agent-gid", str(gid),
+                   "--home", HOME_IN_SANDBOX, "--runtime-dir", str(runtime),
                    "--log-dir", str(self.workdir / "control" / "launched"), "--die-with-parent"]
         return command, (listen_fd,), {"PATH": confinement.SANDBOX_PATH, "LANG": "C.UTF-8"}, "/"
 
-    def _start_watcher(self) -> subprocess.Popen:
+    def _start_watcher(self, gid: int | None = None) -> subprocess.Popen:
         """A small shell that waits for this process to close its pipe (on close(), or when the
         kernel closes it because this process died) and then cleans up: the work directory, and in
-        user mode the server's process group, every process of the agent's uid and its firewall rule."""
-        script = 'read _; '
+        user mode the server's process group, every process of the agent's uid and its firewall rule.
+        The first line it reads is the server's process group (known once the server started)."""
+        script = 'read pgid; read _; '
         if self.isolation == "user":
-            script += ('kill -KILL -- -"$2" 2>/dev/null; setpriv --reuid "$1" --regid "$1" --clear-groups '
+            script += ('kill -KILL -- -"$pgid" 2>/dev/null; setpriv --reuid "$1" --regid "$2" --clear-groups '
                        'kill -KILL -1 2>/dev/null; ')
             if self.network_blocked:
                 script += " ".join(f'{tool} -w -D OUTPUT -m owner --uid-owner "$1" -j REJECT 2>/dev/null;'
                                    for tool in ("iptables", "ip6tables") if shutil.which(tool))
+            script += f'rm -rf -- {HOME_IN_SANDBOX}; '
         script += 'rm -rf -- "$0"'
-        # $2, the server's process group, is only known after it starts: the watcher reads it first
-        watcher = subprocess.Popen(["/bin/sh", "-c", 'read pgid; set -- "$1" "$pgid"; ' + script,
-                                    str(self.workdir), str(self.agent_uid or "")],
-                                   stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                   start_new_session=True)
-        return watcher
+        return subprocess.Popen(["/bin/sh", "-c", script, str(self.workdir), str(self.agent_uid or ""), str(gid or "")],
+                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
 
     def _wait_ready(self) -> None:
         assert self._watcher.stdin is not None
@@ -334,9 +339,11 @@ class Sandbox:
             except (OSError, subprocess.TimeoutExpired):
                 pass
         shutil.rmtree(self.workdir, ignore_errors=True)
-        if self._uid_lock is not None:
-            os.close(self._uid_lock)
-            self._uid_lock = None
+        for name in ("_home_lock", "_uid_lock"):  # the watcher emptied /home/user first (user mode)
+            fd = getattr(self, name)
+            if fd is not None:
+                os.close(fd)
+                setattr(self, name, None)
 
     def __enter__(self) -> "Sandbox":
         return self
@@ -347,27 +354,87 @@ class Sandbox:
 
 # ---- the user-mode fallback --------------------------------------------------------------------
 
-def _claim_agent_uid() -> tuple[int, int]:
-    """A uid no account and no process uses, locked for this sandbox (flock, released when the
-    descriptor closes or this process dies)."""
+def _claim_agent_account() -> tuple[int, int, int]:
+    """A dedicated account for this sandbox's agent: (uid, gid, lock descriptor). Accounts named
+    `arpo-desktop-<uid>` are reused when no other sandbox holds them (flock, released when the
+    descriptor closes or this process dies); when all are held, a new system account is created
+    (applications need a passwd entry: a terminal refuses to start without one)."""
     UID_LOCKS.mkdir(mode=0o700, exist_ok=True)
+    accounts = sorted((p.pw_uid, p.pw_gid) for p in pwd.getpwall() if p.pw_name.startswith(AGENT_ACCOUNT_PREFIX))
+    for uid, gid in accounts:
+        fd = _try_lock(uid)
+        if fd is not None:
+            if pwd.getpwuid(uid).pw_dir != HOME_IN_SANDBOX:  # applications (a terminal) take the home from passwd
+                subprocess.run(["usermod", "--home", HOME_IN_SANDBOX, pwd.getpwuid(uid).pw_name], capture_output=True)
+            subprocess.run(["/bin/sh", "-c", "kill -KILL -1"], user=uid, group=gid, extra_groups=[],
+                           capture_output=True)  # leftovers of a sandbox whose host process was killed
+            return uid, gid, fd
     busy = {_proc_uid(e.name) for e in os.scandir("/proc") if e.name.isdigit()}
+    taken = {p.pw_uid for p in pwd.getpwall()} | {g.gr_gid for g in grp.getgrall()}
     for uid in AGENT_UIDS:
-        if uid in busy:
+        if uid in busy or uid in taken:
             continue
-        try:
-            pwd.getpwuid(uid)
+        fd = _try_lock(uid)
+        if fd is None:
             continue
-        except KeyError:
-            pass
-        fd = os.open(UID_LOCKS / f"{uid}.lock", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not shutil.which("useradd"):
             os.close(fd)
-            continue
-        return uid, fd
+            raise EnvError("the 'user' isolation creates a dedicated account with useradd, which is not installed")
+        done = subprocess.run(["useradd", "--system", "--uid", str(uid), "--user-group", "--no-create-home",
+                               "--home-dir", HOME_IN_SANDBOX, "--shell", "/bin/bash", f"{AGENT_ACCOUNT_PREFIX}{uid}"],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            os.close(fd)
+            raise EnvError(f"cannot create the agent account {AGENT_ACCOUNT_PREFIX}{uid}: {done.stderr.strip()}")
+        log.warning("desktop sandbox (user mode): created the system account %s%d for the agent's programs",
+                    AGENT_ACCOUNT_PREFIX, uid)
+        entry = pwd.getpwnam(f"{AGENT_ACCOUNT_PREFIX}{uid}")
+        return entry.pw_uid, entry.pw_gid, fd
     raise EnvError(f"no free agent uid in {AGENT_UIDS.start}..{AGENT_UIDS.stop - 1}")
+
+
+AGENT_ACCOUNT_PREFIX = "arpo-desktop-"
+
+
+def _claim_user_home(uid: int, gid: int) -> int:
+    """User mode: the agent's home is the host's /home/user (OSWorld's task files name it), so one
+    such sandbox runs per machine at a time. Created for the agent, or taken over when an earlier
+    sandbox left it; refused when it belongs to anyone else. Returns the lock's descriptor."""
+    fd = os.open(UID_LOCKS / "home.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise EnvError(f"the 'user' isolation runs one desktop per machine ({HOME_IN_SANDBOX} is its home, "
+                       "as OSWorld's tasks expect) and another one is running") from None
+    home = Path(HOME_IN_SANDBOX)
+    try:
+        info = home.lstat()
+    except FileNotFoundError:
+        home.mkdir(mode=0o700, parents=True)
+        os.chown(home, uid, gid)
+        return fd
+    try:
+        owner = pwd.getpwuid(info.st_uid).pw_name
+    except KeyError:
+        owner = str(info.st_uid)
+    if not home.is_dir() or home.is_symlink() or not owner.startswith(AGENT_ACCOUNT_PREFIX):
+        os.close(fd)
+        raise EnvError(f"the 'user' isolation needs {HOME_IN_SANDBOX} for the agent (OSWorld's tasks name it), "
+                       f"but it exists here and belongs to {owner}")
+    os.chown(home, uid, gid)
+    os.chmod(home, 0o700)
+    return fd
+
+
+def _try_lock(uid: int) -> int | None:
+    fd = os.open(UID_LOCKS / f"{uid}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def _proc_uid(pid: str) -> int | None:

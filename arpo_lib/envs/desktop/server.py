@@ -102,6 +102,8 @@ class Desktop:
     def __init__(self, screen: tuple[int, int], home: Path, wm: str | None, *, runtime_dir: Path, log_dir: Path,
                  agent: tuple[int, int] | None = None, display: str | None = None) -> None:
         self.screen, self.home, self.agent, self.runtime_dir = screen, home, agent, runtime_dir
+        self.python_path: list[str] = []
+        """Site directories the actions' isolated interpreter adds (the host's, where PYTHONPATH set them)."""
         self.logs = log_dir
         """Output of launched applications; in user mode a directory only the server may write (the
         agent could otherwise turn it into a link and have root write where it points)."""
@@ -285,7 +287,8 @@ class Desktop:
     def run_action(self, code: str, cpu_s: int) -> dict[str, Any]:
         """Checked agent code in an isolated interpreter started from / (nothing the agent wrote can
         shadow a module), with a CPU-time limit; keys and buttons left held are released after."""
-        prefix = (f"import resource; resource.setrlimit(resource.RLIMIT_CPU, ({cpu_s}, {cpu_s}))\n"
+        prefix = (f"import sys; sys.path[:0] = {self.python_path!r}\n"
+                  f"import resource; resource.setrlimit(resource.RLIMIT_CPU, ({cpu_s}, {cpu_s}))\n"
                   "import pyautogui; pyautogui.FAILSAFE = False; pyautogui.PAUSE = 0.05\n")
         env = {k: v for k, v in self.env.items() if k != "HOME"} | {"HOME": "/nonexistent"}
         try:
@@ -640,7 +643,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--die-with-parent", action="store_true", help="user mode: end when the host process ends")
     parser.add_argument("--wm", default="openbox", help="window manager command ('' for none)")
     parser.add_argument("--limits", default="{}", help="JSON: confinement.Limits fields")
-    parser.add_argument("--agent-uid", type=int, default=None, help="user mode: the agent's uid (and gid)")
+    parser.add_argument("--python-path", default="[]", help="JSON list: site directories for the actions' interpreter")
+    parser.add_argument("--agent-uid", type=int, default=None, help="user mode: the agent's uid")
+    parser.add_argument("--agent-gid", type=int, default=None, help="user mode: the agent's gid")
     parser.add_argument("--host-pid-namespace", default=None)
     args = parser.parse_args(argv)
     HOST_PID_NAMESPACE = args.host_pid_namespace
@@ -650,13 +655,14 @@ def main(argv: list[str] | None = None) -> int:
     limits = json.loads(args.limits)
     set_limits(limits)
     width, height = (int(v) for v in args.screen.lower().split("x"))
-    agent = (args.agent_uid, args.agent_uid) if args.agent_uid is not None else None
+    agent = (args.agent_uid, args.agent_gid) if args.agent_uid is not None else None
     runtime = Path(args.runtime_dir)
     runtime.mkdir(mode=0o700, exist_ok=True)
     if agent is not None:
         os.chown(runtime, *agent)
     desktop = Desktop((width, height), Path(args.home), args.wm or None, runtime_dir=runtime,
                       log_dir=Path(args.log_dir), agent=agent, display=args.display)
+    desktop.python_path = [str(p) for p in json.loads(args.python_path)]
     stop = threading.Event()
     server = UnixHTTPServer(args.listen_fd, make_handler(desktop, stop, limits["action_cpu_s"]))
     threading.Thread(target=server.serve_forever, daemon=True).start()
