@@ -18,13 +18,18 @@ fi
 #    The desktop environments (desktop/<task>): a sandbox (bubblewrap), a window manager, the tool
 #    their set-up steps use (xdotool) and the suite's applications; without recommends (those
 #    would add Qt, gvfs and icon themes: a larger install and other-looking screens).
+#    libseccomp2 (the sandbox's seccomp filter, through pyseccomp), iptables (the 'user' isolation
+#    fallback blocks the agent's network with it) and python3-tk (the system Python's tkinter, which
+#    pyautogui imports: the test that runs the sandbox as an ordinary user uses that Python).
 if ! command -v bwrap >/dev/null || ! command -v openbox >/dev/null || ! command -v xdotool >/dev/null \
     || ! command -v mousepad >/dev/null || ! command -v stterm >/dev/null || ! command -v pcmanfm >/dev/null \
-    || ! command -v dbus-launch >/dev/null; then
-  say "installing the desktop sandbox and applications with apt (bubblewrap openbox xdotool mousepad stterm pcmanfm dbus-x11)"
+    || ! command -v dbus-launch >/dev/null || ! PATH="$PATH:/usr/sbin:/sbin" command -v iptables >/dev/null \
+    || ! ldconfig -p 2>/dev/null | grep -q libseccomp.so.2 \
+    || { [ -x /usr/bin/python3 ] && ! /usr/bin/python3 -c "import tkinter" 2>/dev/null; }; then
+  say "installing the desktop sandbox and applications with apt (bubblewrap openbox xdotool mousepad stterm pcmanfm dbus-x11 libseccomp2 iptables python3-tk)"
   sudo_if_needed apt-get update -qq
   sudo_if_needed env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-    bubblewrap openbox xdotool mousepad stterm pcmanfm dbus-x11 >/dev/null
+    bubblewrap openbox xdotool mousepad stterm pcmanfm dbus-x11 libseccomp2 iptables python3-tk >/dev/null
 fi
 
 # 2. The Python environment.

@@ -41,7 +41,7 @@ class Limits:
 
     pids: int = 1024
     """Processes and threads the episode's programs may have at once (Chromium alone runs ~150
-    threads). Watched by the action server every 0.1 s (above it, every program of the episode is
+    threads). Watched by the action server (processes every 0.05 s, threads every 0.25 s; above it, every program of the episode is
     ended) and, where the kernel applies it (a caller other than root), RLIMIT_NPROC."""
     memory_mib: int = 4096
     """Data memory of any one process (RLIMIT_DATA: heap and private mappings)."""

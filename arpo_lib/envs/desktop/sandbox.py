@@ -112,6 +112,9 @@ class Sandbox:
         self.isolation = confinement.choose_isolation(isolation)
         self.network_blocked = not network
         self.agent_uid: int | None = None
+        self.host_uid: int | None = None
+        """namespaces mode started by root: the unprivileged host uid the sandbox's user maps to
+        (None: the caller's own uid)."""
         self._agent_gid: int | None = None
         self._uid_lock: int | None = None
         self._home_lock: int | None = None
@@ -130,9 +133,10 @@ class Sandbox:
             else:
                 command, pass_fds, env, cwd = self._user_command(listener.fileno(), network, window_manager)
             self._watcher = self._start_watcher(self._agent_gid)
+            identity = {} if self.host_uid is None else {"user": self.host_uid, "group": self.host_uid, "extra_groups": []}
             self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, start_new_session=True,
-                                            pass_fds=pass_fds, env=env, cwd=cwd)
+                                            pass_fds=pass_fds, env=env, cwd=cwd, **identity)
         except BaseException:
             listener.close()
             self._cleanup_files()
@@ -154,6 +158,8 @@ class Sandbox:
     def _namespaces_command(self, listen_fd: int, network: bool, window_manager: str,
                             binds: dict[str, str] | None) -> tuple[list[str], tuple[int, ...], dict[str, str], str]:
         confinement.write_identity_files(self.workdir)
+        if os.geteuid() == 0:
+            self._drop_to_unprivileged_uid()
         filter_path = self.workdir / "control" / "seccomp.bpf"
         with open(filter_path, "wb") as out:
             unknown = confinement.seccomp_filter_bpf(out)
@@ -166,6 +172,24 @@ class Sandbox:
         command = ["bwrap", *args, *self._server_arguments(listen_fd, window_manager), "--display", ":0",
                    "--home", HOME_IN_SANDBOX, "--runtime-dir", "/tmp/runtime", "--log-dir", "/tmp/launched"]
         return command, (listen_fd, seccomp_fd), {"PATH": os.environ.get("PATH", confinement.SANDBOX_PATH)}, "/"
+
+    def _drop_to_unprivileged_uid(self) -> None:
+        """Started by root, bubblewrap would map the sandbox's user to root: its processes would
+        count as root for the kernel (no process limit, root's files readable where mounted). So
+        bubblewrap runs as an unprivileged uid of its own instead, when that uid can read everything
+        the sandbox binds (a Python environment under /root, mode 0700, cannot: then the mapping
+        stays root and the mount list and the server's watcher are the protection; report() says which)."""
+        uid, lock = _claim_free_uid()
+        needed = [*confinement.python_paths(), confinement.arpo_package_dir(), sys.executable]
+        unreadable = _unreadable_for(uid, needed)
+        if unreadable:
+            os.close(lock)
+            log.debug("desktop sandbox: the sandbox's user maps to root (uid %d cannot read %s)", uid, unreadable)
+            return
+        self.host_uid, self._uid_lock = uid, lock
+        self.workdir.chmod(0o711)  # the identity files are read by bubblewrap as that uid; control/ stays 0700
+        for name in confinement.IDENTITY_FILES:
+            (self.workdir / name).chmod(0o644)
 
     def _user_command(self, listen_fd: int, network: bool,
                       window_manager: str) -> tuple[list[str], tuple[int, ...], dict[str, str], str]:
@@ -309,7 +333,7 @@ class Sandbox:
     def report(self) -> dict[str, Any]:
         """How this sandbox is confined: mode, limits, and what the mode does not promise."""
         return {"isolation": self.isolation, "limits": self.limits.as_dict(), "network_blocked": self.network_blocked,
-                "agent_uid": self.agent_uid, "seccomp": self.isolation == "namespaces",
+                "agent_uid": self.agent_uid, "host_uid": self.host_uid if self.isolation == "namespaces" else self.agent_uid, "seccomp": self.isolation == "namespaces",
                 "sized_tmpfs": self.isolation == "namespaces" and "--size" in confinement.bwrap_features(),
                 "losses": list(confinement.USER_MODE_LOSSES) if self.isolation == "user" else []}
 
@@ -425,6 +449,19 @@ def _claim_user_home(uid: int, gid: int) -> int:
     os.chown(home, uid, gid)
     os.chmod(home, 0o700)
     return fd
+
+
+def _claim_free_uid() -> tuple[int, int]:
+    """A uid no account and no process uses, locked for this sandbox: (uid, lock descriptor)."""
+    UID_LOCKS.mkdir(mode=0o700, exist_ok=True)
+    busy = {_proc_uid(e.name) for e in os.scandir("/proc") if e.name.isdigit()}
+    taken = {p.pw_uid for p in pwd.getpwall()}
+    for uid in AGENT_UIDS:
+        if uid not in busy and uid not in taken:
+            fd = _try_lock(uid)
+            if fd is not None:
+                return uid, fd
+    raise EnvError(f"no free uid in {AGENT_UIDS.start}..{AGENT_UIDS.stop - 1}")
 
 
 def _try_lock(uid: int) -> int | None:

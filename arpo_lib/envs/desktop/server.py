@@ -58,12 +58,17 @@ EXECUTE_TIMEOUT_S = 120.0
 """Default limit of a trusted /execute command."""
 MAX_BODY_BYTES = 8 * 2**20
 """Largest request body accepted (413 above)."""
+DRAIN_BYTES = 64 * 2**20
+"""A refused body up to this size is read and dropped before the 413 (the client then reads the
+answer instead of a reset connection); a larger one gets the 413 and the connection closes."""
 HOME_DIRS = ("Desktop", "Documents", "Downloads")
 """Created in every fresh home directory."""
 LAUNCH_OUTPUT_CHARS = 2000
 """How much of an application's output /setup/launched returns (the end of it)."""
-WATCH_INTERVAL_S = 0.1
-"""How often the watcher compares the episode's processes and memory with the limits."""
+WATCH_INTERVAL_S = 0.05
+"""How often the watcher counts the sandbox's processes (namespaces mode)."""
+WATCH_DETAIL_EVERY = 5
+"""Every this many rounds it also counts threads and resident memory (user mode: processes too)."""
 DESKTOP_THREADS = 64
 """Headroom for the desktop's own threads (server, X server, window manager) in RLIMIT_NPROC."""
 RESET_DEADLINE_S = 20.0
@@ -190,31 +195,55 @@ class Desktop:
         shutil.rmtree(self.logs, ignore_errors=True)
 
     def watch(self, pids: int, total_memory_mib: int, stop: threading.Event) -> None:
-        """Until `stop`: every WATCH_INTERVAL_S, count the episode's threads and resident memory;
-        above a limit, end every program of the episode (a fork bomb or a memory hog ends its own
-        episode's applications, never the machine) and record why."""
+        """Until `stop`: every WATCH_INTERVAL_S count the processes of the sandbox's PID namespace
+        (a directory listing: cheap, so a fork bomb is caught while it is small), and every
+        WATCH_DETAIL_EVERY rounds the episode's threads and resident memory; above a limit, end
+        every program of the episode (a fork bomb or a memory hog ends its own episode's
+        applications, never the machine) and record why."""
         page_mib = os.sysconf("SC_PAGE_SIZE") / 2**20
+        rounds = 0
         while not stop.wait(WATCH_INTERVAL_S):
-            tasks = rss_pages = 0
-            for pid in self._others():
-                try:
-                    with open(f"/proc/{pid}/stat") as f:
-                        fields_after_name = f.read().rsplit(")", 1)[1].split()
-                    tasks += int(fields_after_name[17])
-                    rss_pages += int(fields_after_name[21])
-                except (OSError, IndexError, ValueError):
+            rounds += 1
+            why = None
+            if self.agent is None:  # /proc is the sandbox's own: every entry is one of its processes
+                count = sum(1 for e in os.scandir("/proc") if e.name.isdigit()) - len(self.keep) - 1
+                if count > pids:
+                    why = f"pids limit: {count} processes > {pids}"
+            if why is None and rounds % WATCH_DETAIL_EVERY == 0:
+                tasks, rss_mib = self._usage(page_mib)
+                if tasks > pids:
+                    why = f"pids limit: {tasks} threads > {pids}"
+                elif rss_mib > total_memory_mib:
+                    why = f"memory limit: {rss_mib:.0f} MiB > {total_memory_mib} MiB"
+            if why is None:
+                continue
+            try:
+                with self.reset_lock:
+                    ended = self.end_applications()
+            except RuntimeError as e:
+                why += f" ({e})"
+                ended = 0
+            self.incidents.append(f"{why}: ended the episode's {ended} processes")
+
+    def _usage(self, page_mib: float) -> tuple[int, float]:
+        """Threads and resident MiB of the episode's processes."""
+        tasks = rss_pages = 0
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            pid = int(entry.name)
+            if pid in self.keep or pid == 1:
+                continue
+            try:
+                if self.agent is not None and entry.stat().st_uid != self.agent[0]:
                     continue
-            rss_mib = rss_pages * page_mib
-            if tasks > pids or rss_mib > total_memory_mib:
-                why = (f"pids limit: {tasks} threads > {pids}" if tasks > pids
-                       else f"memory limit: {rss_mib:.0f} MiB > {total_memory_mib} MiB")
-                try:
-                    with self.reset_lock:
-                        ended = self.end_applications()
-                except RuntimeError as e:
-                    why += f" ({e})"
-                    ended = 0
-                self.incidents.append(f"{why}: ended the episode's {ended} processes")
+                with open(f"/proc/{pid}/stat") as f:
+                    fields_after_name = f.read().rsplit(")", 1)[1].split()
+                tasks += int(fields_after_name[17])
+                rss_pages += int(fields_after_name[21])
+            except (OSError, IndexError, ValueError):
+                continue
+        return tasks, rss_pages * page_mib
 
     def end_applications(self) -> int:
         """End every process of the episode (all but the server, the X server, the window manager
@@ -287,13 +316,10 @@ class Desktop:
     def run_action(self, code: str, cpu_s: int) -> dict[str, Any]:
         """Checked agent code in an isolated interpreter started from / (nothing the agent wrote can
         shadow a module), with a CPU-time limit; keys and buttons left held are released after."""
-        prefix = (f"import sys; sys.path[:0] = {self.python_path!r}\n"
-                  f"import resource; resource.setrlimit(resource.RLIMIT_CPU, ({cpu_s}, {cpu_s}))\n"
-                  "import pyautogui; pyautogui.FAILSAFE = False; pyautogui.PAUSE = 0.05\n")
         env = {k: v for k, v in self.env.items() if k != "HOME"} | {"HOME": "/nonexistent"}
         try:
-            return _run([sys.executable, "-I", "-c", prefix + code], shell=False, timeout=ACTION_TIMEOUT_S,
-                        env=env, cwd="/")
+            return _run(action_command(sys.executable, code, cpu_s, self.python_path), shell=False,
+                        timeout=ACTION_TIMEOUT_S, env=env, cwd="/")
         finally:
             self.release_input()
 
@@ -387,6 +413,17 @@ class Desktop:
 
 MAX_FILE_BYTES = 256 * 2**20
 """/file returns at most this much of a file."""
+ACTION_PREAMBLE = "import pyautogui; pyautogui.FAILSAFE = False; pyautogui.PAUSE = 0.05\n"
+
+
+def action_command(python: str, code: str, cpu_s: int, python_path: list[str],
+                   preamble: str = ACTION_PREAMBLE) -> list[str]:
+    """The command that runs checked action code: `python -I` (no environment variables, no user
+    site, nothing from the current directory), the site directories put back, RLIMIT_CPU set
+    before anything of the action runs, then pyautogui and the code."""
+    head = (f"import sys; sys.path[:0] = {python_path!r}\n"
+            f"import resource; resource.setrlimit(resource.RLIMIT_CPU, ({cpu_s}, {cpu_s}))\n")
+    return [python, "-I", "-c", head + preamble + code]
 
 
 def _run(command: list[str] | str, *, shell: bool, timeout: float, **kwargs: Any) -> dict[str, Any]:
@@ -484,8 +521,12 @@ def make_handler(desktop: Desktop, stop: threading.Event, action_cpu_s: int) -> 
             except ValueError:
                 raise RequestError(400, "Content-Length is not a number") from None
             if length < 0 or length > MAX_BODY_BYTES:
-                self.close_connection = True  # the unread body must not be parsed as a request
-                raise RequestError(413, f"request body of {length} bytes (at most {MAX_BODY_BYTES})")
+                self.close_connection = True  # an unread body must not be parsed as the next request
+                if length <= DRAIN_BYTES:  # read and drop it, so the client can read the answer
+                    while length > 0:
+                        length -= len(self.rfile.read(min(length, 2**20)) or b"\0" * length)
+                raise RequestError(413, f"request body of {self.headers.get('Content-Length')} bytes "
+                                        f"(at most {MAX_BODY_BYTES})")
             raw = self.rfile.read(length) if length else b""
             try:
                 if self.headers.get("Content-Type", "").startswith("application/x-www-form-urlencoded"):

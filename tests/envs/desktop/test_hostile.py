@@ -1,0 +1,695 @@
+"""The desktop sandbox against a hostile agent (issue: "the desktop sandbox is a security boundary").
+
+The agent is model output: whatever it can type into the terminal, save from the editor or click on
+the desktop is tried here, through `env.step` with GUI actions where the attack is reachable that
+way (attack scripts are placed in the sandbox's home through the trusted API to keep typing short;
+the agent could type them, and running them is always typed). Each test asserts that nothing
+leaked, that the host is untouched, and that the environment still resets and scores correctly
+after. Each finding of the review that opened the issue has a test here that fails on the sandbox
+as it was then (`--ro-bind / /`, the host environment, the socket in the sandbox's /tmp, actions
+run from the home directory, no seccomp, no limits, a one-pass reset).
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from arpo_lib.actions import Action
+from arpo_lib.envs import make_env
+from arpo_lib.envs.base import EnvError
+from arpo_lib.envs.desktop.scripted import solution_actions
+from arpo_lib.envs.desktop.sandbox import Sandbox, _UnixConnection, desktop_unavailable
+
+REASON = desktop_unavailable()
+pytestmark = [pytest.mark.skipif(REASON is not None, reason=REASON or ""), pytest.mark.slow]
+SCREEN = (1280, 800)
+REPO = Path(__file__).resolve().parents[3]
+AS_ROOT = os.geteuid() == 0
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def terminal():
+    """desktop/terminal-mkdir: a shell in a terminal, the agent's most direct tool."""
+    env = make_env("desktop/terminal-mkdir", screen=SCREEN, max_steps=500)
+    yield env
+    env.close()
+
+
+def put_file(env, path: str, content: str) -> None:
+    """Place a file in the sandbox through the trusted API (what the agent could type itself)."""
+    encoded = base64.b64encode(content.encode()).decode()
+    done = env.sandbox.execute(["sh", "-c", 'printf %s "$1" | base64 -d > "$2"', "sh", encoded, path])
+    assert done["returncode"] == 0, done
+
+
+def typed(env, command: str, timeout: float = 60.0) -> str:
+    """Type `command` into the terminal as the agent would (one `type` action ending in Enter) and
+    return what it printed (the shell writes it to a file; the host reads it through the server)."""
+    marker = uuid.uuid4().hex[:8]
+    _, _, _, _, info = env.step(Action(kind="type", text=f"({command}) > ~/.o{marker} 2>&1; touch ~/.d{marker}\n"))
+    assert info["action_error"] is None, info
+    deadline = time.monotonic() + timeout
+    while env.sandbox.read_file(f"~/.d{marker}") is None:
+        assert time.monotonic() < deadline, f"the typed command did not finish within {timeout} s: {command}"
+        time.sleep(0.2)
+    return (env.sandbox.read_file(f"~/.o{marker}") or b"").decode(errors="replace")
+
+
+def still_scores(env, task: str = "terminal-mkdir") -> None:
+    """After an attack: a fresh episode starts and the scripted solution scores 1."""
+    obs, _ = env.reset()
+    reward, terminated = 0.0, False
+    for action in solution_actions(task, obs.screenshot.size):
+        obs, reward, terminated, truncated, info = env.step(action)
+        if terminated or truncated:
+            break
+    assert terminated and reward == 1.0, f"{task} no longer scores after the attack: {reward}"
+
+
+def sandbox_processes(box) -> list[str]:
+    return box.execute(["ps", "-eo", "comm="])["output"].split()
+
+
+DESKTOP_PROCESSES = {"bwrap", "python", "python3", "Xvfb", "openbox", "ps"}
+
+
+# ---- 1. host files ------------------------------------------------------------------------------
+
+@pytest.fixture
+def canaries(tmp_path):
+    """Secrets outside the sandbox: root-only (0600) in /etc and in /var/lib, world-readable in the
+    repository, in /var/tmp and in a directory under /srv."""
+    secret = uuid.uuid4().hex
+    made = []
+    places = [(f"/etc/arpo-canary-{secret[:8]}", 0o600), (f"/var/lib/arpo-canary-{secret[:8]}", 0o600),
+              (str(REPO / f".arpo-canary-{secret[:8]}"), 0o644), (f"/var/tmp/arpo-canary-{secret[:8]}", 0o644),
+              (f"/srv/arpo-canary-{secret[:8]}/secret", 0o644)]
+    for path, mode in places:
+        try:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(f"canary {secret}\n")
+            os.chmod(path, mode)
+            made.append(path)
+        except OSError:
+            continue
+    assert len(made) >= 2, "could not place the canaries"
+    yield secret, made
+    for path in made:
+        Path(path).unlink(missing_ok=True)
+    subprocess.run(["rm", "-rf", f"/srv/arpo-canary-{secret[:8]}"])
+
+
+def test_finding1_no_host_file_is_readable(terminal, canaries):
+    secret, paths = canaries
+    terminal.reset()
+    out = typed(terminal, f"cat {' '.join(paths)}; ls -a {REPO}; ls -a /root /var/lib /srv /home; "
+                          f"grep -r {secret} /etc /var /srv /opt /home /root {REPO}")
+    assert secret not in out, f"a host file leaked into the sandbox:\n{out[-2000:]}"
+    listing = typed(terminal, f"ls -A {REPO}").split()
+    assert set(listing) <= {"arpo_lib", ".venv"}, listing  # the package (and a venv kept in the clone) only
+    assert typed(terminal, "cat /etc/shadow /etc/gshadow 2>/dev/null | wc -c").strip() == "0"
+    still_scores(terminal)
+
+
+# ---- 2. the host environment --------------------------------------------------------------------
+
+def test_finding2_the_host_environment_is_not_passed_in(monkeypatch):
+    secret = uuid.uuid4().hex
+    monkeypatch.setenv("ARPO_CANARY_TOKEN", secret)
+    monkeypatch.setenv("WANDB_API_KEY", secret)
+    env = make_env("desktop/terminal-mkdir", screen=SCREEN, max_steps=50)
+    try:
+        env.reset()
+        out = typed(env, "env; cat /proc/[0-9]*/environ | tr '\\0' '\\n'")
+        assert secret not in out and "ARPO_CANARY_TOKEN" not in out and "WANDB" not in out
+        assert "HOME=/home/user" in out
+        still_scores(env)
+    finally:
+        env.close()
+
+
+# ---- 3. host sockets ----------------------------------------------------------------------------
+
+def test_finding3_no_host_unix_socket_answers(terminal, tmp_path):
+    name = uuid.uuid4().hex[:8]
+    directory = Path(f"/var/tmp/arpo-sock-{name}")
+    directory.mkdir()
+    directory.chmod(0o755)
+    paths = [str(directory / "s")]
+    listeners = []
+    for address in (paths[0], f"\0arpo-canary-{name}"):  # a filesystem socket and an abstract one
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(address)
+        listener.listen(4)
+        listener.settimeout(0.2)
+        listeners.append(listener)
+    os.chmod(paths[0], 0o777)
+    connections: list[str] = []
+    stop = threading.Event()
+
+    def accept(listener):
+        while not stop.is_set():
+            try:
+                connection, _ = listener.accept()
+                connections.append(str(listener.getsockname()))
+                connection.close()
+            except OSError:
+                continue
+
+    threads = [threading.Thread(target=accept, args=(s,), daemon=True) for s in listeners]
+    for thread in threads:
+        thread.start()
+    try:
+        terminal.reset()
+        put_file(terminal, "/home/user/probe.py", textwrap.dedent(f"""\
+            import socket
+            for address in ({paths[0]!r}, '\\0arpo-canary-{name}'):
+                c = socket.socket(socket.AF_UNIX)
+                try:
+                    c.connect(address)
+                    print('CONNECTED', address)
+                except OSError as e:
+                    print('refused', e)
+            """))
+        out = typed(terminal, "python3 ~/probe.py")
+        assert "refused" in out and "CONNECTED" not in out, out
+        assert connections == []
+        still_scores(terminal)
+    finally:
+        stop.set()
+        for listener in listeners:
+            listener.close()
+        subprocess.run(["rm", "-rf", str(directory)])
+
+
+# ---- 4. shadowing the action interpreter ---------------------------------------------------------
+
+def test_finding4_a_saved_pyautogui_py_does_not_run(tmp_path):
+    """In the editor, the agent types Python, saves it as pyautogui.py with Save As (and the terminal
+    plants the same module where an interpreter could look: /tmp, the user site, sitecustomize);
+    the next click must run pyautogui, not that file."""
+    env = make_env("desktop/editor-type-save", screen=SCREEN, max_steps=60)
+    try:
+        env.reset()
+        payload = "open('/home/user/pwned', 'w').write('shadowed')"
+        env.step(Action(kind="type", text=payload))
+        env.step(Action(kind="hotkey", keys=["ctrl", "shift", "s"]))
+        env.step(Action(kind="wait"))
+        env.step(Action(kind="hotkey", keys=["ctrl", "a"]))
+        env.step(Action(kind="type", text="/home/user/pyautogui.py\n"))
+        env.step(Action(kind="wait"))
+        assert env.sandbox.read_file("~/pyautogui.py") == payload.encode(), "the editor did not save the file"
+        for place in ("/tmp/pyautogui.py", "/home/user/sitecustomize.py", "/home/user/usercustomize.py",
+                      "/tmp/sitecustomize.py", "/home/user/.local/lib/python3.11/site-packages/pyautogui.py",
+                      "/home/user/Desktop/pyautogui.py"):
+            env.sandbox.execute(["sh", "-c", f'mkdir -p "$(dirname {place})" && cp ~/pyautogui.py {place}'])
+        _, _, _, _, info = env.step(Action(kind="click", point=(5, 5)))
+        assert info["action_error"] is None, info
+        env.step(Action(kind="type", text="x"))
+        assert env.sandbox.read_file("~/pwned") is None, "an action ran the agent's file"
+        still_scores(env, "editor-type-save")
+    finally:
+        env.close()
+
+
+# ---- 5. the control API ------------------------------------------------------------------------
+
+PROBE_SOCKETS = textwrap.dedent("""\
+    import ctypes, os, socket, stat, sys
+    found = []
+    for top in sys.argv[1:] or ['/']:
+        for root, dirs, files in os.walk(top):
+            if root in ('/proc', '/sys', '/usr', '/dev'):
+                dirs[:] = []
+                continue
+            for name in files + dirs:
+                path = os.path.join(root, name)
+                try:
+                    if stat.S_ISSOCK(os.lstat(path).st_mode):
+                        found.append(path)
+                except OSError:
+                    pass
+    print('sockets', found)
+    for path in found:
+        c = socket.socket(socket.AF_UNIX)
+        c.settimeout(3)
+        try:
+            c.connect(path)
+            c.sendall(b'GET /health HTTP/1.0\\r\\n\\r\\n')
+            print('answer', path, c.recv(300))
+        except OSError as e:
+            print('no answer', path, e)
+    libc = ctypes.CDLL(None, use_errno=True)
+    for pid in sorted(int(p) for p in os.listdir('/proc') if p.isdigit()):
+        if pid == os.getpid():
+            continue
+        try:
+            fds = os.listdir(f'/proc/{pid}/fd')
+        except OSError as e:
+            fds = []
+        for fd in fds:
+            try:
+                print('LINK', pid, fd, os.readlink(f'/proc/{pid}/fd/{fd}'))
+                os.close(os.open(f'/proc/{pid}/fd/{fd}', os.O_RDONLY))
+                print('OPENED', pid, fd)
+            except OSError:
+                pass
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:
+            continue
+        for fd in range(3, 12):
+            if libc.syscall(438, pidfd, fd, 0) >= 0:  # pidfd_getfd
+                print('STOLE', pid, fd)
+    """)
+
+
+def test_finding5_the_control_api_is_out_of_reach(terminal):
+    terminal.reset()
+    put_file(terminal, "/home/user/probe.py", PROBE_SOCKETS)
+    out = typed(terminal, "python3 ~/probe.py")
+    assert "sockets" in out and '"ok": true' not in out and "HTTP/1" not in out and "STOLE" not in out, out
+    server = [line for line in out.splitlines() if line.startswith(("LINK 2 ", "OPENED 2 "))]  # the server is pid 2
+    assert server == [], server  # its descriptors (the listening socket among them) are not reachable
+    still_scores(terminal)
+
+
+def test_finding5_one_sandbox_cannot_reach_another(monkeypatch):
+    """With TMPDIR outside /tmp, /run and /home, the old sandbox saw the other's work directory."""
+    base = Path(f"/var/lib/arpo-tmp-{uuid.uuid4().hex[:8]}") if AS_ROOT else Path.home() / f"arpo-tmp-{uuid.uuid4().hex[:8]}"
+    base.mkdir(parents=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(base))
+    env = make_env("desktop/terminal-mkdir", screen=SCREEN, max_steps=50)
+    try:
+        with Sandbox(SCREEN) as other:
+            other.execute("echo other-secret > ~/mine.txt", shell=True)
+            env.reset()
+            put_file(env, "/home/user/probe.py", PROBE_SOCKETS)
+            out = typed(env, f"ls -la {base} {other.workdir}; cat {other.workdir}/*/mine.txt; python3 ~/probe.py {base} /")
+            assert "other-secret" not in out and '"ok": true' not in out, out
+            assert f"ls: cannot access '{base}'" in out and f"ls: cannot access '{other.workdir}'" in out, out
+            assert other.read_file("~/mine.txt") == b"other-secret\n"
+        still_scores(env)
+    finally:
+        env.close()
+        subprocess.run(["rm", "-rf", str(base)])
+
+
+# ---- 6. a shell in every task --------------------------------------------------------------------
+
+def test_finding6_no_desktop_menu_or_binding_starts_a_program():
+    """A right click (and a middle click) on the desktop opened openbox's root menu, whose first
+    entry is a terminal; Enter picked it. Nothing may appear or start now."""
+    env = make_env("desktop/editor-type-save", screen=SCREEN, max_steps=60)
+    try:
+        env.reset()
+        before = sorted(sandbox_processes(env.sandbox))
+        corner = (15, SCREEN[1] - 15)  # the bare desktop: Mousepad's window is centred
+        region = (0, SCREEN[1] - 300, 300, SCREEN[1])
+        obs, *_ = env.step(Action(kind="wait"))
+        shot = obs.screenshot.crop(region).tobytes()
+        for click in ("right_single", "click"):
+            obs, *_ = env.step(Action(kind=click, point=corner))
+            if click == "right_single":
+                assert obs.screenshot.crop(region).tobytes() == shot, "a menu opened on the desktop"
+            for keys in (["down"], ["enter"], ["super", "e"], ["alt", "f2"], ["ctrl", "alt", "t"]):
+                env.step(Action(kind="hotkey", keys=keys))
+        env.sandbox.post_json("/run_action", {"code": f"import pyautogui\npyautogui.click({corner[0]}, {corner[1]}, "
+                                                       "button='middle')\npyautogui.press('enter')"})
+        time.sleep(1.0)
+        after = sorted(sandbox_processes(env.sandbox))
+        assert after == before, f"a program started: {sorted(set(after) - set(before))}"
+        still_scores(env, "editor-type-save")
+    finally:
+        env.close()
+
+
+# ---- 7. seccomp, nested namespaces, limits --------------------------------------------------------
+
+PROBE_SYSCALLS = textwrap.dedent("""\
+    import ctypes, os
+    libc = ctypes.CDLL(None, use_errno=True)
+    calls = {'unshare(NEWUSER)': (272, 0x10000000), 'unshare(NEWNS)': (272, 0x00020000), 'setns': (308, 0, 0),
+             'mount': (165, 0, 0, 0, 0, 0), 'ptrace(ATTACH 2)': (101, 16, 2, 0, 0), 'bpf': (321, 0, 0, 0),
+             'keyctl(session)': (250, 0, -3, 0), 'add_key': (248, 0, 0, 0, 0, 0),
+             'perf_event_open': (298, 0, 0, -1, -1, 0), 'io_uring_setup': (425, 1, 0), 'userfaultfd': (323, 0),
+             'init_module': (175, 0, 0, 0), 'kexec_load': (246, 0, 0, 0, 0), 'reboot': (169, 0, 0, 0, 0),
+             'process_vm_readv': (310, 2, 0, 0, 0, 0, 0), 'pidfd_getfd': (438, 0, 0, 0), 'swapon': (167, 0, 0),
+             'clone(NEWUSER)': (56, 0x10000000 | 17, 0, 0, 0, 0), 'clone3': (435, 0, 0),
+             'ioctl(TIOCSTI)': (16, 0, 0x5412, 0)}
+    for name, (number, *args) in calls.items():
+        result = libc.syscall(number, *[ctypes.c_long(a) for a in args])
+        if result == 0 and name.startswith('clone'):
+            os._exit(0)  # the child of a clone that went through
+        print(name, 'returned', result, 'errno', ctypes.get_errno())
+    """)
+
+
+def test_finding7_no_nested_namespaces_and_the_kernel_surface_is_filtered(terminal):
+    terminal.reset()
+    out = typed(terminal, "unshare -Ur id; unshare -m id; unshare -p -f id; echo; grep Cap /proc/self/status")
+    assert "uid=0" not in out and "Operation not permitted" in out, out
+    put_file(terminal, "/home/user/probe.py", PROBE_SYSCALLS)
+    out = typed(terminal, "python3 ~/probe.py")
+    results = dict(line.split(" returned ") for line in out.splitlines() if " returned " in line)
+    assert len(results) == 20, out
+    for name, result in results.items():
+        expected = "errno 38" if name == "clone3" else "errno 1"
+        assert result.startswith("-1 ") and result.endswith(expected), f"{name}: {result}"
+    still_scores(terminal)
+
+
+def _host_tasks() -> int:
+    total = 0
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                total += len(os.listdir(f"/proc/{entry.name}/task"))
+            except OSError:
+                pass
+    return total
+
+
+def _wait_for_incident(box, timeout: float = 60) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        incidents = box.get_json("/health", timeout=30)["incidents"]
+        if incidents:
+            return incidents
+        time.sleep(0.3)
+    return []
+
+
+def test_finding7_a_fork_bomb_ends_its_own_episode_not_the_machine():
+    pids = 256
+    env = make_env("desktop/terminal-mkdir", screen=SCREEN, max_steps=50, limits={"pids": pids})
+    peak, stop = [0], threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            peak[0] = max(peak[0], _host_tasks())
+            time.sleep(0.05)
+
+    try:
+        env.reset()
+        baseline = _host_tasks()
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        env.step(Action(kind="type", text="b(){ b|b& };b\n"))
+        incidents = _wait_for_incident(env.sandbox)
+        time.sleep(1.0)
+        stop.set()
+        sampler.join()
+        assert incidents and incidents[0].startswith("pids limit"), incidents
+        # Bounded by the limit plus what the bomb forks between two counts of the watcher (50 ms: ~2,000
+        # here); where the kernel applies RLIMIT_NPROC (not for a sandbox whose user maps to root) by the limit.
+        pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+        assert peak[0] - baseline < pids + 5000 and peak[0] < pid_max // 2, f"the bomb reached {peak[0] - baseline} tasks"
+        if env.sandbox.report()["host_uid"] is not None:
+            assert peak[0] - baseline < pids + 200, f"the kernel's limit let {peak[0] - baseline} tasks through"
+        assert set(sandbox_processes(env.sandbox)) <= DESKTOP_PROCESSES | {"sh"}
+        still_scores(env)
+    finally:
+        stop.set()
+        env.close()
+
+
+def test_finding7_memory_is_bounded_per_process_and_in_total():
+    env = make_env("desktop/terminal-mkdir", screen=SCREEN, max_steps=50,
+                   limits={"memory_mib": 512, "total_memory_mib": 700})
+    try:
+        env.reset()
+        out = typed(env, "python3 -c 'b = bytearray(1024 * 2**20); print(\"ALLOCATED\")'")
+        assert "MemoryError" in out and "ALLOCATED" not in out, out
+        env.step(Action(kind="type", text="for i in 1 2 3; do python3 -c 'import time; b = b\"x\" * (300 * 2**20); "
+                                           "time.sleep(60)' & done\n"))
+        incidents = _wait_for_incident(env.sandbox)
+        assert incidents and incidents[0].startswith("memory limit"), incidents
+        assert "python3" not in sandbox_processes(env.sandbox)
+        still_scores(env)
+    finally:
+        env.close()
+
+
+def test_finding7_disk_and_file_size_are_bounded_and_nothing_lands_on_the_host():
+    env = make_env("desktop/terminal-mkdir", screen=SCREEN, max_steps=50,
+                   limits={"home_mib": 32, "scratch_mib": 16, "file_mib": 24})
+    try:
+        env.reset()
+        out = typed(env, "for d in ~ ~ /tmp /var/tmp /dev/shm /run; do dd if=/dev/zero of=$d/fill$RANDOM bs=1M count=20; "
+                         "done; df -m ~ /tmp; rm -f ~/fill*; dd if=/dev/zero of=~/big bs=1M count=30; stat -c %s ~/big")
+        assert out.count("No space left on device") == 5, out  # the home's second file, and each scratch directory
+        assert out.split()[-1] == str(24 * 2**20), out  # the 30 MiB file stopped at the 24 MiB file-size limit
+        usage = subprocess.run(["du", "-sm", str(env.sandbox.workdir)], capture_output=True, text=True).stdout
+        assert int(usage.split()[0]) < 5, f"the agent's writes landed on the host: {usage}"
+        still_scores(env)
+    finally:
+        env.close()
+
+
+def test_an_action_process_has_a_cpu_time_limit():
+    """An action's interpreter gets RLIMIT_CPU (what the whitelist lets through cannot spin, so the
+    mechanism is checked on the command the server builds, with a spinning body)."""
+    from arpo_lib.envs.desktop.server import action_command
+
+    command = action_command(sys.executable, "x = 0\nwhile True:\n    x += 1", cpu_s=1, python_path=[], preamble="")
+    done = subprocess.run(command, capture_output=True, timeout=60)
+    assert done.returncode == -signal.SIGXCPU or done.returncode == -signal.SIGKILL, done
+
+
+# ---- 8. the server under abuse -------------------------------------------------------------------
+
+def _raw(box, payload: bytes) -> bytes:
+    connection = socket.socket(socket.AF_UNIX)
+    connection.settimeout(30)
+    connection.connect(box.socket_path)
+    connection.sendall(payload)
+    data = connection.recv(4096)
+    connection.close()
+    return data
+
+
+def _held_inputs(box) -> int:
+    code = ("from Xlib.display import Display; d = Display(); "
+            "print(sum(bin(b).count('1') for b in d.query_keymap()) + bin(d.screen().root.query_pointer().mask & 0x1f00).count('1'))")
+    done = box.execute(["sh", "-c", f'"$0" -c "import sys; sys.path[:0] = $1; {code}"', sys.executable,
+                        json.dumps([p for p in sys.path if p.endswith("-packages")])])
+    assert done["returncode"] == 0, done
+    return int(done["output"])
+
+
+def test_finding8_every_malformed_or_abusive_request_is_a_json_error():
+    env = make_env("desktop/terminal-mkdir", screen=SCREEN, max_steps=50)
+    try:
+        env.reset()
+        box = env.sandbox
+        refused = {
+            "lone surrogate": "\ud800",
+            "deep unary minus": "-" * 100_000,
+            "200,000 statements": "pyautogui.click(1, 1)\n" * 200_000,
+            "a sleep of 1e9 s": "import time\ntime.sleep(1e9)",
+            "a million clicks": "import pyautogui\npyautogui.click(5, 5, clicks=1000000)",
+            "a scroll point off screen": "import pyautogui\npyautogui.scroll(5, 99999, 99999)",
+            "a hundred thousand presses": "import pyautogui\npyautogui.press('a', presses=100000)",
+            "typing for 1000 s": "import pyautogui\npyautogui.write('" + "a" * 1000 + "', interval=1.0)",
+            "a drag of an hour": "import pyautogui\npyautogui.dragTo(5, 5, duration=3600)",
+            "an unknown keyword": "import pyautogui\npyautogui.click(5, 5, _pause=False)",
+            "not a string": 12,
+        }
+        for why, code in refused.items():
+            status, data = box.request("POST", "/run_action", {"code": code}, timeout=30)
+            answer = json.loads(data)
+            assert status == 403 and answer["status"] == "refused", (why, status, data[:200])
+        for payload, status in [(b"not json", 400), (b"[1, 2]", 400), (b'{"code": ' + b"[" * 100_000 + b"]}", 400)]:
+            got, data = box.request("POST", "/run_action", payload, headers={"Content-Type": "application/json"})
+            assert got == status and "error" in json.loads(data), (payload[:20], got, data[:200])
+        got, data = box.request("POST", "/run_action", b"{" + b" " * (9 * 2**20) + b"}")
+        assert got == 413, (got, data[:200])
+        for body, status in [({"command": 5}, 400), ({"command": ["ls"], "timeout": "x"}, 400), ({}, 400)]:
+            got, data = box.request("POST", "/execute", body)
+            assert got == status and "error" in json.loads(data), (body, got, data)
+        assert box.request("POST", "/file", {"file_path": 7})[0] == 400
+        assert box.request("GET", "/nope")[0] == 404
+        assert b" 400 " in _raw(box, b"POST /execute HTTP/1.1\r\nContent-Length: abc\r\n\r\n")
+        # held keys and buttons do not outlive the action that pressed them
+        assert box.run_action("import pyautogui\npyautogui.keyDown('shift')")["returncode"] == 0
+        assert box.run_action("import pyautogui\npyautogui.mouseDown(button='left')")["returncode"] == 0
+        assert _held_inputs(box) == 0
+        assert box.get_json("/health")["ok"] is True
+        still_scores(env)
+    finally:
+        env.close()
+
+
+# ---- 9. reset and clean-up --------------------------------------------------------------------------
+
+def test_finding9_a_reset_ends_every_process_even_while_they_fork(terminal):
+    for trial in range(3):
+        terminal.reset()
+        terminal.step(Action(kind="type", text="for i in $(seq 800); do sleep 1000 & done; "
+                                                "while :; do sleep 1000 & sleep 0.002; done &\n"))
+        deadline = time.monotonic() + 30
+        while sandbox_processes(terminal.sandbox).count("sleep") < 400:
+            assert time.monotonic() < deadline, "the sleepers did not start"
+            time.sleep(0.2)
+        terminal.sandbox.reset_session()
+        left = sandbox_processes(terminal.sandbox)
+        assert set(left) <= DESKTOP_PROCESSES | {"sh"} and "sleep" not in left and "bash" not in left, (trial, left)
+    still_scores(terminal)
+
+
+def test_finding9_the_work_directory_goes_when_its_owner_is_killed(tmp_path):
+    script = ("import sys, time; sys.path.insert(0, %r); from arpo_lib.envs.desktop.sandbox import Sandbox; "
+              "box = Sandbox((640, 480)); box.launch(['sleep', '600']); print(box.workdir, flush=True); time.sleep(600)"
+              % str(REPO))
+    owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    workdir = Path(owner.stdout.readline().strip())
+    assert workdir.is_dir()
+    owner.kill()
+    owner.wait()
+    deadline = time.monotonic() + 20
+    while workdir.exists() or _processes_mentioning(str(workdir)):
+        assert time.monotonic() < deadline, f"left behind: {workdir.exists()}, {_processes_mentioning(str(workdir))}"
+        time.sleep(0.2)
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                if text.encode() in Path(f"/proc/{entry.name}/cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
+# ---- the modes: as an ordinary user, and the dedicated-user fallback ------------------------------
+
+ORDINARY_USER_SCRIPT = textwrap.dedent("""\
+    import json, os, sys, time
+    from arpo_lib.envs import make_env
+    from arpo_lib.envs.desktop.scripted import solution_actions
+    env = make_env('desktop/terminal-mkdir', screen=(1280, 800))
+    try:
+        obs, _ = env.reset()
+        for action in solution_actions('terminal-mkdir', obs.screenshot.size):
+            obs, reward, terminated, truncated, info = env.step(action)
+            if terminated or truncated:
+                break
+        env.reset()
+        probe = env.sandbox.execute('cat /etc/arpo-canary-user 2>&1; ulimit -u', shell=True)
+        print(json.dumps({'uid': os.getuid(), 'reward': reward, 'mode': env.sandbox.report()['isolation'],
+                          'probe': probe['output'] + probe['error']}))
+    finally:
+        env.close()
+    """)
+
+
+@pytest.mark.skipif(not AS_ROOT or not os.access("/usr/bin/python3", os.X_OK), reason="needs root to become another user")
+def test_the_sandbox_runs_as_an_ordinary_user_too(tmp_path):
+    """The same sandbox started by an unprivileged user (nobody), with the system Python and this
+    environment's packages on PYTHONPATH: namespaces mode, the task scores, a root-only file stays
+    unreadable, and the kernel's process limit applies (it exempts only root)."""
+    check = subprocess.run(["/usr/bin/python3", "-c", "import tkinter"], capture_output=True)
+    if check.returncode != 0:
+        pytest.skip("the system Python has no tkinter (apt-get install python3-tk)")
+    Path("/etc/arpo-canary-user").write_text("secret-of-root\n")
+    os.chmod("/etc/arpo-canary-user", 0o600)
+    site = [p for p in sys.path if p.endswith("site-packages") and os.path.isdir(p)]
+    where = Path(tempfile.mkdtemp(prefix="arpo-ordinary-", dir="/tmp"))  # pytest's tmp_path is root's only
+    where.chmod(0o755)
+    script = where / "run.py"
+    script.write_text(ORDINARY_USER_SCRIPT)
+    try:
+        done = subprocess.run(["/usr/bin/python3", str(script)], user=65534, group=65534, extra_groups=[],
+                              env={"PATH": "/usr/bin:/bin", "HOME": "/tmp", "PYTHONPATH": ":".join([*site, str(REPO)])},
+                              cwd="/", capture_output=True, text=True, timeout=300)
+    finally:
+        os.unlink("/etc/arpo-canary-user")
+        subprocess.run(["rm", "-rf", str(where)])
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["uid"] == 65534 and result["mode"] == "namespaces" and result["reward"] == 1.0, result
+    assert "secret-of-root" not in result["probe"]
+
+
+@pytest.mark.skipif(not AS_ROOT, reason="the dedicated-user fallback needs root")
+def test_the_user_fallback_keeps_the_agent_away_from_the_host(canaries, monkeypatch):
+    """Forced here (user namespaces work on this machine): applications run as a dedicated account
+    with /home/user; root-only files, the host environment and the control socket stay out of
+    reach; a reset ends every process of the account; the tasks score; nothing is left after."""
+    secret, paths = canaries
+    monkeypatch.setenv("ARPO_CANARY_TOKEN", secret)
+    env = make_env("desktop/terminal-mkdir", screen=SCREEN, max_steps=80, isolation="user")
+    try:
+        env.reset()
+        report = env.sandbox.report()
+        assert report["isolation"] == "user" and report["losses"] and report["agent_uid"] is not None
+        root_only = [p for p in paths if os.stat(p).st_mode & 0o077 == 0]
+        out = typed(env, f"id; env; cat {' '.join(root_only)}; ls {env.sandbox.workdir}/control")
+        assert secret not in out and "Permission denied" in out, out
+        put_file(env, "/home/user/probe.py", PROBE_SOCKETS)
+        out = typed(env, f"python3 ~/probe.py {env.sandbox.workdir} /tmp /var/tmp /run")
+        assert '"ok": true' not in out, out
+        if report["network_blocked"]:
+            out = typed(env, "python3 -c \"import socket; socket.create_connection(('127.0.0.1', 22), 3)\" 2>&1 | tail -1")
+            assert "refused" in out or "unreachable" in out or "timed out" in out, out
+        env.step(Action(kind="type", text="for i in $(seq 200); do sleep 1000 & done; "
+                                          "while :; do sleep 1000 & sleep 0.002; done &\n"))
+        time.sleep(2)
+        env.sandbox.reset_session()
+        uid = report["agent_uid"]
+        assert [p for p in os.listdir("/proc") if p.isdigit() and _uid_of(p) == uid] == []
+        still_scores(env)
+        workdir = env.sandbox.workdir
+    finally:
+        env.close()
+    assert not workdir.exists() and not Path("/home/user").exists()
+    assert [p for p in os.listdir("/proc") if p.isdigit() and _uid_of(p) == uid] == []
+
+
+def _uid_of(pid: str) -> int | None:
+    """The real uid of a live process (None for a zombie: killed, its pid not yet reaped by init)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            status = dict(line.split(":", 1) for line in f if ":" in line)
+    except OSError:
+        return None
+    if status.get("State", "").strip().startswith(("Z", "X")):
+        return None
+    return int(status["Uid"].split()[0])
+
+
+def test_a_sandbox_that_cannot_start_says_why(monkeypatch):
+    from arpo_lib.envs.desktop import confinement
+
+    monkeypatch.setattr(confinement, "user_namespaces_refused", lambda: "Operation not permitted")
+    monkeypatch.setattr(confinement.os, "geteuid", lambda: 1000)
+    with pytest.raises(RuntimeError, match="no isolation mode can run here.*needs root.*apparmor"):
+        confinement.choose_isolation("auto")
+    with pytest.raises(RuntimeError, match="cannot create namespaces here"):
+        confinement.choose_isolation("namespaces")
+    monkeypatch.setattr(confinement.os, "geteuid", lambda: 0)
+    assert confinement.choose_isolation("auto") == "user"
+    with pytest.raises(EnvError, match="unknown desktop limit"):
+        try:
+            make_env("desktop/terminal-mkdir", limits={"pid": 5})
+        except ValueError as e:
+            raise EnvError(str(e)) from e
