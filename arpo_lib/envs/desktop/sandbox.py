@@ -146,6 +146,7 @@ class Sandbox:
                 os.close(fd)
         listener.close()  # the server holds it now
         self._wait_ready()
+        _say_once(self.describe())
 
     # -- starting ------------------------------------------------------------------------------
     def _server_arguments(self, listen_fd: int, window_manager: str) -> list[str]:
@@ -179,13 +180,12 @@ class Sandbox:
         bubblewrap runs as an unprivileged uid of its own instead, when that uid can read everything
         the sandbox binds (a Python environment under /root, mode 0700, cannot: then the mapping
         stays root and the mount list and the server's watcher are the protection; report() says which)."""
-        uid, lock = _claim_free_uid()
-        needed = [*confinement.python_paths(), confinement.arpo_package_dir(), sys.executable]
-        unreadable = _unreadable_for(uid, needed)
+        needed = (*confinement.python_paths(), confinement.arpo_package_dir(), sys.executable)
+        unreadable = _unreadable_for_unprivileged(needed)
         if unreadable:
-            os.close(lock)
-            log.debug("desktop sandbox: the sandbox's user maps to root (uid %d cannot read %s)", uid, unreadable)
+            log.debug("desktop sandbox: the sandbox's user maps to root (an unprivileged uid cannot read %s)", unreadable)
             return
+        uid, lock = _claim_free_uid()
         self.host_uid, self._uid_lock = uid, lock
         self.workdir.chmod(0o711)  # the identity files are read by bubblewrap as that uid; control/ stays 0700
         for name in confinement.IDENTITY_FILES:
@@ -337,6 +337,18 @@ class Sandbox:
                 "sized_tmpfs": self.isolation == "namespaces" and "--size" in confinement.bwrap_features(),
                 "losses": list(confinement.USER_MODE_LOSSES) if self.isolation == "user" else []}
 
+    def describe(self) -> str:
+        """One line: how this sandbox is isolated (logged once per process and mode)."""
+        report = self.report()
+        if self.isolation == "user":
+            return (f"desktop sandbox: 'user' isolation (dedicated account uid {self.agent_uid}; network "
+                    f"{'blocked' if self.network_blocked else 'NOT blocked'}; see report()['losses'])")
+        who = f"uid {self.host_uid}" if self.host_uid is not None else (
+            "root" if os.geteuid() == 0 else f"your uid {os.geteuid()}")
+        return (f"desktop sandbox: 'namespaces' isolation (bubblewrap; seccomp; "
+                f"{'size-capped' if report['sized_tmpfs'] else 'UNCAPPED (bubblewrap < 0.7)'} home; "
+                f"the sandbox's user maps to {who})")
+
     def close(self) -> None:
         """End the sandbox and everything in it; remove its directory. Safe to call twice."""
         if getattr(self, "process", None) is not None and self.process.poll() is None:
@@ -374,6 +386,15 @@ class Sandbox:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_SAID: set[str] = set()
+
+
+def _say_once(line: str) -> None:
+    if line not in _SAID:
+        _SAID.add(line)
+        log.info("%s", line)
 
 
 # ---- the user-mode fallback --------------------------------------------------------------------
@@ -493,6 +514,12 @@ def _block_network(uid: int, block: bool) -> bool:
                                "-j", "REJECT"], capture_output=True)
         ok = ok and done.returncode == 0
     return ok and block
+
+
+@functools.lru_cache(maxsize=None)
+def _unreadable_for_unprivileged(paths: tuple[str, ...]) -> list[str]:
+    """Those of `paths` a uid without an account or groups cannot read (asked once per process)."""
+    return _unreadable_for(AGENT_UIDS.stop - 1, list(paths))
 
 
 def _unreadable_for(uid: int, paths: list[str]) -> list[str]:

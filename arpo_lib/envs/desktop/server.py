@@ -310,8 +310,13 @@ class Desktop:
         return kwargs
 
     def run(self, command: list[str] | str, shell: bool, timeout: float) -> dict[str, Any]:
-        """A trusted command (set-up, checker), as the agent's user."""
-        return _run(command, shell=shell, timeout=timeout, **self._as_agent())
+        """A trusted command (set-up, checker), as the agent's user, in its home (OSWorld's commands
+        use relative paths). Python started by it does not look in the home for modules (safe path,
+        no user site): OSWorld's set-up and checkers run `python -c "import pyautogui; ..."`, which
+        a pyautogui.py the agent saved there would otherwise replace."""
+        kwargs = self._as_agent()
+        kwargs["env"] = {**kwargs["env"], "PYTHONSAFEPATH": "1", "PYTHONNOUSERSITE": "1"}
+        return _run(command, shell=shell, timeout=timeout, **kwargs)
 
     def run_action(self, code: str, cpu_s: int) -> dict[str, Any]:
         """Checked agent code in an isolated interpreter started from / (nothing the agent wrote can

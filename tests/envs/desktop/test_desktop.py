@@ -277,3 +277,65 @@ def test_a_process_counts_as_ended_only_when_every_thread_has():
         proc.kill()
         proc.wait()
     assert not _alive(proc.pid)
+
+
+# ---- what confines the sandbox (no sandbox needed) ---------------------------------------------
+
+def test_the_mount_plan_never_binds_the_host_root_and_hides_what_others_cannot_read(tmp_path, monkeypatch):
+    from arpo_lib.envs.desktop import confinement
+
+    secret_dir, secret_file, public = tmp_path / "private", tmp_path / "key", tmp_path / "fonts.conf"
+    secret_dir.mkdir(mode=0o700)
+    secret_file.write_text("x")
+    secret_file.chmod(0o600)
+    public.write_text("x")
+    public.chmod(0o644)
+    assert sorted(confinement.unreadable_for_others(str(tmp_path))) == [("dir", str(secret_dir)), ("file", str(secret_file))]
+    confinement.write_identity_files(tmp_path)
+    args = confinement.bwrap_arguments(tmp_path, confinement.Limits(home_mib=64), seccomp_fd=9)
+    pairs = list(zip(args, args[1:]))
+    assert ("--ro-bind", "/") not in pairs and ("--bind", "/") not in pairs
+    assert "--clearenv" in args and "--unshare-net" in args and ("--seccomp", "9") in pairs
+    assert ("--ro-bind", "/dev/null") in pairs and "/etc/shadow" in args  # masked
+    home = next(i for i, (a, b) in enumerate(pairs) if (a, b) == ("--tmpfs", "/home/user"))
+    if "--size" in confinement.bwrap_features():
+        assert args[home - 2:home] == ["--size", str(64 * 2**20)]
+    assert ("--chdir", "/home/user") in pairs
+    assert [b for a, b in pairs if a == "--setenv"] == list(confinement.sandbox_environment())  # nothing else
+
+
+def test_limits_are_validated_with_the_key_named():
+    from arpo_lib.envs.desktop.confinement import Limits
+
+    assert Limits.from_options({"pids": 300}).pids == 300
+    with pytest.raises(ValueError, match=r"unknown desktop limit\(s\) \['pid'\]"):
+        Limits.from_options({"pid": 300})
+    with pytest.raises(ValueError, match="limits.home_mib must be a positive integer"):
+        Limits(home_mib=0)
+    with pytest.raises(ValueError, match="limits.pids must be >= 64"):
+        Limits(pids=10)
+
+
+def test_the_seccomp_filter_builds_and_knows_every_denied_call(tmp_path):
+    from arpo_lib.envs.desktop import confinement
+
+    with open(tmp_path / "f.bpf", "wb") as out:
+        unknown = confinement.seccomp_filter_bpf(out)
+    assert (tmp_path / "f.bpf").stat().st_size > 100 and "unshare" not in unknown and "ptrace" not in unknown
+
+
+def test_the_window_manager_config_parses_and_starts_nothing():
+    """openbox shows a dialog (over the task's screen) and falls back to Debian's config, root menu
+    and all, when its config does not parse: a double hyphen in an XML comment once did that."""
+    import xml.etree.ElementTree as ET
+
+    from arpo_lib.envs.desktop.server import OPENBOX_CONFIG
+
+    root = ET.parse(OPENBOX_CONFIG).getroot()
+    ns = {"ob": "http://openbox.org/3.4/rc"}
+    contexts = [c.get("name") for c in root.iterfind(".//ob:context", ns)]
+    assert not any("Root" in (name or "") for name in contexts), contexts
+    actions = {a.get("name") for a in root.iterfind(".//ob:action", ns)}
+    assert "Execute" not in actions and "Exit" not in actions and "Restart" not in actions, actions
+    menus = [m.text for m in root.iterfind(".//ob:action[@name='ShowMenu']/ob:menu", ns)]
+    assert set(menus) == {"client-menu"}, menus

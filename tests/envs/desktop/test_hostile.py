@@ -118,7 +118,7 @@ def test_finding1_no_host_file_is_readable(terminal, canaries):
     secret, paths = canaries
     terminal.reset()
     out = typed(terminal, f"cat {' '.join(paths)}; ls -a {REPO}; ls -a /root /var/lib /srv /home; "
-                          f"grep -r {secret} /etc /var /srv /opt /home /root {REPO}")
+                          f"grep -rs {secret} /etc /var /srv /opt /home")  # not the Python trees: gigabytes
     assert secret not in out, f"a host file leaked into the sandbox:\n{out[-2000:]}"
     listing = typed(terminal, f"ls -A {REPO}").split()
     assert set(listing) <= {"arpo_lib", ".venv"}, listing  # the package (and a venv kept in the clone) only
@@ -222,6 +222,10 @@ def test_finding4_a_saved_pyautogui_py_does_not_run(tmp_path):
         assert info["action_error"] is None, info
         env.step(Action(kind="type", text="x"))
         assert env.sandbox.read_file("~/pwned") is None, "an action ran the agent's file"
+        # trusted commands too (OSWorld's set-up and checkers run `python -c "import pyautogui"` in the home)
+        env.sandbox.execute(["sh", "-c", "cp ~/pyautogui.py ~/json.py"])
+        done = env.sandbox.execute(["python3", "-c", "import json, pyautogui"])
+        assert env.sandbox.read_file("~/pwned") is None, f"a trusted command ran the agent's file: {done}"
         still_scores(env, "editor-type-save")
     finally:
         env.close()
@@ -558,7 +562,7 @@ def test_finding9_the_work_directory_goes_when_its_owner_is_killed(tmp_path):
               "box = Sandbox((640, 480)); box.launch(['sleep', '600']); print(box.workdir, flush=True); time.sleep(600)"
               % str(REPO))
     owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    workdir = Path(owner.stdout.readline().strip())
+    workdir = Path(next(line.strip() for line in owner.stdout if line.startswith("/")))  # after the log line
     assert workdir.is_dir()
     owner.kill()
     owner.wait()
