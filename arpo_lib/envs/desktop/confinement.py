@@ -187,10 +187,10 @@ def unreadable_for_others(root: str = "/etc") -> list[tuple[str, str]]:
     return masked
 
 
-@functools.lru_cache(maxsize=None)
 def etc_masks() -> tuple[tuple[str, str], ...]:
-    """("dir" | "file", path) under /etc to hide: the unreadable ones and ETC_SECRETS. Read once
-    per process (a walk of /etc: ~25 ms)."""
+    """("dir" | "file", path) under /etc to hide: the unreadable ones and ETC_SECRETS. Walked at
+    every sandbox start (~25 ms): /etc changes while a process runs (a package installed, a secret
+    added), and a mask of a file that is gone stops bubblewrap."""
     masks = dict((path, kind) for kind, path in unreadable_for_others("/etc"))
     for name in ETC_SECRETS:
         path = f"/etc/{name}"
