@@ -4,6 +4,10 @@ running sandbox, with 1 and with N environments side by side (threads, one sandb
 
     python benchmarks/bench_desktop.py                      # 1 and 4 environments, 1920x1080
     python benchmarks/bench_desktop.py --envs 1 2 --screen 960x600
+    # as an ordinary user (the system Python with this environment's packages), the README's second row:
+    setpriv --reuid 65534 --regid 65534 --clear-groups env -i PATH=/usr/bin:/bin HOME=/tmp \
+        PYTHONPATH=.venv/lib/python3.11/site-packages:. /usr/bin/python3 benchmarks/bench_desktop.py \
+        --out /tmp/bench --name desktop_envs_ordinary_user
 
 Writes benchmarks/results/desktop_envs.json. Memory is the resident set (RSS) summed over the
 sandbox's processes (bwrap, the action server, Xvfb, the window manager, the application) at the
@@ -73,6 +77,7 @@ def one_env(task: str, screen: tuple[int, int], episodes: int, out: dict[str, An
             solved.append(time.monotonic() - t)
             rewards.append(reward)
             out["rss_mib"] = _tree_rss_mib(env.sandbox.process.pid)
+            out["sandbox"] = {k: env.sandbox.report()[k] for k in ("isolation", "host_uid", "sized_tmpfs", "seccomp")}
             env.reset()
             t = time.monotonic()
             env.step(Action(kind="hotkey", keys=["shift"]))
@@ -112,13 +117,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--screen", default="1920x1080")
     parser.add_argument("--episodes", type=int, default=3, help="scripted episodes per environment")
     parser.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
+    parser.add_argument("--name", default="desktop_envs", help="results file name (without .json)")
     args = parser.parse_args(argv)
     screen = tuple(int(v) for v in args.screen.lower().split("x"))
     rows = [run(n, screen, args.episodes) for n in args.envs]
     result = {"benchmark": "desktop_envs", "screen": list(screen), "episodes_per_env": args.episodes,
-              "machine": f"{platform.machine()}, {os.cpu_count()} cores", "rows": rows,
+              "machine": f"{platform.machine()}, {os.cpu_count()} cores", "caller_uid": os.geteuid(),
+              "python": sys.executable, "rows": rows,
               "command": "python benchmarks/bench_desktop.py " + " ".join(argv if argv is not None else sys.argv[1:])}
-    path = write_result("desktop_envs", result, args.out)
+    path = write_result(args.name, result, args.out)
     print(table(rows, ["envs", "start_s", "reset_s", "step_s", "episode_s", "rss_mib", "success",
                        "episodes_per_min", "wall_s"]))
     print(f"written {path}")
