@@ -358,3 +358,90 @@ def _seccomp_module() -> Any:
     except RuntimeError as e:  # pyseccomp raises this when libseccomp.so is missing
         raise RuntimeError(f"{e}: install libseccomp (Debian/Ubuntu: apt-get install libseccomp2)") from e
     return pyseccomp
+
+
+# ---- cgroups: kernel limits for a sandbox whose user maps to root -------------------------------
+
+DESKTOP_MEMORY_MIB = 768
+"""What the desktop itself (server, X server, window manager) may use beyond the episode's limits."""
+DESKTOP_PIDS = 64
+
+
+class Cgroup:
+    """A cgroup per sandbox with `pids.max` and a memory limit: what the kernel enforces where
+    RLIMIT_NPROC does not (root is exempt from it, and a sandbox started by root whose Python only
+    root can read runs as root on the host). Made where the caller may create cgroups (root with
+    a writable cgroup v1 hierarchy per controller, or a cgroup v2 tree whose own cgroup can host
+    children with the controllers on); `create` returns None elsewhere. Processes join through
+    `join_command`; `remove` deletes the directories once the processes are gone."""
+
+    ROOT = Path("/sys/fs/cgroup")
+
+    def __init__(self, directories: dict[str, Path], kind: str) -> None:
+        self.directories, self.kind = directories, kind
+
+    @classmethod
+    def create(cls, name: str, limits: Limits) -> "Cgroup | None":
+        if os.geteuid() != 0:
+            return None
+        memory = (limits.total_memory_mib + limits.home_mib + 4 * limits.scratch_mib + DESKTOP_MEMORY_MIB) * 2**20
+        pids = limits.pids + DESKTOP_PIDS
+        own = _own_cgroups()
+        made: dict[str, Path] = {}
+        try:
+            if (cls.ROOT / "cgroup.controllers").is_file():  # cgroup v2 mounted at /sys/fs/cgroup
+                directory = cls.ROOT / own.get("", "/").lstrip("/") / name
+                directory.mkdir()
+                made["unified"] = directory
+                (directory / "pids.max").write_text(f"{pids}\n")
+                (directory / "memory.max").write_text(f"{memory}\n")
+                return cls(made, "v2")
+            for controller, limit_file, value in (("pids", "pids.max", pids), ("memory", "memory.limit_in_bytes", memory)):
+                hierarchy = cls.ROOT / controller
+                if not (hierarchy / "cgroup.procs").is_file():
+                    raise OSError(f"no cgroup v1 {controller} hierarchy")
+                directory = hierarchy / own.get(controller, "/").lstrip("/") / name
+                directory.mkdir()
+                made[controller] = directory
+                (directory / limit_file).write_text(f"{value}\n")
+            return cls(made, "v1")
+        except OSError:
+            cls(made, "").remove(wait_s=0)
+            return None
+
+    def join_command(self, command: list[str]) -> list[str]:
+        """`command`, started by a shell that first moves itself into this cgroup (so the very first
+        process of the sandbox, and everything after it, is counted)."""
+        files = [str(d / "cgroup.procs") for d in self.directories.values()]
+        script = ('n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1" || exit 97; shift; n=$((n-1)); done; '
+                  'exec "$@"')
+        return ["/bin/sh", "-c", script, "sh", str(len(files)), *files, *command]
+
+    def remove(self, wait_s: float = 10.0) -> bool:
+        """Delete the cgroup directories (the kernel refuses while a process is in them: retried
+        for `wait_s`). Whether all are gone."""
+        import time
+
+        deadline = time.monotonic() + wait_s
+        while True:
+            left = []
+            for directory in self.directories.values():
+                try:
+                    directory.rmdir()
+                except FileNotFoundError:
+                    pass
+                except OSError:
+                    left.append(directory)
+            if not left or time.monotonic() >= deadline:
+                return not left
+            time.sleep(0.1)
+
+
+def _own_cgroups() -> dict[str, str]:
+    """This process's cgroup path per controller ("" for cgroup v2), from /proc/self/cgroup."""
+    paths: dict[str, str] = {}
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        for controller in controllers.split(",") if controllers else [""]:
+            paths[controller] = path
+    return paths

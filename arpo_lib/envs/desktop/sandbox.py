@@ -112,6 +112,8 @@ class Sandbox:
         self.isolation = confinement.choose_isolation(isolation)
         self.network_blocked = not network
         self.agent_uid: int | None = None
+        self.cgroup: confinement.Cgroup | None = None
+        """The sandbox's cgroup (pids and memory limits enforced by the kernel), where one could be made."""
         self.host_uid: int | None = None
         """namespaces mode started by root: the unprivileged host uid the sandbox's user maps to
         (None: the caller's own uid)."""
@@ -132,8 +134,12 @@ class Sandbox:
                 command, pass_fds, env, cwd = self._namespaces_command(listener.fileno(), network, window_manager, binds)
             else:
                 command, pass_fds, env, cwd = self._user_command(listener.fileno(), network, window_manager)
-            self._watcher = self._start_watcher(self._agent_gid)
             identity = {} if self.host_uid is None else {"user": self.host_uid, "group": self.host_uid, "extra_groups": []}
+            if self.host_uid is None and os.geteuid() == 0:  # root is exempt from RLIMIT_NPROC: the kernel's other limit
+                self.cgroup = confinement.Cgroup.create(self.workdir.name, self.limits)
+                if self.cgroup is not None:
+                    command = self.cgroup.join_command(command)
+            self._watcher = self._start_watcher(self._agent_gid)
             self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, start_new_session=True,
                                             pass_fds=pass_fds, env=env, cwd=cwd, **identity)
@@ -229,8 +235,10 @@ class Sandbox:
                 script += " ".join(f'{tool} -w -D OUTPUT -m owner --uid-owner "$1" -j REJECT 2>/dev/null;'
                                    for tool in ("iptables", "ip6tables") if shutil.which(tool))
             script += f'rm -rf -- {HOME_IN_SANDBOX}; '
-        script += 'rm -rf -- "$0"'
-        return subprocess.Popen(["/bin/sh", "-c", script, str(self.workdir), str(self.agent_uid or ""), str(gid or "")],
+        script += 'rm -rf -- "$0"; shift 2; for i in 1 2 3 4 5 6 7 8 9 10; do rmdir "$@" 2>/dev/null; sleep 1; done'
+        cgroups = [str(d) for d in self.cgroup.directories.values()] if self.cgroup is not None else []
+        return subprocess.Popen(["/bin/sh", "-c", script, str(self.workdir), str(self.agent_uid or ""), str(gid or ""),
+                                 *cgroups],
                                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 start_new_session=True)
 
@@ -333,7 +341,8 @@ class Sandbox:
     def report(self) -> dict[str, Any]:
         """How this sandbox is confined: mode, limits, and what the mode does not promise."""
         return {"isolation": self.isolation, "limits": self.limits.as_dict(), "network_blocked": self.network_blocked,
-                "agent_uid": self.agent_uid, "host_uid": self.host_uid if self.isolation == "namespaces" else self.agent_uid, "seccomp": self.isolation == "namespaces",
+                "agent_uid": self.agent_uid, "host_uid": self.host_uid if self.isolation == "namespaces" else self.agent_uid,
+                "cgroup": self.cgroup.kind if self.cgroup is not None else None, "seccomp": self.isolation == "namespaces",
                 "sized_tmpfs": self.isolation == "namespaces" and "--size" in confinement.bwrap_features(),
                 "losses": list(confinement.USER_MODE_LOSSES) if self.isolation == "user" else []}
 
@@ -345,9 +354,11 @@ class Sandbox:
                     f"{'blocked' if self.network_blocked else 'NOT blocked'}; see report()['losses'])")
         who = f"uid {self.host_uid}" if self.host_uid is not None else (
             "root" if os.geteuid() == 0 else f"your uid {os.geteuid()}")
+        limits = (f"cgroup {report['cgroup']} limits" if report["cgroup"] else
+                  "rlimits" if who != "root" else "the server's watcher (no cgroup could be made)")
         return (f"desktop sandbox: 'namespaces' isolation (bubblewrap; seccomp; "
                 f"{'size-capped' if report['sized_tmpfs'] else 'UNCAPPED (bubblewrap < 0.7)'} home; "
-                f"the sandbox's user maps to {who})")
+                f"the sandbox's user maps to {who}; process limit: {limits})")
 
     def close(self) -> None:
         """End the sandbox and everything in it; remove its directory. Safe to call twice."""
@@ -375,6 +386,8 @@ class Sandbox:
             except (OSError, subprocess.TimeoutExpired):
                 pass
         shutil.rmtree(self.workdir, ignore_errors=True)
+        if self.cgroup is not None and self.cgroup.remove():
+            self.cgroup = None
         for name in ("_home_lock", "_uid_lock"):  # the watcher emptied /home/user first (user mode)
             fd = getattr(self, name)
             if fd is not None:

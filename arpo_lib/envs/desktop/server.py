@@ -97,6 +97,12 @@ class UnixHTTPServer(ThreadingHTTPServer):
         self.socket.set_inheritable(False)
         self.server_name, self.server_port = "sandbox", 0
 
+    def process_request(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request(request, client_address)
+        except RuntimeError:  # no thread can start (the sandbox is at its process limit): answer inline
+            self.process_request_thread(request, client_address)
+
 
 class Desktop:
     """The X server, the window manager and every application started for the agent.

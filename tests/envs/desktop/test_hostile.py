@@ -399,6 +399,13 @@ def _wait_for_incident(box, timeout: float = 60) -> list[str]:
     return []
 
 
+def _kernel_bounds_processes(box) -> bool:
+    """Whether the kernel itself limits the sandbox's processes: a cgroup, or RLIMIT_NPROC (which
+    applies unless the sandbox's user maps to root)."""
+    report = box.report()
+    return report["cgroup"] is not None or report["host_uid"] is not None or os.geteuid() != 0
+
+
 def test_finding7_a_fork_bomb_ends_its_own_episode_not_the_machine():
     pids = 256
     env = make_env("desktop/terminal-mkdir", screen=SCREEN, max_steps=50, limits={"pids": pids})
@@ -424,7 +431,7 @@ def test_finding7_a_fork_bomb_ends_its_own_episode_not_the_machine():
         # here); where the kernel applies RLIMIT_NPROC (not for a sandbox whose user maps to root) by the limit.
         pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
         assert peak[0] - baseline < pids + 5000 and peak[0] < pid_max // 2, f"the bomb reached {peak[0] - baseline} tasks"
-        if env.sandbox.report()["host_uid"] is not None:
+        if _kernel_bounds_processes(env.sandbox):
             assert peak[0] - baseline < pids + 200, f"the kernel's limit let {peak[0] - baseline} tasks through"
         assert set(sandbox_processes(env.sandbox)) <= DESKTOP_PROCESSES | {"sh"}
         still_scores(env)
@@ -598,7 +605,9 @@ ORDINARY_USER_SCRIPT = textwrap.dedent("""\
             if terminated or truncated:
                 break
         env.reset()
-        probe = env.sandbox.execute('cat /etc/arpo-canary-user 2>&1; ulimit -u', shell=True)
+        probe = env.sandbox.execute('cat /etc/arpo-canary-user 2>&1; ulimit -u', shell=True)  # dash: ulimit -p
+        if 'Illegal option' in probe['error']:
+            probe = env.sandbox.execute(['bash', '-c', 'cat /etc/arpo-canary-user 2>&1; ulimit -u'])
         print(json.dumps({'uid': os.getuid(), 'reward': reward, 'mode': env.sandbox.report()['isolation'],
                           'probe': probe['output'] + probe['error']}))
     finally:
@@ -606,24 +615,56 @@ ORDINARY_USER_SCRIPT = textwrap.dedent("""\
     """)
 
 
+SANDBOX_PACKAGES = ("PIL", "pyautogui", "pymsgbox", "pytweening", "pyscreeze", "mouseinfo", "pygetwindow", "pyrect",
+                    "Xlib", "pyseccomp", "pyperclip", "six")
+"""What the desktop environment imports (arpo_lib's desktop code, the server, the actions)."""
+
+
+def _readable_site(where: Path) -> Path:
+    """A site-packages directory any user can read, with arpo_lib and SANDBOX_PACKAGES copied in
+    (the clone and its venv may sit in a directory only root can enter, as a CI clone in a
+    mktemp directory does)."""
+    import glob
+    import importlib.util
+    import shutil
+
+    site = where / "site-packages"
+    site.mkdir(parents=True)
+    for name in SANDBOX_PACKAGES:
+        spec = importlib.util.find_spec(name)
+        assert spec is not None, f"{name} is not installed"
+        if spec.submodule_search_locations:
+            source = Path(list(spec.submodule_search_locations)[0])
+            shutil.copytree(source, site / source.name, ignore=shutil.ignore_patterns("__pycache__"))
+            for libs in glob.glob(str(source.parent / "*.libs")):  # vendored shared libraries (pillow.libs)
+                if Path(libs).name.lower().startswith(("pillow", name.lower())) and not (site / Path(libs).name).exists():
+                    shutil.copytree(libs, site / Path(libs).name)
+        else:
+            shutil.copy(spec.origin, site)
+    shutil.copytree(REPO / "arpo_lib", site / "arpo_lib", ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run(["chmod", "-R", "a+rX", str(where)], check=True)
+    return site
+
+
 @pytest.mark.skipif(not AS_ROOT or not os.access("/usr/bin/python3", os.X_OK), reason="needs root to become another user")
-def test_the_sandbox_runs_as_an_ordinary_user_too(tmp_path):
+def test_the_sandbox_runs_as_an_ordinary_user_too():
     """The same sandbox started by an unprivileged user (nobody), with the system Python and this
-    environment's packages on PYTHONPATH: namespaces mode, the task scores, a root-only file stays
-    unreadable, and the kernel's process limit applies (it exempts only root)."""
+    environment's packages: namespaces mode, the task scores, a root-only file stays unreadable,
+    and the kernel's process limit applies (it exempts only root)."""
     check = subprocess.run(["/usr/bin/python3", "-c", "import tkinter"], capture_output=True)
     if check.returncode != 0:
         pytest.skip("the system Python has no tkinter (apt-get install python3-tk)")
+    where = Path(tempfile.mkdtemp(prefix="arpo-ordinary-", dir="/tmp"))
+    where.chmod(0o755)
     Path("/etc/arpo-canary-user").write_text("secret-of-root\n")
     os.chmod("/etc/arpo-canary-user", 0o600)
-    site = [p for p in sys.path if p.endswith("site-packages") and os.path.isdir(p)]
-    where = Path(tempfile.mkdtemp(prefix="arpo-ordinary-", dir="/tmp"))  # pytest's tmp_path is root's only
-    where.chmod(0o755)
-    script = where / "run.py"
-    script.write_text(ORDINARY_USER_SCRIPT)
     try:
+        site = _readable_site(where)
+        script = where / "run.py"
+        script.write_text(ORDINARY_USER_SCRIPT)
+        script.chmod(0o644)
         done = subprocess.run(["/usr/bin/python3", str(script)], user=65534, group=65534, extra_groups=[],
-                              env={"PATH": "/usr/bin:/bin", "HOME": "/tmp", "PYTHONPATH": ":".join([*site, str(REPO)])},
+                              env={"PATH": "/usr/bin:/bin", "HOME": "/tmp", "PYTHONPATH": str(site)},
                               cwd="/", capture_output=True, text=True, timeout=300)
     finally:
         os.unlink("/etc/arpo-canary-user")
@@ -631,7 +672,7 @@ def test_the_sandbox_runs_as_an_ordinary_user_too(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["uid"] == 65534 and result["mode"] == "namespaces" and result["reward"] == 1.0, result
-    assert "secret-of-root" not in result["probe"]
+    assert "secret-of-root" not in result["probe"] and result["probe"].split()[-1] != "unlimited", result
 
 
 @pytest.mark.skipif(not AS_ROOT, reason="the dedicated-user fallback needs root")
