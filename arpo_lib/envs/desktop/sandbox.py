@@ -235,7 +235,8 @@ class Sandbox:
                 script += " ".join(f'{tool} -w -D OUTPUT -m owner --uid-owner "$1" -j REJECT 2>/dev/null;'
                                    for tool in ("iptables", "ip6tables") if shutil.which(tool))
             script += f'rm -rf -- {HOME_IN_SANDBOX}; '
-        script += 'rm -rf -- "$0"; shift 2; for i in 1 2 3 4 5 6 7 8 9 10; do rmdir "$@" 2>/dev/null; sleep 1; done'
+        script += ('rm -rf -- "$0"; shift 2; for i in 1 2 3 4 5 6 7 8 9 10; do rmdir "$@" 2>/dev/null; left=; '
+                   'for d; do [ -d "$d" ] && left=1; done; [ -z "$left" ] && break; sleep 1; done')
         cgroups = [str(d) for d in self.cgroup.directories.values()] if self.cgroup is not None else []
         return subprocess.Popen(["/bin/sh", "-c", script, str(self.workdir), str(self.agent_uid or ""), str(gid or ""),
                                  *cgroups],
@@ -377,6 +378,8 @@ class Sandbox:
     def _cleanup_files(self) -> None:
         if not self._log.closed:
             self._log.close()
+        if self.cgroup is not None and self.cgroup.remove():  # before the watcher, which would wait for it
+            self.cgroup = None
         watcher = getattr(self, "_watcher", None)
         if watcher is not None and watcher.poll() is None:
             try:
@@ -386,8 +389,6 @@ class Sandbox:
             except (OSError, subprocess.TimeoutExpired):
                 pass
         shutil.rmtree(self.workdir, ignore_errors=True)
-        if self.cgroup is not None and self.cgroup.remove():
-            self.cgroup = None
         for name in ("_home_lock", "_uid_lock"):  # the watcher emptied /home/user first (user mode)
             fd = getattr(self, name)
             if fd is not None:
