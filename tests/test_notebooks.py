@@ -96,7 +96,22 @@ def test_nbval_on_the_committed_notebooks():
     proc = subprocess.run([sys.executable, "-m", "pytest", "--nbval-lax", "--nbval-current-env",
                            "--nbval-sanitize-with", "tests/nbval_sanitize.cfg", "-p", "no:cacheprovider", "-q",
                            "notebooks/"], cwd=REPO, capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0, proc.stdout[-4000:]
+    recorded = (REPO / "notebooks" / "RECORDED_WITH").read_text().strip()
+    assert proc.returncode == 0, (
+        f"{proc.stdout[-4000:]}\nThe committed outputs were recorded with {recorded}; this machine has "
+        f"{_browser_version()}. Where they differ, the browser's rendering changed the tiny model's "
+        "screenshots and so its sampled rollouts: re-record with scripts/execute_notebooks.sh and commit.")
+
+
+def _browser_version() -> str:
+    import os
+    import shutil
+
+    binary = os.environ.get("MINIWOB_CHROME_BINARY") or shutil.which("chromium") or "chromium"
+    try:
+        return subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=60).stdout.strip()
+    except OSError as e:
+        return f"no browser ({e})"
 
 
 def test_check_parameters_unit():

@@ -95,15 +95,24 @@ def _metrics(run: Path) -> list[dict]:
 
 
 def _assert_same(a: Path, b: Path, small_abs: float = 1e-9) -> None:
-    """Same weights (within float noise, far below what a step moves them) and metrics. `small_abs`:
-    the loss and approx_kl are sums of terms that nearly cancel (a group's advantages sum to zero;
-    log-ratios of +-1e-4), ~1e-5 to 1e-4, so float noise in them is bounded absolutely."""
+    """Same weights (within float noise, far below what a step moves them) and metrics.
+
+    Weights are compared as whole vectors: the difference between the runs must be under 1% of what
+    the step moved them (measured: 0.04%). Element-wise maxima are not a fair test under Adam: an
+    element whose gradient is ~1e-8 (noise-sized) is divided by a second moment just as small, so
+    float noise of the reduction order becomes a sizeable fraction of one step there (4 of 364k
+    elements differ by ~1e-5 with a step of 2e-4); they are bounded by half a step.
+    `small_abs`: the loss and approx_kl are sums of terms that nearly cancel (a group's advantages
+    sum to zero; log-ratios of +-1e-4), ~1e-5 to 1e-4, so float noise in them is bounded absolutely."""
     wa, wb = _weights(a, 2), _weights(b, 2)
     assert wa.keys() == wb.keys()
     before = _weights(a, 1)
-    gap = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
-    moved = max(float((wa[k] - before[k]).abs().max()) for k in wa)
-    assert gap < 2e-5 and moved > 20 * gap, (gap, moved)
+    gap = torch.cat([(wa[k] - wb[k]).flatten().float() for k in wa])
+    moved = torch.cat([(wa[k] - before[k]).flatten().float() for k in wa])
+    figures = {"gap_norm": float(gap.norm()), "moved_norm": float(moved.norm()),
+               "gap_max": float(gap.abs().max()), "moved_max": float(moved.abs().max())}
+    assert figures["moved_norm"] > 0 and figures["gap_norm"] < 0.01 * figures["moved_norm"], figures
+    assert figures["gap_max"] < 0.5 * figures["moved_max"], figures
     for ma, mb in zip(_metrics(a), _metrics(b), strict=True):
         assert {k: ma[k] for k in EXACT} == {k: mb[k] for k in EXACT}
         for k in CLOSE:
