@@ -3,6 +3,11 @@
 # environment workers run (arpo_lib is put on their PYTHONPATH; arpo_lib.envs.osworld imports no torch).
 #   bash scripts/setup_osworld.sh         -> builds the venv; prints its python on stdout
 #   bash scripts/setup_osworld.sh --vm    -> also pulls the Docker image and downloads the Ubuntu VM disk
+#   bash scripts/setup_osworld.sh --light -> desktop-env without its pinned dependencies: only what
+#       DesktopEnv, its set-up, getters and metrics import (scripts/osworld_evaluator_requirements.txt)
+#       plus the workbench's torch pair (~1.5 GB without torch). With ARPO_OSWORLD_TORCH_FROM=<a
+#       site-packages directory that has torch and torchvision> those are borrowed from there instead
+#       (appended to sys.path; the tests borrow the training environment's).
 # Where: $ARPO_OSWORLD_VENV, default ~/.cache/arpo-workbench/venv-osworld (what
 # arpo_lib.envs.osworld.find_osworld_python() looks for); the VM disk goes to $ARPO_OSWORLD_VM, default
 # ~/.cache/arpo-workbench/osworld-vm/Ubuntu.qcow2 (what OSWorldEnv uses when path_to_vm is not given).
@@ -20,10 +25,12 @@ DOCKER_IMAGE="happysixd/osworld-docker"
 VM_URL="https://huggingface.co/datasets/xlangai/ubuntu_osworld/resolve/main/Ubuntu.qcow2.zip"
 
 WITH_VM=0
+LIGHT=0
 for arg in "$@"; do
   case "$arg" in
     --vm) WITH_VM=1 ;;
-    -h|--help) sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 0 ;;
+    --light) LIGHT=1 ;;
+    -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 0 ;;
     *) die "unknown argument $arg (see --help)" ;;
   esac
 done
@@ -36,8 +43,8 @@ PY="${ARPO_OSWORLD_BASE_PYTHON:-$(command -v python3.11 || command -v python3.12
 [ -n "$PY" ] && command -v "$PY" >/dev/null || die "no python3.10-3.12 found (set ARPO_OSWORLD_BASE_PYTHON)"
 VP="$VENV/bin/python"
 
-# 0. What the Docker provider needs on the host (warnings only: the venv is useful without them,
-#    e.g. for other providers or for reading the evaluators).
+# 0. What the Docker provider needs on the host (warnings only: provider "sandbox" needs neither, and
+#    the venv is useful without them, e.g. for other providers or for reading the evaluators).
 if ! command -v docker >/dev/null; then
   say "WARNING: no docker CLI: OSWorld's Docker provider needs a Docker engine (https://docs.docker.com/engine/install/)"
 elif ! docker info >/dev/null 2>&1; then
@@ -62,19 +69,37 @@ fi
 [ -f "$VENV/.gitignore" ] || printf '*\n' > "$VENV/.gitignore"
 
 # 2. The packages (first time: several minutes, ~7 GB). Fast when done: pip runs only when this file changed.
-stamp="$VENV/.setup-osworld-$(sha256sum < scripts/setup_osworld.sh | cut -c1-16)"
+flavour="full"
+[ "$LIGHT" = 1 ] && flavour="light${ARPO_OSWORLD_TORCH_FROM:+-borrowed}"
+stamp="$VENV/.setup-osworld-$flavour-$(cat scripts/setup_osworld.sh scripts/osworld_evaluator_requirements.txt | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ]; then
-  say "packages up to date ($VENV, desktop-env $DESKTOP_ENV_VERSION)"
+  say "packages up to date ($VENV, desktop-env $DESKTOP_ENV_VERSION, $flavour)"
 else
   t0=$SECONDS
   # pip warns once per package about local wheel folders some machines configure: not useful here.
   quiet() { "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; }
-  say "installing desktop-env==$DESKTOP_ENV_VERSION and pillow into $VENV"
   quiet "$VP" -m pip install -q --upgrade pip
-  # pillow: arpo_lib's screenshots (desktop-env pins its own 11.0 line, which pip keeps).
-  quiet "$VP" -m pip install -q "desktop-env==$DESKTOP_ENV_VERSION" pillow || die "pip install failed"
+  if [ "$LIGHT" = 1 ]; then
+    say "installing desktop-env==$DESKTOP_ENV_VERSION (no pinned dependencies) and what its evaluator imports into $VENV"
+    quiet "$VP" -m pip install -q --no-deps "desktop-env==$DESKTOP_ENV_VERSION" easyocr || die "pip install failed"
+    quiet "$VP" -m pip install -q -r scripts/osworld_evaluator_requirements.txt || die "pip install failed"
+    site="$("$VP" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    if [ -n "${ARPO_OSWORLD_TORCH_FROM:-}" ]; then
+      [ -d "$ARPO_OSWORLD_TORCH_FROM/torch" ] || die "ARPO_OSWORLD_TORCH_FROM=$ARPO_OSWORLD_TORCH_FROM has no torch"
+      say "borrowing torch and torchvision from $ARPO_OSWORLD_TORCH_FROM (appended to sys.path)"
+      printf '%s\n' "$ARPO_OSWORLD_TORCH_FROM" > "$site/zz-arpo-borrowed-torch.pth"
+    else
+      rm -f "$site/zz-arpo-borrowed-torch.pth"
+      quiet "$VP" -m pip install -q "torch==2.14.1" "torchvision==0.29.1" || die "pip install failed"
+    fi
+  else
+    say "installing desktop-env==$DESKTOP_ENV_VERSION, pillow and pyseccomp into $VENV"
+    # pillow: arpo_lib's screenshots (desktop-env pins its own 11.0 line, which pip keeps);
+    # pyseccomp: the desktop sandbox's system-call filter (provider "sandbox").
+    quiet "$VP" -m pip install -q "desktop-env==$DESKTOP_ENV_VERSION" pillow pyseccomp || die "pip install failed"
+  fi
   say "checking the imports"
-  "$VP" -c 'import desktop_env.desktop_env, docker, PIL' || die "import check failed"
+  "$VP" -c 'import desktop_env.desktop_env, docker, PIL, pyseccomp' || die "import check failed"
   rm -f "$VENV"/.setup-osworld-*
   touch "$stamp"
   say "installed in $((SECONDS - t0)) s"

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shlex
 import shutil
 import stat
 import subprocess
@@ -257,6 +258,8 @@ def bwrap_arguments(workdir: Path, limits: Limits, *, network: bool = False, sec
         args += ["--tmpfs", path, "--remount-ro", path] if kind == "dir" else ["--ro-bind", "/dev/null", path]
     for name in IDENTITY_FILES:
         args += ["--ro-bind", str(workdir / name), f"/etc/{name}"]
+    if (workdir / "bin").is_dir():  # write_python_shim
+        args += ["--ro-bind", str(workdir / "bin"), SHIM_DIR_IN_SANDBOX]
     args += ["--proc", "/proc", "--dev", "/dev"]
     for path in READ_ONLY_EXTRAS:
         if os.path.isdir(path):
@@ -287,6 +290,25 @@ def write_identity_files(workdir: Path, uid: int = USER_ID, home: str = HOME_IN_
     (workdir / "hostname").write_text("desktop\n")
     (workdir / "hosts").write_text("127.0.0.1\tlocalhost desktop\n::1\tlocalhost\n")
     (workdir / "machine-id").write_text(os.urandom(16).hex() + "\n")
+
+
+SHIM_DIR_IN_SANDBOX = "/opt/arpo/bin"
+"""Where the sandbox sees the host-written `python` shim (read-only)."""
+
+
+def write_python_shim(workdir: Path, python: str, site_dirs: list[str]) -> Path:
+    """`workdir/bin/python`: OSWorld's set-up steps and getters run `python -c "import pyautogui;
+    ..."` (the name `python`, with pyautogui importable). The shim runs the workbench's interpreter
+    with its site directories. It is written by the host and seen read-only, so nothing the agent
+    does can change what a trusted command runs."""
+    bin_dir = workdir / "bin"
+    bin_dir.mkdir(mode=0o755, exist_ok=True)
+    shim = bin_dir / "python"
+    path = ":".join(site_dirs)
+    shim.write_text("#!/bin/sh\n# OSWorld's commands name `python` and import pyautogui: the workbench's interpreter\n"
+                    f"PYTHONPATH={shlex.quote(path)} exec {shlex.quote(python)} \"$@\"\n")
+    shim.chmod(0o755)
+    return bin_dir
 
 
 def sandbox_environment(home: str = HOME_IN_SANDBOX) -> dict[str, str]:

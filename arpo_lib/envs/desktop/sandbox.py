@@ -165,6 +165,7 @@ class Sandbox:
     def _namespaces_command(self, listen_fd: int, network: bool, window_manager: str,
                             binds: dict[str, str] | None) -> tuple[list[str], tuple[int, ...], dict[str, str], str]:
         confinement.write_identity_files(self.workdir)
+        confinement.write_python_shim(self.workdir, sys.executable, confinement.site_directories())
         if os.geteuid() == 0:
             self._drop_to_unprivileged_uid()
         filter_path = self.workdir / "control" / "seccomp.bpf"
@@ -177,6 +178,7 @@ class Sandbox:
         args = confinement.bwrap_arguments(self.workdir, self.limits, network=network, seccomp_fd=seccomp_fd,
                                            binds=binds)
         command = ["bwrap", *args, *self._server_arguments(listen_fd, window_manager), "--display", ":0",
+                   "--bin-dir", confinement.SHIM_DIR_IN_SANDBOX,
                    "--home", HOME_IN_SANDBOX, "--runtime-dir", "/tmp/runtime", "--log-dir", "/tmp/launched"]
         return command, (listen_fd, seccomp_fd), {"PATH": os.environ.get("PATH", confinement.SANDBOX_PATH)}, "/"
 
@@ -216,7 +218,9 @@ class Sandbox:
                         "run Python as the agent will fail", missing)
         log.warning("desktop sandbox in the 'user' fallback (no user namespaces here): it does not promise: %s",
                     "; ".join(confinement.USER_MODE_LOSSES))
+        bin_dir = confinement.write_python_shim(self.workdir, sys.executable, confinement.site_directories())
         command = [*self._server_arguments(listen_fd, window_manager), "--agent-uid", str(self.agent_uid),
+                   "--bin-dir", str(bin_dir),
                    "--agent-gid", str(gid),
                    "--home", HOME_IN_SANDBOX, "--runtime-dir", str(runtime),
                    "--log-dir", str(self.workdir / "control" / "launched"), "--die-with-parent"]

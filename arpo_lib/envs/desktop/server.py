@@ -18,8 +18,25 @@ of its code is used) where one exists, so OSWorld's set-up steps and getters map
                                 in an isolated interpreter (-I, from /), with a CPU-time limit; keys
                                 and mouse buttons it leaves held are released after it
     GET  /active_window         {"id", "name", "x", "y", "width", "height"} of the focused window
+    GET  /windows               [{"id", "title", "wm_class", "x", "y", "width", "height"}], oldest first
     POST /session/reset         end every application (until none is left), re-create the home empty
     POST /shutdown
+
+The rest of what OSWorld's controllers and getters call, in the encodings they send:
+
+    POST /setup/upload          multipart file_path, file_data: write the file (parents created)
+    POST /setup/open_file       {"path", "timeout"}: xdg-open it, wait for a window naming it
+    POST /setup/activate_window, /setup/close_window   {"window_name", "strict", "by_class"} (windows.py)
+    POST /setup/execute_with_verification   {"command", "shell", "verification", "max_wait_time", ...}
+    POST /setup/change_wallpaper {"path"}    POST /wallpaper: its bytes (404 when none was set)
+    POST /window_size           form app_class_name -> {"width", "height"} (404: no such window)
+    POST /list_directory        {"path"} -> {"directory_tree": {"type", "name", "children"}}
+    POST /desktop_path          -> {"desktop_path"}      POST /screen_size, GET|POST /cursor_position
+    POST /start_recording, /end_recording   ffmpeg x11grab (501 when the sandbox has no ffmpeg)
+    GET  /terminal              {"output": null}: no terminal reader (OSWorld's uses AT-SPI)
+    GET  /accessibility         501: not served yet
+    POST /run_python, /run_bash_script      403: an agent's code, unchecked
+    CONNECT 127.0.0.1:<port>    a tunnel to Chrome's DevTools (1337, 9222) or VLC (8080) inside
 
 Every failure is a JSON error with a 4xx/5xx status (a body over MAX_BODY_BYTES: 413).
 
@@ -51,6 +68,8 @@ import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+
+from arpo_lib.envs.desktop import windows
 
 ACTION_TIMEOUT_S = 60.0
 """One agent action (a pyautogui snippet) may take this long; OSWorld's server allows 120 s."""
@@ -111,8 +130,11 @@ class Desktop:
     user mode (applications and trusted commands run as that uid)."""
 
     def __init__(self, screen: tuple[int, int], home: Path, wm: str | None, *, runtime_dir: Path, log_dir: Path,
-                 agent: tuple[int, int] | None = None, display: str | None = None) -> None:
+                 agent: tuple[int, int] | None = None, display: str | None = None, bin_dir: str | None = None) -> None:
         self.screen, self.home, self.agent, self.runtime_dir = screen, home, agent, runtime_dir
+        self.wallpaper: str | None = None
+        """The path /setup/change_wallpaper was given (served back by /wallpaper)."""
+        self.recording: tuple[subprocess.Popen, Path] | None = None
         self.python_path: list[str] = []
         """Site directories the actions' isolated interpreter adds (the host's, where PYTHONPATH set them)."""
         self.logs = log_dir
@@ -120,7 +142,8 @@ class Desktop:
         agent could otherwise turn it into a link and have root write where it points)."""
         self.xvfb, self.display = self._start_x(display)
         self.env = {"HOME": str(home), "USER": "user", "LOGNAME": "user", "SHELL": "/bin/bash",
-                    "PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
+                    "PATH": (f"{bin_dir}:" if bin_dir else "") + "/usr/local/bin:/usr/bin:/bin",
+                    "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
                     "DISPLAY": self.display, "NO_AT_BRIDGE": "1", "XDG_RUNTIME_DIR": str(runtime_dir),
                     "PYTHONDONTWRITEBYTECODE": "1"}
         self.wm = None
@@ -411,6 +434,138 @@ class Desktop:
                 "x": int(fields.get("X", 0)), "y": int(fields.get("Y", 0)),
                 "width": int(fields.get("WIDTH", 0)), "height": int(fields.get("HEIGHT", 0))}
 
+    # -- OSWorld's set-up steps and getters ----------------------------------------------------
+    def expand(self, path: str) -> str:
+        """`~` and `~/...` mean the home (OSWorld's task files use both and absolute paths)."""
+        if path == "~":
+            return str(self.home)
+        return str(self.home / path[2:]) if path.startswith("~/") else path
+
+    def upload(self, path: str, data: bytes) -> None:
+        """Write a file as the agent's user, creating its parent directories (OSWorld's newer server
+        does; its older one left that to a `mkdir` step, which still works)."""
+        done = subprocess.run(["/bin/sh", "-c", 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"', "sh",
+                               self.expand(path)], input=data, capture_output=True, timeout=600, **self._as_agent())
+        if done.returncode != 0:
+            raise RequestError(500, f"cannot write {_safe(path)}: {_safe(done.stderr.decode(errors='replace').strip())}")
+
+    def exists(self, path: str, kind: str = "e") -> bool:
+        """Whether the path exists (`kind`: test(1)'s e, f or d), as the agent's user sees it."""
+        done = subprocess.run(["/bin/sh", "-c", f'test -{kind} "$1"', "sh", self.expand(path)],
+                              capture_output=True, timeout=30, **self._as_agent())
+        return done.returncode == 0
+
+    def open_file(self, path: str, timeout: float) -> str | None:
+        """Open a file with its default application (xdg-open, as the agent's user) and wait up to
+        `timeout` seconds for a window whose title names it (with or without its extension), as
+        OSWorld's newer server does. Returns that window's title, None if none appeared."""
+        full = self.expand(path)
+        self.launch(["xdg-open", full], False)
+        name = Path(full).name
+        wanted = {name.lower(), Path(name).stem.lower()}
+        deadline = time.monotonic() + timeout
+        while True:
+            for window in windows.list_windows(self.display):
+                if any(w in window.title.lower() for w in wanted):
+                    return window.title
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.2)
+
+    def window_action(self, name: str, strict: bool, by_class: bool, action: str) -> list[str]:
+        """Activate or close the windows OSWorld's rules designate (windows.py): activate the first,
+        close every match (as wmctrl -c closes the first; closing all is what the task files mean
+        when they close an application's window by class). Returns the titles acted on."""
+        found = windows.find(windows.list_windows(self.display), name, strict=strict, by_class=by_class)
+        if action == "activate":
+            found = found[:1]
+        for window in found:
+            (windows.activate if action == "activate" else windows.close)(self.display, window)
+        return [w.title for w in found]
+
+    def window_size(self, app_class_name: str) -> dict[str, int] | None:
+        found = windows.find(windows.list_windows(self.display), app_class_name, by_class=True)
+        return {"width": found[0].width, "height": found[0].height} if found else None
+
+    def directory_tree(self, path: str, max_entries: int = 20000) -> dict[str, Any]:
+        """OSWorld's /list_directory tree: {"type": "directory", "name", "children": [...]},
+        recursively; files as {"type": "file", "name"}. Listed as the agent's user (find(1)),
+        at most `max_entries` entries (413 above)."""
+        full = self.expand(path).rstrip("/") or "/"
+        done = subprocess.run(["find", full, "-mindepth", "1", "-printf", "%y %P\\0"], capture_output=True,
+                              timeout=60, **self._as_agent())
+        if not self.exists(full, "d"):
+            raise RequestError(404, f"{_safe(path)} is not a directory")
+        entries = [e for e in done.stdout.decode(errors="replace").split("\0") if e]
+        if len(entries) > max_entries:
+            raise RequestError(413, f"{_safe(path)} holds more than {max_entries} entries")
+        root: dict[str, Any] = {"type": "directory", "name": Path(full).name or "/", "children": []}
+        nodes = {"": root}
+        for entry in sorted(entries, key=lambda e: e[2:].count("/")):
+            kind, rel = entry[0], entry[2:]
+            parent_rel, _, name = rel.rpartition("/")
+            parent = nodes.get(parent_rel)
+            if parent is None:  # under a directory find could not enter
+                continue
+            node: dict[str, Any] = ({"type": "directory", "name": name, "children": []} if kind == "d"
+                                    else {"type": "file", "name": name})
+            parent["children"].append(node)
+            if kind == "d":
+                nodes[rel] = node
+        return root
+
+    def execute_with_verification(self, command: list[str] | str, shell: bool, verification: dict[str, Any],
+                                  max_wait: float, interval: float) -> dict[str, Any]:
+        """OSWorld's newer `execute_with_verification` step: run the command, then poll until a
+        window whose title contains `window_exists` appears and/or `command_success` exits 0."""
+        result = self.run(command, shell, EXECUTE_TIMEOUT_S)
+        deadline = time.monotonic() + max_wait
+        while True:
+            ok = True
+            if verification.get("window_exists"):
+                ok = bool(windows.find(windows.list_windows(self.display), str(verification["window_exists"])))
+            if ok and verification.get("command_success"):
+                ok = self.run(str(verification["command_success"]), True, 30)["returncode"] == 0
+            if ok:
+                return {**result, "status": "success", "verified": True}
+            if time.monotonic() > deadline:
+                raise RequestError(500, f"verification {verification!r} did not hold within {max_wait:.0f} s "
+                                        f"(command returned {result['returncode']})")
+            time.sleep(interval)
+
+    def start_recording(self) -> None:
+        """A screen recording (ffmpeg's x11grab), as OSWorld's server makes one."""
+        if self.recording is not None and self.recording[0].poll() is None:
+            raise RequestError(400, "a recording is already running")
+        ffmpeg = shutil.which("ffmpeg", path=self.env["PATH"])
+        if ffmpeg is None:
+            raise RequestError(501, "/start_recording needs ffmpeg in the sandbox (apt install ffmpeg)")
+        out = self.logs / f"recording-{int(time.time())}.mp4"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        process = subprocess.Popen([ffmpeg, "-y", "-loglevel", "error", "-f", "x11grab", "-video_size",
+                                    f"{self.screen[0]}x{self.screen[1]}", "-i", self.display, "-c:v", "libx264",
+                                    "-pix_fmt", "yuv420p", "-preset", "ultrafast", str(out)],
+                                   stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                   env=self.env, cwd="/")
+        self.recording = (process, out)
+
+    def end_recording(self) -> bytes:
+        if self.recording is None:
+            raise RequestError(400, "no recording is running")
+        process, out = self.recording
+        self.recording = None
+        try:
+            process.communicate(b"q", timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        try:
+            data = out.read_bytes()
+        except OSError:
+            raise RequestError(500, "the recording wrote no file") from None
+        out.unlink(missing_ok=True)
+        return data
+
     def stop(self) -> None:
         self.end_applications()
         for proc in (self.wm, self.xvfb):
@@ -422,6 +577,15 @@ class Desktop:
                     proc.kill()
 
 
+MAX_UPLOAD_BYTES = 256 * 2**20
+"""Largest /setup/upload (OSWorld's task files upload documents, images and short videos)."""
+OPEN_TIMEOUT_S = 30.0
+"""/setup/open_file waits this long for the file's window by default (OSWorld's newer server: 1800 s)."""
+TUNNEL_PORTS = frozenset({1337, 9222, 8080})
+"""Ports inside the sandbox the host may tunnel to (CONNECT): Chrome's DevTools as OSWorld's tasks
+start it (1337, and 9222 where a task runs socat) and VLC's web interface."""
+POSTS_AS_GETS = {"/screen_size": "/screen_size", "/cursor_position": "/cursor_position"}
+"""OSWorld's controller POSTs these without a body."""
 MAX_FILE_BYTES = 256 * 2**20
 """/file returns at most this much of a file."""
 ACTION_PREAMBLE = "import pyautogui; pyautogui.FAILSAFE = False; pyautogui.PAUSE = 0.05\n"
@@ -525,20 +689,24 @@ def make_handler(desktop: Desktop, stop: threading.Event, action_cpu_s: int) -> 
         def _json(self, value: Any, status: int = 200) -> None:
             self._send(status, json.dumps(value).encode(), "application/json")
 
-        def _body(self) -> dict[str, Any]:
-            """JSON, or a form (OSWorld's controller posts /file as form field `file_path`)."""
+        def _raw(self, limit: int = MAX_BODY_BYTES) -> bytes:
             try:
                 length = int(self.headers.get("Content-Length") or 0)
             except ValueError:
                 raise RequestError(400, "Content-Length is not a number") from None
-            if length < 0 or length > MAX_BODY_BYTES:
+            if length < 0 or length > limit:
                 self.close_connection = True  # an unread body must not be parsed as the next request
                 if length <= DRAIN_BYTES:  # read and drop it, so the client can read the answer
                     while length > 0:
                         length -= len(self.rfile.read(min(length, 2**20)) or b"\0" * length)
                 raise RequestError(413, f"request body of {self.headers.get('Content-Length')} bytes "
-                                        f"(at most {MAX_BODY_BYTES})")
-            raw = self.rfile.read(length) if length else b""
+                                        f"(at most {limit})")
+            return self.rfile.read(length) if length else b""
+
+        def _body(self) -> dict[str, Any]:
+            """JSON, or a form (OSWorld's controller posts /file as form field `file_path`); a POST
+            without a body (OSWorld's /screen_size, /desktop_path, ...) is {}."""
+            raw = self._raw()
             try:
                 if self.headers.get("Content-Type", "").startswith("application/x-www-form-urlencoded"):
                     return {k: v[-1] for k, v in urllib.parse.parse_qs(raw.decode()).items()}
@@ -569,11 +737,42 @@ def make_handler(desktop: Desktop, stop: threading.Event, action_cpu_s: int) -> 
         def do_POST(self) -> None:  # noqa: N802
             self._guarded(self._post)
 
+        def do_CONNECT(self) -> None:  # noqa: N802
+            """A tunnel to a port inside the sandbox (Chrome's DevTools, VLC's web interface): the
+            host's loopback bridge (bridge.py) carries OSWorld's CDP and VLC clients through it."""
+            host, _, port = self.path.rpartition(":")
+            if host not in ("127.0.0.1", "localhost") or not port.isdigit() or int(port) not in TUNNEL_PORTS:
+                self.close_connection = True
+                self._json({"error": f"no tunnel to {_safe(self.path)} (ports: {sorted(TUNNEL_PORTS)})"}, 403)
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", int(port)), timeout=10)
+            except OSError as e:
+                self.close_connection = True
+                self._json({"error": f"nothing answers on port {port} in the sandbox: {e}"}, 502)
+                return
+            self.send_response(200, "Connection established")
+            self.end_headers()
+            self.wfile.flush()
+            self.close_connection = True
+            upstream.settimeout(None)
+            _splice(self.connection, upstream)
+
         def _get(self) -> None:
             if self.path == "/screenshot":
                 self._send(200, desktop.screenshot_png(), "image/png")
             elif self.path == "/screen_size":
                 self._json({"width": desktop.screen[0], "height": desktop.screen[1]})
+            elif self.path == "/windows":
+                self._json([w.__dict__ for w in windows.list_windows(desktop.display)])
+            elif self.path == "/cursor_position":
+                self._json(list(windows.cursor_position(desktop.display)))
+            elif self.path == "/terminal":
+                # OSWorld's server reads the focused GNOME Terminal through AT-SPI; there is no such
+                # reader here: the output is null, as OSWorld's server answers with no terminal.
+                self._json({"status": "success", "output": None})
+            elif self.path == "/accessibility":
+                raise RequestError(501, "/accessibility (the AT-SPI tree) is not served by the desktop sandbox yet")
             elif self.path == "/platform":
                 self._send(200, b"Linux", "text/plain")
             elif self.path == "/active_window":
@@ -587,15 +786,76 @@ def make_handler(desktop: Desktop, stop: threading.Event, action_cpu_s: int) -> 
                 raise RequestError(404, f"no endpoint {_safe(self.path)}")
 
         def _post(self) -> None:
+            if self.path == "/setup/upload":
+                fields = _multipart(self.headers.get("Content-Type", ""), self._raw(MAX_UPLOAD_BYTES))
+                path, data = fields.get("file_path"), fields.get("file_data")
+                if not isinstance(path, bytes) or not path or data is None:
+                    raise RequestError(400, "/setup/upload takes multipart fields file_path and file_data")
+                desktop.upload(_path(path.decode(errors="replace")), data)
+                self._json({"status": "success"})
+                return
             body = self._body()
-            if self.path in ("/execute", "/setup/execute"):
+            if self.path in POSTS_AS_GETS:
+                self.path = POSTS_AS_GETS[self.path]
+                self._get()
+            elif self.path == "/desktop_path":
+                self._json({"desktop_path": str(desktop.home / "Desktop")})
+            elif self.path == "/wallpaper":
+                if desktop.wallpaper is None or (data := desktop.read_file(desktop.wallpaper)) is None:
+                    raise RequestError(404, "no wallpaper is set")
+                self._send(200, data, "application/octet-stream")
+            elif self.path == "/setup/change_wallpaper":
+                path = _path(body.get("path"))
+                if not desktop.exists(path, "f"):
+                    raise RequestError(404, f"{_safe(path)} does not exist")
+                desktop.wallpaper = path  # served back by /wallpaper; not painted on the root window
+                self._json({"status": "success"})
+            elif self.path == "/setup/open_file":
+                path = _path(body.get("path"))
+                if not desktop.exists(path):
+                    raise RequestError(404, f"{_safe(path)} does not exist")
+                title = desktop.open_file(path, _number(body, "timeout", OPEN_TIMEOUT_S, 0, 1800))
+                self._json({"status": "success", "window": title})
+            elif self.path in ("/setup/activate_window", "/setup/close_window"):
+                name = body.get("window_name")
+                if not isinstance(name, str) or not name:
+                    raise RequestError(400, "window_name must be a non-empty string")
+                action = "activate" if self.path.endswith("activate_window") else "close"
+                titles = desktop.window_action(name, _truthy(body.get("strict")), _truthy(body.get("by_class")), action)
+                self._json({"status": "success", "windows": titles})
+            elif self.path == "/window_size":
+                name = body.get("app_class_name")
+                if not isinstance(name, str) or not name:
+                    raise RequestError(400, "app_class_name must be a non-empty string")
+                size = desktop.window_size(name)
+                if size is None:
+                    raise RequestError(404, f"no window of class {_safe(name)}")
+                self._json(size)
+            elif self.path == "/list_directory":
+                self._json({"directory_tree": desktop.directory_tree(_path(body.get("path")))})
+            elif self.path == "/setup/execute_with_verification":
+                verification = body.get("verification") or {}
+                if not isinstance(verification, dict):
+                    raise RequestError(400, "verification must be an object")
+                self._json(desktop.execute_with_verification(
+                    _command(body), _truthy(body.get("shell")), verification,
+                    _number(body, "max_wait_time", 10, 0, 600), _number(body, "check_interval", 1, 0.05, 60)))
+            elif self.path == "/start_recording":
+                desktop.start_recording()
+                self._json({"status": "success"})
+            elif self.path == "/end_recording":
+                self._send(200, desktop.end_recording(), "video/mp4")
+            elif self.path in ("/run_python", "/run_bash_script"):
+                raise RequestError(403, f"{self.path} runs an agent's code unchecked: refused (agent actions go "
+                                        "through /run_action)")
+            elif self.path in ("/execute", "/setup/execute"):
                 command = _command(body)
                 timeout = _number(body, "timeout", EXECUTE_TIMEOUT_S, 1, 3600)
-                self._json(desktop.run(command, bool(body.get("shell", False)), timeout))
+                self._json(desktop.run(command, _truthy(body.get("shell")), timeout))
             elif self.path == "/setup/launch":
                 command = _command(body)
                 try:
-                    desktop.launch(command, bool(body.get("shell", False)))
+                    desktop.launch(command, _truthy(body.get("shell")))
                 except OSError as e:
                     raise RequestError(500, f"cannot launch {command!r}: {e}") from None
                 self._json({"status": "success"})
@@ -630,6 +890,68 @@ def make_handler(desktop: Desktop, stop: threading.Event, action_cpu_s: int) -> 
                 raise RequestError(404, f"no endpoint {_safe(self.path)}")
 
     return Handler
+
+
+def _truthy(value: Any) -> bool:
+    """OSWorld's task files give `shell` as true, false or the string "true"."""
+    if isinstance(value, str):
+        return value.strip().lower() in ("true", "1", "yes")
+    return bool(value)
+
+
+def _path(value: Any) -> str:
+    if not isinstance(value, str) or not value or "\0" in value:
+        raise RequestError(400, "path must be a non-empty string")
+    return value
+
+
+def _multipart(content_type: str, raw: bytes) -> dict[str, bytes]:
+    """The fields of a multipart/form-data body (OSWorld's /setup/upload: file_path, file_data)."""
+    kind, _, params = content_type.partition(";")
+    if kind.strip().lower() != "multipart/form-data":
+        raise RequestError(400, f"expected multipart/form-data, got {_safe(kind.strip()) or 'no Content-Type'}")
+    boundary = next((p.split("=", 1)[1].strip().strip('"') for p in params.split(";")
+                     if p.strip().lower().startswith("boundary=")), "")
+    if not boundary:
+        raise RequestError(400, "multipart body without a boundary")
+    fields: dict[str, bytes] = {}
+    for part in raw.split(b"--" + boundary.encode())[1:]:
+        if part.startswith(b"--"):
+            break
+        head, sep, value = part.partition(b"\r\n\r\n")
+        if not sep:
+            raise RequestError(400, "malformed multipart part")
+        name = None
+        for line in head.decode(errors="replace").split("\r\n"):
+            if line.lower().startswith("content-disposition:"):
+                for item in line.split(";")[1:]:
+                    key, _, val = item.strip().partition("=")
+                    if key.lower() == "name":
+                        name = val.strip('"')
+        if name is not None:
+            fields[name] = value[:-2] if value.endswith(b"\r\n") else value
+    return fields
+
+
+def _splice(a: socket.socket, b: socket.socket) -> None:
+    """Copy bytes both ways until both sides have finished (each end's EOF is passed on)."""
+    def pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while chunk := src.recv(65536):
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            try:
+                dst.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+
+    other = threading.Thread(target=pump, args=(b, a), daemon=True)
+    other.start()
+    pump(a, b)
+    other.join()
+    b.close()
 
 
 def _command(body: dict[str, Any]) -> list[str] | str:
@@ -699,6 +1021,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--agent-uid", type=int, default=None, help="user mode: the agent's uid")
     parser.add_argument("--agent-gid", type=int, default=None, help="user mode: the agent's gid")
     parser.add_argument("--host-pid-namespace", default=None)
+    parser.add_argument("--bin-dir", default=None, help="directory of the `python` shim, first on the PATH")
     args = parser.parse_args(argv)
     HOST_PID_NAMESPACE = args.host_pid_namespace
     if args.die_with_parent:
@@ -713,7 +1036,7 @@ def main(argv: list[str] | None = None) -> int:
     if agent is not None:
         os.chown(runtime, *agent)
     desktop = Desktop((width, height), Path(args.home), args.wm or None, runtime_dir=runtime,
-                      log_dir=Path(args.log_dir), agent=agent, display=args.display)
+                      log_dir=Path(args.log_dir), agent=agent, display=args.display, bin_dir=args.bin_dir)
     desktop.python_path = [str(p) for p in json.loads(args.python_path)]
     stop = threading.Event()
     server = UnixHTTPServer(args.listen_fd, make_handler(desktop, stop, limits["action_cpu_s"]))

@@ -67,6 +67,10 @@ from arpo_lib.envs.osworld.downloads import DownloadCache, default_download_cach
 log = logging.getLogger(__name__)
 
 DESKTOP_ENV_CLASS = "desktop_env.desktop_env:DesktopEnv"
+SANDBOX_PROVIDER = "sandbox"
+"""provider="sandbox": OSWorld's own DesktopEnv on the workbench's desktop sandbox (no VM, no
+Docker, no KVM; arpo_lib/envs/osworld/sandbox.py)."""
+SANDBOX_DESKTOP_ENV_CLASS = "arpo_lib.envs.osworld.sandbox:SandboxDesktopEnv"
 """OSWorld's environment class, imported when an `OSWorldEnv` is built."""
 DOCKER_IMAGE = "happysixd/osworld-docker"
 """The image OSWorld's Docker provider runs each VM in."""
@@ -344,7 +348,9 @@ class OSWorldEnv(GUIEnv):
             config itself.
         provider, path_to_vm, region, os_type, headless, require_a11y_tree: DesktopEnv's options
             (provider_name=provider). With provider "docker", path_to_vm defaults to
-            `default_vm_path(os_type)`.
+            `default_vm_path(os_type)`. Provider "sandbox": no VM; OSWorld's DesktopEnv runs on
+            the workbench's desktop sandbox (arpo_lib/envs/osworld/sandbox.py; sandbox options such
+            as limits go in desktop_env_kwargs={"sandbox_options": {...}}).
         screen_size: the VM screen (width, height); screenshots must have this size.
         max_steps: actions per episode before `truncated`.
         cache_root: parent of this environment's own cache dir (default
@@ -392,6 +398,11 @@ class OSWorldEnv(GUIEnv):
         self.backoff_s = float(backoff_s)
         self.require_a11y_tree = require_a11y_tree
 
+        if provider == SANDBOX_PROVIDER:  # OSWorld's DesktopEnv on the desktop sandbox (no VM)
+            if desktop_env_class == DESKTOP_ENV_CLASS:
+                desktop_env_class = SANDBOX_DESKTOP_ENV_CLASS
+            path_to_vm = path_to_vm or "desktop-sandbox"
+            self.pause_vm = False  # nothing to pause: see arpo_lib/envs/osworld/sandbox.py
         self._desktop_env_cls = _desktop_env_class(desktop_env_class)
         if provider == "docker":
             path_to_vm = preflight_docker(path_to_vm, os_type, allow_no_kvm)
@@ -447,7 +458,10 @@ class OSWorldEnv(GUIEnv):
                 self._screen = self._screenshot(obs)
             terminated = bool(done) or code in ("DONE", "FAIL")
         truncated = not terminated and self._steps >= self.max_steps
-        info = {**self._info(obs), "code": code, "action_error": error, "desktop_info": dict(desktop_info or {})}
+        desktop_info = dict(desktop_info or {})
+        # The sandbox provider refuses code outside the action space (info["action_error"]).
+        error = error or desktop_info.get("action_error")
+        info = {**self._info(obs), "code": code, "action_error": error, "desktop_info": desktop_info}
         reward = 0.0
         if terminated or truncated:
             self._episode_over = True

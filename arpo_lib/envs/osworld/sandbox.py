@@ -1,0 +1,235 @@
+"""OSWorld's own `DesktopEnv` on the workbench's desktop sandbox: no VM, no Docker, no KVM.
+
+`SandboxDesktopEnv` is OSWorld's `desktop_env.desktop_env.DesktopEnv` (whichever build is
+installed: the ARPO fork's or PyPI desktop-env 1.0.2) with one thing changed, the provider: where
+OSWorld's Docker provider boots a VM and publishes its ports, `SandboxProvider` starts a desktop
+sandbox (arpo_lib/envs/desktop/sandbox.py) and a loopback bridge (bridge.py) and answers
+"127.0.0.1:server:chromium:vnc:vlc". Everything else is OSWorld's code, unchanged:
+`SetupController` runs the task's set-up steps against the sandbox's action server,
+`PythonController` takes the screenshots, the getters and metrics score the final state.
+
+One more difference, on purpose: the agent's actions. OSWorld sends every action as a Python
+command to the server's `/execute`, which runs any code; a model's output would run unchecked.
+Here `step` sends the action to `/run_action` instead, where only the pyautogui calls the
+workbench's action space generates are accepted (arpo_lib.actions.check_action_code); set-up
+steps and getters keep using `/execute` (they are the task's, not the agent's).
+
+What OSWorld's VM has that this does not (yet): the AT-SPI tree (`/accessibility` answers 501),
+a terminal reader (`/terminal` answers null), VNC (port 0), pausing (pause/unpause do nothing:
+the sandbox's applications keep running between actions), and Ubuntu's applications (the
+sandbox runs this machine's Debian ones; which exist decides which tasks can run).
+
+    from arpo_lib.envs.osworld.sandbox import SandboxDesktopEnv
+    env = SandboxDesktopEnv(action_space="pyautogui", screen_size=(1920, 1080))
+    obs = env.reset(task_config=task)          # OSWorld's set-up steps, in the sandbox
+    env.step("pyautogui.click(100, 200)")      # checked, then run
+    score = env.evaluate()                     # OSWorld's getters and metric
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import threading
+import urllib.error
+import urllib.request
+from typing import Any
+
+from arpo_lib.envs.desktop.bridge import LoopbackBridge
+from arpo_lib.envs.desktop.sandbox import Sandbox
+
+log = logging.getLogger(__name__)
+
+PROVIDER_NAME = "sandbox"
+PATH_TO_VM = "desktop-sandbox"
+"""What DesktopEnv is given as path_to_vm: anything non-empty keeps its VM manager from looking
+for (or downloading) a disk image."""
+
+_PENDING = threading.local()
+"""The provider options of the SandboxDesktopEnv being constructed on this thread (see
+_sandbox_aware_factory)."""
+
+
+class SandboxProvider:
+    """OSWorld's provider interface (desktop_env/providers/base.py: start_emulator,
+    get_ip_address, save_state, revert_to_snapshot, stop_emulator; pause_emulator and
+    unpause_emulator, which the ARPO fork's DesktopEnv calls) over a desktop sandbox."""
+
+    def __init__(self, region: str | None = None, *, screen_size: tuple[int, int] = (1920, 1080),
+                 sandbox_options: dict[str, Any] | None = None) -> None:
+        self.region = region
+        self.screen_size = tuple(screen_size)
+        self.sandbox_options = dict(sandbox_options or {})
+        self.box: Sandbox | None = None
+        self.bridge: LoopbackBridge | None = None
+
+    def start_emulator(self, path_to_vm: str, headless: bool, os_type: str = "Ubuntu", *args: Any,
+                       **kwargs: Any) -> None:
+        if self.box is not None and self.box.alive():
+            return
+        self.stop_emulator(path_to_vm)
+        self.box = Sandbox(self.screen_size, **self.sandbox_options)
+        self.bridge = LoopbackBridge(self.box.socket_path)
+        log.info("OSWorld on the desktop sandbox: %s (%s)", self.bridge.address(), self.box.describe())
+
+    def get_ip_address(self, path_to_vm: str) -> str:
+        if self.bridge is None:
+            raise RuntimeError("the sandbox is not started")
+        return self.bridge.address()
+
+    def save_state(self, path_to_vm: str, snapshot_name: str) -> None:
+        raise NotImplementedError("the desktop sandbox has no snapshots: every reset starts from an empty home")
+
+    def revert_to_snapshot(self, path_to_vm: str, snapshot_name: str) -> None:
+        """OSWorld reverts the VM to its snapshot; the sandbox ends every application of the
+        episode and empties the home. None: the path does not change."""
+        if self.box is not None and self.box.alive():
+            self.box.reset_session()
+        return None
+
+    def stop_emulator(self, path_to_vm: str, *args: Any, **kwargs: Any) -> None:
+        if self.bridge is not None:
+            self.bridge.close()
+            self.bridge = None
+        if self.box is not None:
+            self.box.close()
+            self.box = None
+
+    def pause_emulator(self) -> None:
+        """Nothing: the sandbox is not paused between actions (its applications keep running)."""
+
+    def unpause_emulator(self) -> None:
+        pass
+
+
+class SandboxVMManager:
+    """OSWorld's VM manager interface; the sandbox has no images to register or download."""
+
+    def initialize_registry(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def add_vm(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def delete_vm(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def occupy_vm(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def list_free_vms(self, *args: Any, **kwargs: Any) -> list[str]:
+        return [PATH_TO_VM]
+
+    def check_and_clean(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def get_vm_path(self, *args: Any, **kwargs: Any) -> str:
+        return PATH_TO_VM
+
+
+def _desktop_env_module() -> Any:
+    try:
+        return importlib.import_module("desktop_env.desktop_env")
+    except ImportError as e:
+        raise ImportError(
+            f"OSWorld's desktop_env is not importable here ({e}): the sandbox provider runs OSWorld's own "
+            "DesktopEnv (its set-up, getters and metrics). Install it with `./workbench setup-osworld` and run "
+            "in that environment.") from e
+
+
+def install() -> None:
+    """Make DesktopEnv's provider factory give a SandboxDesktopEnv under construction the sandbox
+    provider (every other DesktopEnv gets OSWorld's own, unchanged). Idempotent."""
+    module = _desktop_env_module()
+    factory = module.create_vm_manager_and_provider
+    if getattr(factory, "_arpo_sandbox_aware", False):
+        return
+
+    def _sandbox_aware_factory(provider_name: str, region: str | None, *args: Any, **kwargs: Any) -> Any:
+        pending = getattr(_PENDING, "options", None)
+        if pending is None:
+            return factory(provider_name, region, *args, **kwargs)
+        return SandboxVMManager(), SandboxProvider(region, **pending)
+
+    _sandbox_aware_factory._arpo_sandbox_aware = True  # type: ignore[attr-defined]
+    module.create_vm_manager_and_provider = _sandbox_aware_factory
+
+
+def _make_class() -> type:
+    install()
+    base = _desktop_env_module().DesktopEnv
+
+    class SandboxDesktopEnv(base):  # type: ignore[misc, valid-type]
+        __doc__ = __doc__
+
+        def __init__(self, provider_name: str = PROVIDER_NAME, path_to_vm: str | None = None, *args: Any,
+                     sandbox_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
+            if provider_name not in (PROVIDER_NAME, "docker"):
+                raise ValueError(f"SandboxDesktopEnv runs on the desktop sandbox (provider_name={PROVIDER_NAME!r}), "
+                                 f"not {provider_name!r}")
+            if kwargs.setdefault("require_a11y_tree", False):
+                raise ValueError("require_a11y_tree=True: the desktop sandbox does not serve the accessibility "
+                                 "tree yet (/accessibility answers 501; OSWorld's controller would retry it "
+                                 "for 15 s at every observation)")
+            screen = tuple(kwargs.get("screen_size") or (1920, 1080))
+            # DesktopEnv accepts only its own provider names; "docker" makes both builds start the
+            # emulator lazily or at once without a VM image, and the factory hands over ours.
+            _PENDING.options = {"screen_size": screen, "sandbox_options": sandbox_options}
+            try:
+                super().__init__("docker", *args, path_to_vm=path_to_vm or PATH_TO_VM, **kwargs)
+            finally:
+                _PENDING.options = None
+            self.provider_name = PROVIDER_NAME
+
+        def step(self, action: Any, *args: Any, **kwargs: Any) -> Any:
+            """OSWorld's step, with the agent's pyautogui code sent to /run_action (checked) rather
+            than /execute (anything). A refused action is returned in info as `action_error`."""
+            controller = self.controller
+            refused: list[str] = []
+            controller.execute_python_command = lambda command: _run_checked(controller, command, refused)
+            try:
+                result = super().step(action, *args, **kwargs)
+            finally:
+                del controller.execute_python_command  # the getters' probes go to /execute again
+            if refused and isinstance(result, tuple) and len(result) == 4 and isinstance(result[3], dict):
+                result[3]["action_error"] = "; ".join(refused)
+            return result
+
+        @property
+        def sandbox(self) -> Sandbox | None:
+            """The running sandbox (None before the first start and after close)."""
+            return self.provider.box
+
+    SandboxDesktopEnv.__name__ = SandboxDesktopEnv.__qualname__ = "SandboxDesktopEnv"
+    SandboxDesktopEnv.__module__ = __name__
+    return SandboxDesktopEnv
+
+
+def _run_checked(controller: Any, command: str, refused: list[str]) -> dict[str, Any] | None:
+    """What PythonController.execute_python_command does, through /run_action."""
+    request = urllib.request.Request(f"{controller.http_server}/run_action", method="POST",
+                                     data=json.dumps({"code": command}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        try:
+            answer = json.loads(e.read())
+        except ValueError:
+            answer = {"error": f"HTTP {e.code}"}
+        refused.append(str(answer.get("error", e.code)))
+        return {"status": "refused" if e.code == 403 else "error", "output": "", "error": answer.get("error", ""),
+                "returncode": -1}
+    except OSError as e:
+        refused.append(f"the action server did not answer: {e}")
+        return None
+
+
+def __getattr__(name: str) -> Any:
+    """`SandboxDesktopEnv` is built on first use: importing this module needs no desktop_env."""
+    if name == "SandboxDesktopEnv":
+        cls = _make_class()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(name)

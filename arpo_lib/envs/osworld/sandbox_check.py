@@ -1,0 +1,77 @@
+"""Run OSWorld-format task files on the desktop sandbox with OSWorld's own DesktopEnv: each task
+once with a no-op agent (it answers finished() at once) and once with its scripted solution
+(`x_solution`: UI-TARS action texts, sent as real GUI actions), scored by OSWorld's evaluator.
+
+    python -m arpo_lib.envs.osworld.sandbox_check [--screen 1920x1080] TASK.json [...]
+
+Runs in the interpreter that has desktop_env (`./workbench setup-osworld`); prints one JSON line
+per task: {"task", "noop", "solved", "reset_s", "step_s", "errors"}; exit status 1 unless every
+no-op scored 0 and every solution 1.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from arpo_lib.actions import Action, parse_response
+
+
+def solution_actions(task: dict[str, Any], screen: tuple[int, int]) -> list[Action]:
+    actions: list[Action] = []
+    for text in [*task.get("x_solution", []), "finished(content='')"]:
+        actions += parse_response(f"Thought: scripted\nAction: {text}", screen, "qwen25vl").actions
+    return actions
+
+
+def run_episode(task: dict[str, Any], actions: list[Action], screen: tuple[int, int], **options: Any) -> dict[str, Any]:
+    from arpo_lib.envs.osworld.env import OSWorldEnv
+
+    env = OSWorldEnv(task, provider="sandbox", screen_size=screen, max_steps=max(len(actions), 1), **options)
+    try:
+        started = time.monotonic()
+        env.reset()
+        reset_s = time.monotonic() - started
+        score, errors, step_times = 0.0, [], []
+        for action in actions:
+            started = time.monotonic()
+            _, reward, terminated, truncated, info = env.step(action)
+            step_times.append(time.monotonic() - started)
+            if info.get("action_error"):
+                errors.append(info["action_error"])
+            if info.get("checker_error"):
+                errors.append(info["checker_error"])
+            if terminated or truncated:
+                score = float(info.get("score", reward))
+                break
+        return {"score": score, "reset_s": round(reset_s, 2),
+                "step_s": round(sum(step_times) / max(len(step_times), 1), 2), "errors": errors}
+    finally:
+        env.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("tasks", nargs="+", type=Path)
+    parser.add_argument("--screen", default="1920x1080")
+    parser.add_argument("--pause-s", type=float, default=0.5)
+    args = parser.parse_args(argv)
+    screen = tuple(int(v) for v in args.screen.lower().split("x"))
+    ok = True
+    for path in args.tasks:
+        task = json.loads(path.read_text())
+        options = {"pause_s": args.pause_s, "download_cache": None}
+        noop = run_episode(task, [Action("finished")], screen, **options)
+        solved = run_episode(task, solution_actions(task, screen), screen, **options)
+        ok &= noop["score"] == 0.0 and solved["score"] == 1.0
+        print(json.dumps({"task": task["id"], "noop": noop["score"], "solved": solved["score"],
+                          "reset_s": solved["reset_s"], "step_s": solved["step_s"],
+                          "errors": noop["errors"] + solved["errors"]}), flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""OSWorld's server API on the desktop sandbox, spoken the way OSWorld's own controllers speak it
+(requests: multipart uploads, form fields, POSTs without a body) through the host's loopback
+bridge, and what the agent inside can and cannot reach of it."""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import pytest
+import requests
+
+from arpo_lib.envs.desktop import windows
+from arpo_lib.envs.desktop.bridge import LoopbackBridge
+from arpo_lib.envs.desktop.sandbox import Sandbox, _UnixConnection, desktop_unavailable
+from arpo_lib.envs.desktop.server import RequestError, _multipart
+
+REASON = desktop_unavailable()
+needs_desktop = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+SCREEN = (1280, 800)
+
+
+# ---- pieces without a sandbox ------------------------------------------------------------------
+
+def test_multipart_fields_as_requests_encodes_them():
+    prepared = requests.Request("POST", "http://x/setup/upload", data={"file_path": "/home/user/a b.xlsx"},
+                                files={"file_data": ("a b.xlsx", b"PK\x03\x04\r\n--\x00binary\r\n")}).prepare()
+    fields = _multipart(prepared.headers["Content-Type"], prepared.body)
+    assert fields == {"file_path": b"/home/user/a b.xlsx", "file_data": b"PK\x03\x04\r\n--\x00binary\r\n"}
+    with pytest.raises(RequestError, match="multipart/form-data"):
+        _multipart("application/json", b"{}")
+    with pytest.raises(RequestError, match="boundary"):
+        _multipart("multipart/form-data", b"")
+
+
+def test_window_names_follow_wmctrls_rules():
+    ws = [windows.Window(1, "notes.txt - Mousepad", "mousepad.Mousepad", 0, 0, 10, 10),
+          windows.Window(2, "Mousepad", "mousepad.Mousepad", 0, 0, 10, 10),
+          windows.Window(3, "Untitled 1 - LibreOffice Calc", "libreoffice.libreoffice-calc", 0, 0, 10, 10)]
+    assert [w.id for w in windows.find(ws, "mousepad")] == [1, 2]  # substring, any case, oldest first
+    assert [w.id for w in windows.find(ws, "Mousepad", strict=True)] == [2]  # exact, case-sensitive
+    assert windows.find(ws, "mousepad", strict=True) == []
+    assert [w.id for w in windows.find(ws, "calc", by_class=True)] == [3]
+    assert [w.id for w in windows.find(ws, "libreoffice.libreoffice-calc", strict=True, by_class=True)] == [3]
+
+
+# ---- the API on a real sandbox -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def desktop():
+    if REASON:
+        pytest.skip(REASON)
+    with Sandbox(SCREEN) as box, LoopbackBridge(box.socket_path) as bridge:
+        yield box, bridge, f"http://127.0.0.1:{bridge.ports['server']}"
+
+
+@pytest.fixture
+def fresh(desktop):
+    box, bridge, base = desktop
+    box.reset_session()
+    return box, bridge, base
+
+
+def test_upload_list_and_read_back_as_osworlds_controllers_send_them(fresh):
+    box, bridge, base = fresh
+    content = bytes(range(256)) * 4000  # ~1 MB, every byte value
+    r = requests.post(f"{base}/setup/upload", data={"file_path": "/home/user/data/in/sheet.xlsx"},
+                      files={"file_data": ("sheet.xlsx", content)}, timeout=60)
+    assert r.status_code == 200, r.text
+    requests.post(f"{base}/setup/upload", data={"file_path": "~/top.txt"}, files={"file_data": ("top.txt", b"x")},
+                  timeout=60).raise_for_status()
+    r = requests.post(f"{base}/file", data={"file_path": "/home/user/data/in/sheet.xlsx"}, timeout=60)
+    assert r.status_code == 200 and r.content == content
+    tree = requests.post(f"{base}/list_directory", json={"path": "/home/user/data"}, timeout=60).json()
+    assert tree == {"directory_tree": {"type": "directory", "name": "data", "children": [
+        {"type": "directory", "name": "in", "children": [{"type": "file", "name": "sheet.xlsx"}]}]}}
+    home = requests.post(f"{base}/list_directory", json={"path": "~"}, timeout=60).json()["directory_tree"]
+    assert {c["name"] for c in home["children"]} == {"Desktop", "Documents", "Downloads", "data", "top.txt"}
+    # POSTs without a body, as PythonController sends them
+    assert requests.post(f"{base}/screen_size", timeout=60).json() == {"width": SCREEN[0], "height": SCREEN[1]}
+    assert requests.post(f"{base}/desktop_path", timeout=60).json() == {"desktop_path": "/home/user/Desktop"}
+    missing = requests.post(f"{base}/list_directory", json={"path": "/home/user/nope"}, timeout=60)
+    assert missing.status_code == 404 and "not a directory" in missing.json()["error"]
+    bad = requests.post(f"{base}/setup/upload", data={"file_path": "/home/user/x"}, timeout=60)  # not multipart
+    assert bad.status_code == 400 and "multipart" in bad.json()["error"]
+
+
+def test_wallpaper_is_what_the_set_up_step_named(fresh):
+    box, bridge, base = fresh
+    assert requests.post(f"{base}/wallpaper", timeout=60).status_code == 404
+    box.execute("printf 'PNGDATA' > ~/wall.png", shell=True)
+    assert requests.post(f"{base}/setup/change_wallpaper", json={"path": "~/wall.png"}, timeout=60).status_code == 200
+    assert requests.post(f"{base}/wallpaper", timeout=60).content == b"PNGDATA"
+
+
+def test_python_in_a_trusted_command_is_the_workbenchs_and_the_agent_cannot_replace_it(fresh):
+    """OSWorld's getters run `python -c "import pyautogui; ..."` (e.g. its platform probe)."""
+    box, bridge, base = fresh
+    probe = {"command": ["python", "-c", "import pyautogui; import time; pyautogui.FAILSAFE = False; "
+                                         "import platform; print(platform.system(), *pyautogui.size())"],
+             "shell": False}
+    assert requests.post(f"{base}/execute", json=probe, timeout=60).json()["output"] == f"Linux {SCREEN[0]} {SCREEN[1]}\n"
+    # The agent's own attempts (what it could type into a terminal): overwrite the shim, or put a
+    # `python` earlier on the PATH (the home and /tmp are not on it), or a pyautogui.py in the home.
+    attack = box.execute("echo 'print(666)' > /opt/arpo/bin/python; mkdir -p ~/bin ~/.local/bin; "
+                         "printf '#!/bin/sh\\necho owned\\n' | tee ~/bin/python ~/.local/bin/python /tmp/python "
+                         ">/dev/null; chmod +x ~/bin/python ~/.local/bin/python /tmp/python; "
+                         "echo 'raise SystemExit(\"owned\")' > ~/pyautogui.py", shell=True)
+    assert "Read-only file system" in attack["error"]
+    again = requests.post(f"{base}/execute", json=probe, timeout=60).json()
+    assert again["output"] == f"Linux {SCREEN[0]} {SCREEN[1]}\n", again
+    # The string "true" for shell (seven of OSWorld's task files write it so)
+    assert requests.post(f"{base}/execute", json={"command": "echo $HOME", "shell": "true"},
+                         timeout=60).json()["output"] == "/home/user\n"
+
+
+def test_windows_are_activated_measured_and_closed_by_osworlds_rules(fresh):
+    box, bridge, base = fresh
+    box.execute("printf a > ~/first.txt", shell=True)
+    box.launch(["mousepad", "/home/user/first.txt"])
+    _wait_for(lambda: windows.find(_windows(box), "first.txt"), "first.txt's window")
+    box.launch(["stterm", "-t", "Second Window"])
+    _wait_for(lambda: windows.find(_windows(box), "Second Window"), "the terminal's window")
+
+    def post(path: str, **body: object) -> dict:
+        r = requests.post(f"{base}{path}", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    assert post("/setup/activate_window", window_name="FIRST.TXT", strict=False, by_class=False)["windows"] == \
+        ["~/first.txt - Mousepad"]
+    _wait_for(lambda: "first.txt" in box.active_window().get("name", ""), "first.txt focused")
+    assert post("/setup/activate_window", window_name="second window", strict=True)["windows"] == []  # exact only
+    assert post("/setup/activate_window", window_name="Second Window", strict=True)["windows"] == ["Second Window"]
+    _wait_for(lambda: box.active_window().get("name") == "Second Window", "the terminal focused")
+    size = requests.post(f"{base}/window_size", data={"app_class_name": "MOUSEPAD"}, timeout=60)
+    assert size.status_code == 200 and size.json()["width"] > 100 and size.json()["height"] > 100
+    assert requests.post(f"{base}/window_size", data={"app_class_name": "gimp"}, timeout=60).status_code == 404
+    assert post("/setup/close_window", window_name="mousepad", by_class=True)["windows"] == ["~/first.txt - Mousepad"]
+    _wait_for(lambda: [w.title for w in _windows(box)] == ["Second Window"], "only mousepad's window closed")
+    x, y = requests.get(f"{base}/cursor_position", timeout=60).json()
+    assert 0 <= x < SCREEN[0] and 0 <= y < SCREEN[1]
+
+
+def test_chrome_devtools_through_the_bridge_and_nothing_of_the_host_from_inside(fresh):
+    """What OSWorld's chrome getters and set-up steps do (CDP at chromium_port) works; the agent
+    reaches neither the bridge's ports nor any other in-sandbox port through the server."""
+    box, bridge, base = fresh
+    box.launch("chromium --no-sandbox --test-type --no-first-run --remote-debugging-port=1337 "
+               "--user-data-dir=/tmp/profile about:blank", shell=True)
+    cdp = f"http://127.0.0.1:{bridge.ports['chromium']}"
+
+    def version() -> dict | None:
+        try:
+            return requests.get(f"{cdp}/json/version", timeout=5).json()
+        except requests.RequestException:
+            return None
+
+    info = _wait_for(version, "Chrome's DevTools through the bridge", timeout=60)
+    # Chrome names its websocket by the Host it was asked under: the bridge's port, so a CDP client
+    # (Playwright's connect_over_cdp) stays on the bridge.
+    assert info["webSocketDebuggerUrl"].startswith(f"ws://127.0.0.1:{bridge.ports['chromium']}/devtools/browser/")
+    assert any(t.get("url") == "about:blank" for t in requests.get(f"{cdp}/json/list", timeout=10).json())
+    inside = box.execute(["python3", "-c", "import socket, sys\nfor p in map(int, sys.argv[1:]):\n"
+                          "    s = socket.socket()\n    s.settimeout(2)\n    print(p, s.connect_ex(('127.0.0.1', p)))",
+                          *(str(p) for p in bridge.ports.values())])
+    assert all(line.split()[1] != "0" for line in inside["output"].splitlines()), inside  # refused: own network
+    # CONNECT only to the tunnel ports (a host caller cannot use the server as a proxy elsewhere)
+    connection = _UnixConnection(box.socket_path, 10)
+    connection.request("CONNECT", "127.0.0.1:22")
+    refused = connection.getresponse()
+    assert refused.status == 403 and "no tunnel" in json.loads(refused.read())["error"]
+
+
+def test_what_the_sandbox_cannot_serve_is_a_clear_error(fresh):
+    box, bridge, base = fresh
+    a11y = requests.get(f"{base}/accessibility", timeout=60)
+    assert a11y.status_code == 501 and "/accessibility" in a11y.json()["error"]
+    for path in ("/run_python", "/run_bash_script"):
+        r = requests.post(f"{base}{path}", json={"code": "print(1)", "script": "id"}, timeout=60)
+        assert r.status_code == 403 and "agent" in r.json()["error"]
+    assert requests.get(f"{base}/terminal", timeout=60).json() == {"status": "success", "output": None}
+    if shutil.which("ffmpeg") is None:
+        r = requests.post(f"{base}/start_recording", timeout=60)
+        assert r.status_code == 501 and "ffmpeg" in r.json()["error"]
+    assert requests.post(f"{base}/end_recording", timeout=60).status_code in (400, 501)
+    missing = requests.post(f"{base}/setup/open_file", json={"path": "/home/user/nothing.docx"}, timeout=60)
+    assert missing.status_code == 404 and "does not exist" in missing.json()["error"]
+
+
+def _windows(box: Sandbox) -> list[windows.Window]:
+    return [windows.Window(**w) for w in box.get_json("/windows")]
+
+
+def _wait_for(check, what: str, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout:.0f} s")
+        time.sleep(0.3)

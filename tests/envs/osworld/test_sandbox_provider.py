@@ -1,0 +1,185 @@
+"""OSWorld's own DesktopEnv (desktop-env 1.0.2: its SetupController, PythonController, getters and
+metrics, unchanged) on the desktop sandbox instead of a VM: task files in OSWorld's format set up,
+acted on through real GUI actions, and scored by OSWorld's evaluator; the agent's code checked.
+
+These run in the interpreter that has desktop_env (`./workbench setup-osworld`, found by
+find_osworld_python()); the pieces that need no desktop_env run everywhere."""
+from __future__ import annotations
+
+import functools
+import http.server
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from arpo_lib.actions import Action
+from arpo_lib.envs.desktop.sandbox import desktop_unavailable
+from arpo_lib.envs.osworld import env as osworld
+from arpo_lib.envs.osworld.sandbox_check import solution_actions
+from arpo_lib.envs.pool import EnvPool
+from arpo_lib.envs.worker import action_payload
+
+REPO = Path(__file__).resolve().parents[3]
+TASKS = REPO / "test_data" / "osworld_sandbox"
+SCREEN = (1280, 800)
+
+
+# ---- without desktop_env -----------------------------------------------------------------------
+
+def test_the_sandbox_provider_needs_no_vm_image_and_no_docker(monkeypatch):
+    """provider="sandbox" picks the sandbox's DesktopEnv class and skips the Docker preflight (which
+    would refuse this machine: no Docker, no KVM) and the VM image."""
+    monkeypatch.setattr(osworld, "preflight_docker", lambda *a, **k: pytest.fail("Docker preflight on the sandbox"))
+    monkeypatch.setattr(osworld, "_desktop_env_class", lambda spec: spec)
+    env = osworld.OSWorldEnv(json.loads((TASKS / "editor-save.json").read_text()), provider="sandbox",
+                             download_cache=None)
+    try:
+        assert env._desktop_env_cls == osworld.SANDBOX_DESKTOP_ENV_CLASS
+        assert env._desktop_kwargs["path_to_vm"] == "desktop-sandbox" and env.pause_vm is False
+    finally:
+        env.close()
+
+
+def test_importing_the_provider_needs_no_desktop_env():
+    code = ("import sys, arpo_lib.envs.osworld.sandbox as s; assert 'desktop_env' not in sys.modules; "
+            "print(s.SandboxProvider(screen_size=(800, 600)).screen_size)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "(800, 600)", done.stderr[-2000:]
+
+
+def test_scripted_solutions_parse():
+    for path in sorted(TASKS.glob("*.json")):
+        task = json.loads(path.read_text())
+        actions = solution_actions(task, SCREEN)
+        assert actions[-1].kind == "finished" and len(actions) >= 2, path.name
+
+
+# ---- with OSWorld's desktop_env ----------------------------------------------------------------
+
+TEST_VENV = osworld.workbench_cache() / "test-venv-osworld"
+
+
+@pytest.fixture(scope="module")
+def osworld_python() -> str:
+    """$ARPO_OSWORLD_PYTHON where set; else the tests' own OSWorld environment, built by
+    `setup_osworld.sh --light` (desktop-env 1.0.2 and what its evaluator imports, ~1.5 GB, about a
+    minute the first time on a machine; torch borrowed from this environment)."""
+    if desktop_unavailable():
+        pytest.skip(desktop_unavailable() or "")
+    if os.environ.get("ARPO_OSWORLD_PYTHON"):
+        return os.environ["ARPO_OSWORLD_PYTHON"]
+    import sysconfig
+
+    env = {**os.environ, "ARPO_OSWORLD_VENV": str(TEST_VENV), "ARPO_OSWORLD_TORCH_FROM": sysconfig.get_paths()["purelib"]}
+    done = subprocess.run(["bash", str(REPO / "scripts" / "setup_osworld.sh"), "--light"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def task_files(tmp_path_factory) -> list[Path]:
+    """The test tasks, their download URLs pointing at files served on this machine's loopback (the
+    set-up's `download` step fetches on the host, then uploads into the sandbox)."""
+    served = tmp_path_factory.mktemp("served")
+    (served / "report.txt").write_text("the quarterly figures\n")
+    handler = functools.partial(_QuietHandler, directory=str(served))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    out = tmp_path_factory.mktemp("tasks")
+    files = []
+    for path in sorted(TASKS.glob("*.json")):
+        text = path.read_text().replace("{FILES}", f"http://127.0.0.1:{server.server_port}")
+        (out / path.name).write_text(text)
+        files.append(out / path.name)
+    yield files
+    server.shutdown()
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args) -> None:
+        pass
+
+
+def _in_osworld(python: str, args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([python, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_osworlds_own_evaluator_scores_the_sandbox_no_op_zero_and_solution_one(osworld_python, task_files):
+    done = _in_osworld(osworld_python, ["-m", "arpo_lib.envs.osworld.sandbox_check",
+                                        f"--screen={SCREEN[0]}x{SCREEN[1]}", *map(str, task_files)])
+    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"task"')]
+    assert [(r["task"], r["noop"], r["solved"], r["errors"]) for r in results] == [
+        ("arpo-sandbox-editor-save", 0.0, 1.0, []), ("arpo-sandbox-terminal-archive", 0.0, 1.0, [])], \
+        done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0
+
+
+_HOSTILE = r"""
+import json, sys
+from arpo_lib.envs.osworld.sandbox import SandboxDesktopEnv
+task = json.load(open(sys.argv[1]))
+try:
+    SandboxDesktopEnv(action_space="pyautogui", require_a11y_tree=True)
+except ValueError as e:
+    a11y = str(e)
+env = SandboxDesktopEnv(action_space="pyautogui", screen_size=(1280, 800), cache_dir=sys.argv[2])
+try:
+    env.reset(task_config=task)
+    out = {}
+    for name, code in [("os.system", "import os; os.system('touch /home/user/pwned')"),
+                       ("hidden in a click", "pyautogui.click(5, 5); __import__('os').system('touch /home/user/pwned')"),
+                       ("open", "open('/home/user/pwned', 'w').write('x')")]:
+        out[name] = env.step(code, pause=0)[3].get("action_error")
+    out["clicked"] = env.step("import pyautogui\npyautogui.click(640, 400)", pause=0)[3].get("action_error")
+    out["pwned"] = env.sandbox.execute("ls -a /home/user", shell=True)["output"].split()
+    out["platform"] = env.controller.get_vm_platform()  # a getter's probe still goes to /execute
+    out["score"] = env.evaluate()
+    out["a11y"] = a11y
+    print("RESULT " + json.dumps(out))
+finally:
+    env.close()
+"""
+
+
+@pytest.mark.slow
+def test_the_agents_code_through_osworlds_step_is_checked(osworld_python, task_files, tmp_path):
+    """OSWorld's step sends the agent's pyautogui code to the server to run; on the sandbox it goes
+    through the workbench's check first: code outside the action space never runs."""
+    done = _in_osworld(osworld_python, ["-c", _HOSTILE, str(task_files[0]), str(tmp_path)])
+    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line is not None, done.stdout[-3000:] + done.stderr[-3000:]
+    out = json.loads(line[len("RESULT "):])
+    for name in ("os.system", "hidden in a click", "open"):
+        assert out[name] and "allowed" in out[name], (name, out)
+    assert out["clicked"] is None and "pwned" not in out["pwned"]
+    assert out["platform"] == "Linux" and out["score"] == 0.0
+    assert "does not serve the accessibility tree" in out["a11y"]
+
+
+@pytest.mark.slow
+def test_an_osworld_episode_on_the_sandbox_in_an_environment_worker(osworld_python, task_files, tmp_path):
+    """The workbench's own path: make_env("osworld/<id>") options with provider "sandbox", in an
+    environment worker process on the OSWorld interpreter (as env.python=auto runs them)."""
+    task = json.loads(task_files[0].read_text())
+    options = {"provider": "sandbox", "task_config": task, "screen_size": list(SCREEN), "pause_s": 0.3,
+               "cache_root": str(tmp_path / "cache"), "download_cache": None, "max_steps": 5}
+    with EnvPool(1, options, timeout_s=300, python=osworld_python) as pool:
+        worker = pool.workers[0]
+        obs, info = worker.call("reset", (f"osworld/{task['id']}", 0))
+        assert obs.screenshot.size == SCREEN and info["task_id"] == task["id"]
+        result = None
+        for action in solution_actions(task, SCREEN):
+            result = worker.call("step", action_payload([action]))
+        _, reward, terminated, _, info = result
+        assert (reward, terminated, info["score"]) == (1.0, True, 1.0), info
+        worker.call("reset", (f"osworld/{task['id']}", 1))
+        _, reward, terminated, _, info = worker.call("step", action_payload([Action("finished")]))
+        assert (reward, terminated) == (0.0, True)
