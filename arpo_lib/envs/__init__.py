@@ -117,12 +117,14 @@ def make_env(name: str, **options: Any) -> GUIEnv:
     prefix = name.partition("/")[0] if isinstance(name, str) else ""
     if prefix in PLANNED_FAMILIES and prefix not in _REGISTRY:
         raise ValueError(f"{name!r}: {PLANNED_FAMILIES[prefix]}")
-    spec, task = check_env_name(name)
+    # A task given whole (`task_config`, e.g. a task file of one's own) need not be in the family's list.
+    spec, task = check_env_name(name, listed=options.get("task_config") is None)
     return spec.factory(task, **options)
 
 
-def check_env_name(name: str) -> tuple[EnvSpec, str]:
-    """(family, task) of a name, without building anything; ValueError naming what exists."""
+def check_env_name(name: str, listed: bool = True) -> tuple[EnvSpec, str]:
+    """(family, task) of a name, without building anything; ValueError naming what exists.
+    `listed=False`: the task need not be in the family's task list."""
     if not isinstance(name, str):
         raise ValueError(f"an environment name must be a string, got {name!r}")
     name = split_instance(name)[0]
@@ -136,7 +138,7 @@ def check_env_name(name: str) -> tuple[EnvSpec, str]:
     if not task:
         raise ValueError(f"{name!r} names no task: use '{prefix}/<task>', e.g. "
                          f"{', '.join(list_envs(prefix)[:3])}")
-    tasks = _tasks(spec)
+    tasks = _tasks(spec) if listed else []
     if tasks and task not in tasks and not _is_alias(prefix, task, tasks):
         close = difflib.get_close_matches(task, tasks, n=5, cutoff=0.5)
         hint = f" Did you mean: {', '.join(f'{prefix}/{t}' for t in close)}?" if close else ""

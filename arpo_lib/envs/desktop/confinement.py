@@ -297,18 +297,43 @@ SHIM_DIR_IN_SANDBOX = "/opt/arpo/bin"
 
 
 def write_python_shim(workdir: Path, python: str, site_dirs: list[str]) -> Path:
-    """`workdir/bin/python`: OSWorld's set-up steps and getters run `python -c "import pyautogui;
+    """`workdir/bin/python` and `python3`: OSWorld's set-up steps and getters run `python -c "import pyautogui;
     ..."` (the name `python`, with pyautogui importable). The shim runs the workbench's interpreter
     with its site directories. It is written by the host and seen read-only, so nothing the agent
     does can change what a trusted command runs."""
     bin_dir = workdir / "bin"
     bin_dir.mkdir(mode=0o755, exist_ok=True)
-    shim = bin_dir / "python"
     path = ":".join(site_dirs)
-    shim.write_text("#!/bin/sh\n# OSWorld's commands name `python` and import pyautogui: the workbench's interpreter\n"
-                    f"PYTHONPATH={shlex.quote(path)} exec {shlex.quote(python)} \"$@\"\n")
-    shim.chmod(0o755)
+    for name in ("python", "python3"):  # OSWorld's VM has pyautogui under both names (GIMP's tasks use python3)
+        shim = bin_dir / name
+        shim.write_text("#!/bin/sh\n# OSWorld's commands run python and python3 with pyautogui: the workbench's interpreter\n"
+                        f"PYTHONPATH={shlex.quote(path)} exec {shlex.quote(python)} \"$@\"\n")
+        shim.chmod(0o755)
+    chromium = next((p for p in CHROMIUM_BINARIES if os.access(p, os.X_OK)), None)
+    if chromium:  # OSWorld's tasks start `google-chrome` and end it with `pkill chrome`; its profile
+        # getters read ~/.config/google-chrome. A script named `chrome` (a script's process carries
+        # its own name; a link would carry the binary's) runs Debian's Chromium with Chrome's profile
+        # path and passes the signal on, so that the browser ends as Chrome would (its preferences
+        # written), as OSWorld's checkers expect after their `pkill chrome`.
+        wrapper = bin_dir / "chrome"
+        wrapper.unlink(missing_ok=True)
+        wrapper.write_text(
+            "#!/bin/sh\n# Chromium as OSWorld's Chrome (see arpo_lib/envs/desktop/confinement.py)\n"
+            f"{shlex.quote(chromium)} --no-sandbox --test-type --no-first-run --password-store=basic "
+            '--user-data-dir="$HOME/.config/google-chrome" "$@" &\n'
+            "browser=$!\n"
+            "trap 'kill -TERM $browser 2>/dev/null' TERM INT HUP\n"
+            "wait $browser\n"
+            "wait $browser\n")  # a trapped signal ends the first wait early: wait for the browser to finish
+        wrapper.chmod(0o755)
+        shim = bin_dir / "google-chrome"
+        shim.write_text('#!/bin/sh\nexec "$(dirname "$0")/chrome" "$@"\n')
+        shim.chmod(0o755)
     return bin_dir
+
+
+CHROMIUM_BINARIES = ("/usr/lib/chromium/chromium", "/usr/lib/chromium-browser/chromium-browser")
+"""The browser binary itself (not Debian's /usr/bin/chromium wrapper script)."""
 
 
 def sandbox_environment(home: str = HOME_IN_SANDBOX) -> dict[str, str]:

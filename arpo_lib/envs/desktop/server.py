@@ -56,6 +56,7 @@ import io
 import json
 import os
 import resource
+import shlex
 import shutil
 import signal
 import socket
@@ -345,7 +346,15 @@ class Desktop:
         a pyautogui.py the agent saved there would otherwise replace."""
         kwargs = self._as_agent()
         kwargs["env"] = {**kwargs["env"], "PYTHONSAFEPATH": "1", "PYTHONNOUSERSITE": "1"}
-        return _run(command, shell=shell, timeout=timeout, **kwargs)
+        return _run(self.as_arguments(command, shell), shell=shell, timeout=timeout, **kwargs)
+
+    def as_arguments(self, command: list[str] | str, shell: bool) -> list[str] | str:
+        """As OSWorld's VM server takes a command: a string without a shell is split shell-style,
+        and each argument starting with `~/` names a path in the home."""
+        if shell:
+            return command[0] if isinstance(command, list) and len(command) == 1 else command
+        parts = shlex.split(command) if isinstance(command, str) else list(command)
+        return [self.expand(p) if p.startswith("~/") else p for p in parts]
 
     def run_action(self, code: str, cpu_s: int) -> dict[str, Any]:
         """Checked agent code in an isolated interpreter started from / (nothing the agent wrote can
@@ -389,7 +398,7 @@ class Desktop:
         self.logs.mkdir(parents=True, exist_ok=True)
         log_path = self.logs / f"{len(self.launch_records)}.log"
         with open(log_path, "wb") as log:  # OSError (e.g. no such program) goes to the caller: HTTP 500
-            process = subprocess.Popen(command, shell=shell, stdin=subprocess.DEVNULL, stdout=log,
+            process = subprocess.Popen(self.as_arguments(command, shell), shell=shell, stdin=subprocess.DEVNULL, stdout=log,
                                        stderr=subprocess.STDOUT, start_new_session=True, **self._as_agent())
         self.launched.append(process)
         self.launch_records.append((command, process, log_path))

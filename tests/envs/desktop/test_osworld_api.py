@@ -109,6 +109,9 @@ def test_python_in_a_trusted_command_is_the_workbenchs_and_the_agent_cannot_repl
     assert "Read-only file system" in attack["error"]
     again = requests.post(f"{base}/execute", json=probe, timeout=60).json()
     assert again["output"] == f"Linux {SCREEN[0]} {SCREEN[1]}\n", again
+    # A string without a shell is split shell-style, and ~/ arguments name the home (OSWorld's server)
+    split = requests.post(f"{base}/execute", json={"command": "printf '%s|' 'a b' ~/x", "shell": False}, timeout=60)
+    assert split.json()["output"] == "a b|/home/user/x|"
     # The string "true" for shell (seven of OSWorld's task files write it so)
     assert requests.post(f"{base}/execute", json={"command": "echo $HOME", "shell": "true"},
                          timeout=60).json()["output"] == "/home/user\n"

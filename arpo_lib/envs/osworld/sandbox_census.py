@@ -1,0 +1,216 @@
+"""Every OSWorld task file through set-up and evaluation on the desktop sandbox, with a no-op agent:
+which tasks run here, and why the others do not.
+
+    python -m arpo_lib.envs.osworld.sandbox_census EXAMPLES_DIR [--out results.jsonl] [--markdown table.md]
+        [--domains os,vlc] [--screen 1920x1080]
+
+EXAMPLES_DIR is OSWorld's `evaluation_examples/examples` (`./workbench osworld-tasks fetch` caches it).
+Runs in the interpreter that has desktop_env. Each task lands in exactly one column:
+
+    scores      set up in the sandbox and scored by OSWorld's own evaluator (a no-op scores 0; an
+                infeasible task also scores 1 when the agent answers FAIL)
+    download    its set-up or checker downloads files (named): runnable once they are in the shared
+                download cache (`osworld-tasks prefetch` on a machine with internet)
+    internet    it needs the live internet or an account (open web pages, Google Drive, a login)
+    gnome_vscode  it needs VS Code (not in Debian) or a GNOME-only piece (gsettings, nautilus,
+                gnome-terminal's output, GNOME's settings daemons)
+    fails       none of the above, and it still does not set up or score here (the reason)
+
+The first three columns are decided by reading the task file (the rules are `static_column`); a
+task not in them is run. Counting rules: a task is `download` when any set-up step or getter of it
+fetches a URL (set-up `download`, `cloud_file`, `cache_file` with a URL) and nothing needs the live
+internet; `internet` wins over `download`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+import urllib.parse
+from collections import Counter
+from pathlib import Path
+from typing import Any, Iterator
+
+COLUMNS = ("scores", "download", "internet", "gnome_vscode", "fails")
+INTERNET_STEPS = {"chrome_open_tabs", "chrome_close_tabs", "login", "googledrive", "update_browse_history"}
+INTERNET_GETTERS = {"googledrive_file", "page_info", "info_from_website", "pdf_from_url", "number_of_search_results",
+                    "gotoRecreationPage_and_get_html_content"}
+A11Y_GETTERS = {"accessibility_tree", "active_url_from_accessTree", "active_tab_info", "active_tab_html_parse",
+                "active_tab_url_parse", "url_dashPart"}
+"""Getters that read the AT-SPI tree (the chrome ones find the address bar in it)."""
+DOWNLOAD_GETTERS = {"cloud_file"}
+GNOME_VSCODE_WORDS = ("gsettings", "nautilus", "gnome-", "org.gnome", "code ", "\"code\"", "'code'", "vscode", "dconf")
+GNOME_VSCODE_GETTERS = {"vscode_config", "vm_terminal_output"}
+NOT_HERE = {"accessibility_tree": "needs /accessibility (the AT-SPI tree): not served by the sandbox yet",
+            "timedatectl": "needs systemd (timedatectl): the sandbox runs no init system",
+            "pactl": "needs a PulseAudio server: none in the sandbox yet"}
+"""What a task file may name that the sandbox lacks, with the reason (column `fails`, not run)."""
+
+
+def _walk(value: Any) -> Iterator[Any]:
+    if isinstance(value, dict):
+        for v in value.values():
+            yield from _walk(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _walk(v)
+    else:
+        yield value
+
+
+def _getters(task: dict[str, Any]) -> list[dict[str, Any]]:
+    evaluator = task.get("evaluator", {})
+    out = []
+    for key in ("result", "expected"):
+        value = evaluator.get(key, [])
+        out += [g for g in (value if isinstance(value, list) else [value]) if isinstance(g, dict)]
+    return out
+
+
+def _steps(task: dict[str, Any]) -> list[dict[str, Any]]:
+    return list(task.get("config", [])) + list(task.get("evaluator", {}).get("postconfig", []))
+
+
+def static_column(task: dict[str, Any]) -> tuple[str, str] | None:
+    """(column, reason) when reading the task file decides it; None when it must be run."""
+    steps, getters = _steps(task), _getters(task)
+    internet = sorted({s["type"] for s in steps if s["type"] in INTERNET_STEPS} |
+                      {g["type"] for g in getters if g.get("type") in INTERNET_GETTERS})
+    if internet:
+        return "internet", ", ".join(internet)
+    urls = [s for s in _walk({"config": steps, "getters": getters}) if isinstance(s, str)
+            and s.startswith(("http://", "https://"))]
+    downloads = [u for u in urls if any(s["type"] == "download" for s in steps) or
+                 any(g.get("type") in DOWNLOAD_GETTERS | {"cache_file"} for g in getters)]
+    if downloads:
+        hosts = Counter(urllib.parse.urlparse(u).netloc for u in downloads)
+        return "download", f"{len(downloads)} file(s) from " + ", ".join(f"{h} ({n})" for h, n in hosts.most_common())
+    if urls:
+        return "internet", f"opens {urllib.parse.urlparse(urls[0]).netloc}"
+    text = json.dumps(steps) + json.dumps(getters)
+    pieces = sorted({w.strip("\"' ") for w in GNOME_VSCODE_WORDS if w in text} |
+                    {g["type"] for g in getters if g.get("type") in GNOME_VSCODE_GETTERS})
+    if pieces:
+        return "gnome_vscode", ", ".join(pieces)
+    missing = sorted({reason for word, reason in NOT_HERE.items() if word in text} |
+                     ({NOT_HERE["accessibility_tree"]} if any(g.get("type") in A11Y_GETTERS for g in getters) else set()))
+    if missing:
+        return "fails", "; ".join(missing)
+    return None
+
+
+def run_task(env: Any, task: dict[str, Any]) -> tuple[str, str, dict[str, Any]]:
+    """Set the task up in the sandbox, end the episode at once (DONE; FAIL too for an infeasible
+    task) and score it with OSWorld's evaluator."""
+    facts: dict[str, Any] = {}
+    started = time.monotonic()
+    try:
+        env.reset(task_config=task)
+    except Exception as e:  # noqa: BLE001 - the reason is the result
+        return "fails", f"set-up: {type(e).__name__}: {str(e)[:300]}", facts
+    facts["reset_s"] = round(time.monotonic() - started, 1)
+    failed = [a for a in env.sandbox.launched() if a["returncode"] not in (None, 0)]
+    answers = ["DONE", "FAIL"] if task.get("evaluator", {}).get("func") == "infeasible" else ["DONE"]
+    scores = []
+    for answer in answers:
+        if answer != answers[0]:
+            env.reset(task_config=task)
+        env.step(answer, pause=0)
+        try:
+            scores.append(float(env.evaluate()))
+        except Exception as e:  # noqa: BLE001
+            reason = f"checker: {type(e).__name__}: {str(e)[:300]}"
+            if failed:
+                reason += "; " + _launch_failures(failed)
+            return "fails", reason, facts
+    facts["scores"] = scores
+    if failed and scores[0] == 0.0 and len(answers) == 1:
+        # it scored, but an application it needs did not start: say so (a no-op 0 proves little then)
+        return "fails", _launch_failures(failed), facts
+    if len(answers) == 2 and scores != [0.0, 1.0]:
+        return "fails", f"infeasible task scored {scores} for DONE, FAIL", facts
+    return "scores", f"no-op {scores[0]:g}" + (", FAIL 1" if len(answers) == 2 else ""), facts
+
+
+def _launch_failures(apps: list[dict[str, Any]]) -> str:
+    parts = []
+    for app in apps[:3]:
+        command = app["command"] if isinstance(app["command"], str) else " ".join(app["command"])
+        output = " ".join(app["output"].split())[-160:]
+        parts.append(f"`{command[:60]}` exited {app['returncode']}" + (f" ({output})" if output else ""))
+    return "launched: " + "; ".join(parts)
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    domains = sorted({r["domain"] for r in rows})
+    lines = ["| domain | tasks | " + " | ".join(COLUMNS) + " |", "|---" * (len(COLUMNS) + 2) + "|"]
+    totals = Counter()
+    for domain in domains:
+        counts = Counter(r["column"] for r in rows if r["domain"] == domain)
+        totals.update(counts)
+        n = sum(counts.values())
+        lines.append(f"| {domain} | {n} | " + " | ".join(str(counts.get(c, 0)) for c in COLUMNS) + " |")
+    lines.append(f"| **total** | **{sum(totals.values())}** | " + " | ".join(f"**{totals.get(c, 0)}**" for c in COLUMNS) + " |")
+    lines += ["", "| task | domain | column | reason |", "|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (COLUMNS.index(r["column"]), r["domain"], r["task"])):
+        if r["column"] in ("scores", "fails", "gnome_vscode"):
+            lines.append(f"| `{r['task'][:8]}` | {r['domain']} | {r['column']} | {r['reason'].replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("examples", type=Path, help="OSWorld's evaluation_examples/examples")
+    parser.add_argument("--out", type=Path, default=Path("osworld_sandbox_census.jsonl"))
+    parser.add_argument("--markdown", type=Path, default=None)
+    parser.add_argument("--domains", default="", help="comma-separated domains (default: all)")
+    parser.add_argument("--screen", default="1920x1080")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.ERROR)
+    screen = tuple(int(v) for v in args.screen.lower().split("x"))
+    wanted = {d for d in args.domains.split(",") if d}
+    files = sorted(p for p in args.examples.glob("*/*.json") if not wanted or p.parent.name in wanted)
+    done = {}
+    if args.out.exists():  # resumable: tasks already in the file are kept
+        for line in args.out.read_text().splitlines():
+            row = json.loads(line)
+            done[row["task"]] = row
+    env = None
+    try:
+        with open(args.out, "a") as out:
+            for number, path in enumerate(files, 1):
+                task_id = path.stem
+                if task_id in done:
+                    continue
+                task = json.loads(path.read_text())
+                decided = static_column(task)
+                facts: dict[str, Any] = {}
+                if decided is None:
+                    if env is None:
+                        from arpo_lib.envs.osworld.sandbox import SandboxDesktopEnv
+
+                        env = SandboxDesktopEnv(action_space="pyautogui", screen_size=screen,
+                                                cache_dir=str(args.out.parent / "census-cache"))
+                    column, reason, facts = run_task(env, task)
+                else:
+                    column, reason = decided
+                row = {"task": task_id, "domain": path.parent.name, "column": column, "reason": reason, **facts}
+                done[task_id] = row
+                out.write(json.dumps(row) + "\n")
+                out.flush()
+                print(f"[{number}/{len(files)}] {path.parent.name}/{task_id[:8]}: {column} ({reason[:100]})",
+                      file=sys.stderr, flush=True)
+    finally:
+        if env is not None:
+            env.close()
+    rows = [done[p.stem] for p in files if p.stem in done]
+    if args.markdown:
+        args.markdown.write_text(markdown(rows))
+    print(json.dumps(Counter(r["column"] for r in rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
