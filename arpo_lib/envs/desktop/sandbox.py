@@ -336,6 +336,25 @@ class Sandbox:
     def active_window(self) -> dict[str, Any]:
         return self.get_json("/active_window")
 
+    def windows(self) -> list[dict[str, Any]]:
+        """The desktop's top-level windows, oldest first ({"id", "title", "wm_class", "x", "y",
+        "width", "height"})."""
+        return self.get_json("/windows")
+
+    def wait_for_windows(self, timeout: float, quiet_s: float = 1.0) -> bool:
+        """Until at least one window exists and the windows (titles, sizes) have not changed for
+        `quiet_s`; False if that did not happen within `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        last, since = None, time.monotonic()
+        while time.monotonic() < deadline:
+            now = self.windows()
+            if now != last:
+                last, since = now, time.monotonic()
+            elif now and time.monotonic() - since >= quiet_s:
+                return True
+            time.sleep(0.2)
+        return False
+
     def reset_session(self) -> int:
         """End every application and empty the home directory; returns how many processes ended."""
         return int(self.post_json("/session/reset", {}, timeout=60)["ended"])

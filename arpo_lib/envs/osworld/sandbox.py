@@ -45,6 +45,9 @@ PATH_TO_VM = "desktop-sandbox"
 """What DesktopEnv is given as path_to_vm: anything non-empty keeps its VM manager from looking
 for (or downloading) a disk image."""
 
+SETTLE_TIMEOUT_S = 20.0
+"""After a set-up that started applications, reset waits at most this long for their windows."""
+
 _PENDING = threading.local()
 """The provider options of the SandboxDesktopEnv being constructed on this thread (see
 _sandbox_aware_factory)."""
@@ -180,6 +183,18 @@ def _make_class() -> type:
             finally:
                 _PENDING.options = None
             self.provider_name = PROVIDER_NAME
+
+        def reset(self, task_config: Any = None, *args: Any, **kwargs: Any) -> Any:
+            """OSWorld's reset, then, where the set-up started applications, a wait until their
+            windows are up and have settled (a VM's first screenshot comes long after its set-up;
+            here the set-up returns within a second, before a browser has drawn anything), and a
+            fresh observation."""
+            obs = super().reset(task_config, *args, **kwargs)
+            steps = (task_config or {}).get("config", []) if isinstance(task_config, dict) else []
+            if any(step.get("type") in ("launch", "open", "execute", "command") for step in steps):
+                self.sandbox.wait_for_windows(SETTLE_TIMEOUT_S)
+                obs = self._get_obs()
+            return obs
 
         def step(self, action: Any, *args: Any, **kwargs: Any) -> Any:
             """OSWorld's step, with the agent's pyautogui code sent to /run_action (checked) rather

@@ -1,6 +1,7 @@
 """Run OSWorld-format task files on the desktop sandbox with OSWorld's own DesktopEnv: each task
 once with a no-op agent (it answers finished() at once) and once with its scripted solution
-(`x_solution`: UI-TARS action texts, sent as real GUI actions), scored by OSWorld's evaluator.
+(`x_solution`: UI-TARS action texts, sent as real GUI actions; for OSWorld's own task files, ours
+in sandbox_solutions.json, by the file's name), scored by OSWorld's evaluator.
 
     python -m arpo_lib.envs.osworld.sandbox_check [--screen 1920x1080] TASK.json [...]
 
@@ -20,9 +21,25 @@ from typing import Any
 from arpo_lib.actions import Action, parse_response
 
 
-def solution_actions(task: dict[str, Any], screen: tuple[int, int]) -> list[Action]:
+SOLUTIONS = Path(__file__).with_name("sandbox_solutions.json")
+"""Our scripted solutions of OSWorld's own task files (they carry none), by task id."""
+
+
+def scripted_solution(task: dict[str, Any], task_id: str | None = None) -> list[str] | None:
+    """The task's `x_solution`, else ours for an OSWorld task file; None when there is none."""
+    if "x_solution" in task:
+        return list(task["x_solution"])
+    known = json.loads(SOLUTIONS.read_text())
+    entry = known.get(task_id or task.get("id", "")) or known.get(task.get("id", ""))
+    return list(entry["solution"]) if entry else None
+
+
+def solution_actions(task: dict[str, Any], screen: tuple[int, int], task_id: str | None = None) -> list[Action]:
+    texts = scripted_solution(task, task_id)
+    if texts is None:
+        raise ValueError(f"no scripted solution for task {task_id or task.get('id')!r}")
     actions: list[Action] = []
-    for text in [*task.get("x_solution", []), "finished(content='')"]:
+    for text in [*texts, "finished(content='')"]:  # after call_user() (FAIL) the episode is over already
         actions += parse_response(f"Thought: scripted\nAction: {text}", screen, "qwen25vl").actions
     return actions
 
@@ -65,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         task = json.loads(path.read_text())
         options = {"pause_s": args.pause_s, "download_cache": None}
         noop = run_episode(task, [Action("finished")], screen, **options)
-        solved = run_episode(task, solution_actions(task, screen), screen, **options)
+        solved = run_episode(task, solution_actions(task, screen, path.stem), screen, **options)
         ok &= noop["score"] == 0.0 and solved["score"] == 1.0
         print(json.dumps({"task": task["id"], "noop": noop["score"], "solved": solved["score"],
                           "reset_s": solved["reset_s"], "step_s": solved["step_s"],
