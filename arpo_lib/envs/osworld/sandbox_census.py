@@ -7,8 +7,9 @@ which tasks run here, and why the others do not.
 EXAMPLES_DIR is OSWorld's `evaluation_examples/examples` (`./workbench osworld-tasks fetch` caches it).
 Runs in the interpreter that has desktop_env. Each task lands in exactly one column:
 
-    scores      set up in the sandbox and scored by OSWorld's own evaluator (a no-op scores 0; an
-                infeasible task also scores 1 when the agent answers FAIL)
+    scores      set up in the sandbox and scored by OSWorld's own evaluator: a no-op scores 0 (a
+                no-op scoring 1 is a failure: the initial state differs from the VM's), and an
+                infeasible task scores 1 when the agent answers FAIL
     download    its set-up or checker downloads files (named): runnable once they are in the shared
                 download cache (`osworld-tasks prefetch` on a machine with internet)
     internet    it needs the live internet or an account (open web pages, Google Drive, a login)
@@ -129,6 +130,9 @@ def run_task(env: Any, task: dict[str, Any]) -> tuple[str, str, dict[str, Any]]:
     if failed and scores[0] == 0.0 and len(answers) == 1:
         # it scored, but an application it needs did not start: say so (a no-op 0 proves little then)
         return "fails", _launch_failures(failed), facts
+    if len(answers) == 1 and scores[0] > 0.0:
+        return "fails", (f"a no-op scores {scores[0]:g}: the sandbox's initial state already satisfies the checker "
+                         "(it differs from OSWorld's VM image here)"), facts
     if len(answers) == 2 and scores != [0.0, 1.0]:
         return "fails", f"infeasible task scored {scores} for DONE, FAIL", facts
     return "scores", f"no-op {scores[0]:g}" + (", FAIL 1" if len(answers) == 2 else ""), facts

@@ -59,6 +59,30 @@ def test_scripted_solutions_parse():
         assert actions[-1].kind == "finished" and len(actions) >= 2, path.name
 
 
+def test_the_census_reads_what_a_task_file_needs():
+    from arpo_lib.envs.osworld.sandbox_census import markdown, static_column
+
+    def task(config=(), result=None, **evaluator):
+        return {"id": "t", "config": list(config), "evaluator": {"func": "exact_match", "result": result or
+                {"type": "vm_command_line", "command": "true"}, "expected": {"type": "rule"}, **evaluator}}
+
+    tabs = {"type": "chrome_open_tabs", "parameters": {"urls_to_open": ["https://example.org"]}}
+    download = {"type": "download", "parameters": {"files": [{"url": "https://drive.google.com/x", "path": "/a"}]}}
+    assert static_column(task([tabs, download]))[0] == "internet"  # the live internet wins
+    assert static_column(task([download])) == ("download", "1 file(s) from drive.google.com (1)")
+    assert static_column(task(result={"type": "cloud_file", "path": "https://h.example/f"}))[0] == "download"
+    assert static_column(task([{"type": "execute", "parameters": {"command": "gsettings set a b c"}}])) == \
+        ("gnome_vscode", "gsettings")
+    assert static_column(task(result={"type": "vscode_config"}))[0] == "gnome_vscode"
+    column, reason = static_column(task(result={"type": "active_url_from_accessTree"}))
+    assert column == "fails" and "/accessibility" in reason
+    assert static_column(task([{"type": "launch", "parameters": {"command": ["vlc"]}}])) is None  # to be run
+    rows = [{"task": "a" * 36, "domain": "os", "column": "scores", "reason": "no-op 0"},
+            {"task": "b" * 36, "domain": "os", "column": "download", "reason": "1 file"}]
+    table = markdown(rows)
+    assert "| os | 2 | 1 | 1 | 0 | 0 | 0 |" in table and "| `aaaaaaaa` | os | scores | no-op 0 |" in table
+
+
 # ---- with OSWorld's desktop_env ----------------------------------------------------------------
 
 TEST_VENV = osworld.workbench_cache() / "test-venv-osworld"
