@@ -45,6 +45,16 @@ PATH_TO_VM = "desktop-sandbox"
 """What DesktopEnv is given as path_to_vm: anything non-empty keeps its VM manager from looking
 for (or downloading) a disk image."""
 
+HOME_PROFILES = [
+    ("vlc", "timeout 30 vlc -I dummy --reset-config vlc://quit >/dev/null 2>&1; "
+            "sed -i -e 's/^#qt-privacy-ask=.*/qt-privacy-ask=0/' -e 's/^#extraintf=.*/extraintf=http/' "
+            "-e 's/^#http-password=.*/http-password=password/' ~/.config/vlc/vlcrc"),
+]
+"""(program, shell script) run in the fresh home at every reset where the program is installed.
+VLC: its default vlcrc (VLC writes it), as on OSWorld's VM: no first-run privacy dialog, the web
+interface on (password "password", what OSWorld's vlc_playing_info getter sends). VLC's
+configuration tasks read this file; without it their getter finds nothing."""
+
 SETTLE_TIMEOUT_S = 20.0
 """After a set-up that started applications, reset waits at most this long for their windows."""
 
@@ -73,6 +83,7 @@ class SandboxProvider:
         self.stop_emulator(path_to_vm)
         self.box = Sandbox(self.screen_size, **self.sandbox_options)
         self.bridge = LoopbackBridge(self.box.socket_path)
+        self._seed_home()
         log.info("OSWorld on the desktop sandbox: %s (%s)", self.bridge.address(), self.box.describe())
 
     def get_ip_address(self, path_to_vm: str) -> str:
@@ -88,7 +99,17 @@ class SandboxProvider:
         episode and empties the home. None: the path does not change."""
         if self.box is not None and self.box.alive():
             self.box.reset_session()
+            self._seed_home()
         return None
+
+    def _seed_home(self) -> None:
+        """Application profiles OSWorld's VM image has in its home and its checkers read (see
+        HOME_PROFILES), for the applications installed here."""
+        for program, script in HOME_PROFILES:
+            if self.box.execute(["sh", "-c", f"command -v {program}"], timeout=30)["returncode"] == 0:
+                done = self.box.execute(script, shell=True, timeout=60)
+                if done["returncode"] != 0:
+                    log.warning("could not write %s's profile: %s", program, done["error"][-300:])
 
     def stop_emulator(self, path_to_vm: str, *args: Any, **kwargs: Any) -> None:
         if self.bridge is not None:
