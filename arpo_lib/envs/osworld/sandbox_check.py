@@ -4,6 +4,8 @@ once with a no-op agent (it answers finished() at once) and once with its script
 in sandbox_solutions.json, by the file's name), scored by OSWorld's evaluator.
 
     python -m arpo_lib.envs.osworld.sandbox_check [--screen 1920x1080] TASK.json [...]
+    python -m arpo_lib.envs.osworld.sandbox_check --solved <evaluation_examples/examples>
+        (every OSWorld task file we have a scripted solution for)
 
 Runs in the interpreter that has desktop_env (`./workbench setup-osworld`); prints one JSON line
 per task: {"task", "noop", "solved", "reset_s", "step_s", "errors"}; exit status 1 unless every
@@ -72,13 +74,22 @@ def run_episode(task: dict[str, Any], actions: list[Action], screen: tuple[int, 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("tasks", nargs="+", type=Path)
+    parser.add_argument("tasks", nargs="*", type=Path)
+    parser.add_argument("--solved", type=Path, default=None, metavar="EXAMPLES_DIR",
+                        help="also every OSWorld task with a solution in sandbox_solutions.json, from OSWorld's "
+                             "evaluation_examples/examples")
     parser.add_argument("--screen", default="1920x1080")
     parser.add_argument("--pause-s", type=float, default=0.5)
     args = parser.parse_args(argv)
     screen = tuple(int(v) for v in args.screen.lower().split("x"))
+    tasks = list(args.tasks)
+    if args.solved is not None:
+        known = {k: v for k, v in json.loads(SOLUTIONS.read_text()).items() if not k.startswith("_")}
+        tasks += [args.solved / entry["domain"] / f"{task_id}.json" for task_id, entry in known.items()]
+    if not tasks:
+        parser.error("no task files (give some, or --solved EXAMPLES_DIR)")
     ok = True
-    for path in args.tasks:
+    for path in tasks:
         task = json.loads(path.read_text())
         options = {"pause_s": args.pause_s, "download_cache": None}
         noop = run_episode(task, [Action("finished")], screen, **options)
