@@ -296,15 +296,17 @@ SHIM_DIR_IN_SANDBOX = "/opt/arpo/bin"
 """Where the sandbox sees the host-written `python` shim (read-only)."""
 
 
-def write_python_shim(workdir: Path, python: str, site_dirs: list[str]) -> Path:
+def write_python_shim(workdir: Path, python: str, site_dirs: list[str], pythons: bool = True) -> Path:
     """`workdir/bin/python` and `python3`: OSWorld's set-up steps and getters run `python -c "import pyautogui;
     ..."` (the name `python`, with pyautogui importable). The shim runs the workbench's interpreter
     with its site directories. It is written by the host and seen read-only, so nothing the agent
-    does can change what a trusted command runs."""
+    does can change what a trusted command runs. `pythons=False`: the browser shims only (the
+    agent's uid cannot run `python`: user mode with the interpreter in a directory only root may
+    enter)."""
     bin_dir = workdir / "bin"
     bin_dir.mkdir(mode=0o755, exist_ok=True)
     path = ":".join(site_dirs)
-    for name in ("python", "python3"):  # OSWorld's VM has pyautogui under both names (GIMP's tasks use python3)
+    for name in ("python", "python3") if pythons else ():  # OSWorld's VM has pyautogui under both names (GIMP's tasks use python3)
         shim = bin_dir / name
         shim.write_text("#!/bin/sh\n# OSWorld's commands run python and python3 with pyautogui: the workbench's interpreter\n"
                         f"PYTHONPATH={shlex.quote(path)} exec {shlex.quote(python)} \"$@\"\n")

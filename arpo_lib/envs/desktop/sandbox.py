@@ -218,7 +218,10 @@ class Sandbox:
                         "run Python as the agent will fail", missing)
         log.warning("desktop sandbox in the 'user' fallback (no user namespaces here): it does not promise: %s",
                     "; ".join(confinement.USER_MODE_LOSSES))
-        bin_dir = confinement.write_python_shim(self.workdir, sys.executable, confinement.site_directories())
+        # python/python3 shims only where the agent's uid can run this interpreter (else its
+        # system python3 stays what those names run)
+        bin_dir = confinement.write_python_shim(self.workdir, sys.executable, confinement.site_directories(),
+                                                pythons=not missing)
         command = [*self._server_arguments(listen_fd, window_manager), "--agent-uid", str(self.agent_uid),
                    "--bin-dir", str(bin_dir),
                    "--agent-gid", str(gid),
