@@ -311,6 +311,9 @@ def write_python_shim(workdir: Path, python: str, site_dirs: list[str], pythons:
         shim.write_text("#!/bin/sh\n# OSWorld's commands run python and python3 with pyautogui: the workbench's interpreter\n"
                         f"PYTHONPATH={shlex.quote(path)} exec {shlex.quote(python)} \"$@\"\n")
         shim.chmod(0o755)
+    sudo = bin_dir / "sudo"
+    sudo.write_text(SUDO_SHIM)
+    sudo.chmod(0o755)
     chromium = next((p for p in CHROMIUM_BINARIES if os.access(p, os.X_OK)), None)
     if chromium:  # OSWorld's tasks start `google-chrome` and end it with `pkill chrome`; its profile
         # getters read ~/.config/google-chrome. A script named `chrome` (a script's process carries
@@ -333,6 +336,36 @@ def write_python_shim(workdir: Path, python: str, site_dirs: list[str], pythons:
         shim.chmod(0o755)
     return bin_dir
 
+
+SUDO_SHIM = r"""#!/bin/sh
+# OSWorld's VM user may sudo with the password "password", and its task set-ups run
+# `echo password | sudo -S <command>`. The sandbox has no privilege to give: this sudo checks the
+# password the same way and runs the command as the sandbox's own user. What needs root for real
+# (apt-get install, writing /etc) fails as it would for that user.
+password=""
+need_password=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -S|--stdin) need_password=1; shift ;;
+    -u|-g|-p|-C|-D|-h|-r|-t|-U|-T) shift 2 ;;
+    -k|-K|-E|-H|-n|-b|-i|-s|-l|-v|-A|-P|-V|--preserve-env*|--login|--non-interactive|--reset-timestamp) shift ;;
+    --) shift; break ;;
+    -*) shift ;;
+    *) break ;;
+  esac
+done
+if [ "$need_password" = 1 ]; then
+  IFS= read -r password || true
+  if [ "$password" != "password" ]; then
+    echo "Sorry, try again." >&2
+    echo "sudo: 1 incorrect password attempt" >&2
+    exit 1
+  fi
+fi
+[ $# -gt 0 ] || exit 0
+exec "$@"
+"""
+"""`sudo` inside the sandbox (see its comment); OSWorld's set-ups rely on `sudo -S` existing."""
 
 CHROMIUM_BINARIES = ("/usr/lib/chromium/chromium", "/usr/lib/chromium-browser/chromium-browser")
 """The browser binary itself (not Debian's /usr/bin/chromium wrapper script)."""

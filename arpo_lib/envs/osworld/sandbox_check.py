@@ -6,6 +6,8 @@ in sandbox_solutions.json, by the file's name), scored by OSWorld's evaluator.
     python -m arpo_lib.envs.osworld.sandbox_check [--screen 1920x1080] TASK.json [...]
     python -m arpo_lib.envs.osworld.sandbox_check --solved <evaluation_examples/examples>
         (every OSWorld task file we have a scripted solution for)
+    python -m arpo_lib.envs.osworld.sandbox_check --shots /tmp/shots TASK.json
+        (the screen after every action saved, to write a solution's coordinates from)
 
 Runs in the interpreter that has desktop_env (`./workbench setup-osworld`); prints one JSON line
 per task: {"task", "noop", "solved", "reset_s", "step_s", "errors"}; exit status 1 unless every
@@ -46,19 +48,27 @@ def solution_actions(task: dict[str, Any], screen: tuple[int, int], task_id: str
     return actions
 
 
-def run_episode(task: dict[str, Any], actions: list[Action], screen: tuple[int, int], **options: Any) -> dict[str, Any]:
+def run_episode(task: dict[str, Any], actions: list[Action], screen: tuple[int, int], shots: Path | None = None,
+                **options: Any) -> dict[str, Any]:
+    """One episode; with `shots`, the screen after the reset and after every action is saved there
+    as NN.png (what you look at to write or mend a solution's coordinates)."""
     from arpo_lib.envs.osworld.env import OSWorldEnv
 
     env = OSWorldEnv(task, provider="sandbox", screen_size=screen, max_steps=max(len(actions), 1), **options)
     try:
         started = time.monotonic()
-        env.reset()
+        observation, _ = env.reset()
         reset_s = time.monotonic() - started
+        if shots is not None:
+            shots.mkdir(parents=True, exist_ok=True)
+            observation.screenshot.save(shots / "00.png")
         score, errors, step_times = 0.0, [], []
-        for action in actions:
+        for number, action in enumerate(actions, 1):
             started = time.monotonic()
-            _, reward, terminated, truncated, info = env.step(action)
+            observation, reward, terminated, truncated, info = env.step(action)
             step_times.append(time.monotonic() - started)
+            if shots is not None:
+                observation.screenshot.save(shots / f"{number:02d}.png")
             if info.get("action_error"):
                 errors.append(info["action_error"])
             if info.get("checker_error"):
@@ -80,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
                              "evaluation_examples/examples")
     parser.add_argument("--screen", default="1920x1080")
     parser.add_argument("--pause-s", type=float, default=0.5)
+    parser.add_argument("--shots", type=Path, default=None, metavar="DIR",
+                        help="save the screen after the reset and every solution action as DIR/<task>/NN.png")
     args = parser.parse_args(argv)
     screen = tuple(int(v) for v in args.screen.lower().split("x"))
     tasks = list(args.tasks)
@@ -93,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         task = json.loads(path.read_text())
         options = {"pause_s": args.pause_s, "download_cache": None}
         noop = run_episode(task, [Action("finished")], screen, **options)
-        solved = run_episode(task, solution_actions(task, screen, path.stem), screen, **options)
+        shots = args.shots / path.stem if args.shots is not None else None
+        solved = run_episode(task, solution_actions(task, screen, path.stem), screen, shots, **options)
         ok &= noop["score"] == 0.0 and solved["score"] == 1.0
         print(json.dumps({"task": task["id"], "noop": noop["score"], "solved": solved["score"],
                           "reset_s": solved["reset_s"], "step_s": solved["step_s"],

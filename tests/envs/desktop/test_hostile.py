@@ -283,6 +283,28 @@ PROBE_SOCKETS = textwrap.dedent("""\
     """)
 
 
+def test_finding4_the_trusted_commands_shims_cannot_be_replaced_from_the_terminal(terminal):
+    """OSWorld's set-up steps and getters run `python`, `sudo` and `google-chrome` by name: typed into
+    the terminal, the agent tries to overwrite them, to put its own earlier on the PATH, and to
+    shadow pyautogui; a trusted command afterwards still runs the workbench's."""
+    terminal.reset()
+    out = typed(terminal, "for n in python python3 sudo chrome google-chrome; do echo 'echo owned' > /opt/arpo/bin/$n; done; "
+                          "rm -f /opt/arpo/bin/sudo; mv /opt/arpo/bin/python /tmp/p; ln -sf /bin/true /opt/arpo/bin/python3; "
+                          "mkdir -p ~/bin ~/.local/bin; for d in ~/bin ~/.local/bin /tmp; do "
+                          "printf '#!/bin/sh\\necho owned\\n' > $d/python; printf '#!/bin/sh\\necho owned\\n' > $d/sudo; "
+                          "chmod +x $d/python $d/sudo; done; echo 'raise SystemExit(\"owned\")' > ~/pyautogui.py; "
+                          "echo 'export PATH=~/bin:$PATH' >> ~/.bashrc; echo 'export PATH=~/bin:$PATH' >> ~/.profile; ls /opt/arpo/bin")
+    assert out.count("Read-only file system") >= 5, out
+    box = terminal.sandbox
+    probe = box.execute(["python", "-c", "import pyautogui, sys; print(sys.executable == %r, pyautogui.__file__.startswith('/home'))"
+                         % sys.executable])
+    assert probe["output"] == "True False\n", probe
+    sudo = box.execute("echo password | sudo -S echo fine; echo password | sudo -S python3 -c 'print(2 + 2)'", shell=True)
+    assert sudo["output"] == "fine\n4\n", sudo
+    assert box.execute(["sh", "-c", "for n in python sudo google-chrome; do command -v $n; done"])["output"].split() == [
+        "/opt/arpo/bin/python", "/opt/arpo/bin/sudo", "/opt/arpo/bin/google-chrome"]
+
+
 def test_finding5_the_control_api_is_out_of_reach(terminal):
     terminal.reset()
     put_file(terminal, "/home/user/probe.py", PROBE_SOCKETS)

@@ -117,6 +117,23 @@ def test_python_in_a_trusted_command_is_the_workbenchs_and_the_agent_cannot_repl
                          timeout=60).json()["output"] == "/home/user\n"
 
 
+def test_sudo_takes_osworlds_password_and_gives_no_privilege(fresh):
+    """Task set-ups run `echo password | sudo -S <command>` (OSWorld's VM user's password)."""
+    box, bridge, base = fresh
+
+    def shell(command):
+        return requests.post(f"{base}/setup/execute", json={"command": command, "shell": True}, timeout=60).json()
+
+    shell("echo 'password' | sudo -S mkdir ~/Desktop/todo_list_Jan_1")
+    assert box.execute("test -d ~/Desktop/todo_list_Jan_1 && echo made", shell=True)["output"] == "made\n"
+    wrong = box.execute("echo hunter2 | sudo -S touch ~/nope; echo rc=$?; test -e ~/nope || echo absent", shell=True)
+    assert "rc=1" in wrong["output"] and "absent" in wrong["output"] and "Sorry, try again." in wrong["error"]
+    who = box.execute("echo password | sudo -S -u root id -u; id -u", shell=True)["output"].split()
+    assert who[0] == who[1]  # no privilege: the command runs as the sandbox's own user
+    denied = box.execute("echo password | sudo -S sh -c 'echo x > /etc/arpo-sudo-test'; echo rc=$?", shell=True)
+    assert "rc=0" not in denied["output"]
+
+
 def test_windows_are_activated_measured_and_closed_by_osworlds_rules(fresh):
     box, bridge, base = fresh
     box.execute("printf a > ~/first.txt", shell=True)
