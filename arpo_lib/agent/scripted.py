@@ -301,8 +301,8 @@ def scripted_response(
     Raises ValueError for an unsupported task (listing `SCRIPTED_TASKS`) or a page the script
     does not understand.
     """
-    if task.startswith("desktop/"):
-        return _desktop_response(task, step, image_size, coord_mode, resize)
+    if task.startswith(("desktop/", "osworld/")):
+        return _solution_response(task, step, image_size, coord_mode, resize)
     name = task_name(task)
     solver = SOLVERS.get(name)
     if solver is None:
@@ -317,29 +317,45 @@ def scripted_response(
 
 
 def supports(task: str) -> bool:
-    """Whether the scripted agent can demonstrate `task` (a MiniWoB task it has a solver for, or
-    any task of the desktop suite, whose files hold their solutions)."""
+    """Whether the scripted agent can demonstrate `task` (a MiniWoB task it has a solver for, any
+    task of the desktop suite, whose files hold their solutions, or an OSWorld task with a scripted
+    solution for the desktop sandbox)."""
     if task.startswith("desktop/"):
         from arpo_lib.envs.desktop.tasks import desktop_tasks
 
         return task.split("/", 1)[1] in desktop_tasks()
+    if task.startswith("osworld/"):
+        return _solution_texts(task) is not None
     return task_name(task) in SOLVERS
 
 
-def _desktop_response(task: str, step: int, image_size: tuple[int, int], coord_mode: str,
-                      resize: tuple[int, int, int]) -> str:
-    """Step `step` of a desktop task's scripted solution (its file's `x_solution`), then finished()."""
-    from arpo_lib.actions import parse_response
-    from arpo_lib.envs.desktop.scripted import solution_texts
+def _solution_texts(task: str) -> list[str] | None:
+    family, _, task_id = task.partition("/")
+    if family == "desktop":
+        from arpo_lib.envs.desktop.scripted import solution_texts
 
-    texts = solution_texts(task.split("/", 1)[1])
+        return solution_texts(task_id)
+    from arpo_lib.envs.osworld.sandbox_check import osworld_solution_texts
+
+    return osworld_solution_texts(task_id)
+
+
+def _solution_response(task: str, step: int, image_size: tuple[int, int], coord_mode: str,
+                       resize: tuple[int, int, int]) -> str:
+    """Step `step` of a desktop or OSWorld task's scripted solution, then finished(). Solutions are
+    written in Qwen2.5-VL's model space (for the default resize); they are read so, and written
+    back in the policy's own convention."""
+    from arpo_lib.actions import parse_response
+
+    texts = _solution_texts(task)
+    if texts is None:
+        raise ValueError(f"no scripted solution for task {task!r}")
     if step < len(texts):
         thought, text = f"Step {step + 1} of {len(texts)} of the task.", texts[step]
     else:
         thought, text = "The task is done.", "finished(content='')"
+    actions = parse_response(f"Thought: {thought}\nAction: {text}", image_size, "qwen25vl").actions
     factor, min_pixels, max_pixels = resize
-    actions = parse_response(f"Thought: {thought}\nAction: {text}", image_size, coord_mode, factor=factor,
-                             min_pixels=min_pixels, max_pixels=max_pixels).actions
     return format_response(thought, actions, image_size, coord_mode, factor=factor,
                            min_pixels=min_pixels, max_pixels=max_pixels)
 

@@ -367,8 +367,10 @@ exec "$@"
 """
 """`sudo` inside the sandbox (see its comment); OSWorld's set-ups rely on `sudo -S` existing."""
 
-CHROMIUM_BINARIES = ("/usr/lib/chromium/chromium", "/usr/lib/chromium-browser/chromium-browser")
-"""The browser binary itself (not Debian's /usr/bin/chromium wrapper script)."""
+CHROMIUM_BINARIES = ("/opt/google/chrome/chrome", "/usr/lib/chromium/chromium", "/usr/lib/chromium-browser/chromium-browser")
+"""The browser binary itself (not Debian's /usr/bin/chromium wrapper script): Google Chrome's .deb
+where installed (scripts/setup_desktop.sh installs it on Ubuntu, whose apt chromium is a snap stub),
+else Debian's Chromium."""
 
 
 def sandbox_environment(home: str = HOME_IN_SANDBOX) -> dict[str, str]:

@@ -38,6 +38,17 @@ def scripted_solution(task: dict[str, Any], task_id: str | None = None) -> list[
     return list(entry["solution"]) if entry else None
 
 
+def osworld_solution_texts(task_id: str) -> list[str] | None:
+    """The scripted solution of `osworld/<task_id>` (the cached task file's `x_solution`, else ours)."""
+    from arpo_lib.envs.osworld import tasks
+
+    try:
+        task = tasks.load_task(task_id)
+    except (KeyError, ValueError, FileNotFoundError):
+        task = {"id": task_id}
+    return scripted_solution(task, task_id)
+
+
 def solution_actions(task: dict[str, Any], screen: tuple[int, int], task_id: str | None = None) -> list[Action]:
     texts = scripted_solution(task, task_id)
     if texts is None:

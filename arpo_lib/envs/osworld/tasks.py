@@ -138,6 +138,8 @@ TASK_SETS: dict[str, str] = {
     "smoke4": "2 os + 2 chrome tasks of train128 with quick, local-only setup",
     "chrome10": "10 chrome tasks of train128 (fixed hash draw)",
     "test_all": f"all OSWorld test tasks ({TEST_ALL_LIST}, 369)",
+    "sandbox_solved": "the OSWorld tasks with a scripted solution for the desktop sandbox "
+                      "(arpo_lib/envs/osworld/sandbox_solutions.json): run offline, set up and scored there",
 }
 """Task-set name -> what it is; `task_set(name)` resolves it against the cache."""
 
@@ -437,6 +439,14 @@ def _resolve_set(ee: Path, name: str) -> dict[str, list[str]]:
             if quick:
                 out[domain] = [t for t in train[domain] if t in quick]
         return {d: out[d] for d in train if d in out}
+    if name == "sandbox_solved":
+        solved = json.loads((Path(__file__).with_name("sandbox_solutions.json")).read_text())
+        out = {}
+        for domain, ids in _read_meta(ee, TEST_ALL_LIST).items():
+            kept = [t for t in ids if t in solved]
+            if kept:
+                out[domain] = kept
+        return out
     raise ValueError(f"unknown OSWorld task set {name!r}; sets: {', '.join(TASK_SETS)}")
 
 
@@ -459,7 +469,8 @@ def task_set_source(name: str, root: Path | None = None) -> str:
                "subset32": f"the workbench's own draw, NOT ARPO's subset: 32 feasible tasks per domain from "
                            f"{TRAIN_LIST} (neither {' nor '.join(SUBSET32_LISTS)} is in this data)",
                "smoke4": f"rule: 2 os + 2 chrome quick local-setup tasks of {TRAIN_LIST}",
-               "chrome10": f"rule: 10 chrome tasks of {TRAIN_LIST} by sha256 rank"}
+               "chrome10": f"rule: 10 chrome tasks of {TRAIN_LIST} by sha256 rank",
+               "sandbox_solved": f"the tasks of {TEST_ALL_LIST} with a scripted solution in sandbox_solutions.json"}
     if name == "subset32":
         for listed in SUBSET32_LISTS:
             if (examples_dir(root) / listed).is_file():

@@ -85,27 +85,6 @@ def test_the_census_reads_what_a_task_file_needs():
 
 # ---- with OSWorld's desktop_env ----------------------------------------------------------------
 
-TEST_VENV = osworld.workbench_cache() / "test-venv-osworld"
-
-
-@pytest.fixture(scope="module")
-def osworld_python() -> str:
-    """$ARPO_OSWORLD_PYTHON where set; else the tests' own OSWorld environment, built by
-    `setup_osworld.sh --light` (desktop-env 1.0.2 and what its evaluator imports, ~1.5 GB, about a
-    minute the first time on a machine; torch borrowed from this environment)."""
-    if desktop_unavailable():
-        pytest.skip(desktop_unavailable() or "")
-    if os.environ.get("ARPO_OSWORLD_PYTHON"):
-        return os.environ["ARPO_OSWORLD_PYTHON"]
-    import sysconfig
-
-    env = {**os.environ, "ARPO_OSWORLD_VENV": str(TEST_VENV), "ARPO_OSWORLD_TORCH_FROM": sysconfig.get_paths()["purelib"]}
-    done = subprocess.run(["bash", str(REPO / "scripts" / "setup_osworld.sh"), "--light"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=1800)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout.strip().splitlines()[-1]
-
-
 @pytest.fixture(scope="module")
 def task_files(tmp_path_factory) -> list[Path]:
     """The test tasks, their download URLs pointing at files served on this machine's loopback (the

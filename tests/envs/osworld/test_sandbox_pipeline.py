@@ -1,0 +1,88 @@
+"""OSWorld's own task files through the workbench's commands on the desktop sandbox, as a user
+without a VM runs them (configs/osworld_sandbox.yaml): `eval` with the scripted solutions scores
+them 1 by OSWorld's evaluator and writes the fork's results layout; one ARPO training step on two
+real Chrome tasks completes with a served policy and Ray environment actors, the all-failed groups
+taking a replayed scripted success."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from arpo_lib.envs.osworld import tasks as ot
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[3]
+REAL_TASKS = REPO / "test_data" / "osworld_tasks"  # three of OSWorld's own task files, unchanged
+CHROME = ["2ae9ba84-3a0d-4d4c-8338-3a1478dc5fe3", "bb5e4c0d-f964-439c-97b6-bdb9747de3f4"]
+INFEASIBLE = "b3d4a89c-53f2-4d6b-8b6a-541fb5d205fa"
+
+
+@pytest.fixture(scope="module")
+def task_cache(tmp_path_factory) -> Path:
+    """A task cache holding the three real task files in OSWorld's tree layout, fetched as
+    `osworld-tasks fetch --source <checkout>` fetches."""
+    tree = tmp_path_factory.mktemp("osworld") / "evaluation_examples"
+    for domain, ids in {"chrome": CHROME, "os": [INFEASIBLE]}.items():
+        (tree / "examples" / domain).mkdir(parents=True)
+        for task_id in ids:
+            shutil.copy(REAL_TASKS / f"{task_id}.json", tree / "examples" / domain)
+    (tree / ot.TEST_ALL_LIST).write_text(json.dumps({"chrome": CHROME, "os": [INFEASIBLE]}))
+    (tree / ot.TRAIN_LIST).write_text(json.dumps({"chrome": CHROME}))
+    cache = tree.parent.parent / "osworld-tasks"
+    saved = os.environ.get(ot.ENV_VAR)
+    os.environ[ot.ENV_VAR] = str(cache)
+    try:
+        ot.fetch_tasks(tree.parent, progress=False,
+                       expect=ot.Expectations(lists={ot.TEST_ALL_LIST: 3}, set_sizes={"sandbox_solved": 3}))
+    finally:
+        os.environ.pop(ot.ENV_VAR) if saved is None else os.environ.__setitem__(ot.ENV_VAR, saved)
+    return cache
+
+
+def _arpo(args: list[str], osworld_python: str, cache: Path, timeout: float = 1500) -> subprocess.CompletedProcess:
+    env = {**os.environ, "ARPO_OSWORLD_PYTHON": osworld_python, ot.ENV_VAR: str(cache)}
+    return subprocess.run([sys.executable, "-m", "arpo_lib", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_eval_scores_osworlds_tasks_with_the_scripted_solutions(osworld_python, task_cache, tmp_path, tiny_qwen25vl):
+    done = _arpo(["eval", "--config", "configs/osworld_sandbox.yaml", "eval.policy=scripted",
+                  "eval.protocol=arpo_train", f"model.path={tiny_qwen25vl}", f"out_dir={tmp_path}",
+                  "logging.progress=false"], osworld_python, task_cache)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results_file = next((tmp_path / "osworld-sandbox" / "eval").glob("*/results.json"))
+    results = json.loads(results_file.read_text())
+    assert results["episodes"] == 3 and results["env_errors"] == 0, results
+    assert {r["task"]: r["success_rate"] for r in results["tasks"]} == {
+        f"osworld/{t}": 1.0 for t in [*CHROME, INFEASIBLE]}, results["tasks"]
+    # the OSWorld fork's layout: <model>/<trial>/<domain>/<task>/result.txt, read by its pass_at_n.py
+    model_dir = results_file.parent / "osworld_results" / "pyautogui" / "screenshot" / tiny_qwen25vl.name
+    scores = {p.parent.name: float(p.read_text()) for p in model_dir.glob("0/*/*/result.txt")}
+    assert scores == {t: 1.0 for t in [*CHROME, INFEASIBLE]}
+
+
+def test_one_arpo_step_on_real_osworld_tasks_with_a_served_policy_and_ray_actors(osworld_python, task_cache,
+                                                                                 tmp_path, tiny_qwen25vl):
+    """The tiny model fails every episode; the buffer, seeded with the scripted solutions' episodes
+    (scored 1 by OSWorld's evaluator in the sandbox), puts a success into each all-failed group,
+    and the update has a gradient."""
+    done = _arpo(["train", "--config", "configs/osworld_sandbox.yaml", f"model.path={tiny_qwen25vl}",
+                  f"env.tasks=[osworld/{CHROME[0]},osworld/{CHROME[1]}]", "train.steps=1", "rollout.group_size=2",
+                  "env.max_steps=12", "model.max_new_tokens=16", "model.history_images=1",
+                  "rollout.backend=server", "serve.backend=hf", "env.backend=ray", "train.demo_replay=1",
+                  "warm_start.demos_per_task=1", "warm_start.steps=1", f"out_dir={tmp_path}", "logging.progress=false"],
+                 osworld_python, task_cache)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    metrics = [json.loads(line) for line in (tmp_path / "osworld-sandbox" / "metrics.jsonl").read_text().splitlines()]
+    last = metrics[-1]
+    assert last["step"] == 1 and last["env_errors"] == 0 and last["checker_errors"] == 0, last
+    assert sorted(last["tasks"]) == sorted(f"osworld/{t}" for t in CHROME)
+    assert last["env_steps"] >= 4 and last["server_requests"] >= 4  # 2 tasks x 2 episodes through the server
+    assert last["replay_injections"] >= 1 and last["grad_norm"] > 0, last
