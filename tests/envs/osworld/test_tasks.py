@@ -516,7 +516,8 @@ def test_task_sets_on_the_fixture():
     assert ot.task_set_by_domain("smoke4") == {"chrome": [CHROME_D, CHROME_E], "os": [OS_A, OS_B]}
     with pytest.raises(ValueError, match="Did you mean 'subset32'"):
         ot.task_set("subset23")
-    assert set(ot.TASK_SETS) == {"train128", "subset32", "smoke4", "chrome10", "test_all"}
+    assert set(ot.TASK_SETS) == {"train128", "subset32", "smoke4", "chrome10", "test_all", "sandbox_solved"}
+    assert ot.task_set("sandbox_solved") == []  # none of the fixture's tasks has a sandbox solution
 
 
 @pytest.mark.parametrize("listed", ot.SUBSET32_LISTS)
