@@ -52,7 +52,7 @@ def _arpo(args: list[str], osworld_python: str, cache: Path, timeout: float = 15
                           text=True, timeout=timeout)
 
 
-def test_eval_scores_osworlds_tasks_with_the_scripted_solutions(osworld_python, task_cache, tmp_path, tiny_qwen25vl):
+def test_eval_scores_osworlds_tasks_1_with_the_scripted_solutions_and_0_with_the_tiny_model_served(osworld_python, task_cache, tmp_path, tiny_qwen25vl):
     done = _arpo(["eval", "--config", "configs/osworld_sandbox.yaml", "eval.policy=scripted",
                   "eval.protocol=arpo_train", f"model.path={tiny_qwen25vl}", f"out_dir={tmp_path}",
                   "logging.progress=false"], osworld_python, task_cache)
@@ -66,6 +66,18 @@ def test_eval_scores_osworlds_tasks_with_the_scripted_solutions(osworld_python, 
     model_dir = results_file.parent / "osworld_results" / "pyautogui" / "screenshot" / tiny_qwen25vl.name
     scores = {p.parent.name: float(p.read_text()) for p in model_dir.glob("0/*/*/result.txt")}
     assert scores == {t: 1.0 for t in [*CHROME, INFEASIBLE]}
+    # The tiny model through a served policy (the workbench's HF server): its episodes leave the
+    # state unsolved, and OSWorld's checkers, reading the same files, score 0.
+    served = tmp_path / "served"
+    done = _arpo(["eval", "--config", "configs/osworld_sandbox.yaml", "eval.protocol=arpo_train",
+                  f"model.path={tiny_qwen25vl}", "rollout.backend=server", "serve.backend=hf",
+                  "model.max_new_tokens=16", "model.history_images=1", f"out_dir={served}", "logging.progress=false"],
+                 osworld_python, task_cache)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads(next((served / "osworld-sandbox" / "eval").glob("*/results.json")).read_text())
+    assert results["episodes"] == 3 and results["env_errors"] == 0 and results["checker_errors"] == 0, results
+    assert {r["task"]: r["success_rate"] for r in results["tasks"]} == {
+        f"osworld/{t}": 0.0 for t in [*CHROME, INFEASIBLE]}, results["tasks"]
 
 
 def test_one_arpo_step_on_real_osworld_tasks_with_a_served_policy_and_ray_actors(osworld_python, task_cache,
