@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
 
 from benchmarks import bench_rollout, bench_update
 from benchmarks.common import REAL_SHAPES, _spans, train_flops
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("shape", ["tiny", "tiny25"])
@@ -106,6 +110,21 @@ def test_memory_table_of_the_real_shapes(tmp_path):
     row = next(r for r in result["rows"] if r["shape"] == "7b" and r["update"] == "full-adamw")
     assert row["1 GPU"] == f"{16 * seven['total'] / 2 ** 30:.1f} GiB"
     assert (tmp_path / "memory_computed.json").is_file()
+
+
+@pytest.mark.slow
+def test_osworld_sandbox_benchmark_runs_small(tmp_path, osworld_python):
+    """benchmarks/bench_osworld_sandbox.py in the OSWorld interpreter, one environment, one episode
+    of a real OSWorld task file."""
+    import subprocess
+
+    done = subprocess.run([osworld_python, "benchmarks/bench_osworld_sandbox.py", "--envs", "1", "--episodes", "1",
+                           "--tasks-dir", "test_data/osworld_tasks", "--out", str(tmp_path)], cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    (row,) = json.loads((tmp_path / "osworld_sandbox.json").read_text())["rows"]
+    assert row["envs"] == 1 and not row["errors"] and row["success"] == 1.0
+    assert 10 < row["pss_mib"] <= row["rss_mib"] and row["first_reset_s"] > 0 and row["step_s"] > 0
 
 
 @pytest.mark.slow

@@ -1,0 +1,164 @@
+"""Speed and cost of OSWorld's own tasks on the desktop sandbox (provider "sandbox"): the first
+reset (the sandbox starts, OSWorld's set-up runs), a later reset (OSWorld reverts a VM snapshot
+here; the sandbox ends every process and restores a fresh home), one GUI action (a click, with
+DesktopEnv's screenshot after it), the scripted solution's episode with OSWorld's evaluator, and
+the memory of the sandbox's processes with the application open; 1 and N environments side by side
+(threads, one sandbox each; environment i runs TASKS[i % len]).
+
+Runs in the interpreter that has desktop_env (./workbench setup-osworld --light):
+    PYTHONPATH=. <osworld-python> benchmarks/bench_osworld_sandbox.py                 # 1, 2 and 4 envs
+    PYTHONPATH=. <osworld-python> benchmarks/bench_osworld_sandbox.py --envs 1 --episodes 1 --tasks-dir test_data/osworld_tasks
+
+Tasks: one per application (Chrome, VLC, GIMP, Impress) from the fetched OSWorld task data
+(`./workbench osworld-tasks fetch`); without it, the three real task files in test_data/osworld_tasks.
+Writes benchmarks/results/osworld_sandbox.json. Memory at the end of a solved episode, over the
+sandbox's processes: PSS (shared pages divided among the processes using them: what one more
+environment costs) and RSS (shared pages counted once per process: too high).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from arpo_lib.actions import Action  # noqa: E402
+from benchmarks.bench_desktop import _tree_rss_mib  # noqa: E402
+from benchmarks.common import table, write_result  # noqa: E402
+
+TASKS = (("chrome", "2ae9ba84-3a0d-4d4c-8338-3a1478dc5fe3"), ("vlc", "f3977615-2b45-4ac5-8bba-80c17dbe2a37"),
+         ("gimp", "d52d6308-ec58-42b7-a2c9-de80e4837b2b"),
+         ("libreoffice_impress", "2cd43775-7085-45d8-89fa-9e35c0a915cf"))
+"""One task per application, each with a scripted solution (sandbox_solutions.json)."""
+SCREEN = (1920, 1080)
+
+
+def _tree_pss_mib(root_pid: int) -> float:
+    """Proportional set size of the process tree: shared pages divided among their users (what the
+    tree costs the machine; RSS counts a shared library once per process)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+            except (OSError, ValueError, IndexError):
+                continue
+    total, todo = 0, [root_pid]
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                total += next(int(line.split()[1]) for line in f if line.startswith("Pss:"))
+        except (OSError, StopIteration):
+            pass
+    return total / 1024
+
+
+def task_files(tasks_dir: Path | None) -> list[Path]:
+    if tasks_dir is not None:
+        return sorted(p for p in tasks_dir.glob("*.json") if not p.name.startswith("_"))
+    from arpo_lib.envs.osworld import tasks
+
+    try:
+        examples = tasks.examples_dir() / "examples"
+        found = [examples / domain / f"{task_id}.json" for domain, task_id in TASKS]
+        if all(p.is_file() for p in found):
+            return found
+    except (FileNotFoundError, ValueError):
+        pass
+    repo = Path(__file__).resolve().parents[1]
+    return sorted((repo / "test_data" / "osworld_tasks").glob("*.json"))
+
+
+def one_env(path: Path, episodes: int, pause_s: float, out: dict[str, Any]) -> None:
+    from arpo_lib.envs.osworld.env import OSWorldEnv
+    from arpo_lib.envs.osworld.sandbox_check import solution_actions
+
+    task = json.loads(path.read_text())
+    actions = solution_actions(task, SCREEN, path.stem)
+    env = OSWorldEnv(task, provider="sandbox", screen_size=SCREEN, max_steps=len(actions) + 2, pause_s=pause_s,
+                     download_cache=None)
+    try:
+        resets, clicks, solved, scores = [], [], [], []
+        for _ in range(episodes):
+            t = time.monotonic()
+            env.reset()
+            resets.append(time.monotonic() - t)
+            t = time.monotonic()
+            env.step(Action(kind="click", point=(SCREEN[0] - 5, SCREEN[1] // 2)))
+            clicks.append(time.monotonic() - t)
+            t = time.monotonic()
+            env.reset()
+            resets.append(time.monotonic() - t)
+            t = time.monotonic()
+            for action in actions:
+                _, reward, terminated, truncated, info = env.step(action)
+                if terminated or truncated:
+                    break
+            solved.append(time.monotonic() - t)
+            scores.append(float(info.get("score", reward)))
+            box = env._desktop.sandbox
+            out["rss_mib"], out["pss_mib"] = _tree_rss_mib(box.process.pid), _tree_pss_mib(box.process.pid)
+        out.update(task=f"{task.get('snapshot', '')}/{task['id'][:8]}", first_reset_s=resets[0],
+                   reset_s=statistics.median(resets[1:] or resets), step_s=statistics.median(clicks),
+                   episode_s=statistics.median(solved), solution_steps=len(actions), success=sum(scores) / len(scores))
+    except Exception as e:  # reported, not raised: the other environments' figures still count
+        out["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        env.close()
+
+
+def run(n_envs: int, files: list[Path], episodes: int, pause_s: float) -> dict[str, Any]:
+    outs: list[dict[str, Any]] = [{} for _ in range(n_envs)]
+    threads = [threading.Thread(target=one_env, args=(files[i % len(files)], episodes, pause_s, outs[i]))
+               for i in range(n_envs)]
+    t0 = time.monotonic()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    wall = time.monotonic() - t0
+    ok = [o for o in outs if "error" not in o]
+    summary: dict[str, Any] = {"envs": n_envs, "wall_s": round(wall, 1), "errors": [o["error"] for o in outs if "error" in o]}
+    for key in ("first_reset_s", "reset_s", "step_s", "episode_s", "rss_mib", "pss_mib", "success"):
+        summary[key] = round(statistics.mean(o[key] for o in ok), 2) if ok else None
+    summary["pss_mib_max"] = round(max(o["pss_mib"] for o in ok), 1) if ok else None
+    summary["episodes_per_min"] = round(60 * 2 * episodes * len(ok) / wall, 1) if ok else None  # + the click episodes
+    summary["per_env"] = outs
+    return summary
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--envs", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--episodes", type=int, default=2, help="scripted episodes per environment")
+    parser.add_argument("--pause-s", type=float, default=1.0, help="DesktopEnv's wait after an action")
+    parser.add_argument("--tasks-dir", type=Path, default=None, help="task files (default: one per application)")
+    parser.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
+    parser.add_argument("--name", default="osworld_sandbox")
+    args = parser.parse_args(argv)
+    files = task_files(args.tasks_dir)
+    rows = [run(n, files, args.episodes, args.pause_s) for n in args.envs]
+    result = {"benchmark": "osworld_sandbox", "screen": list(SCREEN), "episodes_per_env": args.episodes,
+              "pause_s": args.pause_s, "tasks": [p.stem for p in files],
+              "machine": f"{platform.machine()}, {os.cpu_count()} cores", "python": sys.executable, "rows": rows,
+              "command": "python benchmarks/bench_osworld_sandbox.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    path = write_result(args.name, result, args.out)
+    print(table(rows, ["envs", "first_reset_s", "reset_s", "step_s", "episode_s", "pss_mib", "pss_mib_max", "rss_mib", "success",
+                       "episodes_per_min", "wall_s"]))
+    print(f"written {path}")
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(0 if all(not r["errors"] for r in main()["rows"]) else 1)
