@@ -77,7 +77,7 @@ class LoopbackBridge:
                 return
             with self._lock:
                 self._open.add(upstream)
-            _pump_both(client, upstream)
+            splice(client, upstream)
         except OSError as e:
             log.debug("bridge: %s", e)
         finally:
@@ -122,7 +122,9 @@ def _connect_tunnel(upstream: socket.socket, port: int) -> bool:
     return True
 
 
-def _pump_both(a: socket.socket, b: socket.socket) -> None:
+def splice(a: socket.socket, b: socket.socket) -> None:
+    """Copy bytes both ways until both sides have finished (each end's EOF is passed on); the
+    caller closes the sockets. Also the action server's CONNECT tunnel (server.py)."""
     def pump(src: socket.socket, dst: socket.socket) -> None:
         try:
             while chunk := src.recv(65536):

@@ -71,6 +71,7 @@ from pathlib import Path
 from typing import Any
 
 from arpo_lib.envs.desktop import windows
+from arpo_lib.envs.desktop.bridge import splice
 
 ACTION_TIMEOUT_S = 60.0
 """One agent action (a pyautogui snippet) may take this long; OSWorld's server allows 120 s."""
@@ -593,7 +594,7 @@ OPEN_TIMEOUT_S = 30.0
 TUNNEL_PORTS = frozenset({1337, 9222, 8080})
 """Ports inside the sandbox the host may tunnel to (CONNECT): Chrome's DevTools as OSWorld's tasks
 start it (1337, and 9222 where a task runs socat) and VLC's web interface."""
-POSTS_AS_GETS = {"/screen_size": "/screen_size", "/cursor_position": "/cursor_position"}
+POSTS_AS_GETS = frozenset({"/screen_size", "/cursor_position"})
 """OSWorld's controller POSTs these without a body."""
 MAX_FILE_BYTES = 256 * 2**20
 """/file returns at most this much of a file."""
@@ -805,7 +806,6 @@ def make_handler(desktop: Desktop, stop: threading.Event, action_cpu_s: int) -> 
                 return
             body = self._body()
             if self.path in POSTS_AS_GETS:
-                self.path = POSTS_AS_GETS[self.path]
                 self._get()
             elif self.path == "/desktop_path":
                 self._json({"desktop_path": str(desktop.home / "Desktop")})
@@ -943,23 +943,7 @@ def _multipart(content_type: str, raw: bytes) -> dict[str, bytes]:
 
 
 def _splice(a: socket.socket, b: socket.socket) -> None:
-    """Copy bytes both ways until both sides have finished (each end's EOF is passed on)."""
-    def pump(src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while chunk := src.recv(65536):
-                dst.sendall(chunk)
-        except OSError:
-            pass
-        finally:
-            try:
-                dst.shutdown(socket.SHUT_WR)
-            except OSError:
-                pass
-
-    other = threading.Thread(target=pump, args=(b, a), daemon=True)
-    other.start()
-    pump(a, b)
-    other.join()
+    splice(a, b)
     b.close()
 
 
