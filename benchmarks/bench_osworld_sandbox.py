@@ -11,8 +11,8 @@ Runs in the interpreter that has desktop_env (./workbench setup-osworld --light)
 
 Tasks: one per application (Chrome, VLC, GIMP, Impress) from the fetched OSWorld task data
 (`./workbench osworld-tasks fetch`); without it, the three real task files in test_data/osworld_tasks.
-Writes benchmarks/results/osworld_sandbox.json. Memory at the end of a solved episode, over the
-sandbox's processes: PSS (shared pages divided among the processes using them: what one more
+Writes benchmarks/results/osworld_sandbox.json. Memory with the task's application open (after
+OSWorld's set-up and one click), over the sandbox's processes: PSS (shared pages divided among the processes using them: what one more
 environment costs) and RSS (shared pages counted once per process: too high).
 """
 from __future__ import annotations
@@ -97,6 +97,8 @@ def one_env(path: Path, episodes: int, pause_s: float, out: dict[str, Any]) -> N
             t = time.monotonic()
             env.step(Action(kind="click", point=(SCREEN[0] - 5, SCREEN[1] // 2)))
             clicks.append(time.monotonic() - t)
+            box = env._desktop.sandbox  # the application open after OSWorld's set-up
+            out["rss_mib"], out["pss_mib"] = _tree_rss_mib(box.process.pid), _tree_pss_mib(box.process.pid)
             t = time.monotonic()
             env.reset()
             resets.append(time.monotonic() - t)
@@ -107,9 +109,7 @@ def one_env(path: Path, episodes: int, pause_s: float, out: dict[str, Any]) -> N
                     break
             solved.append(time.monotonic() - t)
             scores.append(float(info.get("score", reward)))
-            box = env._desktop.sandbox
-            out["rss_mib"], out["pss_mib"] = _tree_rss_mib(box.process.pid), _tree_pss_mib(box.process.pid)
-        out.update(task=f"{task.get('snapshot', '')}/{task['id'][:8]}", first_reset_s=resets[0],
+        out.update(task=f"{path.parent.name}/{task['id'][:8]}", first_reset_s=resets[0],
                    reset_s=statistics.median(resets[1:] or resets), step_s=statistics.median(clicks),
                    episode_s=statistics.median(solved), solution_steps=len(actions), success=sum(scores) / len(scores))
     except Exception as e:  # reported, not raised: the other environments' figures still count
