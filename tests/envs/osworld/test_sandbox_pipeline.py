@@ -1,6 +1,7 @@
 """OSWorld's own task files through the workbench's commands on the desktop sandbox, as a user
 without a VM runs them (configs/osworld_sandbox.yaml): `eval` with the scripted solutions scores
-them 1 by OSWorld's evaluator and writes the fork's results layout; one ARPO training step on two
+them 1 by OSWorld's evaluator and writes the fork's results layout, the evaluation notebook with
+the tiny model served scores them 0; one ARPO training step on two
 real Chrome tasks completes with a served policy and Ray environment actors, the all-failed groups
 taking a replayed scripted success."""
 from __future__ import annotations
@@ -52,7 +53,8 @@ def _arpo(args: list[str], osworld_python: str, cache: Path, timeout: float = 15
                           text=True, timeout=timeout)
 
 
-def test_eval_scores_osworlds_tasks_1_with_the_scripted_solutions_and_0_with_the_tiny_model_served(osworld_python, task_cache, tmp_path, tiny_qwen25vl):
+def test_eval_scores_osworlds_tasks_1_with_the_scripted_solutions_and_0_with_the_tiny_model_served(
+        osworld_python, task_cache, tmp_path, tiny_qwen25vl, monkeypatch):
     done = _arpo(["eval", "--config", "configs/osworld_sandbox.yaml", "eval.policy=scripted",
                   "eval.protocol=arpo_train", f"model.path={tiny_qwen25vl}", f"out_dir={tmp_path}",
                   "logging.progress=false"], osworld_python, task_cache)
@@ -66,15 +68,22 @@ def test_eval_scores_osworlds_tasks_1_with_the_scripted_solutions_and_0_with_the
     model_dir = results_file.parent / "osworld_results" / "pyautogui" / "screenshot" / tiny_qwen25vl.name
     scores = {p.parent.name: float(p.read_text()) for p in model_dir.glob("0/*/*/result.txt")}
     assert scores == {t: 1.0 for t in [*CHROME, INFEASIBLE]}
-    # The tiny model through a served policy (the workbench's HF server): its episodes leave the
-    # state unsolved, and OSWorld's checkers, reading the same files, score 0.
+    # The tiny model through a served policy (the workbench's HF server), in the evaluation
+    # notebook run by papermill: its episodes leave the state unsolved, and OSWorld's checkers,
+    # reading the same files, score 0.
+    from arpo_lib.workflows import execute_notebook
+
+    monkeypatch.setenv("ARPO_OSWORLD_PYTHON", osworld_python)  # the notebook's kernel inherits these
+    monkeypatch.setenv(ot.ENV_VAR, str(task_cache))
     served = tmp_path / "served"
-    done = _arpo(["eval", "--config", "configs/osworld_sandbox.yaml", "eval.protocol=arpo_train",
-                  f"model.path={tiny_qwen25vl}", "rollout.backend=server", "serve.backend=hf",
-                  "model.max_new_tokens=16", "model.history_images=1", f"out_dir={served}", "logging.progress=false"],
-                 osworld_python, task_cache)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    results = json.loads(next((served / "osworld-sandbox" / "eval").glob("*/results.json")).read_text())
+    out = execute_notebook("notebooks/evaluation.ipynb", {"config": "configs/osworld_sandbox.yaml", "overrides": [
+        "eval.protocol=arpo_train", f"model.path={tiny_qwen25vl}", "rollout.backend=server", "serve.backend=hf",
+        "model.max_new_tokens=16", "model.history_images=1", f"out_dir={served}", "logging.progress=false"]},
+        run_name="osworld-sandbox-eval", out_dir=served)
+    cells = json.loads(out.read_text())["cells"]
+    errors = [o.get("evalue") for c in cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert not errors, errors
+    results = json.loads(next(served.rglob("results.json")).read_text())
     assert results["episodes"] == 3 and results["env_errors"] == 0 and results["checker_errors"] == 0, results
     assert {r["task"]: r["success_rate"] for r in results["tasks"]} == {
         f"osworld/{t}": 0.0 for t in [*CHROME, INFEASIBLE]}, results["tasks"]
