@@ -36,7 +36,8 @@ TASKS = ("editor-type-save", "terminal-mkdir", "files-new-folder", "browser-book
 """One task per application; environment i runs TASKS[i % 4]."""
 
 
-def _tree_rss_mib(root_pid: int) -> float:
+def _tree_pids(root_pid: int) -> list[int]:
+    """`root_pid` and every process below it."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -46,16 +47,29 @@ def _tree_rss_mib(root_pid: int) -> float:
             except (OSError, ValueError, IndexError):
                 continue
             children.setdefault(parent, []).append(int(entry))
-    total, todo = 0, [root_pid]
+    pids, todo = [], [root_pid]
     while todo:
         pid = todo.pop()
+        pids.append(pid)
         todo += children.get(pid, [])
+    return pids
+
+
+def _tree_memory_mib(root_pid: int, source: str = "status", field: str = "VmRSS:") -> float:
+    """A kB figure of /proc/<pid>/<source> summed over the process tree, in MiB (RSS by default;
+    source="smaps_rollup", field="Pss:" for the proportional set size)."""
+    total = 0
+    for pid in _tree_pids(root_pid):
         try:
-            with open(f"/proc/{pid}/status") as f:
-                total += next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+            with open(f"/proc/{pid}/{source}") as f:
+                total += next(int(line.split()[1]) for line in f if line.startswith(field))
         except (OSError, StopIteration):
             pass
     return total / 1024
+
+
+def _tree_rss_mib(root_pid: int) -> float:
+    return _tree_memory_mib(root_pid)
 
 
 def one_env(task: str, screen: tuple[int, int], episodes: int, out: dict[str, Any]) -> None:

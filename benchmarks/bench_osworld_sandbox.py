@@ -31,7 +31,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from arpo_lib.actions import Action  # noqa: E402
-from benchmarks.bench_desktop import _tree_rss_mib  # noqa: E402
+from benchmarks.bench_desktop import _tree_memory_mib, _tree_rss_mib  # noqa: E402
 from benchmarks.common import table, write_result  # noqa: E402
 
 TASKS = (("chrome", "2ae9ba84-3a0d-4d4c-8338-3a1478dc5fe3"), ("vlc", "f3977615-2b45-4ac5-8bba-80c17dbe2a37"),
@@ -44,24 +44,7 @@ SCREEN = (1920, 1080)
 def _tree_pss_mib(root_pid: int) -> float:
     """Proportional set size of the process tree: shared pages divided among their users (what the
     tree costs the machine; RSS counts a shared library once per process)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-            except (OSError, ValueError, IndexError):
-                continue
-    total, todo = 0, [root_pid]
-    while todo:
-        pid = todo.pop()
-        todo += children.get(pid, [])
-        try:
-            with open(f"/proc/{pid}/smaps_rollup") as f:
-                total += next(int(line.split()[1]) for line in f if line.startswith("Pss:"))
-        except (OSError, StopIteration):
-            pass
-    return total / 1024
+    return _tree_memory_mib(root_pid, "smaps_rollup", "Pss:")
 
 
 def task_files(tasks_dir: Path | None) -> list[Path]:

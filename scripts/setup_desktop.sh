@@ -48,20 +48,19 @@ fi
 case "$chrome" in debian|google) ;; *) die "ARPO_DESKTOP_CHROME must be google or debian, not $chrome" ;; esac
 say "system: ${PRETTY_NAME:-unknown}; the browser: $([ "$chrome" = google ] && echo "Google Chrome's .deb" || echo "Debian's Chromium")"
 
-missing=()
+apt_pkgs=()
 for pkg in "${APPS[@]}"; do
-  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || apt_pkgs+=("$pkg")
 done
-[ "$chrome" = google ] && [ ! -x /opt/google/chrome/chrome ] && missing+=("google-chrome-stable (.deb)")
-if [ ${#missing[@]} -eq 0 ]; then
+need_chrome=0
+[ "$chrome" = google ] && [ ! -x /opt/google/chrome/chrome ] && need_chrome=1
+if [ ${#apt_pkgs[@]} -eq 0 ] && [ "$need_chrome" = 0 ]; then
   say "everything is installed already"
   exit 0
 fi
-say "to install: ${missing[*]}"
+say "to install: ${apt_pkgs[*]}$([ "$need_chrome" = 1 ] && echo " google-chrome-stable (.deb)")"
 
 if [ "$DRY" = 1 ]; then
-  apt_pkgs=()
-  for pkg in "${missing[@]}"; do [ "$pkg" = "google-chrome-stable (.deb)" ] || apt_pkgs+=("$pkg"); done
   # apt's own estimate for this machine (it counts the dependencies not installed here yet)
   count="$(LC_ALL=C apt-get install -s --no-install-recommends "${apt_pkgs[@]}" 2>/dev/null | grep -c '^Inst' || true)"
   bytes="$(LC_ALL=C apt-get install --print-uris -y -qq --no-install-recommends "${apt_pkgs[@]}" 2>/dev/null \
@@ -72,14 +71,12 @@ fi
 
 t0=$SECONDS
 sudo_if_needed apt-get update -qq
-apt_pkgs=()
-for pkg in "${missing[@]}"; do [ "$pkg" = "google-chrome-stable (.deb)" ] || apt_pkgs+=("$pkg"); done
 if [ ${#apt_pkgs[@]} -gt 0 ]; then
   say "apt-get install --no-install-recommends ${apt_pkgs[*]} (about 270 MB to download on a machine with only the default set-up)"
   sudo_if_needed env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${apt_pkgs[@]}" >/dev/null \
     || die "apt-get install failed"
 fi
-if [ "$chrome" = google ] && [ ! -x /opt/google/chrome/chrome ]; then
+if [ "$need_chrome" = 1 ]; then
   deb="$(mktemp -d)/google-chrome-stable_current_amd64.deb"
   say "downloading Google Chrome from $CHROME_DEB_URL"
   curl -fL --retry 3 -o "$deb" "$CHROME_DEB_URL" || die "could not download Google Chrome (no internet to dl.google.com?)"

@@ -16,6 +16,7 @@ no-op scored 0 and every solution 1.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -29,11 +30,17 @@ SOLUTIONS = Path(__file__).with_name("sandbox_solutions.json")
 """Our scripted solutions of OSWorld's own task files (they carry none), by task id."""
 
 
+@functools.lru_cache(maxsize=1)
+def known_solutions() -> dict[str, dict[str, Any]]:
+    """sandbox_solutions.json's entries by task id (read once)."""
+    return {k: v for k, v in json.loads(SOLUTIONS.read_text()).items() if not k.startswith("_")}
+
+
 def scripted_solution(task: dict[str, Any], task_id: str | None = None) -> list[str] | None:
     """The task's `x_solution`, else ours for an OSWorld task file; None when there is none."""
     if "x_solution" in task:
         return list(task["x_solution"])
-    known = json.loads(SOLUTIONS.read_text())
+    known = known_solutions()
     entry = known.get(task_id or task.get("id", "")) or known.get(task.get("id", ""))
     return list(entry["solution"]) if entry else None
 
@@ -107,8 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     screen = tuple(int(v) for v in args.screen.lower().split("x"))
     tasks = list(args.tasks)
     if args.solved is not None:
-        known = {k: v for k, v in json.loads(SOLUTIONS.read_text()).items() if not k.startswith("_")}
-        tasks += [args.solved / entry["domain"] / f"{task_id}.json" for task_id, entry in known.items()]
+        tasks += [args.solved / entry["domain"] / f"{task_id}.json" for task_id, entry in known_solutions().items()]
     if not tasks:
         parser.error("no task files (give some, or --solved EXAMPLES_DIR)")
     ok = True

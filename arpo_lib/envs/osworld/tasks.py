@@ -440,7 +440,9 @@ def _resolve_set(ee: Path, name: str) -> dict[str, list[str]]:
                 out[domain] = [t for t in train[domain] if t in quick]
         return {d: out[d] for d in train if d in out}
     if name == "sandbox_solved":
-        solved = json.loads((Path(__file__).with_name("sandbox_solutions.json")).read_text())
+        from arpo_lib.envs.osworld.sandbox_check import known_solutions
+
+        solved = known_solutions()
         out = {}
         for domain, ids in _read_meta(ee, TEST_ALL_LIST).items():
             kept = [t for t in ids if t in solved]
