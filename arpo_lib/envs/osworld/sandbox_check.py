@@ -16,7 +16,6 @@ no-op scored 0 and every solution 1.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 import time
@@ -24,16 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from arpo_lib.actions import Action, parse_response
+from arpo_lib.envs.osworld.tasks import known_solutions, load_task
 
 
-SOLUTIONS = Path(__file__).with_name("sandbox_solutions.json")
-"""Our scripted solutions of OSWorld's own task files (they carry none), by task id."""
-
-
-@functools.lru_cache(maxsize=1)
-def known_solutions() -> dict[str, dict[str, Any]]:
-    """sandbox_solutions.json's entries by task id (read once)."""
-    return {k: v for k, v in json.loads(SOLUTIONS.read_text()).items() if not k.startswith("_")}
 
 
 def scripted_solution(task: dict[str, Any], task_id: str | None = None) -> list[str] | None:
@@ -47,10 +39,8 @@ def scripted_solution(task: dict[str, Any], task_id: str | None = None) -> list[
 
 def osworld_solution_texts(task_id: str) -> list[str] | None:
     """The scripted solution of `osworld/<task_id>` (the cached task file's `x_solution`, else ours)."""
-    from arpo_lib.envs.osworld import tasks
-
     try:
-        task = tasks.load_task(task_id)
+        task = load_task(task_id)
     except (KeyError, ValueError, FileNotFoundError):
         task = {"id": task_id}
     return scripted_solution(task, task_id)

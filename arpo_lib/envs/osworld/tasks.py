@@ -440,8 +440,6 @@ def _resolve_set(ee: Path, name: str) -> dict[str, list[str]]:
                 out[domain] = [t for t in train[domain] if t in quick]
         return {d: out[d] for d in train if d in out}
     if name == "sandbox_solved":
-        from arpo_lib.envs.osworld.sandbox_check import known_solutions
-
         solved = known_solutions()
         out = {}
         for domain, ids in _read_meta(ee, TEST_ALL_LIST).items():
@@ -450,6 +448,16 @@ def _resolve_set(ee: Path, name: str) -> dict[str, list[str]]:
                 out[domain] = kept
         return out
     raise ValueError(f"unknown OSWorld task set {name!r}; sets: {', '.join(TASK_SETS)}")
+
+
+SOLUTIONS = Path(__file__).with_name("sandbox_solutions.json")
+"""Our scripted solutions of OSWorld's own task files (they carry none), by task id."""
+
+
+@functools.lru_cache(maxsize=1)
+def known_solutions() -> dict[str, dict[str, Any]]:
+    """sandbox_solutions.json's entries by task id (read once)."""
+    return {k: v for k, v in json.loads(SOLUTIONS.read_text()).items() if not k.startswith("_")}
 
 
 def task_set_by_domain(name: str, root: Path | None = None) -> dict[str, list[str]]:
