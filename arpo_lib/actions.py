@@ -33,6 +33,27 @@ Lenient parsing choices (documented because they widen what counts as "valid for
 ``Reflection:``/``Action_Summary:`` preambles, repeated ``Action:`` labels, trailing
 ``<|im_end|>``, quoted or unquoted argument values, and an unescaped quote inside a quoted
 value when it is not followed by ``,`` or ``)`` are all accepted.
+
+Action rules (``rules``, :data:`ACTION_RULES`): which action names are valid and how an action is
+carried out. ``"workbench"`` (ours, the default and the `run` protocol's) is described above.
+``"arpo"`` is what ARPO's training rollouts (verl/trainer/gui_agent.py) and the ARPO authors'
+OSWorld fork's UI-TARS agent (mm_agents/uitars_agent.py) do, both with the same converter
+(`parsing_response_to_pyautogui_code`, input_swap off); the `arpo_train` and `osworld_uitars`
+evaluation protocols use it, so their numbers compare with ARPO's:
+
+- names: ``left_single`` is a click, ``hover`` moves the mouse, ``select`` is a drag,
+  ``keydown``/``keyup`` hold/release one key, ``error_env`` is FAIL; any other call
+  (``open_app(...)``, ``release(...)``) is a no-op step, not a format failure. ``press`` makes the
+  converter raise (it reads a variable only the hotkey branch sets): :class:`ConverterError`, a
+  format failure in ARPO's training, a lost episode in the fork's runner.
+- a response whose actions include ``finished``/``wait``/``error_env``/``call_user`` runs only the
+  first of those (the converter returns at the first one, dropping the other actions).
+- typing: everything through ``pyautogui.write(text, interval=0.1)`` then ``time.sleep(0.5)``
+  (pyautogui skips characters it has no key for: "café" arrives as "caf"); a text with a line
+  break before its end gives ARPO's converter a string literal Python cannot compile, so nothing
+  is typed (a no-op here).
+- drag over 1.0 s; scroll left/right (or in no readable direction) does nothing.
+Keys and arguments are read as ours in both (aliases mapped, unknown keys refused).
 """
 from __future__ import annotations
 
@@ -44,8 +65,10 @@ from dataclasses import dataclass, field
 
 ACTION_KINDS = (
     "click", "left_double", "right_single", "drag", "hotkey", "type", "scroll",
-    "wait", "finished", "call_user",
+    "wait", "finished", "call_user", "error_env", "hover", "keydown", "keyup", "noop",
 )
+"""Every Action kind. The last four come only from the "arpo" rules (ARPO's converter knows those
+names; `noop` is a call it does not recognise, run as nothing)."""
 
 MIN_PIXELS = 3136
 """Smallest image (in pixels) the processor produces: 56 x 56."""
@@ -63,9 +86,9 @@ SCROLL_DIRECTIONS = ("up", "down", "left", "right")
 SCROLL_AMOUNT = 5
 """Wheel clicks per scroll action (the amount OSWorld's UI-TARS agent uses). Up is positive."""
 TYPE_INTERVAL = 0.01
-"""Seconds between typed characters in pyautogui.write."""
+"""Seconds between typed characters in pyautogui.write (ours; ARPO's converter: 0.1)."""
 DRAG_DURATION = 0.5
-"""Seconds the drag takes (a drag with zero duration is missed by some applications)."""
+"""Seconds the drag takes (a drag with zero duration is missed by some applications; ARPO's: 1.0)."""
 
 # Key names pyautogui understands (a subset of its KEY_NAMES, written out here so that
 # generated code never names a key pyautogui would silently ignore).
@@ -118,16 +141,88 @@ _ARG_SPEC: dict[str, dict[str, tuple[str, ...]]] = {
     "finished": {"text": ("content",)},
     "call_user": {},
     "error_env": {},
+    # names only the "arpo" rules read (ARPO's converter knows them)
+    "left_single": {"point": _POINT_ARGS},
+    "hover": {"point": _POINT_ARGS},
+    "select": {"point": _POINT_ARGS, "end_point": _END_ARGS},
+    "keydown": {"keys": ("key",)},
+    "keyup": {"keys": ("key",)},
 }
 _REQUIRED = {
     "click": ("point",), "left_double": ("point",), "right_single": ("point",),
     "drag": ("point", "end_point"), "hotkey": ("keys",), "press": ("keys",),
     "type": ("text",), "scroll": ("direction",),
+    "left_single": ("point",), "hover": ("point",), "select": ("point", "end_point"),
+    "keydown": ("keys",), "keyup": ("keys",),
 }
+_OUR_NAMES = frozenset({"click", "left_double", "right_single", "drag", "hotkey", "press", "type", "scroll",
+                        "wait", "finished", "call_user", "error_env"})
+"""The action names the workbench's rules read (`press` as a one-key hotkey)."""
+FINAL_KINDS = ("finished", "wait", "call_user", "error_env")
+"""Kinds that answer OSWorld with DONE / WAIT / FAIL instead of code."""
 
 
 class ActionParseError(ValueError):
     """The model's text is not a valid UI-TARS response (a format failure, never a crash)."""
+
+
+class ConverterError(ActionParseError):
+    """The response parses, but the rules' converter raises on one of its actions (ARPO's on
+    `press`). A format failure in ARPO's training; the fork's evaluation runner loses the episode
+    (its agent raises outside the parse-and-resample loop, the runner writes no result)."""
+
+
+@dataclass(frozen=True)
+class ActionRules:
+    """Which action names a response may use and how an action is carried out (see the module
+    docstring, "Action rules"). Everything else (boxes, keys, argument names, quoting) is read
+    the same way under every rules."""
+
+    name: str
+    extra_names: dict[str, str] = field(default_factory=dict, hash=False)
+    """Names read beyond ours, and the kind each becomes."""
+    unknown_names_are_noops: bool = False
+    """A call of any other name is a step that does nothing (False: a format failure)."""
+    raising_names: frozenset[str] = frozenset()
+    """Names the converter raises on (ConverterError) when it reaches them."""
+    final_action_alone: bool = False
+    """A response with a finished/wait/call_user/error_env runs that action alone, the first one."""
+    type_interval: float = TYPE_INTERVAL
+    """Seconds between typed characters."""
+    type_pause_s: float = 0.0
+    """Sleep after typing, before the Enter of a trailing newline."""
+    write_everything: bool = False
+    """Type every text with pyautogui.write as ARPO's converter builds the call (see _arpo_typed);
+    False: text pyautogui cannot type is pasted through the clipboard."""
+    drag_duration: float = DRAG_DURATION
+    sideways_scroll: bool = True
+    """Scroll left/right as shift + wheel (False: such a scroll does nothing)."""
+
+    def reads(self, name: str) -> bool:
+        """Whether a call of this name is an action (or a no-op) rather than a format failure."""
+        return (name in _OUR_NAMES or name in self.extra_names or name in self.raising_names
+                or self.unknown_names_are_noops)
+
+
+ACTION_RULES: dict[str, ActionRules] = {
+    "workbench": ActionRules("workbench"),
+    # ARPO's converter, verl/trainer/gui_agent.py `parsing_response_to_pyautogui_code` (the fork's
+    # mm_agents/uitars_agent.py has the same function), with input_swap=False as both call it
+    "arpo": ActionRules("arpo", extra_names={"left_single": "click", "hover": "hover", "select": "drag",
+                                             "keydown": "keydown", "keyup": "keyup"},
+                        unknown_names_are_noops=True, raising_names=frozenset({"press"}), final_action_alone=True,
+                        type_interval=0.1, type_pause_s=0.5, write_everything=True, drag_duration=1.0,
+                        sideways_scroll=False),
+}
+"""Action rules by name (`parse_response(..., rules=)`, `Action.rules`, an evaluation protocol's
+`action_rules`)."""
+
+
+def action_rules(name: str) -> ActionRules:
+    try:
+        return ACTION_RULES[name]
+    except KeyError:
+        raise ValueError(f"unknown action rules {name!r}: one of {sorted(ACTION_RULES)}") from None
 
 
 @dataclass
@@ -138,8 +233,11 @@ class Action:
     point: tuple[float, float] | None = None
     end_point: tuple[float, float] | None = None
     text: str | None = None
+    """Typed text; finished's content; for `noop`, the name that was not recognised."""
     keys: list[str] = field(default_factory=list)
     direction: str | None = None
+    rules: str = "workbench"
+    """The ACTION_RULES it was read under and is carried out by (to_pyautogui)."""
 
 
 @dataclass
@@ -276,14 +374,14 @@ def _read_bare(text: str, i: int) -> tuple[str, int]:
     return text[i:j].strip(), j
 
 
-def _read_call(text: str, i: int) -> tuple[str, dict[str, str], int]:
+def _read_call(text: str, i: int, rules: ActionRules) -> tuple[str, dict[str, str], int]:
     """Read ``name(arg=value, ...)`` at text[i]; return (name, args, index after ')')."""
     m = _IDENT.match(text, i)
     if not m:
         snippet = text[i:i + 30]
         raise ActionParseError(f"expected an action call, found {snippet!r}")
     name = m.group(0)
-    if name not in _ARG_SPEC:
+    if not rules.reads(name):
         raise ActionParseError(f"unknown action {name[:40]!r}")
     j = _skip_space(text, m.end())
     if j >= len(text) or text[j] != "(":
@@ -370,8 +468,11 @@ def _check_keys(keys: list[str], what: str) -> None:
             raise ActionParseError(f"{what}: unknown key {key[:30]!r}")
 
 
-def _build_action(name: str, args: dict[str, str], space: tuple[int, int, int, int]) -> Action:
+def _build_action(name: str, args: dict[str, str], space: tuple[int, int, int, int], rules: ActionRules) -> Action:
     """Check a call's arguments against its action and convert them into an Action."""
+    if name not in _OUR_NAMES and name not in rules.extra_names:
+        # ARPO's converter writes a comment for a name it does not know: a step that does nothing
+        return Action("noop", text=name[:40], rules=rules.name)
     spec = _ARG_SPEC[name]
     alias_to_field = {alias: fld for fld, aliases in spec.items() for alias in aliases}
     values: dict[str, str] = {}
@@ -386,9 +487,10 @@ def _build_action(name: str, args: dict[str, str], space: tuple[int, int, int, i
         if fld not in values:
             raise ActionParseError(f"{name} needs {spec[fld][0]}")
 
-    # press(key=) is a one-key hotkey; error_env() ("the environment is broken") is answered like
-    # call_user(): OSWorld's FAIL, as ARPO maps it.
-    action = Action(kind={"press": "hotkey", "error_env": "call_user"}.get(name, name))
+    # press(key=) is a one-key hotkey (ours); error_env() ("the environment is broken") becomes
+    # OSWorld's FAIL (to_pyautogui) as in ARPO, a kind of its own: the fork answers call_user() with
+    # WAIT first, error_env() never.
+    action = Action(kind=rules.extra_names.get(name, {"press": "hotkey"}.get(name, name)), rules=rules.name)
     for fld in ("point", "end_point"):
         if fld in values:
             what = f"{name} {spec[fld][0]}"
@@ -396,8 +498,8 @@ def _build_action(name: str, args: dict[str, str], space: tuple[int, int, int, i
     if "keys" in values:
         action.keys = split_keys(values["keys"])
         # press(key=) maps onto hotkey only for a single key: a combination would change meaning.
-        if name == "press" and len(action.keys) != 1:
-            raise ActionParseError(f"press takes one key, got {values['keys'][:30]!r}")
+        if name in ("press", "keydown", "keyup") and len(action.keys) != 1:
+            raise ActionParseError(f"{name} takes one key, got {values['keys'][:30]!r}")
         _check_keys(action.keys, name)
     if "text" in values:
         action.text = values["text"]
@@ -422,13 +524,15 @@ def _split_thought(prefix: str) -> str:
 
 def parse_response(text: str, image_size: tuple[int, int], coord_mode: str = "qwen25vl", *,
                    min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS,
-                   factor: int = 28) -> ParsedResponse:
-    """Parse a UI-TARS assistant turn. ``image_size`` is the screenshot's (width, height).
+                   factor: int = 28, rules: str = "workbench") -> ParsedResponse:
+    """Parse a UI-TARS assistant turn. ``image_size`` is the screenshot's (width, height);
+    ``rules`` names the ACTION_RULES (which names are actions; each Action carries the name).
 
-    Raises ActionParseError on any malformed model output, ValueError on bad arguments
-    (unknown coord_mode, bad image_size).
+    Raises ActionParseError on any malformed model output (ConverterError where the rules'
+    converter raises), ValueError on bad arguments (unknown coord_mode or rules, bad image_size).
     """
     space = _model_space(image_size, coord_mode, factor, min_pixels, max_pixels)
+    the_rules = action_rules(rules)
     if not isinstance(text, str):
         raise ActionParseError(f"response must be text, got {type(text).__name__}")
     if len(text) > MAX_RESPONSE_CHARS:
@@ -456,13 +560,13 @@ def parse_response(text: str, image_size: tuple[int, int], coord_mode: str = "qw
     if not body:
         raise ActionParseError("no action after 'Action:'")
 
-    actions: list[Action] = []
+    calls: list[tuple[str, dict[str, str]]] = []
     i = 0
     while True:
         i = _skip_space(body, i)
         if i >= len(body):
             break
-        if actions and body[i] == ";":  # tolerate 'a(); b()'
+        if calls and body[i] == ";":  # tolerate 'a(); b()'
             i = _skip_space(body, i + 1)
         # Some outputs repeat the label before each action.
         label = _REPEATED_LABEL.match(body, i)
@@ -470,10 +574,21 @@ def parse_response(text: str, image_size: tuple[int, int], coord_mode: str = "qw
             i = _skip_space(body, label.end())
         if i >= len(body):
             break
-        name, args, i = _read_call(body, i)
-        actions.append(_build_action(name, args, space))
-    if not actions:
+        name, args, i = _read_call(body, i, the_rules)
+        calls.append((name, args))
+    if not calls:
         raise ActionParseError("no action after 'Action:'")
+    # Every call is read (a bad one anywhere is a format failure), then carried out in order as the
+    # rules' converter does: it raises on a raising name, and stops at the first final action.
+    built = [None if name in the_rules.raising_names else _build_action(name, args, space, the_rules)
+             for name, args in calls]
+    actions: list[Action] = []
+    for (name, _), action in zip(calls, built):
+        if action is None:
+            raise ConverterError(f"{name}(): the {the_rules.name} rules' converter raises on it")
+        if the_rules.final_action_alone and action.kind in FINAL_KINDS:
+            return ParsedResponse(thought=thought, actions=[action], raw=text)
+        actions.append(action)
     return ParsedResponse(thought=thought, actions=actions, raw=text)
 
 
@@ -510,9 +625,17 @@ def format_action(action: Action, image_size: tuple[int, int], coord_mode: str =
         if value is None:
             raise ValueError(f"{kind} action needs {what}")
 
-    if kind in ("click", "left_double", "right_single"):
+    if kind in ("click", "left_double", "right_single", "hover"):
         need(action.point, "point")
         return f"{kind}(start_box={_format_point(action.point, space)})"
+    if kind in ("keydown", "keyup"):
+        if len(action.keys) != 1:
+            raise ValueError(f"{kind} action needs one key")
+        return f"{kind}(key={_quote(action.keys[0])})"
+    if kind == "noop":  # the call that was not recognised, without its arguments
+        if not (action.text and _IDENT.fullmatch(action.text)):
+            raise ValueError("noop action needs the name it stands for in text")
+        return f"{action.text}()"
     if kind == "drag":
         need(action.point, "point")
         need(action.end_point, "end_point")
@@ -533,7 +656,7 @@ def format_action(action: Action, image_size: tuple[int, int], coord_mode: str =
         return f"scroll({box}direction='{action.direction}')"
     if kind == "finished":
         return "finished()" if action.text is None else f"finished(content={_quote(action.text)})"
-    return f"{kind}()"  # wait, call_user
+    return f"{kind}()"  # wait, call_user, error_env
 
 
 def format_response(thought: str, actions: list[Action], image_size: tuple[int, int],
@@ -571,7 +694,7 @@ server runs `python -c` with both piped and waits for them to close, so without 
 would hang the step until the server's 120 s timeout (and the client's retries would paste again).
 The fork's own agents turn the clipboard off for this reason and lose non-ASCII text instead.
 These two exact lines are the only non-call statements generated code contains."""
-SPECIAL_ACTIONS = {"wait": "WAIT", "finished": "DONE", "call_user": "FAIL"}
+SPECIAL_ACTIONS = {"wait": "WAIT", "finished": "DONE", "call_user": "FAIL", "error_env": "FAIL"}
 """OSWorld's special action strings. call_user means "I cannot do this": OSWorld scores an
 infeasible task 1 only when the episode ends with FAIL."""
 
@@ -588,44 +711,47 @@ def _screen_xy(point: tuple[float, float] | None, screen_size: tuple[int, int],
     return (int(round(min(max(x, 0.0), width - 1))), int(round(min(max(y, 0.0), height - 1))))
 
 
-def to_pyautogui(action: Action, screen_size: tuple[int, int] = (1920, 1080)) -> str:
-    """OSWorld pyautogui code for one action, or 'WAIT' / 'DONE' / 'FAIL'.
+def to_pyautogui(action: Action, screen_size: tuple[int, int] = (1920, 1080), *, clipboard: bool = True) -> str:
+    """OSWorld pyautogui code for one action, or 'WAIT' / 'DONE' / 'FAIL', under the action's
+    rules (`Action.rules`).
 
     Points are taken as screen pixels (OSWorld's screenshot is the screen at full resolution).
     Only calls from :data:`PYAUTOGUI_FUNCTIONS` and ``time.sleep`` appear, all with literal
     arguments. A trailing newline in typed text is pressed as Enter. Horizontal scrolls are
-    shift + wheel (pyautogui.hscroll does not work on Linux/X11 in most applications).
+    shift + wheel (pyautogui.hscroll does not work on Linux/X11 in most applications; ARPO's
+    rules: nothing). A step that does nothing is ``import pyautogui`` alone.
     Unknown keys raise ActionParseError instead of being dropped, so a bad hotkey counts as a
     format failure rather than silently doing something else.
+    `clipboard=False`: the machine has no clipboard tool (`lost_without_clipboard`), so text that
+    would be pasted is typed as far as pyautogui can type it.
     """
+    rules = action_rules(action.rules)
     kind = action.kind
     if kind in SPECIAL_ACTIONS:
         return SPECIAL_ACTIONS[kind]
     lines = ["import pyautogui"]
-    if kind in ("click", "left_double", "right_single"):
+    if kind in ("click", "left_double", "right_single", "hover"):
         x, y = _screen_xy(action.point, screen_size, kind)
-        func = {"click": "click", "left_double": "doubleClick", "right_single": "rightClick"}[kind]
+        func = {"click": "click", "left_double": "doubleClick", "right_single": "rightClick", "hover": "moveTo"}[kind]
         lines.append(f"pyautogui.{func}({x}, {y})")
     elif kind == "drag":
         x1, y1 = _screen_xy(action.point, screen_size, kind)
         x2, y2 = _screen_xy(action.end_point, screen_size, kind)
         lines.append(f"pyautogui.moveTo({x1}, {y1})")
-        lines.append(f"pyautogui.dragTo({x2}, {y2}, duration={DRAG_DURATION!r}, button='left')")
-    elif kind == "hotkey":
+        lines.append(f"pyautogui.dragTo({x2}, {y2}, duration={rules.drag_duration!r}, button='left')")
+    elif kind in ("hotkey", "keydown", "keyup"):
         keys = [KEY_ALIASES.get(str(k).lower(), str(k).lower()) for k in action.keys]
-        _check_keys(keys, "hotkey")
-        if len(keys) == 1:
+        _check_keys(keys, kind)
+        if kind != "hotkey":
+            if len(keys) != 1:
+                raise ActionParseError(f"{kind} takes one key, got {len(keys)}")
+            lines.append(f"pyautogui.{'keyDown' if kind == 'keydown' else 'keyUp'}({keys[0]!r})")
+        elif len(keys) == 1:
             lines.append(f"pyautogui.press({keys[0]!r})")
         else:
             lines.append(f"pyautogui.hotkey({', '.join(repr(k) for k in keys)})")
     elif kind == "type":
-        text = action.text or ""
-        enter = text.endswith("\n")
-        if enter:
-            text = text[:-1]
-        lines += _type_lines(text)
-        if enter:
-            lines.append("pyautogui.press('enter')")
+        lines += _typing(action, clipboard)[0]
     elif kind == "scroll":
         if action.direction not in SCROLL_DIRECTIONS:
             raise ActionParseError(f"scroll direction must be one of {SCROLL_DIRECTIONS}, "
@@ -637,28 +763,107 @@ def to_pyautogui(action: Action, screen_size: tuple[int, int] = (1920, 1080)) ->
             where = f", x={x}, y={y}"
         call = f"pyautogui.scroll({amount}{where})"
         if action.direction in ("left", "right"):
-            lines += ["pyautogui.keyDown('shift')", call, "pyautogui.keyUp('shift')"]
+            if rules.sideways_scroll:
+                lines += ["pyautogui.keyDown('shift')", call, "pyautogui.keyUp('shift')"]
         else:
             lines.append(call)
-    else:
+    elif kind != "noop":
         raise ActionParseError(f"unknown action kind {kind!r}")
     if any(line.startswith("pyperclip.") for line in lines):
         first = next(i for i, line in enumerate(lines) if line.startswith("pyperclip."))
         lines[first:first] = list(DETACH_OUTPUT)
         lines[1:1] = ["import os", "import pyperclip", "import time"]
+    elif any(line.startswith("time.") for line in lines):
+        lines[1:1] = ["import time"]
     return "\n".join(lines)
 
 
-def _type_lines(text: str) -> list[str]:
-    """Type `text`: if pyautogui can type all of it, pyautogui.write as ARPO does; otherwise
-    (accents, CJK, emoji) the whole text through the clipboard and one ctrl+v, as UI-TARS's own
-    code types (one paste, not one per run: back-to-back clipboard hand-overs drop characters).
-    A text longer than MAX_TYPED_CHARS is pasted too: typed, it would outlast the action's time."""
-    if not text:
-        return []
-    if _TYPEABLE.fullmatch(text) and len(text) <= MAX_TYPED_CHARS:
-        return [f"pyautogui.write({text!r}, interval={TYPE_INTERVAL!r})"]
-    return _paste(text)
+def _type_lines(text: str, clipboard: bool = True) -> tuple[list[str], str]:
+    """Type `text` (ours): if pyautogui can type all of it, pyautogui.write; otherwise (accents,
+    CJK, emoji) the whole text through the clipboard and one ctrl+v, as UI-TARS's own code types
+    (one paste, not one per run: back-to-back clipboard hand-overs drop characters). A text longer
+    than MAX_TYPED_CHARS is pasted too: typed, it would outlast the action's time. A trailing
+    newline is an Enter. Without a clipboard, what pyautogui can type of it is typed.
+    Returns (the lines, the text left untyped for want of a clipboard)."""
+    enter = text.endswith("\n")
+    body = text[:-1] if enter else text
+    lines, lost = [], ""
+    if body and _TYPEABLE.fullmatch(body) and len(body) <= MAX_TYPED_CHARS:
+        lines.append(f"pyautogui.write({body!r}, interval={TYPE_INTERVAL!r})")
+    elif body and clipboard:
+        lines += _paste(body)
+    elif body:
+        typed, lost = _split_typeable(body)
+        if typed:
+            lines.append(f"pyautogui.write({typed!r}, interval={TYPE_INTERVAL!r})")
+    if enter:
+        lines.append("pyautogui.press('enter')")
+    return lines, lost
+
+
+def _split_typeable(text: str) -> tuple[str, str]:
+    """(what pyautogui.write can type of `text`, at most MAX_TYPED_CHARS; the rest, in order)."""
+    typed = "".join(ch for ch in text if _TYPEABLE.fullmatch(ch))[:MAX_TYPED_CHARS]
+    lost, i = [], 0
+    for ch in text:  # the characters `typed` leaves out, in order
+        if i < len(typed) and ch == typed[i]:
+            i += 1
+        else:
+            lost.append(ch)
+    return typed, "".join(lost)
+
+
+def _arpo_typed(text: str) -> tuple[str, bool] | None:
+    r"""(what ARPO's generated code types, whether it then presses Enter) for a type action's text,
+    or None when its code does not compile (nothing is typed).
+
+    ARPO's converter escapes the text's unescaped single quotes, strips a trailing newline (with
+    `rstrip("\\n").rstrip("\n")`, which also eats 'n's and backslashes before a literal `\n`) and
+    pastes the rest between single quotes into `pyautogui.write('...')`: Python then reads escape
+    sequences in it, and a line break inside ends the string literal (a SyntaxError: the VM runs
+    nothing). The same literal is read here with ast.literal_eval, which evaluates nothing: text that
+    would make ARPO's code run anything but a write types nothing."""
+    escaped = re.sub(r"(?<!\\)'", r"\\'", text)
+    enter = escaped.endswith("\n") or escaped.endswith("\\n")
+    body = escaped.rstrip("\\n").rstrip("\n") if enter else escaped
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # invalid escapes such as "\d" stay as typed, as in the VM
+        try:
+            value = ast.literal_eval("'" + body + "'")
+        except (ValueError, SyntaxError, MemoryError, RecursionError):
+            return None
+    return (value, enter) if isinstance(value, str) else None
+
+
+def _arpo_type_lines(text: str, clipboard: bool = True) -> tuple[list[str], str]:
+    """Type `text` as ARPO's converter does: pyautogui.write at its pace (characters pyautogui has
+    no key for are skipped in the VM), its pause, then Enter. A text too long to type at that pace
+    within an action's time (MAX_ACTION_SECONDS) is typed as ours types it."""
+    rules = ACTION_RULES["arpo"]
+    typed = _arpo_typed(text) if text else None
+    if typed is None:
+        return [], ""
+    value, enter = typed
+    if len(value) * rules.type_interval + rules.type_pause_s > MAX_ACTION_SECONDS or len(value) > MAX_TYPED_CHARS:
+        return _type_lines(value + ("\n" if enter else ""), clipboard)
+    lines = [f"pyautogui.write({value!r}, interval={rules.type_interval!r})"] if value else []
+    lines.append(f"time.sleep({rules.type_pause_s!r})")
+    if enter:
+        lines.append("pyautogui.press('enter')")
+    return lines, ""
+
+
+def _typing(action: Action, clipboard: bool) -> tuple[list[str], str]:
+    type_lines = _arpo_type_lines if action_rules(action.rules).write_everything else _type_lines
+    return type_lines(action.text or "", clipboard)
+
+
+def lost_without_clipboard(action: Action) -> str | None:
+    """The text a type action would leave untyped on a machine without a clipboard tool (pyperclip
+    finds neither xclip nor xsel): None when it does not paste at all (ASCII text; ARPO's rules)."""
+    if action.kind != "type":
+        return None
+    return _typing(action, clipboard=False)[1] or None
 
 
 def _paste(text: str) -> list[str]:

@@ -261,7 +261,7 @@ def engine(cfg: RunConfig, scripted: bool = False, protocol: str = "run") -> Ite
     in-process model, or a server (the one at rollout.server_url, or one started for the
     duration); environment workers as configured (env.backend, env.python). `scripted`: the
     scripted agent acts instead (its tokens scored by the model), an upper-bound baseline.
-    `protocol` (evaluation.protocols): its prompt, OSWorld pause and action rules."""
+    `protocol` (evaluation.protocols): its prompt, OSWorld pause, sampling and action rules."""
     cfg = resolve_task_sets(check_tasks(cfg))
     p = PROTOCOLS[protocol]
     if p.osworld_pause_s is not None and any(t.startswith("osworld/") for t in cfg.env.tasks + (cfg.eval.tasks or [])):
@@ -286,8 +286,7 @@ def engine(cfg: RunConfig, scripted: bool = False, protocol: str = "run") -> Ite
     try:
         with env_pool(cfg) as pool:
             yield RolloutEngine(acting, pool, max_steps=cfg.env.max_steps, format_coef=cfg.algo.format_coef,
-                                format_penalty=cfg.algo.format_penalty, frequency_penalty=p.frequency_penalty,
-                                fail_at_last_step=p.fail_at_last_step, call_user_waits=p.call_user_waits)
+                                format_penalty=cfg.algo.format_penalty, **p.engine_options())
     finally:
         if cfg.rollout.backend == "server":
             acting.close()

@@ -36,6 +36,11 @@ class EpisodeStatus(str, enum.Enum):
     """The policy played it out (success or not): it counts."""
     ENV_ERROR = "env_error"
     """An infrastructure failure (a crashed browser or VM): excluded from training and statistics."""
+    UNFINISHED = "unfinished"
+    """Lost to an exception that the OSWorld fork's evaluation runner catches (a checker that raises,
+    its converter raising on an action) under a protocol that follows it (`unfinished_on_error`): no
+    score and no result.txt, excluded from the statistics, to be run again on a later pass
+    (`evaluation.evaluate.unfinished_requests`) as the fork's runner re-runs examples without a result."""
 
     def __str__(self) -> str:
         return self.value
@@ -92,6 +97,12 @@ class StepRecord:
     terminated: bool
     truncated: bool
     seconds: float
+    action_error: str | None = None
+    """What the environment reported about carrying the actions out (info["action_error"]: a
+    refused action, a failed command, typing without a clipboard)."""
+    discarded: list[str] = field(default_factory=list)
+    """Responses sampled before `response` and thrown away because they could not be parsed (a
+    protocol that samples again, as the OSWorld fork's agent does); the model never saw them."""
 
 
 @dataclass
@@ -191,8 +202,9 @@ class Policy(Protocol):
         """One response per segment (the episode's tokens so far), each sampled with its own seed."""
         ...
 
-    def parse(self, text: str, image_size: tuple[int, int]) -> ParsedResponse:
-        """A response's actions in screen pixels (raises `ActionParseError`)."""
+    def parse(self, text: str, image_size: tuple[int, int], rules: str = "workbench") -> ParsedResponse:
+        """A response's actions in screen pixels under the named action rules
+        (`arpo_lib.actions.ACTION_RULES`); raises `ActionParseError`."""
         ...
 
     def release(self, key: Any) -> None:

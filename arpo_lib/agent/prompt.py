@@ -333,8 +333,9 @@ class UITarsConversations:
     def release(self, key: Any) -> None:
         """Forget an episode's state; nothing is kept per episode unless a backend says so."""
 
-    def parse(self, text: str, image_size: tuple[int, int]) -> ParsedResponse:
-        """Parse a response with this model's coordinate convention and resize limits."""
+    def parse(self, text: str, image_size: tuple[int, int], rules: str = "workbench") -> ParsedResponse:
+        """Parse a response with this model's coordinate convention and resize limits, under the
+        named action rules (`arpo_lib.actions.ACTION_RULES`)."""
         factor, min_pixels, max_pixels = self.resize
         return parse_response(text, image_size, coord_mode=self.coord_mode,
-                              factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
+                              factor=factor, min_pixels=min_pixels, max_pixels=max_pixels, rules=rules)

@@ -18,7 +18,7 @@ the task's own reward. What this module adds, and where it departs from the pack
 - No wall-clock punishment: every task has a ~10 s JS timer that ends the episode with -1; we
   raise `core.EPISODE_MAX_TIME` (milliseconds) once per page load, which persists across resets.
 - Reward without the package's time penalty: `raw` is the task's score in [-1, 1],
-  `binary` is 1.0 if raw > 0 else 0.0. `finished`/`call_user` end the episode without reward
+  `binary` is 1.0 if raw > 0 else 0.0. `finished`/`call_user`/`error_env` end the episode without reward
   unless the task's own checker had already ended it with success.
 - The package returns a black screen once the task ends; we keep the last real screenshot.
 - A step cap (`max_steps`) sets `truncated`, which the package never does.
@@ -467,7 +467,7 @@ class MiniWoBEnv(GUIEnv):
 
         raw = float(meta["raw_reward"]) if done else 0.0
         reward = raw if self.reward_mode == "raw" else float(raw > 0)
-        terminated = done or action.kind in ("finished", "call_user")
+        terminated = done or action.kind in ("finished", "call_user", "error_env")
         truncated = not terminated and self._steps >= self.max_steps
         self._episode_over = terminated or truncated
         info = {"raw_reward": raw, "task_done": done, "reason": meta.get("reason"),
@@ -551,8 +551,10 @@ class MiniWoBEnv(GUIEnv):
         if kind == "wait":
             time.sleep(self.wait_seconds)
             return (*self._mw_step(T.NONE), None)
-        if kind in ("finished", "call_user"):
+        if kind in ("finished", "call_user", "error_env"):
             return (*self._mw_step(T.NONE), None)  # read whether the task had already ended
+        if kind == "noop":  # a call ARPO's action rules run as nothing
+            return (*self._mw_step(T.NONE), None)
         return (*self._mw_step(T.NONE), f"unknown action kind {kind!r}")
 
     def _mw_step(self, action_type: Any, **fields: Any) -> tuple[dict, dict]:

@@ -93,12 +93,7 @@ def _worker_main(conn: Any, env_options: dict[str, Any], cache_size: int = 1) ->
                 elif cmd == "step":
                     if env is None:
                         raise EnvError("step before reset")
-                    result = None
-                    for action_dict in payload:
-                        result = env.step(Action(**action_dict))
-                        if result[2] or result[3]:
-                            break
-                    conn.send(("ok", result))
+                    conn.send(("ok", step_actions(env, payload)))
                 elif cmd == "ping":
                     conn.send(("ok", worker_facts()))
                 else:
@@ -142,6 +137,22 @@ def _exit_with_parent() -> None:
         os.killpg(os.getpgid(0), signal.SIGKILL)
 
     threading.Thread(target=watch, daemon=True, name="arpo-exit-with-parent").start()
+
+
+def step_actions(env: Any, payload: list[dict[str, Any]]) -> tuple:
+    """Step `env` with each action of one response (`action_payload`) until the episode ends.
+    Returns the last step's (obs, reward, terminated, truncated, info), its info's `action_error`
+    holding every action's, not only the last one's."""
+    result, errors = None, []
+    for action_dict in payload:
+        result = env.step(Action(**action_dict))
+        if isinstance(result[4], dict) and result[4].get("action_error"):
+            errors.append(str(result[4]["action_error"]))
+        if result[2] or result[3]:
+            break
+    if errors and isinstance(result[4], dict):
+        result[4]["action_error"] = "; ".join(errors)
+    return result
 
 
 def worker_facts() -> dict[str, Any]:

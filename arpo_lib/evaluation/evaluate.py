@@ -21,7 +21,7 @@ from arpo_lib.run import layout
 from arpo_lib.run.config import RunConfig
 from arpo_lib.run.seeding import stable_seed
 from arpo_lib.training.rollout import RolloutEngine
-from arpo_lib.types import Trajectory, episode_requests
+from arpo_lib.types import EpisodeRequest, EpisodeStatus, Trajectory, episode_requests
 
 
 @dataclass
@@ -35,6 +35,8 @@ class TaskResult:
     mean_steps: float
     format_error_rate: float
     env_errors: int
+    unfinished: int = 0
+    """Episodes without a result (EpisodeStatus.UNFINISHED): not counted in the rates."""
 
 
 @dataclass
@@ -48,7 +50,12 @@ class EvalResult:
     format_error_rate: float = 0.0
     env_errors: int = 0
     checker_errors: int = 0
-    """Valid episodes whose checker raised (scored 0, counted in the success rate as failures)."""
+    """Valid episodes whose checker raised (scored 0, counted in the success rate as failures).
+    Under a protocol with `unfinished_on_error` such episodes are `unfinished` instead."""
+    unfinished: int = 0
+    """Episodes left without a result (the OSWorld fork's runner loses them to an exception): not
+    in the rates, as the fork's result readers skip examples without result.txt; run them again
+    with `unfinished_requests`."""
     episodes: int = 0
     seconds: float = 0.0
     env_steps: int = 0
@@ -75,6 +82,8 @@ class EvalResult:
         rows.append("-" * len(head))
         rows.append(f"{'all':<32} {self.success_rate:>6.2f} {self.pass_at_k:>7.2f} {self.mean_steps:>6.1f} "
                     f"{self.format_error_rate:>8.2f} {self.env_errors:>8d}")
+        if self.unfinished:
+            rows.append(f"unfinished (no result, not in the rates; to run again): {self.unfinished}")
         return "\n".join(rows)
 
 
@@ -102,20 +111,28 @@ def summarize(trajs: Sequence[Trajectory], k: int | None = None) -> EvalResult:
             mean_score=sum(t.task_score for t in valid) / n if n else 0.0,
             mean_steps=sum(t.num_steps for t in valid) / n if n else 0.0,
             format_error_rate=sum(not t.format_ok for t in valid) / n if n else 0.0,
-            env_errors=len(ts) - n))
+            env_errors=sum(t.status == EpisodeStatus.ENV_ERROR for t in ts),
+            unfinished=sum(t.status == EpisodeStatus.UNFINISHED for t in ts)))
     n = len(valid_all)
     result.episodes = len(trajs)
     result.success_rate = sum(t.success for t in valid_all) / n if n else 0.0
     result.pass_at_k = sum(t.successes > 0 for t in result.tasks) / len(result.tasks) if result.tasks else 0.0
     result.mean_steps = sum(t.num_steps for t in valid_all) / n if n else 0.0
     result.format_error_rate = sum(not t.format_ok for t in valid_all) / n if n else 0.0
-    result.env_errors = len(trajs) - n
+    result.env_errors = sum(t.status == EpisodeStatus.ENV_ERROR for t in trajs)
+    result.unfinished = sum(t.status == EpisodeStatus.UNFINISHED for t in trajs)
     result.checker_errors = sum(t.checker_error is not None for t in valid_all)
     domains: dict[str, list[Trajectory]] = defaultdict(list)
     for t in valid_all:
         domains[domain_of(t.task)].append(t)
     result.per_domain = {d: sum(t.success for t in ts) / len(ts) for d, ts in domains.items()}
     return result
+
+
+def unfinished_requests(trajs: Sequence[Trajectory]) -> list[EpisodeRequest]:
+    """The episodes to run again: those left unfinished, with their own task, seed and sample (what
+    the fork's get_unfinished hands its next pass)."""
+    return [EpisodeRequest(t.task, t.seed, t.sample) for t in trajs if t.status == EpisodeStatus.UNFINISHED]
 
 
 def evaluate(

@@ -4,18 +4,31 @@
 with the same one.
 
 - `run`: the run's own settings: `agent.prompt`, `eval.temperature`, the environment options as
-  configured. What MiniWoB experiments use.
-- `arpo_train`: ARPO's validation during training: its training prompt (`arpo`), `eval.temperature`
-  (ARPO validates at 0.5), OSWorld's `pause` 0.5 s after each action; no action is replaced.
-- `osworld_uitars`: the ARPO authors' OSWorld fork's UI-TARS evaluation agent: its prompt
-  (`osworld_uitars15`), temperature 0 with frequency_penalty 1, `pause` 1 s, the 15th action
-  (the last allowed) replaced by FAIL when it is not already final, and `call_user` answered with
-  WAIT up to 3 times per episode before it counts as FAIL. (Its README's `--temperature 0.6` never
-  reaches the agent.)
+  configured, our action rules (`arpo_lib.actions`, rules "workbench"). What MiniWoB experiments use.
+- `arpo_train`: ARPO's validation during training (verl/trainer/gui_agent.py): its training prompt
+  (`arpo`), `eval.temperature` (ARPO validates at 0.5), OSWorld's `pause` 0.5 s after each action,
+  ARPO's action rules (its converter's names, typing, drag and scroll: rules "arpo"); a response
+  that cannot be parsed ends the episode at once; no action is replaced; a checker that raises
+  scores 0.
+- `osworld_uitars`: the ARPO authors' OSWorld fork's UI-TARS evaluation, its agent
+  (mm_agents/uitars_agent.py, `UITARSAgent` with its default runtime_conf) under its runner
+  (run_multienv_uitars.py + lib_run_single.py): its prompt (`osworld_uitars15`), temperature 0 with
+  frequency_penalty 1, responses of at most 4096 tokens, `pause` 1 s, ARPO's action rules (the same
+  converter), a response that cannot be parsed sampled again at temperature 1 (3 samples in all)
+  before the episode ends with DONE, the 15th action (the last allowed) replaced by FAIL when it is
+  not already final, `call_user` answered with WAIT up to 3 times per episode before it counts as
+  FAIL (`error_env` is FAIL at once), and an episode lost to an exception (a checker that raises,
+  the converter raising on `press`) left without a result, to be run again on a later pass.
+  (Its README's `--temperature 0.6` and the runner's `--max_tokens` never reach the agent.)
+  One departure: the WAITs for `call_user` are counted per episode here; the fork's agent never
+  resets its counter (`cur_callusr_count` is not in `reset()`), so in each runner process only the
+  first three `call_user` of the whole run are answered with WAIT, which depends on how tasks are
+  spread over processes.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -27,21 +40,45 @@ class EvalProtocol:
     """Sampling temperature; None = `eval.temperature`."""
     frequency_penalty: float = 0.0
     """OpenAI-style: each token's logit lowered by this times its count in the response so far."""
+    max_new_tokens: int | None = None
+    """Longest response in tokens; None = `model.max_new_tokens`."""
     fail_at_last_step: bool = False
     """The last allowed step's action becomes FAIL unless it already ends the episode."""
     call_user_waits: int = 0
     """`call_user` is answered with WAIT this many times per episode before it counts."""
     osworld_pause_s: float | None = None
     """OSWorld's wait after each action (DesktopEnv.step's `pause`); None = env.options."""
+    action_rules: str = "workbench"
+    """Which action names are valid and how actions are carried out (`arpo_lib.actions.ACTION_RULES`)."""
+    parse_attempts: int = 1
+    """Samples per step until one can be parsed; when none can, the episode ends (DONE) as a format
+    failure."""
+    retry_temperature: float = 1.0
+    """The temperature of the samples after the first."""
+    unfinished_on_error: bool = False
+    """An episode the OSWorld fork's runner loses to an exception (a checker that raises, a converter
+    that raises) gets no result (status `unfinished`) instead of a score of 0 or a format failure."""
     description: str = ""
+
+    def engine_options(self) -> dict[str, Any]:
+        """The `RolloutEngine` arguments that carry this protocol's rules."""
+        return {"frequency_penalty": self.frequency_penalty, "fail_at_last_step": self.fail_at_last_step,
+                "call_user_waits": self.call_user_waits, "action_rules": self.action_rules,
+                "max_new_tokens": self.max_new_tokens, "parse_attempts": self.parse_attempts,
+                "retry_temperature": self.retry_temperature, "unfinished_on_error": self.unfinished_on_error}
 
 
 PROTOCOLS: dict[str, EvalProtocol] = {
-    "run": EvalProtocol("run", description="the run's own prompt, temperature and environment options"),
-    "arpo_train": EvalProtocol("arpo_train", prompt="arpo", osworld_pause_s=0.5,
-                               description="ARPO's validation: its training prompt, eval.temperature, pause 0.5 s"),
+    "run": EvalProtocol("run", description="the run's own prompt, temperature, environment options and action rules"),
+    "arpo_train": EvalProtocol("arpo_train", prompt="arpo", osworld_pause_s=0.5, action_rules="arpo",
+                               description="ARPO's validation: its training prompt, eval.temperature, pause 0.5 s, "
+                                           "its action rules"),
     "osworld_uitars": EvalProtocol("osworld_uitars", prompt="osworld_uitars15", temperature=0.0, frequency_penalty=1.0,
-                                   fail_at_last_step=True, call_user_waits=3, osworld_pause_s=1.0,
-                                   description="the OSWorld fork's UI-TARS agent: T=0, frequency_penalty 1, "
-                                               "15th action FAIL, call_user -> WAIT x3, pause 1 s"),
+                                   max_new_tokens=4096, fail_at_last_step=True, call_user_waits=3, osworld_pause_s=1.0,
+                                   action_rules="arpo", parse_attempts=3, retry_temperature=1.0,
+                                   unfinished_on_error=True,
+                                   description="the OSWorld fork's UI-TARS agent: T=0, frequency_penalty 1, 4096 tokens, "
+                                               "ARPO's action rules, unparsable responses sampled again at T=1 (3 in all), "
+                                               "15th action FAIL, call_user -> WAIT x3, pause 1 s, exceptions leave "
+                                               "the episode unfinished"),
 }

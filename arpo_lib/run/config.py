@@ -282,9 +282,11 @@ class EvalConfig:
     """An evaluation directory (holding results.json) to compare against, e.g. the base model's."""
     protocol: str = "run"
     """How standalone evaluations are run (`eval` CLI, evaluation.ipynb, the comparison's
-    evaluations; a trainer's periodic evaluations use `run`): `run` (agent.prompt, eval.temperature),
-    `arpo_train` (ARPO's validation: its prompt, pause 0.5 s) or `osworld_uitars` (the OSWorld fork's
-    UI-TARS agent: T=0, frequency_penalty 1, 15th action FAIL, call_user answered with WAIT x3).
+    evaluations; a trainer's periodic evaluations use `run`): `run` (agent.prompt, eval.temperature,
+    our action rules), `arpo_train` (ARPO's validation: its prompt, pause 0.5 s, its action rules) or
+    `osworld_uitars` (the OSWorld fork's UI-TARS agent and runner: T=0, frequency_penalty 1, 4096
+    tokens, ARPO's action rules, unparsable responses sampled again at T=1, 15th action FAIL,
+    call_user answered with WAIT x3, an episode whose checker raises left unfinished).
     See arpo_lib/evaluation/protocols.py; every report names it."""
     policy: str = "model"
     """Who acts in `eval` / evaluation.ipynb: `model` (model.path) or `scripted` (the DOM-reading

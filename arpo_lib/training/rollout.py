@@ -5,8 +5,10 @@ parallel, collects the answers, then asks the policy for the next action of ever
 in ONE batched generate call. Episodes are written in OSWorld's result layout:
 
     <dir>/step_0.png ... step_N.png   screenshots the model saw (step_0 = after reset)
-    <dir>/traj.jsonl                  one line per step: response, parsed actions, reward, done
-    <dir>/result.txt                  the task score
+    <dir>/traj.jsonl                  one line per step: response, parsed actions, reward, done,
+                                      the environment's action error, responses resampled away
+    <dir>/result.txt                  the task score (none for an unfinished episode: OSWorld's
+                                      mark of an example still to run)
     <dir>/meta.json                   task, seed, instruction, scores, status
     <dir>/tokens.pt                   token ids, loss mask and behaviour log-probs per segment
 
@@ -27,7 +29,7 @@ from typing import Any, Callable, Sequence
 import torch
 from PIL import Image
 
-from arpo_lib.actions import Action, ActionParseError
+from arpo_lib.actions import FINAL_KINDS, Action, ActionParseError, ConverterError
 from arpo_lib.agent.prompt import Segment, TokenConversation
 from arpo_lib.algo import trajectory_reward
 from arpo_lib.envs.base import EnvError
@@ -51,9 +53,14 @@ def save_trajectory(traj: Trajectory, directory: Path, screenshots: Sequence[Ima
             "step_num": rec.step, "response": rec.response, "action": rec.actions,
             "parse_error": rec.parse_error, "reward": rec.reward, "done": rec.terminated or rec.truncated,
             "truncated": rec.truncated, "screenshot_file": layout.screenshot_name(rec.step), "seconds": round(rec.seconds, 3),
+            "action_error": rec.action_error, "discarded_responses": rec.discarded,
         }))
     (directory / layout.STEPS).write_text("\n".join(lines) + ("\n" if lines else ""))
-    (directory / layout.RESULT).write_text(f"{traj.task_score}\n")
+    result = directory / layout.RESULT
+    if traj.status == EpisodeStatus.UNFINISHED:
+        result.unlink(missing_ok=True)  # no score: the example is still to run
+    else:
+        result.write_text(f"{traj.task_score}\n")
     buf = io.BytesIO()
     torch.save([s.token_data() for s in traj.segments], buf)
     atomic_write_bytes(directory / layout.TOKENS, buf.getvalue())
@@ -78,7 +85,8 @@ def load_trajectory(directory: str | Path, processor: Any) -> Trajectory:
         traj.steps.append(StepRecord(step=rec["step_num"], response=rec["response"], actions=rec["action"],
                                      parse_error=rec["parse_error"], reward=rec["reward"],
                                      terminated=rec["done"] and not rec.get("truncated", False),
-                                     truncated=rec.get("truncated", False), seconds=rec.get("seconds", 0.0)))
+                                     truncated=rec.get("truncated", False), seconds=rec.get("seconds", 0.0),
+                                     action_error=rec.get("action_error"), discarded=rec.get("discarded_responses", [])))
     for data in torch.load(directory / layout.TOKENS):
         seg = Segment(input_ids=data["input_ids"], mm_token_type_ids=data["mm_token_type_ids"],
                       loss_mask=data["loss_mask"], behaviour_logprobs=data["behaviour_logprobs"],
@@ -116,6 +124,8 @@ class _Episode:
     done: bool = False
     call_user_waits: int = 0
     """call_user actions answered with WAIT so far (an evaluation protocol's rule)."""
+    discarded: list[str] = field(default_factory=list)
+    """This step's responses sampled again because they could not be parsed."""
 
 
 class RolloutEngine:
@@ -123,9 +133,14 @@ class RolloutEngine:
 
     def __init__(self, policy: Policy, pool: WorkerPool, *, max_steps: int = 15, format_coef: float = 0.5,
                  format_penalty: float = -1.0, frequency_penalty: float = 0.0, fail_at_last_step: bool = False,
-                 call_user_waits: int = 0):
-        """`frequency_penalty`, `fail_at_last_step`, `call_user_waits`: an evaluation protocol's
-        rules (`evaluation.protocols`); training uses none of them."""
+                 call_user_waits: int = 0, action_rules: str = "workbench", max_new_tokens: int | None = None,
+                 parse_attempts: int = 1, retry_temperature: float = 1.0, unfinished_on_error: bool = False):
+        """`frequency_penalty`, `fail_at_last_step`, `call_user_waits`, `action_rules`,
+        `max_new_tokens`, `parse_attempts`, `retry_temperature`, `unfinished_on_error`: an evaluation
+        protocol's rules (`evaluation.protocols.EvalProtocol` says what each does); training uses
+        none of them."""
+        if parse_attempts < 1:
+            raise ValueError(f"parse_attempts must be >= 1, got {parse_attempts}")
         self.policy = policy
         self.pool = pool
         self.max_steps = max_steps
@@ -134,6 +149,11 @@ class RolloutEngine:
         self.frequency_penalty = frequency_penalty
         self.fail_at_last_step = fail_at_last_step
         self.call_user_waits = call_user_waits
+        self.action_rules = action_rules
+        self.max_new_tokens = max_new_tokens
+        self.parse_attempts = parse_attempts
+        self.retry_temperature = retry_temperature
+        self.unfinished_on_error = unfinished_on_error
         self.env_steps = 0
         self._last_task: dict[int, str] = {}
 
@@ -238,12 +258,17 @@ class RolloutEngine:
         rec = ep.pending_record
         rec.reward, rec.terminated, rec.truncated = float(reward), bool(terminated), bool(truncated)
         rec.seconds = time.monotonic() - ep.step_started
+        rec.action_error = (ep.info or {}).get("action_error")
         ep.traj.steps.append(rec)
         if terminated or truncated or not ep.traj.format_ok:
             # The env scores truncated episodes too: OSWorld's checker judges the final state
             # whatever ended the episode (as OSWorld and ARPO do); MiniWoB gives 0 there.
             ep.traj.task_score = float(reward)
             ep.traj.checker_error = (ep.info or {}).get("checker_error")
+            if ep.traj.checker_error and self.unfinished_on_error:
+                # The fork's runner: evaluate() raised, so no result is written and its next pass
+                # runs the example again. (ARPO's training, and ours: a score of 0.)
+                self._unfinished(ep, f"the checker raised: {ep.traj.checker_error}")
             ep.done = True
             ep.screenshots.append(obs.screenshot)  # the last real screen (the env keeps it)
         else:
@@ -254,34 +279,76 @@ class RolloutEngine:
         ep.conv.add_observation(screenshot)
 
     def _act(self, live: list[_Episode], temperature: float, top_p: float) -> None:
+        """Every live episode's next response, parsed and sent to its environment. A response that
+        cannot be parsed is sampled again (up to `parse_attempts` samples, the later ones at
+        `retry_temperature`, as the OSWorld fork's agent does) before it ends the episode."""
+        todo, attempt = live, 0
+        while todo:
+            gens = self._generate(todo, temperature if attempt == 0 else self.retry_temperature, top_p, attempt)
+            todo = [ep for ep, gen in zip(todo, gens) if not self._take(ep, gen, last_try=attempt + 1 >= self.parse_attempts)]
+            attempt += 1
+
+    def _generate(self, eps: list[_Episode], temperature: float, top_p: float, attempt: int) -> list[Any]:
         contexts = [PolicyContext(ep.traj.instruction, ep.screenshots[-1], ep.info, len(ep.traj.steps),
                                   ep.request.task, list(ep.screenshots), [r.response for r in ep.traj.steps])
-                    for ep in live]
-        # Each episode samples with its own seed stream: (episode seed, sample, step).
-        seeds = [zlib.crc32(repr((ep.request.seed, ep.request.sample, len(ep.traj.steps))).encode()) for ep in live]
+                    for ep in eps]
+        # Each episode samples with its own seed stream: (episode seed, sample, step[, attempt]).
+        keys = [(ep.request.seed, ep.request.sample, len(ep.traj.steps)) + ((attempt,) if attempt else ()) for ep in eps]
+        seeds = [zlib.crc32(repr(key).encode()) for key in keys]
         # An in-process policy keeps each episode's KV cache between steps under these keys.
-        extra = {"frequency_penalty": self.frequency_penalty} if self.frequency_penalty else {}
-        gens = self.policy.generate([ep.conv.current for ep in live], temperature=temperature, top_p=top_p,
-                                    contexts=contexts, seeds=seeds, cache_keys=[id(ep) for ep in live], **extra)
-        for ep, gen in zip(live, gens):
+        extra: dict[str, Any] = {"frequency_penalty": self.frequency_penalty} if self.frequency_penalty else {}
+        if self.max_new_tokens:
+            extra["max_new_tokens"] = self.max_new_tokens
+        return self.policy.generate([ep.conv.current for ep in eps], temperature=temperature, top_p=top_p,
+                                    contexts=contexts, seeds=seeds, cache_keys=[id(ep) for ep in eps], **extra)
+
+    def _take(self, ep: _Episode, gen: Any, last_try: bool) -> bool:
+        """Parse one response and step its environment; False when it is to be sampled again."""
+        step = len(ep.traj.steps) + 1
+        try:
+            parsed = self.policy.parse(gen.text, ep.screenshots[-1].size, rules=self.action_rules)
+            actions = action_payload(parsed.actions)
+            if not actions:
+                raise ActionParseError("no action in the response")
+        except ConverterError as exc:
+            if not self.unfinished_on_error:
+                return self._format_failure(ep, gen, step, exc)
+            # The fork's agent raises outside its resample loop; its runner writes no result.
             ep.conv.add_response(gen.text, gen.token_ids, gen.logprobs)
-            step = len(ep.traj.steps) + 1
-            try:
-                parsed = self.policy.parse(gen.text, ep.screenshots[-1].size)
-                actions = action_payload(parsed.actions)
-                if not actions:
-                    raise ActionParseError("no action in the response")
-            except ActionParseError as exc:
-                # A format failure ends the episode as ARPO does: the environment is stepped with
-                # DONE and its checker scores the state the episode reached (a task done before
-                # the malformed response still counts); the format penalty comes on top.
-                ep.traj.format_ok = False
-                ep.pending_record = StepRecord(step, gen.text, [], str(exc)[:500], 0.0, False, False, 0.0)
-                self._send(ep, "step", DONE)
-                continue
-            actions = self._protocol_rules(ep, step, actions)
-            ep.pending_record = StepRecord(step, gen.text, actions, None, 0.0, False, False, 0.0)
-            self._send(ep, "step", actions)
+            ep.traj.steps.append(StepRecord(step, gen.text, [], str(exc)[:500], 0.0, False, False, 0.0,
+                                            discarded=ep.discarded))
+            ep.discarded = []
+            self._unfinished(ep, f"the agent raised on the response of step {step}: {exc}")
+            ep.done = True
+            return True
+        except ActionParseError as exc:
+            if not last_try:
+                ep.discarded.append(gen.text)  # never added to the conversation: the model does not see it
+                return False
+            return self._format_failure(ep, gen, step, exc)
+        ep.conv.add_response(gen.text, gen.token_ids, gen.logprobs)
+        actions = self._protocol_rules(ep, step, actions)
+        ep.pending_record = StepRecord(step, gen.text, actions, None, 0.0, False, False, 0.0, discarded=ep.discarded)
+        ep.discarded = []
+        self._send(ep, "step", actions)
+        return True
+
+    def _format_failure(self, ep: _Episode, gen: Any, step: int, exc: Exception) -> bool:
+        # A format failure ends the episode as ARPO does: the environment is stepped with DONE and
+        # its checker scores the state the episode reached (a task done before the malformed
+        # response still counts); the format penalty comes on top.
+        ep.conv.add_response(gen.text, gen.token_ids, gen.logprobs)
+        ep.traj.format_ok = False
+        ep.pending_record = StepRecord(step, gen.text, [], str(exc)[:500], 0.0, False, False, 0.0, discarded=ep.discarded)
+        ep.discarded = []
+        self._send(ep, "step", DONE)
+        return True
+
+    @staticmethod
+    def _unfinished(ep: _Episode, why: str) -> None:
+        ep.traj.status = EpisodeStatus.UNFINISHED
+        ep.traj.error = (why + " (the OSWorld fork's runner writes no result for it and runs it again "
+                         "on its next pass)")[:2000]
 
     def _protocol_rules(self, ep: _Episode, step: int, actions: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """An evaluation protocol's replacements (the OSWorld fork's UI-TARS agent): call_user
@@ -289,10 +356,10 @@ class RolloutEngine:
         kinds = [a["kind"] for a in actions]
         if self.call_user_waits and "call_user" in kinds and ep.call_user_waits < self.call_user_waits:
             ep.call_user_waits += 1
-            return action_payload([Action("wait")])
-        final = any(k in ("finished", "call_user", "wait") for k in kinds)
+            return action_payload([Action("wait", rules=self.action_rules)])
+        final = any(k in FINAL_KINDS for k in kinds)
         if self.fail_at_last_step and step >= self.max_steps and not final:
-            return action_payload([Action("call_user")])  # OSWorld's FAIL
+            return action_payload([Action("call_user", rules=self.action_rules)])  # OSWorld's FAIL
         return actions
 
     def _finish(self, ep: _Episode, out_dir: str | Path | None) -> None:

@@ -47,6 +47,7 @@ BADGE_COLOURS = {
     "wait": (110, 110, 110),
     "finished": (0, 150, 60),
     "call_user": (230, 120, 0),
+    "error_env": (230, 120, 0),
     "format_error": (200, 0, 0),
 }
 REPLAYED_COLOUR = "#d62728"

@@ -12,6 +12,12 @@ rollout workers:
   'DONE', `call_user` 'FAIL' (OSWorld scores an infeasible task 1 only after FAIL), `wait`
   'WAIT'. An action the converter refuses (an unknown key) is a no-op step whose info carries
   'action_error'; the VM is not touched.
+- Typing without a clipboard: text pyautogui cannot type is pasted (`arpo_lib.actions`), which
+  needs xclip or xsel in the VM. Before the first such paste of a VM, the VM is asked
+  (`CLIPBOARD_PROBE`, through OSWorld's controller); without either, the text is typed as far as
+  pyautogui can type it (the ASCII part, and the Enter of a trailing newline) and info's
+  'action_error' says what was lost. (Pasting blind, the VM's `python -c` would exit 1 at the copy,
+  its error sent to /dev/null: the whole text and the Enter lost, and nothing said.)
 - Reward: 0 until the episode ends, then the task's score from `evaluate()`, also when the episode
   is truncated at `max_steps` (OSWorld and ARPO evaluate the final state whatever ended the loop).
   The screenshot keeps the VM's resolution, which must equal `screen_size` (a mismatch would
@@ -60,7 +66,7 @@ from typing import Any
 
 from PIL import Image
 
-from arpo_lib.actions import Action, ActionParseError, to_pyautogui
+from arpo_lib.actions import Action, ActionParseError, lost_without_clipboard, to_pyautogui
 from arpo_lib.envs.base import EnvError, GUIEnv, Observation
 from arpo_lib.envs.osworld.downloads import DownloadCache, default_download_cache
 
@@ -78,6 +84,10 @@ KVM_DEVICE = "/dev/kvm"
 SETUP_SCRIPT = "scripts/setup_osworld.sh"
 VM_IMAGE_NAMES = {"Ubuntu": "Ubuntu.qcow2", "Windows": "Windows-10-x64.qcow2"}
 """Disk image file names of OSWorld's Docker VMs, by `os_type`."""
+CLIPBOARD_PROBE = "import pyperclip\nprint('clipboard:', bool(pyperclip.determine_clipboard()[0]))"
+"""Run in the VM before its first paste: pyperclip's own choice of copy mechanism (xclip, xsel,
+wl-copy, klipper, Qt), which is falsy when it found none. Prints `clipboard: True` or `False`
+(nothing when pyperclip is missing: no clipboard either)."""
 CONTAINER_FILE = "container_id"
 """Written in an environment's cache dir while its VM container runs (for stale clean-up)."""
 _MANAGED_KWARGS = ("provider_name", "region", "path_to_vm", "action_space", "cache_dir", "screen_size",
@@ -423,6 +433,8 @@ class OSWorldEnv(GUIEnv):
         self._episode_over = True  # until reset
         self._steps = 0
         self._screen: Image.Image | None = None
+        self._clipboard: bool | None = None
+        """Whether this DesktopEnv's VM has a clipboard tool (None: not asked yet)."""
 
     # ---- GUIEnv --------------------------------------------------------------------------
 
@@ -454,13 +466,18 @@ class OSWorldEnv(GUIEnv):
         if code is not None:
             with self._vm_call(f"step ({action.kind})"):
                 self._set_paused(False)
+                lost = lost_without_clipboard(action)
+                if lost is not None and not self._has_clipboard():
+                    code = to_pyautogui(action, self.screen_size, clipboard=False)
+                    error = (f"no clipboard tool in the VM (pyperclip finds neither xclip nor xsel): typed what "
+                             f"pyautogui can type, lost {lost[:200]!r}")
                 obs, _, done, desktop_info = self._desktop.step(code, pause=self.pause_s)
                 self._screen = self._screenshot(obs)
             terminated = bool(done) or code in ("DONE", "FAIL")
         truncated = not terminated and self._steps >= self.max_steps
         desktop_info = dict(desktop_info or {})
         # The sandbox provider refuses code outside the action space (info["action_error"]).
-        error = error or desktop_info.get("action_error")
+        error = "; ".join(e for e in (error, desktop_info.get("action_error")) if e) or None
         info = {**self._info(obs), "code": code, "action_error": error, "desktop_info": desktop_info}
         reward = 0.0
         if terminated or truncated:
@@ -577,6 +594,21 @@ class OSWorldEnv(GUIEnv):
             return 0.0
         return score
 
+    def _has_clipboard(self) -> bool:
+        """Whether the VM has a clipboard tool, asked once per DesktopEnv (CLIPBOARD_PROBE). A
+        DesktopEnv without OSWorld's controller, or a probe without an answer, counts as having one
+        (the paste is tried; the question is asked again next time)."""
+        if self._clipboard is None:
+            run = getattr(getattr(self._desktop, "controller", None), "execute_python_command", None)
+            answer = run(CLIPBOARD_PROBE) if callable(run) else None
+            if not isinstance(answer, Mapping) or "status" not in answer:
+                return True
+            self._clipboard = "clipboard: True" in str(answer.get("output") or "")
+            if not self._clipboard:
+                log.warning("%s: the VM has no clipboard tool (xclip or xsel): text outside ASCII is typed as far "
+                            "as pyautogui can type it", self.name)
+        return self._clipboard
+
     def _set_paused(self, paused: bool) -> None:
         """Pause or resume the VM where the DesktopEnv can (the fork's pause()/unpause())."""
         if not self.pause_vm or self._desktop is None or self._paused == paused:
@@ -609,6 +641,7 @@ class OSWorldEnv(GUIEnv):
         """Close the DesktopEnv (stops its VM); forget the container record if that worked."""
         desktop, self._desktop = self._desktop, None
         self._paused = False
+        self._clipboard = None
         if desktop is None:
             return
         try:

@@ -22,8 +22,9 @@ any trial scores > 0.5; --filter_fail zeroes an episode whose last action is FAI
 
 `export_osworld_results` mirrors our evaluation (`<eval>/<family>/<task>/<sample>/`, with tokens and
 meta) into that layout: sample i is trial i. Lines carry `prediction` and our `response` (the same
-text) plus our parse errors in `info`. Episodes lost to infrastructure failures get no result.txt
-and the fork's error line, as its runner writes them: unfinished, not failures. A per-domain
+text) plus our parse and action errors in `info`. Episodes lost to infrastructure failures, and those
+left unfinished (a checker that raised under the `osworld_uitars` protocol), get no result.txt and
+the fork's error line, as its runner writes them: unfinished, not failures. A per-domain
 summary goes to `<root>/summary-<model>.json|md`, outside the trees the fork's tools walk.
 """
 from __future__ import annotations
@@ -115,11 +116,12 @@ def export_osworld_results(eval_dir: str | Path, root: str | Path, model: str, *
                 lines.append({"step_num": n, "prediction": rec["response"], "action_timestamp": stamp,
                               "action": code, "reward": rec["reward"] if last else 0,
                               "done": bool(rec["done"]) if last else False,
-                              "info": {"parse_error": rec["parse_error"], "truncated": rec.get("truncated", False)},
+                              "info": {"parse_error": rec["parse_error"], "truncated": rec.get("truncated", False),
+                                       "action_error": rec.get("action_error")},
                               "screenshot_file": name, "response": rec["response"]})
         if meta["status"] != "ok":  # the fork's runner writes this line and no result.txt
-            lines.append({"Error": f"infrastructure failure in {dst.parent.name}/{dst.name}: "
-                                   f"{(meta.get('error') or '')[:300]}"})
+            what = "unfinished" if meta["status"] == "unfinished" else "infrastructure failure"
+            lines.append({"Error": f"{what} in {dst.parent.name}/{dst.name}: {(meta.get('error') or '')[:300]}"})
         (dst / "traj.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
         if meta["status"] == "ok":
             (dst / "result.txt").write_text(f"{float(meta['task_score'])}\n")

@@ -32,7 +32,12 @@ Fault injection, to exercise retries and infrastructure failures:
   process raise ConnectionError), `die_at_step: j` with `die_mode: "raise"` (step j raises
   ConnectionError) or `"no_screenshot"` (step j returns a None screenshot, as the real controller
   does when the VM stopped answering; the VM stays dead), `hang_at_step: j` with `hang_s: s`
-  (step j sleeps s seconds), `evaluate_fails: true` (evaluate raises ConnectionError).
+  (step j sleeps s seconds), `evaluate_fails: true` (evaluate raises ConnectionError),
+  `checker_raises: true` (evaluate raises KeyError, as a checker missing its result file does),
+  `clipboard: false` (the VM has no clipboard tool: code that copies stops there, as `python -c`
+  would on pyperclip's exception, and the clipboard probe says so).
+- `controller.execute_python_command` (OSWorld's PythonController, which the workbench calls
+  directly for its clipboard probe): answers only that probe (`arpo_lib.envs.osworld.env.CLIPBOARD_PROBE`).
 - environment variable ARPO_FAKE_OSWORLD_BOOT_FAILURES=k: the first k constructions in this
   process raise ConnectionError (the real class boots the VM in its constructor).
 
@@ -90,6 +95,25 @@ def load_fake_task(task_id: str) -> dict[str, Any]:
     if task_id not in FAKE_TASKS:
         raise FileNotFoundError(f"no fake OSWorld task {task_id!r}; fake tasks: {', '.join(FAKE_TASKS)}")
     return copy.deepcopy(FAKE_TASKS[task_id])
+
+
+class FakeController:
+    """OSWorld's PythonController as far as the workbench uses it: `execute_python_command` answers
+    the clipboard probe from the task's `"fake": {"clipboard": ...}` (default true), in the real
+    server's answer format; any other command fails (the fake runs no code)."""
+
+    def __init__(self, env: "FakeDesktopEnv") -> None:
+        self.env = env
+        self.commands: list[str] = []
+
+    def execute_python_command(self, command: str) -> Dict[str, Any]:
+        self.commands.append(command)
+        self.env._check_alive()
+        self.env._check_running("execute_python_command")
+        if "determine_clipboard" not in command:
+            return {"status": "success", "output": "", "error": "the fake VM runs no code", "returncode": 1}
+        return {"status": "success", "output": f"clipboard: {bool(self.env._fault('clipboard', True))}\n",
+                "error": "", "returncode": 0}
 
 
 @dataclass
@@ -197,6 +221,7 @@ class FakeDesktopEnv:
         self.dead = False
         self.paused = False
         self._step_no = 0
+        self.controller = FakeController(self)
 
     def reset(self, task_config: Optional[Dict[str, Any]] = None, seed=None, options=None) -> Dict[str, Any]:
         """Start the task (or restart the current one when `task_config` is None)."""
@@ -318,6 +343,8 @@ class FakeDesktopEnv:
         except SyntaxError:
             return
         for name, args in calls:
+            if name == "copy" and not self._fault("clipboard", True):
+                return  # pyperclip raises: no clipboard tool, the rest of the code never runs
             if name in ("click", "doubleClick", "rightClick") and len(args) >= 2:
                 self.clicks.append((int(args[0]), int(args[1])))
             elif name in ("write", "typewrite") and args and isinstance(args[0], str):

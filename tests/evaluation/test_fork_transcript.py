@@ -1,0 +1,200 @@
+"""The `osworld_uitars` and `arpo_train` protocols against a transcript of what the OSWorld fork's
+evaluation runner and ARPO's training rollouts do (test_data/protocols/fork_runner_transcript.yaml,
+written from their code, each row naming the file and function it comes from).
+
+Each row's model responses go through our rollout engine, under the row's protocol, to the fake VM
+(OSWorldEnv driving FakeDesktopEnv in this process): what was sampled and how, what DesktopEnv.step
+received, whether result.txt was written and with which score, and the episode's status must be
+what the transcript says. A scripted text policy stands in for the model (no weights, no browser).
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from arpo_lib.actions import parse_response
+from arpo_lib.envs.osworld.env import OSWorldEnv
+from arpo_lib.envs.osworld.fake import FakeDesktopEnv, load_fake_task
+from arpo_lib.envs.worker import step_actions
+from arpo_lib.evaluation.protocols import PROTOCOLS
+from arpo_lib.training.rollout import RolloutEngine, load_trajectory
+from arpo_lib.types import EpisodeRequest, Generation
+
+TRANSCRIPT = yaml.safe_load((Path(__file__).resolve().parents[2] / "test_data" / "protocols"
+                             / "fork_runner_transcript.yaml").read_text())
+EVAL_TEMPERATURE = 0.5
+"""eval.temperature where a protocol takes the run's (ARPO validates at 0.5)."""
+POINTER_CALLS = ("click", "doubleClick", "rightClick", "moveTo", "dragTo")
+
+
+class _Conversation:
+    """What the engine needs of a TokenConversation: the responses the model was shown."""
+
+    def __init__(self) -> None:
+        self.responses: list[str] = []
+        self.segments: list[Any] = []
+
+    def add_observation(self, screenshot: Any) -> None:
+        pass
+
+    def add_response(self, text: str, token_ids: list[int], logprobs: list[float]) -> None:
+        self.responses.append(text)
+
+    @property
+    def current(self) -> list[str]:
+        return list(self.responses)
+
+
+class TextPolicy:
+    """Answers with the next of a list of texts and records how each was asked for."""
+
+    coord_mode = "qwen25vl"
+
+    def __init__(self, responses: list[str]) -> None:
+        self.responses = list(responses)
+        self.sampled: list[dict[str, Any]] = []
+        self.conversations: list[_Conversation] = []
+
+    def new_conversation(self, instruction: str) -> _Conversation:
+        self.conversations.append(_Conversation())
+        return self.conversations[-1]
+
+    def generate(self, segments, *, temperature=1.0, top_p=1.0, max_new_tokens=None, contexts=None, seeds=None,
+                 cache_keys=None, frequency_penalty=0.0):
+        out = []
+        for _ in segments:
+            self.sampled.append({"temperature": temperature, "max_tokens": max_new_tokens,
+                                 "frequency_penalty": frequency_penalty})
+            out.append(Generation(self.responses.pop(0), [1], [0.0]))
+        return out
+
+    def parse(self, text, image_size, rules="workbench"):
+        return parse_response(text, image_size, "qwen25vl", rules=rules)
+
+    def release(self, key: Any) -> None:
+        pass
+
+
+class InlineWorker:
+    """An environment worker in this process: the real worker's commands, answered at once."""
+
+    def __init__(self, make_env: Any) -> None:
+        self.make_env, self.env, self.answer = make_env, None, None
+
+    def send(self, cmd: str, payload: Any) -> None:
+        if cmd == "reset":
+            if self.env is not None:
+                self.env.close()
+            self.env = self.make_env()
+            self.answer = self.env.reset(seed=payload[1])
+        else:
+            self.answer = step_actions(self.env, payload)
+
+    def recv(self) -> Any:
+        return self.answer
+
+
+class InlinePool:
+    def __init__(self, make_env: Any) -> None:
+        self.workers = [InlineWorker(make_env)]
+
+    def __len__(self) -> int:
+        return 1
+
+    def close(self) -> None:
+        if self.workers[0].env is not None:
+            self.workers[0].env.close()
+
+
+def sent_as_in_the_transcript(code: str) -> str | list[str]:
+    """WAIT/DONE/FAIL, or the code's pyautogui and time calls (pointer coordinates, x=, y= and
+    button= left out)."""
+    if code in ("WAIT", "DONE", "FAIL"):
+        return code
+    calls = []
+    for stmt in ast.parse(code).body:
+        if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call):
+            call = stmt.value
+            name = call.func.attr  # type: ignore[attr-defined]
+            args = [] if name in POINTER_CALLS else [ast.unparse(a) for a in call.args]
+            args += [f"{k.arg}={ast.unparse(k.value)}" for k in call.keywords if k.arg not in ("x", "y", "button")]
+            calls.append(f"{name}({', '.join(args)})" if args else name)
+    return calls
+
+
+@pytest.fixture(autouse=True)
+def _fresh_fake():
+    FakeDesktopEnv.clear()
+    yield
+    FakeDesktopEnv.clear()
+
+
+@pytest.mark.parametrize("name", sorted(TRANSCRIPT["protocols"]))
+def test_the_protocol_table_says_what_the_sources_do(name):
+    protocol = PROTOCOLS[name]
+    for field, value in TRANSCRIPT["protocols"][name].items():
+        assert getattr(protocol, field) == value, field
+
+
+def run_row(row: dict[str, Any], tmp_path: Path) -> tuple[Any, TextPolicy]:
+    protocol = PROTOCOLS[row["protocol"]]
+    config = load_fake_task(row["task"])
+    if row.get("faults"):
+        config["fake"] = row["faults"]
+    pool = InlinePool(lambda: OSWorldEnv(config, provider="fake", desktop_env_class=FakeDesktopEnv,
+                                         cache_root=tmp_path / "cache", download_cache=None, pause_s=0,
+                                         backoff_s=0, max_steps=15))
+    policy = TextPolicy(row["responses"])
+    engine = RolloutEngine(policy, pool, max_steps=15, **protocol.engine_options())
+    temperature = EVAL_TEMPERATURE if protocol.temperature is None else protocol.temperature
+    try:
+        (traj,) = engine.run([EpisodeRequest(f"osworld/{row['task']}", 1, 0)], temperature=temperature,
+                             out_dir=tmp_path / "eval", progress=False)
+    finally:
+        pool.close()
+    return traj, policy
+
+
+@pytest.mark.parametrize("row", TRANSCRIPT["rows"], ids=[r["name"] for r in TRANSCRIPT["rows"]])
+def test_the_engine_does_what_the_transcript_says(row, tmp_path):
+    traj, policy = run_row(row, tmp_path)
+    assert policy.responses == [], "every response of the row is sampled"
+    sent = [sent_as_in_the_transcript(c.args["action"]) for c in FakeDesktopEnv.calls if c.method == "step"]
+    assert sent == row["sent"]
+    if "sampled" in row:
+        assert [{k: s[k] for k in ("temperature", "max_tokens")} for s in policy.sampled] == row["sampled"]
+    assert {s["frequency_penalty"] for s in policy.sampled} == {PROTOCOLS[row["protocol"]].frequency_penalty}
+    result = Path(traj.directory) / "result.txt"
+    if row["result"] is None:
+        assert not result.exists()
+    else:
+        assert float(result.read_text()) == row["result"]
+    assert (traj.status.value, traj.format_ok) == (row["status"], row["format_ok"])
+    if "seen_responses" in row:
+        assert len(policy.conversations[0].responses) == row["seen_responses"]
+
+
+def test_responses_sampled_again_are_recorded_but_never_shown_to_the_model(tmp_path):
+    row = TRANSCRIPT["rows"][0]
+    traj, policy = run_row(row, tmp_path)
+    assert traj.steps[0].discarded == row["responses"][:2] and traj.steps[0].response == row["responses"][2]
+    assert policy.conversations[0].responses == row["responses"][2:]
+    back = load_trajectory(traj.directory, processor=None)
+    assert back.steps[0].discarded == row["responses"][:2] and back.steps[1].discarded == []
+
+
+def test_an_unfinished_episode_says_why_and_is_not_scored(tmp_path):
+    from arpo_lib.evaluation.evaluate import summarize, unfinished_requests
+
+    row = next(r for r in TRANSCRIPT["rows"] if r.get("faults") == {"checker_raises": True}
+               and r["protocol"] == "osworld_uitars")
+    traj, _ = run_row(row, tmp_path)
+    assert "checker raised" in traj.error and "KeyError" in traj.checker_error
+    assert traj.reward == 0.0 and traj.segments == []
+    result = summarize([traj])
+    assert (result.unfinished, result.env_errors, result.tasks[0].samples) == (1, 0, 0)
+    assert unfinished_requests([traj]) == [EpisodeRequest("osworld/fake-click", 1, 0)]
