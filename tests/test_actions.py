@@ -10,9 +10,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from arpo_lib.actions import (
-    ACTION_KINDS, DETACH_OUTPUT, MAX_PIXELS, MAX_RESPONSE_CHARS, MIN_PIXELS, PYAUTOGUI_FUNCTIONS, SCROLL_AMOUNT,
-    VALID_KEYS, Action, ActionParseError, ParsedResponse, format_action, format_response,
-    parse_response, smart_resize, split_keys, to_pyautogui,
+    ACTION_KINDS, ACTION_RULES, DETACH_OUTPUT, MAX_PIXELS, MAX_RESPONSE_CHARS, MIN_PIXELS, PYAUTOGUI_FUNCTIONS,
+    SCROLL_AMOUNT, VALID_KEYS, Action, ActionParseError, ConverterError, ParsedResponse, check_action_code,
+    format_action, format_response, lost_without_clipboard, parse_response, smart_resize, split_keys, to_pyautogui,
 )
 
 SCREEN = (1920, 1080)  # (width, height)
@@ -692,8 +692,9 @@ def test_pyautogui_from_fuzzed_type_content(text):
             assert_whitelisted(code)
 
 
-def test_ascii_text_is_typed_as_arpo_types_it():
-    """ASCII only: pyautogui.write alone, no clipboard, no os; what ARPO's converter sends."""
+def test_ascii_text_is_typed_with_write_alone():
+    """ASCII only: pyautogui.write alone, no clipboard, no os (at our pace; ARPO's converter types
+    at 0.1 s a character and waits 0.5 s: its rules, below)."""
     code = to_pyautogui(Action("type", text="hello, world\n"))
     assert "pyperclip" not in code and "import os" not in code
     assert code.splitlines()[1:] == ["pyautogui.write('hello, world', interval=0.01)", "pyautogui.press('enter')"]
@@ -708,3 +709,128 @@ def test_non_ascii_text_is_pasted_after_detaching_output():
     assert lines[4:] == [*DETACH_OUTPUT, "pyperclip.copy('ab é cd 日本')", "pyautogui.hotkey('ctrl', 'v')",
                          "time.sleep(0.2)", "pyautogui.press('enter')"]
     assert_whitelisted(code)
+
+
+# --------------------------------------------------------------------------- action rules
+
+@pytest.mark.parametrize("text,kind", [
+    ("Action: hover(start_box='(966,546)')", "hover"),
+    ("Action: left_single(start_box='(966,546)')", "click"),
+    ("Action: select(start_box='(10,10)', end_box='(20,20)')", "drag"),
+    ("Action: keydown(key='shift')", "keydown"),
+    ("Action: keyup(key='Shift')", "keyup"),
+    ("Action: open_app(app_name='Chrome')", "noop"),
+    ("Action: release(key='shift')", "noop"),  # UI-TARS's newer parser knows it; ARPO's does not
+])
+def test_names_arpos_converter_knows_are_actions_under_its_rules_only(text, kind):
+    with pytest.raises(ActionParseError, match="unknown action"):
+        parse(text)
+    (action,) = parse_response(text, SCREEN, rules="arpo").actions
+    assert (action.kind, action.rules) == (kind, "arpo")
+
+
+def test_press_is_a_one_key_hotkey_here_and_makes_arpos_converter_raise():
+    assert one("Action: press(key='enter')") == Action("hotkey", keys=["enter"])
+    with pytest.raises(ConverterError, match="press"):
+        parse_response("Action: press(key='enter')", SCREEN, rules="arpo")
+    assert issubclass(ConverterError, ActionParseError)  # a format failure wherever it is not caught apart
+
+
+def test_error_env_is_fail_but_not_call_user():
+    assert one("Action: error_env()") == Action("error_env")
+    assert to_pyautogui(Action("error_env")) == to_pyautogui(Action("call_user")) == "FAIL"
+
+
+def test_arpos_rules_run_the_first_final_action_alone():
+    text = "Action: click(start_box='(966,546)')\n\nfinished(content='')\n\nwait()"
+    assert [a.kind for a in parse(text).actions] == ["click", "finished", "wait"]
+    assert [a.kind for a in parse_response(text, SCREEN, rules="arpo").actions] == ["finished"]
+    # every call is still read first: a bad one anywhere is a format failure
+    with pytest.raises(ActionParseError):
+        parse_response("Action: finished()\n\nclick(start_box='(-1,2)')", SCREEN, rules="arpo")
+    # the converter stops at the first final action, before a press further on
+    assert [a.kind for a in parse_response("Action: wait()\n\npress(key='a')", SCREEN, rules="arpo").actions] == ["wait"]
+
+
+@pytest.mark.parametrize("action,ours,arpos", [
+    (Action("type", text="hello\n"),
+     ["pyautogui.write('hello', interval=0.01)", "pyautogui.press('enter')"],
+     ["import time", "pyautogui.write('hello', interval=0.1)", "time.sleep(0.5)", "pyautogui.press('enter')"]),
+    (Action("drag", point=(10, 20), end_point=(30, 40)),
+     ["pyautogui.moveTo(10, 20)", "pyautogui.dragTo(30, 40, duration=0.5, button='left')"],
+     ["pyautogui.moveTo(10, 20)", "pyautogui.dragTo(30, 40, duration=1.0, button='left')"]),
+    (Action("scroll", point=(1, 2), direction="left"),
+     ["pyautogui.keyDown('shift')", f"pyautogui.scroll({SCROLL_AMOUNT}, x=1, y=2)", "pyautogui.keyUp('shift')"], []),
+    (Action("scroll", direction="right"),
+     ["pyautogui.keyDown('shift')", f"pyautogui.scroll({-SCROLL_AMOUNT})", "pyautogui.keyUp('shift')"], []),
+    (Action("scroll", point=(1, 2), direction="down"),
+     [f"pyautogui.scroll({-SCROLL_AMOUNT}, x=1, y=2)"], [f"pyautogui.scroll({-SCROLL_AMOUNT}, x=1, y=2)"]),
+    (Action("hover", point=(5, 6)), None, ["pyautogui.moveTo(5, 6)"]),
+    (Action("keydown", keys=["shift"]), None, ["pyautogui.keyDown('shift')"]),
+    (Action("keyup", keys=["ctrl"]), None, ["pyautogui.keyUp('ctrl')"]),
+    (Action("noop", text="open_app"), None, []),
+])
+def test_generated_code_under_each_rules(action, ours, arpos):
+    """Ours: typing at 0.01 s a character without a pause, drag 0.5 s, sideways scroll as shift +
+    wheel. ARPO's converter: 0.1 s and 0.5 s, 1.0 s, nothing."""
+    if ours is not None:
+        code = to_pyautogui(action)
+        assert code.splitlines() == ["import pyautogui", *ours]
+        check_action_code(code, SCREEN)
+    arpo = Action(**{**action.__dict__, "rules": "arpo"})
+    code = to_pyautogui(arpo)
+    assert code.splitlines() == ["import pyautogui", *arpos]
+    assert_whitelisted(code)
+    check_action_code(code, SCREEN)  # the desktop sandbox's action server accepts it
+
+
+@pytest.mark.parametrize("text,lines", [
+    ("it's\n", ["pyautogui.write(\"it's\", interval=0.1)", "time.sleep(0.5)", "pyautogui.press('enter')"]),
+    ("café 日本", ["pyautogui.write('café 日本', interval=0.1)", "time.sleep(0.5)"]),  # pyautogui skips é, 日本 in the VM
+    ("a\tb", ["pyautogui.write('a\\tb', interval=0.1)", "time.sleep(0.5)"]),
+    ("line 1\nline 2\n", []),  # a line break inside: ARPO's code does not compile, nothing runs
+    ("a\rb", []),
+    ("C:\\Users\\me", []),  # '\\U' in ARPO's literal: a SyntaxError
+    ("x\\y", ["pyautogui.write('x\\\\y', interval=0.1)", "time.sleep(0.5)"]),  # an unknown escape stays
+    ("golden\\n", ["pyautogui.write('golde', interval=0.1)", "time.sleep(0.5)", "pyautogui.press('enter')"]),
+    ("\n", ["time.sleep(0.5)", "pyautogui.press('enter')"]),
+    ("", []),
+])
+def test_arpos_typing_is_what_its_generated_literal_types(text, lines):
+    """ARPO's converter puts the text between single quotes as it is (only bare quotes escaped),
+    so Python reads escapes in it and a line break breaks the code; read here without running it."""
+    code = to_pyautogui(Action("type", text=text, rules="arpo"))
+    assert [x for x in code.splitlines() if not x.startswith("import ")] == lines
+
+
+def test_arpos_pace_is_kept_only_where_it_fits_in_an_action():
+    short, long = "a" * 400, "a" * 600  # 0.1 s a character: 40 s and 60 s (an action gets 45)
+    assert "interval=0.1" in to_pyautogui(Action("type", text=short, rules="arpo"))
+    code = to_pyautogui(Action("type", text=long, rules="arpo"))
+    assert "interval=0.01" in code and "time.sleep" not in code
+    check_action_code(code, SCREEN)
+
+
+def test_typing_without_a_clipboard_types_what_pyautogui_can():
+    """Where the machine has no xclip/xsel, a paste would fail and lose everything: the ASCII part
+    is typed instead, the Enter kept, and what is lost is known."""
+    action = Action("type", text="café 日本 ok\n")
+    assert lost_without_clipboard(action) == "é日本"
+    code = to_pyautogui(action, clipboard=False)
+    assert code.splitlines() == ["import pyautogui", "pyautogui.write('caf  ok', interval=0.01)", "pyautogui.press('enter')"]
+    assert "pyperclip" in to_pyautogui(action)
+    assert lost_without_clipboard(Action("type", text="plain ascii\n")) is None
+    assert lost_without_clipboard(Action("type", text="café", rules="arpo")) is None  # ARPO's never pastes
+    assert lost_without_clipboard(Action("click", point=(1, 2))) is None
+    assert to_pyautogui(Action("type", text="日本"), clipboard=False) == "import pyautogui"
+    assert lost_without_clipboard(Action("type", text="a" * 4005)) == "a" * 5  # too long to type: pasted
+
+
+def test_new_kinds_format_and_parse_back():
+    for action in (Action("hover", point=(960.0, 540.0)), Action("keydown", keys=["shift"]),
+                   Action("keyup", keys=["shift"]), Action("noop", text="open_app"), Action("error_env")):
+        (back,) = parse_response("Action: " + format_action(action, SCREEN), SCREEN, rules="arpo").actions
+        assert back.kind == action.kind and back.keys == action.keys
+    assert set(ACTION_RULES) == {"workbench", "arpo"}
+    with pytest.raises(ValueError, match="unknown action rules"):
+        to_pyautogui(Action("wait", rules="nope"))

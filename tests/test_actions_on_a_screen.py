@@ -3,6 +3,9 @@ that records what reaches it, and every action kind executed as OSWorld executes
 with the code), then read back from the page. Non-ASCII text included: pyautogui.write alone
 would type "café 日本語" as "caf ".
 
+Without a clipboard tool (a PATH with neither xclip nor xsel), the paste fails silently and
+loses everything; the code for a machine without one types the ASCII part.
+
 Skipped where Xvfb, xclip, Chromium or pyautogui are missing (`./workbench setup` installs them)."""
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from urllib.parse import quote
 import pytest
 
 from arpo_lib.actions import Action, to_pyautogui
+from arpo_lib.envs.osworld.env import CLIPBOARD_PROBE
 
 pytestmark = pytest.mark.slow
 SCREEN = (1024, 768)
@@ -167,3 +171,24 @@ def test_typed_text_arrives_whole_non_ascii_included(screen, text):
     _run(to_pyautogui(Action("type", text=text), SCREEN), env)
     value = driver.execute_script("return document.getElementById('t').value;")
     assert value == text
+
+
+def test_without_a_clipboard_tool_the_ascii_part_and_the_enter_arrive(screen, tmp_path):
+    """A PATH with neither xclip nor xsel: the probe says so; the paste exits 1 with nothing on
+    stderr (sent to /dev/null) and types nothing, Enter included; the code generated for such a
+    machine types the ASCII part and the Enter."""
+    driver, env = screen
+    bare = {**env, "PATH": str(tmp_path)}  # an empty directory: no clipboard tool
+    probe = subprocess.run([sys.executable, "-c", CLIPBOARD_PROBE], env=bare, capture_output=True, text=True, timeout=60)
+    assert probe.stdout.strip() == "clipboard: False", probe.stderr
+    action = Action("type", text="café ok\n")
+    value = "return document.getElementById('t').value;"
+    driver.execute_script("const t = document.getElementById('t'); t.value = '';")
+    _run(to_pyautogui(Action("click", point=_screen_xy(driver, "t")), SCREEN), env)
+    time.sleep(0.1)
+    blind = subprocess.run([sys.executable, "-c", to_pyautogui(action, SCREEN)], env=bare, capture_output=True,
+                           text=True, timeout=60)
+    time.sleep(0.3)
+    assert (blind.returncode, blind.stderr, driver.execute_script(value)) == (1, "", "")
+    _run(to_pyautogui(action, SCREEN, clipboard=False), bare)
+    assert driver.execute_script(value) == "caf ok\n"

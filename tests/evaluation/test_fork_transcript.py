@@ -10,6 +10,7 @@ what the transcript says. A scripted text policy stands in for the model (no wei
 from __future__ import annotations
 
 import ast
+import json
 from pathlib import Path
 from typing import Any
 
@@ -198,3 +199,16 @@ def test_an_unfinished_episode_says_why_and_is_not_scored(tmp_path):
     result = summarize([traj])
     assert (result.unfinished, result.env_errors, result.tasks[0].samples) == (1, 0, 0)
     assert unfinished_requests([traj]) == [EpisodeRequest("osworld/fake-click", 1, 0)]
+
+
+def test_what_the_environment_says_about_an_action_is_in_the_trajectory(tmp_path):
+    """Typing outside ASCII on a VM without a clipboard tool (our rules paste such text): the step
+    record and traj.jsonl say what was lost."""
+    row = {"protocol": "run", "task": "fake-type", "faults": {"clipboard": False},
+           "responses": ["Action: type(content='hello wörld\\n')", "Action: finished(content='')"]}
+    traj, _ = run_row(row, tmp_path)
+    assert "no clipboard tool" in traj.steps[0].action_error and "'ö'" in traj.steps[0].action_error
+    assert traj.steps[1].action_error is None
+    line = json.loads((Path(traj.directory) / "traj.jsonl").read_text().splitlines()[0])
+    assert line["action_error"] == traj.steps[0].action_error
+    assert traj.task_score == 0.0  # "hello wrld" is not what the task asks for

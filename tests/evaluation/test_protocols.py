@@ -3,7 +3,8 @@
 The frequency penalty on the tiny model (naive generation, the KV-cache path and our server agree,
 and it changes what greedy decoding says); the OSWorld fork's action rules (call_user answered
 with WAIT three times, the last step's action turned into FAIL) through the rollout engine on the
-fake VM; build.engine wiring each protocol's prompt, pause and rules.
+fake VM; build.engine wiring each protocol's prompt, pause and rules. The rest of each protocol,
+row by row against the fork's runner and ARPO's training: test_fork_transcript.py.
 """
 from __future__ import annotations
 
@@ -127,6 +128,10 @@ def test_build_engine_wires_each_protocol(tiny_qwen2vl, tmp_path, monkeypatch):
             assert engine.policy.prompt == get_prompt(prompt)
             assert engine.frequency_penalty == penalty
             assert (engine.fail_at_last_step, engine.call_user_waits) == ((True, 3) if name == "osworld_uitars" else (False, 0))
+            assert (engine.action_rules, engine.max_new_tokens, engine.parse_attempts, engine.unfinished_on_error) == \
+                {"osworld_uitars": ("arpo", 4096, 3, True), "arpo_train": ("arpo", None, 1, False),
+                 "run": ("workbench", None, 1, False)}[name]
+            assert all(getattr(engine, k) == v for k, v in PROTOCOLS[name].engine_options().items())
             assert all(w.env_options["pause_s"] == pause for w in engine.pool.workers)
     assert cfg.env.options["pause_s"] == 0  # the caller's config is not changed
 

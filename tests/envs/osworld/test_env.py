@@ -255,6 +255,64 @@ def test_refused_action_is_a_noop_step(tmp_path):
     env.close()
 
 
+def test_typing_without_a_clipboard_in_the_vm_types_the_ascii_part_and_says_so(tmp_path):
+    """A VM without xclip or xsel: pasting blind would stop at the copy (exit 1, stderr sent to
+    /dev/null), losing the whole text and its Enter unnoticed. The VM is asked once; the ASCII
+    part and the Enter are typed; info names what was lost."""
+    env = fake_env(tmp_path, with_faults("fake-type", clipboard=False), pause_vm=False)
+    env.reset()
+    desktop = env.desktop_env
+    desktop.step(to_pyautogui(Action("type", text="hello wörld\n")))  # what pasting blind does
+    assert desktop.typed == ""
+    _, _, _, _, info = env.step(Action("type", text="hello wörld\n"))
+    assert desktop.typed == "hello wrld\n"
+    assert info["code"] == to_pyautogui(Action("type", text="hello wörld\n"), clipboard=False)
+    assert "no clipboard tool" in info["action_error"] and "'ö'" in info["action_error"]
+    assert env.step(Action("type", text="plain\n"))[4]["action_error"] is None  # ASCII needs no clipboard
+    _, _, _, _, info = env.step(Action("type", text="ü"))
+    assert "'ü'" in info["action_error"]
+    assert len(desktop.controller.commands) == 1 and "determine_clipboard" in desktop.controller.commands[0]
+    env.close()
+
+
+def test_with_a_clipboard_in_the_vm_text_is_pasted_whole(tmp_path):
+    env = fake_env(tmp_path, "fake-type")
+    env.reset()
+    _, _, _, _, info = env.step(Action("type", text="hello wörld\n"))
+    assert env.desktop_env.typed == "hello wörld\n" and info["action_error"] is None
+    assert "pyperclip.copy('hello wörld')" in info["code"]
+    env.close()
+
+
+def test_every_actions_error_reaches_the_step_info(tmp_path):
+    """A response of several actions: each action's error is kept, not only the last one's."""
+    from arpo_lib.envs.worker import step_actions
+
+    env = fake_env(tmp_path, with_faults("fake-type", clipboard=False))
+    env.reset()
+    payload = action_payload([Action("type", text="é"), Action("hotkey", keys=["hyperdrive"]), Action("wait")])
+    info = step_actions(env, payload)[4]
+    assert "'é'" in info["action_error"] and "hyperdrive" in info["action_error"]
+    env.close()
+
+
+def test_the_clipboard_probe_asks_pyperclip(tmp_path):
+    """CLIPBOARD_PROBE, run for real (no X server needed: pyperclip only looks for the tools): a
+    PATH without xclip and xsel says False, one with an xclip says True."""
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    def probe(path: str) -> str:
+        env = {"PATH": path, "DISPLAY": ":99", "HOME": str(tmp_path)}
+        done = subprocess.run([sys.executable, "-c", osworld.CLIPBOARD_PROBE], env=env, capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+    assert probe(str(tools)) == "clipboard: False"
+    (tools / "xclip").write_text("#!/bin/sh\nexit 0\n")
+    (tools / "xclip").chmod(0o755)
+    assert probe(str(tools)) == "clipboard: True"
+
+
 def test_accessibility_tree_on_request(tmp_path):
     env = fake_env(tmp_path, require_a11y_tree=True)
     _, info = env.reset()

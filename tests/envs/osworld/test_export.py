@@ -93,3 +93,21 @@ def test_filter_fail_zeroes_episodes_that_ran_out_and_failed(tmp_path):
     (example / "result.txt").write_text("True\n")  # an infeasible task scores 1 after FAIL
     assert pass_at_n(model, {"chrome": ["t1"]})["solved"] == 1
     assert pass_at_n(model, {"chrome": ["t1"]}, filter_fail=True)["solved"] == 0
+
+
+def test_an_unfinished_episode_has_no_result_here_nor_in_the_forks_layout(tmp_path):
+    """A checker that raised under `osworld_uitars`: no result.txt in our directory either, and the
+    fork's readers count the example as not run (unfinished), not as a failure."""
+    ev = tmp_path / "eval"
+    _traj(ev, "osworld/a", 0, 1.0)
+    _traj(ev, "osworld/b", 0, 0.0, status="unfinished")
+    assert not (ev / "osworld" / "b" / "0" / "result.txt").exists()
+    assert json.loads((ev / "osworld" / "b" / "0" / "meta.json").read_text())["status"] == "unfinished"
+    model_dir = export_osworld_results(ev, tmp_path / "results", "m")
+    example = model_dir / "0" / "osworld" / "b"
+    assert not (example / "result.txt").exists()
+    assert json.loads((example / "traj.jsonl").read_text().splitlines()[-1])["Error"].startswith("unfinished in")
+    meta = {"osworld": ["a", "b"]}
+    assert unfinished(model_dir, 0, meta) == {"osworld": ["b"]}
+    result = pass_at_n(model_dir, meta)
+    assert (result["valid"], result["solved"], result["acc"]) == (1, 1, 1.0)
