@@ -17,7 +17,7 @@
     <trajectory directory>/             OSWorld's result layout plus our token data
         step_0.png ... step_N.png       the screenshots the model saw
         traj.jsonl                      one line per step
-        result.txt                      the task score
+        result.txt                      the task score (absent: an unfinished episode)
         tokens.pt                       token ids, loss mask, behaviour log-probs per segment
         meta.json                       task, seed, scores, status (written last: marks completeness)
 """
