@@ -198,6 +198,7 @@ def test_an_unfinished_episode_says_why_and_is_not_scored(tmp_path):
     assert traj.reward == 0.0 and traj.segments == []
     result = summarize([traj])
     assert (result.unfinished, result.env_errors, result.tasks[0].samples) == (1, 0, 0)
+    assert "unfinished (no result, not in the rates; to run again): 1" in result.table()
     assert unfinished_requests([traj]) == [EpisodeRequest("osworld/fake-click", 1, 0)]
 
 
