@@ -255,6 +255,14 @@ def trainer(cfg: RunConfig, *, resume: bool = False, policy: HFPolicy | None = N
                    checkpoint=checkpoint, resume=resume, reference=reference, ranks=ranks)
 
 
+def response_cap(cfg: RunConfig, protocol: Any) -> int | None:
+    """The engine's response cap under `protocol`: eval.max_new_tokens where a protocol sets a cap
+    of its own and the run shortens it, else the protocol's; None = model.max_new_tokens."""
+    if protocol.max_new_tokens is None:
+        return None
+    return cfg.eval.max_new_tokens or protocol.max_new_tokens
+
+
 @contextlib.contextmanager
 def engine(cfg: RunConfig, scripted: bool = False, protocol: str = "run") -> Iterator[RolloutEngine]:
     """A rollout engine for `cfg.model.path` without a trainer (evaluation, task selection): the
@@ -286,7 +294,8 @@ def engine(cfg: RunConfig, scripted: bool = False, protocol: str = "run") -> Ite
     try:
         with env_pool(cfg) as pool:
             yield RolloutEngine(acting, pool, max_steps=cfg.env.max_steps, format_coef=cfg.algo.format_coef,
-                                format_penalty=cfg.algo.format_penalty, **p.engine_options())
+                                format_penalty=cfg.algo.format_penalty,
+                                **{**p.engine_options(), "max_new_tokens": response_cap(cfg, p)})
     finally:
         if cfg.rollout.backend == "server":
             acting.close()

@@ -36,8 +36,8 @@ def task_data(tmp_path, monkeypatch):
 def _run(notebook: str, tmp_path: Path, tiny: Path, extra: list[str]) -> str:
     from arpo_lib.workflows import execute_notebook
 
-    overrides = [f"model.path={tiny}", "model.coord_mode=auto", "model.max_new_tokens=16", f"out_dir={tmp_path}",
-                 "logging.progress=false", "env.workers=2", *FAKE_VM, *extra]
+    overrides = [f"model.path={tiny}", "model.coord_mode=auto", "model.max_new_tokens=16", "eval.max_new_tokens=16",
+                 f"out_dir={tmp_path}", "logging.progress=false", "env.workers=2", *FAKE_VM, *extra]
     out = execute_notebook(f"notebooks/{notebook}.ipynb",
                            {"config": "configs/osworld_smoke4.yaml", "overrides": overrides},
                            run_name=notebook.replace("_", "-"), out_dir=tmp_path)
@@ -54,6 +54,7 @@ def test_evaluation_notebook_on_osworld_tasks(task_data, tmp_path, tiny_qwen2vl)
     results = json.loads((run / "eval" / "results.json").read_text())
     assert results["episodes"] == 4 and results["env_errors"] == 0
     assert results["protocol"] == "osworld_uitars"  # the config's: comparable with the fork's UI-TARS numbers
+    assert results["max_new_tokens"] == 16  # ... except for the cap, shortened for the tiny model, and said so
     assert set(results["per_domain"]) == {"chrome", "os"}  # OSWorld's domains, from the task data
     # the OSWorld fork's layout: trial 0, one example directory per task with result.txt
     model_dir = run / "eval" / "osworld_results" / "pyautogui" / "screenshot" / tiny_qwen2vl.name

@@ -62,6 +62,9 @@ class EvalResult:
     per_domain: dict[str, float] = field(default_factory=dict)
     protocol: str = "run"
     """The evaluation protocol (evaluation.protocols) the numbers were measured under."""
+    max_new_tokens: int | None = None
+    """The response cap the protocol's own was replaced with (eval.max_new_tokens); None = the
+    protocol's cap (or model.max_new_tokens under one without a cap)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -146,6 +149,7 @@ def evaluate(
     progress: bool = True,
     description: str = "eval",
     protocol: str = "run",
+    max_new_tokens: int | None = None,
 ) -> EvalResult:
     """Run k episodes per task with seeds fixed by (seed, task, sample); same seeds every call."""
     requests = episode_requests(tasks, samples_per_task, seed)
@@ -155,6 +159,7 @@ def evaluate(
     trajs = engine.run(requests, temperature=temperature, out_dir=out_dir, progress=progress, description=description)
     result = summarize(trajs, samples_per_task)
     result.protocol = protocol
+    result.max_new_tokens = max_new_tokens
     result.seconds = time.monotonic() - t0
     result.env_steps = engine.env_steps - steps_before
     if out_dir is not None:
@@ -173,4 +178,5 @@ def evaluate_run(engine: RolloutEngine, cfg: RunConfig, out_dir: str | Path | No
     temperature = cfg.eval.temperature if p.temperature is None else p.temperature
     return evaluate(engine, list(tasks or cfg.eval.tasks or cfg.env.tasks), samples_per_task=cfg.eval.samples_per_task,
                     temperature=temperature, seed=cfg.eval.seed, out_dir=out_dir, progress=cfg.logging.progress,
-                    description=description, protocol=p.name)
+                    description=description, protocol=p.name,
+                    max_new_tokens=cfg.eval.max_new_tokens if p.max_new_tokens is not None else None)

@@ -288,6 +288,11 @@ class EvalConfig:
     tokens, ARPO's action rules, unparsable responses sampled again at T=1, 15th action FAIL,
     call_user answered with WAIT x3, an episode whose checker raises left unfinished).
     See arpo_lib/evaluation/protocols.py; every report names it."""
+    max_new_tokens: int | None = None
+    """The response cap of evaluations under a protocol that sets its own (`osworld_uitars`: 4096,
+    the fork's); None = the protocol's, else model.max_new_tokens. Only to shorten a run (a tiny
+    model on the CPU writes to the cap): results.json records the cap used, so such numbers are
+    not set beside the fork's by mistake."""
     policy: str = "model"
     """Who acts in `eval` / evaluation.ipynb: `model` (model.path) or `scripted` (the DOM-reading
     scripted agent of arpo_lib/agent/scripted.py: an upper bound on the MiniWoB++ tasks it supports)."""

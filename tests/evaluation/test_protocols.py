@@ -134,6 +134,11 @@ def test_build_engine_wires_each_protocol(tiny_qwen2vl, tmp_path, monkeypatch):
             assert all(getattr(engine, k) == v for k, v in PROTOCOLS[name].engine_options().items())
             assert all(w.env_options["pause_s"] == pause for w in engine.pool.workers)
     assert cfg.env.options["pause_s"] == 0  # the caller's config is not changed
+    # eval.max_new_tokens shortens a protocol's own cap (a tiny model on the CPU), and only that
+    assert build.response_cap(cfg, PROTOCOLS["osworld_uitars"]) == 4096
+    short = load_config(REPO / "configs" / "osworld_smoke4.yaml", ["eval.max_new_tokens=16"])
+    assert build.response_cap(short, PROTOCOLS["osworld_uitars"]) == 16
+    assert build.response_cap(short, PROTOCOLS["run"]) is None  # model.max_new_tokens
 
 
 @pytest.mark.slow
