@@ -109,7 +109,8 @@ class Buses:
         if self.daemon is not None:
             self.daemon.poll()  # reaped (a reset killed it)
         read_fd, write_fd = os.pipe()
-        kwargs = {**self.spawn(), "cwd": "/"}
+        kwargs = self._spawn_without_a11y_address()
+        kwargs["cwd"] = "/"
         try:
             self.daemon = subprocess.Popen(
                 ["dbus-daemon", "--nofork", f"--config-file={BUS_CONFIG}", f"--address={self.address}",
@@ -126,10 +127,18 @@ class Buses:
             raise RuntimeError(f"the session bus did not start (dbus-daemon exit {self.daemon.poll()})")
         self.a11y_address = self._ask_a11y_address()
 
+    def _spawn_without_a11y_address(self) -> dict[str, Any]:
+        """spawn()'s arguments less the previous episode's AT-SPI bus: the bus daemons pass their
+        environment on to what they start, and AT-SPI's registry daemon would try that address
+        (whose guid no longer matches) and give up."""
+        kwargs = self.spawn()
+        kwargs["env"] = {k: v for k, v in kwargs["env"].items() if k != "AT_SPI_BUS_ADDRESS"}
+        return kwargs
+
     def _ask_a11y_address(self) -> str | None:
         """AT-SPI's bus address from its launcher (which the session bus starts for this call)."""
-        kwargs = self.spawn()
-        kwargs["env"] = {**kwargs["env"], "DBUS_SESSION_BUS_ADDRESS": self.address}
+        kwargs = self._spawn_without_a11y_address()
+        kwargs["env"]["DBUS_SESSION_BUS_ADDRESS"] = self.address
         try:
             done = subprocess.run(["dbus-send", "--session", "--print-reply=literal", "--reply-timeout=8000",
                                    "--dest=org.a11y.Bus", "/org/a11y/bus", "org.a11y.Bus.GetAddress"],

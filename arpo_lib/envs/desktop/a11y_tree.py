@@ -68,6 +68,7 @@ GOOGLE_CHROME = "/opt/google/chrome/chrome"
 CHROMIUM_BINARIES = ("/usr/lib/chromium/chromium", "/usr/lib/chromium-browser/chromium-browser")
 """Debian's Chromium, which the sandbox presents as google-chrome when GOOGLE_CHROME is absent (the
 same list as confinement.CHROMIUM_BINARIES; a test holds them equal)."""
+MIN_CALL_TIMEOUT_MS = 250
 SPREADSHEET_PROBES = 500
 """In a spreadsheet's table, how many rows and columns are probed for the first cell on screen
 (OSWorld's reader gives up after 500 as well)."""
@@ -94,7 +95,9 @@ class Limits:
     call_timeout_ms: int = 2000
     """One D-Bus call to an application; past it the application counts as hung (AT-SPI's own
     default gives a newly seen application 15 s per call, and every application is new to a
-    fresh reader)."""
+    fresh reader). Shortened to an application's share of the budget where that is less (not
+    below MIN_CALL_TIMEOUT_MS): a call cannot be interrupted, so this bounds what one hung
+    application takes from the others."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -143,8 +146,9 @@ class Reading:
     """One walk of the desktop under `limits`, started at `started` (time.monotonic()): builds
     the elements and records why anything was left out."""
 
-    def __init__(self, limits: Limits, started: float | None = None, clock: Any = time.monotonic) -> None:
-        self.limits, self.clock = limits, clock
+    def __init__(self, limits: Limits, started: float | None = None, clock: Any = time.monotonic,
+                 set_call_timeout: Any = lambda ms: None) -> None:
+        self.limits, self.clock, self.set_call_timeout = limits, clock, set_call_timeout
         self.deadline = (clock() if started is None else started) + limits.budget_s
         self.nodes = 0
         self.size = 0
@@ -167,12 +171,14 @@ class Reading:
                 break
             if self.full:
                 break
-            share = now + (self.deadline - now) / (len(applications) - index)
+            share = (self.deadline - now) / (len(applications) - index)
+            timeout_ms = int(min(self.limits.call_timeout_ms, max(MIN_CALL_TIMEOUT_MS, 1000 * share)))
+            self.set_call_timeout(timeout_ms)
             try:
-                element = self.node(app, 1, None, share, application=True)
+                element = self.node(app, 1, None, now + share, application=True)
             except Hung:
                 element = None
-                self.note(f"application {index} ({_process(app)}) did not answer within {self.limits.call_timeout_ms} ms")
+                self.note(f"application {index} ({_process(app)}) did not answer within {timeout_ms} ms")
             if element is not None:
                 root.append(element)
         if self.cut:
@@ -211,7 +217,7 @@ class Reading:
         except Hung:
             if not application:
                 raise
-            self.note(f"application {element.get('name')!r} stopped answering ({self.limits.call_timeout_ms} ms per call)")
+            self.note(f"application {element.get('name')!r} stopped answering")
         return element
 
     def _count(self, element: ET.Element, text: str) -> bool:
@@ -232,8 +238,8 @@ class Reading:
     def _element(self, node: Any, application: bool) -> tuple[ET.Element, str, str]:
         """(element, its text, the raw role name), in OSWorld's attribute order."""
         limits = self.limits
+        role = node.role_name().strip()  # first: AT-SPI raises its timeout (get_name answers "" instead)
         name = clean(node.name(), limits.max_name_chars)
-        role = node.role_name().strip()
         if application and name == "Chromium" and _presented_as_google_chrome(node.process_id()):
             name = "Google Chrome"
         attrib = {"name": name}
@@ -446,7 +452,7 @@ def read_desktop(limits: Limits, started: float) -> ET.Element:
     Atspi = atspi
     Atspi.set_timeout(limits.call_timeout_ms, limits.call_timeout_ms)
     desktop = AtspiNode(Atspi.get_desktop(0))
-    reading = Reading(limits, started)
+    reading = Reading(limits, started, set_call_timeout=lambda ms: Atspi.set_timeout(ms, ms))
     try:
         applications = list(reading._children(desktop))
     except (Gone, Hung) as e:

@@ -238,8 +238,8 @@ class Desktop:
         """The episode's session and accessibility buses (a reset ended the previous ones), where
         the accessibility tree is served; the applications' environment names them."""
         if self.buses is not None:
-            self.buses.start()
             self.env.pop("AT_SPI_BUS_ADDRESS", None)
+            self.buses.start()
             self.env.update(self.buses.environment())
 
     def ensure_buses(self) -> None:
