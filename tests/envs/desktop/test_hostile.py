@@ -85,7 +85,9 @@ def sandbox_processes(box) -> list[str]:
     return box.execute(["ps", "-eo", "comm="])["output"].split()
 
 
-DESKTOP_PROCESSES = {"bwrap", "python", "python3", "Xvfb", "openbox", "ps"}
+DESKTOP_PROCESSES = {"bwrap", "python", "python3", "Xvfb", "openbox", "ps", "dbus-daemon", "at-spi-bus-laun"}
+"""What runs in a sandbox with no application: the server, the X server, the window manager, the
+episode's session bus and AT-SPI's (a11y.py, where the tree is served), and the `ps` asking."""
 
 
 # ---- 1. host files ------------------------------------------------------------------------------
