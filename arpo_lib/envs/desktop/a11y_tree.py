@@ -61,8 +61,11 @@ NAMESPACES = {
     "val": "https://accessibility.ubuntu.example.org/ns/value",
     "act": "https://accessibility.ubuntu.example.org/ns/action",
 }
-"""OSWorld's `_accessibility_ns_map["ubuntu"]`: what its agents' linearisers read. (Its evaluators'
-getters and metrics name `uri:deskat:...` namespaces instead, which its own server never writes.)"""
+"""OSWorld's `_accessibility_ns_map["ubuntu"]`: what its server writes and its agents' linearisers
+read. (Some of its evaluator code maps the prefixes to `uri:deskat:...` namespaces instead, which
+its server never writes: the chrome getters, harmlessly, as their selector uses no prefix;
+check_left_panel, and the ARPO fork's check_accessibility_tree, so that their namespaced names
+match nothing: docs/desktop.md.)"""
 ROOT_TAG = "desktop-frame"
 GOOGLE_CHROME = "/opt/google/chrome/chrome"
 CHROMIUM_BINARIES = ("/usr/lib/chromium/chromium", "/usr/lib/chromium-browser/chromium-browser")

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import re
 import sys
 import time
 import urllib.parse
@@ -46,10 +45,10 @@ A11Y_GETTERS = {"accessibility_tree", "active_url_from_accessTree", "active_tab_
 """Getters that read the AT-SPI tree (the chrome ones find the address bar in it): run where the
 sandbox serves /accessibility (arpo_lib/envs/desktop/a11y.py), `fails` elsewhere."""
 A11Y_NOT_SERVED = "needs /accessibility (the AT-SPI tree), which this machine cannot serve: {}"
-NEVER_MATCHES = ("its checker reads the tree in the uri:deskat:... namespaces (and check_left_panel cp:parentcoord), "
-                 "which OSWorld's own server never writes (its tree uses https://accessibility.ubuntu.example.org/ns/..., "
-                 "as the sandbox's does): it cannot score 1 on OSWorld's VM either")
-"""Why a task whose metric looks for namespaced attributes of the tree is not run (see `_never_matches`)."""
+NEVER_MATCHES = ("its metric check_left_panel looks for cp:parentcoord in the uri:deskat:... namespace, which OSWorld's "
+                 "own server never writes (no parentcoord; its namespaces are https://accessibility.ubuntu.example.org/ns/..., "
+                 "as the sandbox's): it cannot score 1 on OSWorld's VM either")
+"""Why a task whose metric can match no tree OSWorld's server writes is not run (see `_never_matches`)."""
 DOWNLOAD_GETTERS = {"cloud_file"}
 GNOME_VSCODE_WORDS = ("gsettings", "nautilus", "gnome-", "org.gnome", "code ", "\"code\"", "'code'", "vscode", "dconf")
 GNOME_VSCODE_GETTERS = {"vscode_config", "vm_terminal_output"}
@@ -83,19 +82,13 @@ def _steps(task: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _never_matches(task: dict[str, Any]) -> bool:
-    """Whether the task's metric reads the accessibility tree through namespaced names: OSWorld's
-    metrics and getters map st:, attr:, cp: to uri:deskat:... namespaces, its server (and ours)
-    writes https://accessibility.ubuntu.example.org/ns/... ones, so such a rule matches nothing
-    (check_left_panel besides reads cp:parentcoord, which no server writes)."""
-    evaluator = task.get("evaluator", {})
-    funcs = evaluator.get("func", [])
-    funcs = funcs if isinstance(funcs, list) else [funcs]
-    if "check_left_panel" in funcs:
-        return True
-    if "check_accessibility_tree" not in funcs:
-        return False
-    rules = json.dumps(evaluator.get("expected", {}))
-    return re.search(r"\b(st|attr|cp|doc|docattr|txt|val|act)(\||:)[A-Za-z]", rules) is not None
+    """Whether the task's metric matches no tree OSWorld's server writes: check_left_panel (in
+    both desktop_env builds) reads cp:parentcoord, which no server writes, in the uri:deskat:...
+    namespace, which its server does not use. (check_accessibility_tree's rules with `attr|`
+    selectors match in PyPI's desktop-env 1.0.2, whose metric maps the prefixes to the server's
+    namespaces, and not in the ARPO fork's, which maps them to uri:deskat:...: left to be run.)"""
+    funcs = task.get("evaluator", {}).get("func", [])
+    return "check_left_panel" in (funcs if isinstance(funcs, list) else [funcs])
 
 
 def static_column(task: dict[str, Any], a11y_missing: str | None = None) -> tuple[str, str] | None:
