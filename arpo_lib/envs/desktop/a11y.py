@@ -86,7 +86,11 @@ class Buses:
     uid). A reset ends them with every other process of the episode; `start` makes new ones."""
 
     def __init__(self, runtime_dir: Path, spawn: Callable[[], dict[str, Any]]) -> None:
+        self.runtime_dir = runtime_dir
         self.address = f"unix:path={runtime_dir / 'bus'}"
+        self.places = [str(runtime_dir / "bus"), str(runtime_dir / "at-spi")]
+        """Where the session bus and AT-SPI's bus put their sockets (the runtime directory
+        outlives an episode, and the agent may write there)."""
         self.spawn = spawn
         self.daemon: subprocess.Popen | None = None
         self.a11y_address: str | None = None
@@ -105,12 +109,21 @@ class Buses:
         return self.daemon is not None and self.daemon.poll() is None
 
     def start(self) -> None:
-        """A new session bus; returns once it listens and AT-SPI's bus is up (or START_TIMEOUT_S)."""
+        """A new session bus; returns once it listens and AT-SPI's bus is up (or START_TIMEOUT_S).
+        RuntimeError when the session bus does not start."""
         if self.daemon is not None:
             self.daemon.poll()  # reaped (a reset killed it)
-        read_fd, write_fd = os.pipe()
+        self.a11y_address = None
         kwargs = self._spawn_without_a11y_address()
         kwargs["cwd"] = "/"
+        # whatever the agent left where the sockets go (a file named `bus`, a runtime directory
+        # it may not write, would stop every later episode's bus): undone as the agent's user
+        try:
+            subprocess.run(["/bin/sh", "-c", 'chmod u+rwx "$0"; rm -rf -- "$@"', str(self.runtime_dir), *self.places],
+                           stdin=subprocess.DEVNULL, capture_output=True, timeout=START_TIMEOUT_S, **kwargs)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise RuntimeError(f"cannot clear the runtime directory for the session bus: {e}") from None
+        read_fd, write_fd = os.pipe()
         try:
             self.daemon = subprocess.Popen(
                 ["dbus-daemon", "--nofork", f"--config-file={BUS_CONFIG}", f"--address={self.address}",
@@ -124,7 +137,10 @@ class Buses:
         finally:
             os.close(read_fd)
         if not announced:
-            raise RuntimeError(f"the session bus did not start (dbus-daemon exit {self.daemon.poll()})")
+            if self.daemon.poll() is None:  # still starting after START_TIMEOUT_S: not a bus to keep
+                self.daemon.kill()
+                self.daemon.wait()
+            raise RuntimeError(f"the session bus did not start (dbus-daemon exit {self.daemon.returncode})")
         self.a11y_address = self._ask_a11y_address()
 
     def _spawn_without_a11y_address(self) -> dict[str, Any]:

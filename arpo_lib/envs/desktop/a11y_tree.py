@@ -72,6 +72,7 @@ CHROMIUM_BINARIES = ("/usr/lib/chromium/chromium", "/usr/lib/chromium-browser/ch
 """Debian's Chromium, which the sandbox presents as google-chrome when GOOGLE_CHROME is absent (the
 same list as confinement.CHROMIUM_BINARIES; a test holds them equal)."""
 MIN_CALL_TIMEOUT_MS = 250
+"""The call timeout is never cut below this (a busy but live application answers within it)."""
 SPREADSHEET_PROBES = 500
 """In a spreadsheet's table, how many rows and columns are probed for the first cell on screen
 (OSWorld's reader gives up after 500 as well)."""
@@ -82,7 +83,7 @@ class Limits:
     """What one reading may cost. Every field is a command-line option (`--max-nodes` ...)."""
 
     max_depth: int = 50
-    """Levels below an application (OSWorld's MAX_DEPTH)."""
+    """Levels, the application's counted as the first (OSWorld's MAX_DEPTH)."""
     max_children: int = 1024
     """Children read per node (OSWorld's MAX_WIDTH)."""
     max_nodes: int = 30000
@@ -202,7 +203,11 @@ class Reading:
         if not flag and role == "document spreadsheet":
             flag = "calc"
         if depth >= self.limits.max_depth:
-            self.note(f"depth limit {self.limits.max_depth}")
+            try:
+                if node.child_count() > 0:
+                    self.note(f"depth limit {self.limits.max_depth}")
+            except Gone:
+                pass
             return element
         children = self._visible_cells(node, until) if flag == "calc" and role == "table" else self._children(node)
         try:

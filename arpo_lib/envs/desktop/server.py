@@ -159,6 +159,8 @@ class Desktop:
             self._wait_for_window_manager(deadline=time.monotonic() + 30)
         self.a11y_missing = a11y_missing
         """Why the accessibility tree is not served (None: it is, and the episode has its buses)."""
+        self.bus_error: str | None = None
+        """Why the episode's session bus did not start (None: it did)."""
         self.buses = None if a11y_missing else a11y.Buses(runtime_dir, self._as_agent)
         if self.buses is not None:
             del self.env["NO_AT_BRIDGE"]  # GTK's bridge to AT-SPI on (start_buses adds the rest)
@@ -236,11 +238,17 @@ class Desktop:
 
     def start_buses(self) -> None:
         """The episode's session and accessibility buses (a reset ended the previous ones), where
-        the accessibility tree is served; the applications' environment names them."""
-        if self.buses is not None:
-            self.env.pop("AT_SPI_BUS_ADDRESS", None)
+        the accessibility tree is served; the applications' environment names them. A bus that
+        does not start costs the episode its tree (/accessibility says why), not its applications."""
+        if self.buses is None:
+            return
+        self.env.pop("AT_SPI_BUS_ADDRESS", None)
+        try:
             self.buses.start()
-            self.env.update(self.buses.environment())
+            self.bus_error = None
+        except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+            self.bus_error = str(e)
+        self.env.update(self.buses.environment())
 
     def ensure_buses(self) -> None:
         """Start the buses again where the watcher, or the agent, ended them."""
@@ -474,6 +482,8 @@ class Desktop:
         if self.buses is None:
             raise RequestError(501, f"/accessibility is not served here: {self.a11y_missing}")
         self.ensure_buses()
+        if not self.buses.alive():
+            raise RequestError(502, f"the episode's session bus is not running: {self.bus_error or 'it ended'}")
         try:
             return self.buses.read_tree(budget_s)
         except a11y.TreeError as e:

@@ -139,6 +139,8 @@ def test_every_limit_cuts_and_says_so():
 
     _, root = parse(Reading(Limits(max_depth=5)), [Fake("application", "deep", [chain(20)])])
     assert len(list(root.iter("panel"))) == 4 and "depth limit 5" in root.get("truncated")
+    _, root = parse(Reading(Limits(max_depth=5)), [Fake("application", "exactly", [chain(3)])])
+    assert len(list(root.iter("panel"))) == 4 and root.get("truncated") is None  # nothing was below
     wide = Fake("application", "wide", [Fake("label", str(i)) for i in range(50)])
     _, root = parse(Reading(Limits(max_children=10)), [wide])
     assert len(root.find("application")) == 10 and "children limit 10" in root.get("truncated")
@@ -401,6 +403,7 @@ echo 'export PATH=~/bin:$PATH' >> ~/.bashrc
 printf '[D-BUS Service]\\nName=org.a11y.Bus\\nExec=/home/user/evil.sh\\n' > ~/.local/share/dbus-1/services/org.a11y.Bus.service
 xprop -root -f AT_SPI_BUS 8s -set AT_SPI_BUS unix:path=/tmp/fake-bus
 kill $(pidof dbus-daemon at-spi-bus-launcher at-spi2-registryd)
+sleep 0.3; rm -rf "$XDG_RUNTIME_DIR/bus" "$XDG_RUNTIME_DIR/at-spi"; echo x > "$XDG_RUNTIME_DIR/bus"; echo x > "$XDG_RUNTIME_DIR/at-spi"; chmod 000 "$XDG_RUNTIME_DIR"
 echo planted
 """
 
@@ -408,8 +411,9 @@ echo planted
 def test_the_agent_cannot_replace_the_reader_or_redirect_its_bus(box):
     """What the agent can type: overwrite the reader, plant modules it imports (in the home, /tmp,
     the user site), a python3 earlier on the PATH, a service file for AT-SPI's bus in the home,
-    the X root window's AT_SPI_BUS property, and end the buses. An application started after is
-    in the tree, read by the workbench's reader from the real bus, and nothing planted ran."""
+    the X root window's AT_SPI_BUS property, end the buses and put files where their sockets go.
+    An application started after, in this episode and the next, is in the tree, read by the
+    workbench's reader from the real bus, and nothing planted ran."""
     put(box, "/home/user/plant.sh", PLANT)
     done = box.execute(["sh", "/home/user/plant.sh", str(a11y.READER)])
     assert done["output"].strip().endswith("planted") and "WROTE" not in done["output"], done
