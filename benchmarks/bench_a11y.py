@@ -11,6 +11,7 @@ the reset over 5 per sandbox, the reading over --rounds readings of the same scr
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import sys
@@ -71,7 +72,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     screen = tuple(int(v) for v in args.screen.lower().split("x"))
     if a11y.unavailable():
         raise SystemExit(f"the accessibility tree cannot be served here: {a11y.unavailable()}")
-    result: dict[str, Any] = {"machine": f"{platform.node()} ({platform.machine()})", "screen": list(screen)}
+    result: dict[str, Any] = {"benchmark": "a11y", "command": "PYTHONPATH=. python benchmarks/bench_a11y.py "
+                              f"--rounds {args.rounds} --screen {args.screen}",
+                              "machine": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} cores)",
+                              "screen": list(screen)}
     result["with_buses"] = start_and_reset(screen, args.rounds)
     served = a11y.unavailable
     a11y.unavailable = lambda: "off for the comparison"  # type: ignore[assignment]

@@ -426,7 +426,10 @@ class AtspiNode:
         return out
 
     def child_count(self) -> int:
-        return max(0, int(self._call(Atspi.Accessible.get_child_count)))
+        count = int(self._call(Atspi.Accessible.get_child_count))
+        if count < 0:  # AT-SPI's answer when the call failed (it does not raise)
+            raise Gone("no child count")
+        return count
 
     def child(self, index: int) -> "AtspiNode | None":
         found = self._call(Atspi.Accessible.get_child_at_index, index)
