@@ -36,7 +36,8 @@ The rest of what OSWorld's controllers and getters call, in the encodings they s
     GET  /terminal              {"output": null}: no terminal reader (OSWorld's uses AT-SPI)
     GET  /accessibility         {"AT": xml}: the AT-SPI tree in OSWorld's XML (a11y.py; ?budget_s= its
                                 time budget, 10 s by default); 501 naming the missing package where
-                                this machine cannot serve it, 504 when a reading overran its budget
+                                this machine cannot serve it, 504 when a reading overran its budget,
+                                502 when it failed
     POST /run_python, /run_bash_script      403: an agent's code, unchecked
     CONNECT 127.0.0.1:<port>    a tunnel to Chrome's DevTools (1337, 9222) or VLC (8080) inside
 
