@@ -20,16 +20,19 @@ fi
 #    would add Qt, gvfs and icon themes: a larger install and other-looking screens).
 #    libseccomp2 (the sandbox's seccomp filter, through pyseccomp), iptables (the 'user' isolation
 #    fallback blocks the agent's network with it) and python3-tk (the system Python's tkinter, which
-#    pyautogui imports: the test that runs the sandbox as an ordinary user uses that Python).
+#    pyautogui imports: the test that runs the sandbox as an ordinary user uses that Python);
+#    python3-pyatspi (with at-spi2-core and GTK's bridge, libatk-adaptor): the system Python reads
+#    the accessibility tree that /accessibility serves (arpo_lib/envs/desktop/a11y.py).
 if ! command -v bwrap >/dev/null || ! command -v openbox >/dev/null || ! command -v xdotool >/dev/null \
     || ! command -v mousepad >/dev/null || ! command -v stterm >/dev/null || ! command -v pcmanfm >/dev/null \
     || ! command -v dbus-launch >/dev/null || ! PATH="$PATH:/usr/sbin:/sbin" command -v iptables >/dev/null \
     || ! ldconfig -p 2>/dev/null | grep -q libseccomp.so.2 \
-    || { [ -x /usr/bin/python3 ] && ! /usr/bin/python3 -c "import tkinter" 2>/dev/null; }; then
-  say "installing the desktop sandbox and applications with apt (bubblewrap openbox xdotool mousepad stterm pcmanfm dbus-x11 libseccomp2 iptables python3-tk)"
+    || { [ -x /usr/bin/python3 ] && ! /usr/bin/python3 -c "import tkinter" 2>/dev/null; } \
+    || ! /usr/bin/python3 -I -c "import pyatspi" 2>/dev/null; then
+  say "installing the desktop sandbox and applications with apt (bubblewrap openbox xdotool mousepad stterm pcmanfm dbus-x11 libseccomp2 iptables python3-tk python3-pyatspi)"
   sudo_if_needed apt-get update -qq
   sudo_if_needed env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-    bubblewrap openbox xdotool mousepad stterm pcmanfm dbus-x11 libseccomp2 iptables python3-tk >/dev/null
+    bubblewrap openbox xdotool mousepad stterm pcmanfm dbus-x11 libseccomp2 iptables python3-tk python3-pyatspi >/dev/null
 fi
 
 # 2. The Python environment.

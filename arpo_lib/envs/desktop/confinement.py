@@ -319,12 +319,15 @@ def write_python_shim(workdir: Path, python: str, site_dirs: list[str], pythons:
         # getters read ~/.config/google-chrome. A script named `chrome` (a script's process carries
         # its own name; a link would carry the binary's) runs Debian's Chromium with Chrome's profile
         # path and passes the signal on, so that the browser ends as Chrome would (its preferences
-        # written), as OSWorld's checkers expect after their `pkill chrome`.
+        # written), as OSWorld's checkers expect after their `pkill chrome`. Where the sandbox serves
+        # the accessibility tree (a11y.py sets ACCESSIBILITY_ENABLED), web pages are in it from the
+        # first reading (without the flag Chromium builds a page's tree only once asked, after).
         wrapper = bin_dir / "chrome"
         wrapper.unlink(missing_ok=True)
         wrapper.write_text(
             "#!/bin/sh\n# Chromium as OSWorld's Chrome (see arpo_lib/envs/desktop/confinement.py)\n"
             f"{shlex.quote(chromium)} --no-sandbox --test-type --no-first-run --password-store=basic "
+            '${ACCESSIBILITY_ENABLED:+--force-renderer-accessibility} '
             '--user-data-dir="$HOME/.config/google-chrome" "$@" &\n'
             "browser=$!\n"
             "trap 'kill -TERM $browser 2>/dev/null' TERM INT HUP\n"

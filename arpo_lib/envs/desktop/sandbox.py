@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from arpo_lib.envs.base import EnvError
-from arpo_lib.envs.desktop import confinement
+from arpo_lib.envs.desktop import a11y, confinement
 from arpo_lib.envs.desktop.confinement import HOME_IN_SANDBOX, Limits
 from arpo_lib.envs.desktop.server import ACTION_TIMEOUT_S
 
@@ -160,7 +160,7 @@ class Sandbox:
         boot = _BOOT.format(paths=[str(Path(confinement.arpo_package_dir()).parent), *sites])
         return [sys.executable, "-I", "-c", boot, "--python-path", json.dumps(sites), "--listen-fd", str(listen_fd), "--screen", f"{self.screen[0]}x{self.screen[1]}",
                 "--wm", window_manager, "--limits", json.dumps(self.limits.as_dict()),
-                "--host-pid-namespace", os.readlink("/proc/self/ns/pid")]
+                "--host-pid-namespace", os.readlink("/proc/self/ns/pid"), "--a11y-missing", a11y.unavailable() or ""]
 
     def _namespaces_command(self, listen_fd: int, network: bool, window_manager: str,
                             binds: dict[str, str] | None) -> tuple[list[str], tuple[int, ...], dict[str, str], str]:
@@ -338,6 +338,14 @@ class Sandbox:
 
     def active_window(self) -> dict[str, Any]:
         return self.get_json("/active_window")
+
+    def accessibility_tree(self, budget_s: float | None = None) -> str:
+        """The desktop's AT-SPI tree in OSWorld's XML (root `desktop-frame`; a `truncated` attribute
+        on it says what a limit cut). EnvError where the machine cannot serve it (the reason names
+        the missing package) or the reading failed."""
+        query = "" if budget_s is None else f"?budget_s={budget_s:g}"
+        budget = a11y.BUDGET_S if budget_s is None else budget_s
+        return self.get_json(f"/accessibility{query}", timeout=budget + a11y.GRACE_S + 30)["AT"]
 
     def windows(self) -> list[dict[str, Any]]:
         """The desktop's top-level windows, oldest first ({"id", "title", "wm_class", "x", "y",

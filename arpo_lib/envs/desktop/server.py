@@ -34,7 +34,10 @@ The rest of what OSWorld's controllers and getters call, in the encodings they s
     POST /desktop_path          -> {"desktop_path"}      POST /screen_size, GET|POST /cursor_position
     POST /start_recording, /end_recording   ffmpeg x11grab (501 when the sandbox has no ffmpeg)
     GET  /terminal              {"output": null}: no terminal reader (OSWorld's uses AT-SPI)
-    GET  /accessibility         501: not served yet
+    GET  /accessibility         {"AT": xml}: the AT-SPI tree in OSWorld's XML (a11y.py; ?budget_s= its
+                                time budget, 10 s by default); 501 naming the missing package where
+                                this machine cannot serve it, 504 when a reading overran its budget,
+                                502 when it failed
     POST /run_python, /run_bash_script      403: an agent's code, unchecked
     CONNECT 127.0.0.1:<port>    a tunnel to Chrome's DevTools (1337, 9222) or VLC (8080) inside
 
@@ -70,7 +73,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from arpo_lib.envs.desktop import windows
+from arpo_lib.envs.desktop import a11y, windows
 from arpo_lib.envs.desktop.bridge import splice
 
 ACTION_TIMEOUT_S = 60.0
@@ -132,7 +135,8 @@ class Desktop:
     user mode (applications and trusted commands run as that uid)."""
 
     def __init__(self, screen: tuple[int, int], home: Path, wm: str | None, *, runtime_dir: Path, log_dir: Path,
-                 agent: tuple[int, int] | None = None, display: str | None = None, bin_dir: str | None = None) -> None:
+                 agent: tuple[int, int] | None = None, display: str | None = None, bin_dir: str | None = None,
+                 a11y_missing: str | None = "not asked for") -> None:
         self.screen, self.home, self.agent, self.runtime_dir = screen, home, agent, runtime_dir
         self.wallpaper: str | None = None
         """The path /setup/change_wallpaper was given (served back by /wallpaper)."""
@@ -154,6 +158,13 @@ class Desktop:
             self.wm = subprocess.Popen(command, env={**self.env, "HOME": "/nonexistent"}, cwd="/",
                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             self._wait_for_window_manager(deadline=time.monotonic() + 30)
+        self.a11y_missing = a11y_missing
+        """Why the accessibility tree is not served (None: it is, and the episode has its buses)."""
+        self.bus_error: str | None = None
+        """Why the episode's session bus did not start (None: it did)."""
+        self.buses = None if a11y_missing else a11y.Buses(runtime_dir, self._as_agent)
+        if self.buses is not None:
+            del self.env["NO_AT_BRIDGE"]  # GTK's bridge to AT-SPI on (start_buses adds the rest)
         self.keep = {os.getpid(), self.xvfb.pid} | ({self.wm.pid} if self.wm else set())
         self.launched: list[subprocess.Popen] = []
         """Applications started by /setup/launch, reaped once they end."""
@@ -165,6 +176,7 @@ class Desktop:
         self.incidents: list[str] = []
         """What the watcher did since the last reset ("pids limit: ...")."""
         self.fresh_home()
+        self.start_buses()
 
     # -- start-up ----------------------------------------------------------------------------
     def _start_x(self, display: str | None) -> tuple[subprocess.Popen, str]:
@@ -224,6 +236,27 @@ class Desktop:
         self.launch_records = []
         self.incidents = []
         shutil.rmtree(self.logs, ignore_errors=True)
+
+    def start_buses(self) -> None:
+        """The episode's session and accessibility buses (a reset ended the previous ones), where
+        the accessibility tree is served; the applications' environment names them. A bus that
+        does not start costs the episode its tree (/accessibility says why), not its applications."""
+        if self.buses is None:
+            return
+        self.env.pop("AT_SPI_BUS_ADDRESS", None)
+        try:
+            self.buses.start()
+            self.bus_error = None
+        except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+            self.bus_error = str(e)
+        self.env.update(self.buses.environment())
+
+    def ensure_buses(self) -> None:
+        """Start the buses again where the watcher, or the agent, ended them."""
+        if self.buses is not None and not self.buses.alive():
+            with self.reset_lock:  # not while a reset ends the episode's processes (it starts new ones)
+                if not self.buses.alive():
+                    self.start_buses()
 
     def watch(self, pids: int, total_memory_mib: int, stop: threading.Event) -> None:
         """Until `stop`: every WATCH_INTERVAL_S count the processes of the sandbox's PID namespace
@@ -396,6 +429,7 @@ class Desktop:
         """Start an application and return; its output goes to a log that `launched` reads, so a
         window that never appears can be explained (a crash, a missing library, a bad argument)."""
         self.launched = [p for p in self.launched if p.poll() is None]
+        self.ensure_buses()
         self.logs.mkdir(parents=True, exist_ok=True)
         log_path = self.logs / f"{len(self.launch_records)}.log"
         with open(log_path, "wb") as log:  # OSError (e.g. no such program) goes to the caller: HTTP 500
@@ -443,6 +477,18 @@ class Desktop:
         return {"id": int(fields.get("WINDOW", 0)), "name": lines[0] if lines else "",
                 "x": int(fields.get("X", 0)), "y": int(fields.get("Y", 0)),
                 "width": int(fields.get("WIDTH", 0)), "height": int(fields.get("HEIGHT", 0))}
+
+    def accessibility_tree(self, budget_s: float) -> str:
+        """The AT-SPI tree in OSWorld's XML (a11y.py); RequestError where it cannot be given."""
+        if self.buses is None:
+            raise RequestError(501, f"/accessibility is not served here: {self.a11y_missing}")
+        self.ensure_buses()
+        if not self.buses.alive():
+            raise RequestError(502, f"the episode's session bus is not running: {self.bus_error or 'it ended'}")
+        try:
+            return self.buses.read_tree(budget_s)
+        except a11y.TreeError as e:
+            raise RequestError(e.status, str(e)) from None
 
     # -- OSWorld's set-up steps and getters ----------------------------------------------------
     def expand(self, path: str) -> str:
@@ -781,8 +827,11 @@ def make_handler(desktop: Desktop, stop: threading.Event, action_cpu_s: int) -> 
                 # OSWorld's server reads the focused GNOME Terminal through AT-SPI; there is no such
                 # reader here: the output is null, as OSWorld's server answers with no terminal.
                 self._json({"status": "success", "output": None})
-            elif self.path == "/accessibility":
-                raise RequestError(501, "/accessibility (the AT-SPI tree) is not served by the desktop sandbox yet")
+            elif self.path.split("?", 1)[0] == "/accessibility":
+                query = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
+                budget = _number({k: _float(v[-1]) for k, v in query.items()}, "budget_s", a11y.BUDGET_S, 0.5,
+                                 a11y.MAX_BUDGET_S)
+                self._json({"AT": desktop.accessibility_tree(budget)})
             elif self.path == "/platform":
                 self._send(200, b"Linux", "text/plain")
             elif self.path == "/active_window":
@@ -891,6 +940,7 @@ def make_handler(desktop: Desktop, stop: threading.Event, action_cpu_s: int) -> 
                 with desktop.reset_lock:
                     ended = desktop.end_applications()
                     desktop.fresh_home()
+                    desktop.start_buses()
                 self._json({"status": "success", "ended": ended})
             elif self.path == "/shutdown":
                 self._json({"status": "success"})
@@ -963,6 +1013,13 @@ def _number(body: dict[str, Any], key: str, default: float, low: float, high: fl
     return float(value)
 
 
+def _float(text: str) -> float | str:
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
 def _safe(text: str) -> str:
     """Text that survives JSON encoding and logs (lone surrogates replaced), at most 500 chars."""
     return text.encode("utf-8", "replace").decode("utf-8")[:500]
@@ -1015,6 +1072,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--agent-gid", type=int, default=None, help="user mode: the agent's gid")
     parser.add_argument("--host-pid-namespace", default=None)
     parser.add_argument("--bin-dir", default=None, help="directory of the `python` shim, first on the PATH")
+    parser.add_argument("--a11y-missing", default="not asked for (--a11y-missing '' serves it)",
+                        help="why the accessibility tree cannot be served here ('': it can)")
     args = parser.parse_args(argv)
     HOST_PID_NAMESPACE = args.host_pid_namespace
     if args.die_with_parent:
@@ -1029,7 +1088,8 @@ def main(argv: list[str] | None = None) -> int:
     if agent is not None:
         os.chown(runtime, *agent)
     desktop = Desktop((width, height), Path(args.home), args.wm or None, runtime_dir=runtime,
-                      log_dir=Path(args.log_dir), agent=agent, display=args.display, bin_dir=args.bin_dir)
+                      log_dir=Path(args.log_dir), agent=agent, display=args.display, bin_dir=args.bin_dir,
+                      a11y_missing=args.a11y_missing or None)
     desktop.python_path = [str(p) for p in json.loads(args.python_path)]
     stop = threading.Event()
     server = UnixHTTPServer(args.listen_fd, make_handler(desktop, stop, limits["action_cpu_s"]))

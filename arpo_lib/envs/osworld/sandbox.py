@@ -14,10 +14,15 @@ Here `step` sends the action to `/run_action` instead, where only the pyautogui 
 workbench's action space generates are accepted (arpo_lib.actions.check_action_code); set-up
 steps and getters keep using `/execute` (they are the task's, not the agent's).
 
-What OSWorld's VM has that this does not (yet): the AT-SPI tree (`/accessibility` answers 501),
-a terminal reader (`/terminal` answers null), VNC (port 0), pausing (pause/unpause do nothing:
-the sandbox's applications keep running between actions), and Ubuntu's applications (the
-sandbox runs this machine's Debian ones; which exist decides which tasks can run).
+The accessibility tree (`/accessibility`, OSWorld's `{"AT": xml}`; `require_a11y_tree=True` puts
+it in every observation, and the chrome getters find the address bar in it) is served where the
+machine has what it takes (arpo_lib/envs/desktop/a11y.py: Debian's python3-pyatspi, at-spi2-core,
+dbus-daemon); elsewhere `require_a11y_tree=True` is refused, naming the missing package.
+
+What OSWorld's VM has that this does not (yet): a terminal reader (`/terminal` answers null), VNC
+(port 0), pausing (pause/unpause do nothing: the sandbox's applications keep running between
+actions), and Ubuntu's applications (the sandbox runs this machine's Debian ones; which exist
+decides which tasks can run; LibreOffice is in the tree only with its GTK 3 front end).
 
     from arpo_lib.envs.osworld.sandbox import SandboxDesktopEnv
     env = SandboxDesktopEnv(action_space="pyautogui", screen_size=(1920, 1080))
@@ -35,6 +40,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from arpo_lib.envs.desktop import a11y
 from arpo_lib.envs.desktop.bridge import LoopbackBridge
 from arpo_lib.envs.desktop.sandbox import Sandbox
 
@@ -191,10 +197,10 @@ def _make_class() -> type:
             if provider_name not in (PROVIDER_NAME, "docker"):
                 raise ValueError(f"SandboxDesktopEnv runs on the desktop sandbox (provider_name={PROVIDER_NAME!r}), "
                                  f"not {provider_name!r}")
-            if kwargs.setdefault("require_a11y_tree", False):
-                raise ValueError("require_a11y_tree=True: the desktop sandbox does not serve the accessibility "
-                                 "tree yet (/accessibility answers 501; OSWorld's controller would retry it "
-                                 "for 15 s at every observation)")
+            if kwargs.setdefault("require_a11y_tree", False) and a11y.unavailable():
+                raise ValueError(f"require_a11y_tree=True: this machine cannot serve the accessibility tree "
+                                 f"({a11y.unavailable()}; OSWorld's controller would retry /accessibility for 15 s "
+                                 "at every observation)")
             screen = tuple(kwargs.get("screen_size") or (1920, 1080))
             # DesktopEnv accepts only its own provider names; "docker" makes both builds start the
             # emulator lazily or at once without a VM image, and the factory hands over ours.

@@ -34,18 +34,25 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Iterator
 
+from arpo_lib.envs.desktop import a11y
+
 COLUMNS = ("scores", "download", "internet", "gnome_vscode", "fails")
 INTERNET_STEPS = {"chrome_open_tabs", "chrome_close_tabs", "login", "googledrive", "update_browse_history"}
 INTERNET_GETTERS = {"googledrive_file", "page_info", "info_from_website", "pdf_from_url", "number_of_search_results",
                     "gotoRecreationPage_and_get_html_content"}
 A11Y_GETTERS = {"accessibility_tree", "active_url_from_accessTree", "active_tab_info", "active_tab_html_parse",
                 "active_tab_url_parse", "url_dashPart"}
-"""Getters that read the AT-SPI tree (the chrome ones find the address bar in it)."""
+"""Getters that read the AT-SPI tree (the chrome ones find the address bar in it): run where the
+sandbox serves /accessibility (arpo_lib/envs/desktop/a11y.py), `fails` elsewhere."""
+A11Y_NOT_SERVED = "needs /accessibility (the AT-SPI tree), which this machine cannot serve: {}"
+NEVER_MATCHES = ("its metric check_left_panel looks for cp:parentcoord in the uri:deskat:... namespace, which OSWorld's "
+                 "own server never writes (no parentcoord; its namespaces are https://accessibility.ubuntu.example.org/ns/..., "
+                 "as the sandbox's): it cannot score 1 on OSWorld's VM either")
+"""Why a task whose metric can match no tree OSWorld's server writes is not run (see `_never_matches`)."""
 DOWNLOAD_GETTERS = {"cloud_file"}
 GNOME_VSCODE_WORDS = ("gsettings", "nautilus", "gnome-", "org.gnome", "code ", "\"code\"", "'code'", "vscode", "dconf")
 GNOME_VSCODE_GETTERS = {"vscode_config", "vm_terminal_output"}
-NOT_HERE = {"accessibility_tree": "needs /accessibility (the AT-SPI tree): not served by the sandbox yet",
-            "timedatectl": "needs systemd (timedatectl): the sandbox runs no init system",
+NOT_HERE = {"timedatectl": "needs systemd (timedatectl): the sandbox runs no init system",
             "pactl": "needs a PulseAudio server: none in the sandbox yet"}
 """What a task file may name that the sandbox lacks, with the reason (column `fails`, not run)."""
 
@@ -74,8 +81,19 @@ def _steps(task: dict[str, Any]) -> list[dict[str, Any]]:
     return list(task.get("config", [])) + list(task.get("evaluator", {}).get("postconfig", []))
 
 
-def static_column(task: dict[str, Any]) -> tuple[str, str] | None:
-    """(column, reason) when reading the task file decides it; None when it must be run."""
+def _never_matches(task: dict[str, Any]) -> bool:
+    """Whether the task's metric matches no tree OSWorld's server writes: check_left_panel (in
+    both desktop_env builds) reads cp:parentcoord, which no server writes, in the uri:deskat:...
+    namespace, which its server does not use. (check_accessibility_tree's rules with `attr|`
+    selectors match in PyPI's desktop-env 1.0.2, whose metric maps the prefixes to the server's
+    namespaces, and not in the ARPO fork's, which maps them to uri:deskat:...: left to be run.)"""
+    funcs = task.get("evaluator", {}).get("func", [])
+    return "check_left_panel" in (funcs if isinstance(funcs, list) else [funcs])
+
+
+def static_column(task: dict[str, Any], a11y_missing: str | None = None) -> tuple[str, str] | None:
+    """(column, reason) when reading the task file decides it; None when it must be run.
+    `a11y_missing`: why this machine cannot serve the accessibility tree (None: it can)."""
     steps, getters = _steps(task), _getters(task)
     internet = sorted({s["type"] for s in steps if s["type"] in INTERNET_STEPS} |
                       {g["type"] for g in getters if g.get("type") in INTERNET_GETTERS})
@@ -95,8 +113,10 @@ def static_column(task: dict[str, Any]) -> tuple[str, str] | None:
                     {g["type"] for g in getters if g.get("type") in GNOME_VSCODE_GETTERS})
     if pieces:
         return "gnome_vscode", ", ".join(pieces)
+    reads_tree = any(g.get("type") in A11Y_GETTERS for g in getters)
     missing = sorted({reason for word, reason in NOT_HERE.items() if word in text} |
-                     ({NOT_HERE["accessibility_tree"]} if any(g.get("type") in A11Y_GETTERS for g in getters) else set()))
+                     ({A11Y_NOT_SERVED.format(a11y_missing)} if reads_tree and a11y_missing else set()) |
+                     ({NEVER_MATCHES} if reads_tree and _never_matches(task) else set()))
     if missing:
         return "fails", "; ".join(missing)
     return None
@@ -182,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             row = json.loads(line)
             done[row["task"]] = row
     env = None
+    a11y_missing = a11y.unavailable()
     try:
         with open(args.out, "a") as out:
             for number, path in enumerate(files, 1):
@@ -189,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                 if task_id in done:
                     continue
                 task = json.loads(path.read_text())
-                decided = static_column(task)
+                decided = static_column(task, a11y_missing)
                 facts: dict[str, Any] = {}
                 if decided is None:
                     if env is None:

@@ -85,7 +85,9 @@ def sandbox_processes(box) -> list[str]:
     return box.execute(["ps", "-eo", "comm="])["output"].split()
 
 
-DESKTOP_PROCESSES = {"bwrap", "python", "python3", "Xvfb", "openbox", "ps"}
+DESKTOP_PROCESSES = {"bwrap", "python", "python3", "Xvfb", "openbox", "ps", "dbus-daemon", "at-spi-bus-laun"}
+"""What runs in a sandbox with no application: the server, the X server, the window manager, the
+episode's session bus and AT-SPI's (a11y.py, where the tree is served), and the `ps` asking."""
 
 
 # ---- 1. host files ------------------------------------------------------------------------------
@@ -723,13 +725,22 @@ def test_the_user_fallback_keeps_the_agent_away_from_the_host(canaries, monkeypa
         time.sleep(2)
         env.sandbox.reset_session()
         uid = report["agent_uid"]
-        assert [p for p in os.listdir("/proc") if p.isdigit() and _uid_of(p) == uid] == []
+        left = [p for p in os.listdir("/proc") if p.isdigit() and _uid_of(p) == uid]
+        assert {c for c in map(_comm, left) if c} <= DESKTOP_PROCESSES, left  # the new episode's buses at most (a11y.py)
         still_scores(env)
         workdir = env.sandbox.workdir
     finally:
         env.close()
     assert not workdir.exists() and not Path("/home/user").exists()
     assert [p for p in os.listdir("/proc") if p.isdigit() and _uid_of(p) == uid] == []
+
+
+def _comm(pid: str) -> str | None:
+    """The command name of a process (None once it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return None
 
 
 def _uid_of(pid: str) -> int | None:

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from arpo_lib.actions import Action
+from arpo_lib.envs.desktop import a11y
 from arpo_lib.envs.desktop.sandbox import desktop_unavailable
 from arpo_lib.envs.osworld import env as osworld
 from arpo_lib.envs.osworld.sandbox_check import solution_actions
@@ -74,8 +75,13 @@ def test_the_census_reads_what_a_task_file_needs():
     assert static_column(task([{"type": "execute", "parameters": {"command": "gsettings set a b c"}}])) == \
         ("gnome_vscode", "gsettings")
     assert static_column(task(result={"type": "vscode_config"}))[0] == "gnome_vscode"
-    column, reason = static_column(task(result={"type": "active_url_from_accessTree"}))
-    assert column == "fails" and "/accessibility" in reason
+    column, reason = static_column(task(result={"type": "active_url_from_accessTree"}), a11y_missing="no pyatspi")
+    assert column == "fails" and "/accessibility" in reason and "no pyatspi" in reason
+    assert static_column(task(result={"type": "active_url_from_accessTree"}), a11y_missing=None) is None  # served: run
+    tree = {"type": "accessibility_tree"}
+    assert "uri:deskat" in static_column(task(result=tree, func="check_left_panel"))[1]  # OSWorld's VM cannot either
+    rules = {"type": "rule", "rules": [{"selectors": ["page-tab-list[attr|id=\"tabmail-tabs\"]>page-tab"]}]}
+    assert static_column(task(result=tree, func="check_accessibility_tree", expected=rules)) is None
     assert static_column(task([{"type": "launch", "parameters": {"command": ["vlc"]}}])) is None  # to be run
     rows = [{"task": "a" * 36, "domain": "os", "column": "scores", "reason": "no-op 0"},
             {"task": "b" * 36, "domain": "os", "column": "download", "reason": "1 file"}]
@@ -128,15 +134,19 @@ def test_osworlds_own_evaluator_scores_the_sandbox_no_op_zero_and_solution_one(o
 _HOSTILE = r"""
 import json, sys
 from arpo_lib.envs.osworld.sandbox import SandboxDesktopEnv
+from arpo_lib.envs.desktop import a11y as served
 task = json.load(open(sys.argv[1]))
+a11y = None
+if served.unavailable():
+    try:
+        SandboxDesktopEnv(action_space="pyautogui", require_a11y_tree=True)
+    except ValueError as e:
+        a11y = str(e)
+env = SandboxDesktopEnv(action_space="pyautogui", screen_size=(1280, 800), cache_dir=sys.argv[2],
+                        require_a11y_tree=served.unavailable() is None)
 try:
-    SandboxDesktopEnv(action_space="pyautogui", require_a11y_tree=True)
-except ValueError as e:
-    a11y = str(e)
-env = SandboxDesktopEnv(action_space="pyautogui", screen_size=(1280, 800), cache_dir=sys.argv[2])
-try:
-    env.reset(task_config=task)
-    out = {}
+    obs = env.reset(task_config=task)
+    out = {"tree": (obs["accessibility_tree"] or "")[:14]}
     for name, code in [("os.system", "import os; os.system('touch /home/user/pwned')"),
                        ("hidden in a click", "pyautogui.click(5, 5); __import__('os').system('touch /home/user/pwned')"),
                        ("open", "open('/home/user/pwned', 'w').write('x')")]:
@@ -164,7 +174,10 @@ def test_the_agents_code_through_osworlds_step_is_checked(osworld_python, task_f
         assert out[name] and "allowed" in out[name], (name, out)
     assert out["clicked"] is None and "pwned" not in out["pwned"]
     assert out["platform"] == "Linux" and out["score"] == 0.0
-    assert "does not serve the accessibility tree" in out["a11y"]
+    if a11y.unavailable():
+        assert "cannot serve the accessibility tree" in out["a11y"] and out["tree"] == ""
+    else:  # OSWorld's controller fetched the tree into the observation
+        assert out["tree"] == "<desktop-frame"
 
 
 @pytest.mark.slow
