@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from arpo_lib.training import distributed
+from tests.conftest import LONG
 
 COMMON = ["train.steps=2", "warm_start.steps=10", "warm_start.demos_per_task=2", "env.workers=1",
           "logging.progress=false", "train.checkpoint_every=1", "train.eval_every=0", "train.keep_checkpoints=3"]
@@ -241,7 +242,7 @@ def test_a_failed_launch_raises_with_the_processes_last_output(tmp_path):
         LaunchedTrainer(cfg, 0)
 
 
-@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("replicas", [1, 2] if LONG else [2])  # 2 replicas cover 1's paths too; both under ARPO_LONG_TESTS
 def test_two_processes_roll_out_through_servers_that_rank_0_keeps_current(tiny_qwen2vl, chromium_available, tmp_path,
                                                                           replicas):
     """rollout.backend=server with 2 processes: rank 0 starts the server(s) (serve.replicas) and
