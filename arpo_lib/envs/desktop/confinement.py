@@ -337,7 +337,39 @@ def write_python_shim(workdir: Path, python: str, site_dirs: list[str], pythons:
         shim = bin_dir / "google-chrome"
         shim.write_text('#!/bin/sh\nexec "$(dirname "$0")/chrome" "$@"\n')
         shim.chmod(0o755)
+    _write_xdg_defaults(bin_dir / XDG_DIR, browser=chromium is not None)
     return bin_dir
+
+
+XDG_DIR = "xdg"
+"""Under the shim directory: the desktop's default applications (`mimeapps.list`, read through
+XDG_CONFIG_DIRS) and the `google-chrome.desktop` entry they name (through XDG_DATA_DIRS)."""
+XDG_DEFAULTS = {
+    "text/plain": "org.xfce.mousepad.desktop", "text/x-python": "org.xfce.mousepad.desktop",
+    "text/x-csrc": "org.xfce.mousepad.desktop", "text/markdown": "org.xfce.mousepad.desktop",
+    "application/x-shellscript": "org.xfce.mousepad.desktop", "application/json": "org.xfce.mousepad.desktop",
+}
+"""What `xdg-open` (and so /setup/open_file) opens where Debian's own defaults differ from OSWorld's
+Ubuntu image: a text file in the text editor (the VM's gedit; here Mousepad), not LibreOffice
+Writer; web pages, links and PDFs in `google-chrome` (the VM's default browser; Debian's entry
+would start Chromium itself, without Chrome's profile path). Office files (LibreOffice) and
+images (GIMP) keep Debian's defaults."""
+BROWSER_TYPES = ("text/html", "application/xhtml+xml", "x-scheme-handler/http", "x-scheme-handler/https",
+                 "application/pdf")
+
+
+def _write_xdg_defaults(xdg: Path, browser: bool) -> None:
+    defaults = dict(XDG_DEFAULTS)
+    (xdg / "applications").mkdir(mode=0o755, parents=True, exist_ok=True)
+    if browser:
+        defaults.update({kind: "google-chrome.desktop" for kind in BROWSER_TYPES})
+        (xdg / "applications" / "google-chrome.desktop").write_text(
+            "[Desktop Entry]\nVersion=1.0\nType=Application\nName=Google Chrome\n"
+            "Exec=google-chrome %U\nTerminal=false\n"  # the shim: the trusted directory leads PATH
+            f"MimeType={';'.join(BROWSER_TYPES)};\nCategories=Network;WebBrowser;\n")
+    (xdg / "mimeapps.list").write_text(
+        "# the sandbox's default applications (arpo_lib/envs/desktop/confinement.py, XDG_DEFAULTS)\n"
+        "[Default Applications]\n" + "".join(f"{kind}={entry}\n" for kind, entry in sorted(defaults.items())))
 
 
 SUDO_SHIM = r"""#!/bin/sh

@@ -73,7 +73,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from arpo_lib.envs.desktop import a11y, windows
+from arpo_lib.envs.desktop import a11y, confinement, windows
 from arpo_lib.envs.desktop.bridge import splice
 
 ACTION_TIMEOUT_S = 60.0
@@ -152,6 +152,9 @@ class Desktop:
                     "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
                     "DISPLAY": self.display, "NO_AT_BRIDGE": "1", "XDG_RUNTIME_DIR": str(runtime_dir),
                     "PYTHONDONTWRITEBYTECODE": "1"}
+        if bin_dir:  # the default applications xdg-open uses (confinement.XDG_DEFAULTS), read-only
+            xdg = f"{bin_dir}/{confinement.XDG_DIR}"
+            self.env.update(XDG_CONFIG_DIRS=f"{xdg}:/etc/xdg", XDG_DATA_DIRS=f"{xdg}:/usr/local/share:/usr/share")
         self.wm = None
         if wm:
             command = [wm, "--config-file", str(OPENBOX_CONFIG)] if Path(wm).name == "openbox" else [wm]

@@ -134,6 +134,32 @@ def test_sudo_takes_osworlds_password_and_gives_no_privilege(fresh):
     assert "rc=0" not in denied["output"]
 
 
+def test_open_file_uses_the_vms_default_applications_and_the_agent_cannot_change_them_for_later(fresh):
+    """/setup/open_file is xdg-open: a text file opens in the text editor (the VM's gedit; Debian's
+    own default would be LibreOffice Writer), web pages and links in `google-chrome`."""
+    box, bridge, base = fresh
+    query = "for t in text/plain text/html x-scheme-handler/https application/vnd.oasis.opendocument.text; " \
+            "do xdg-mime query default $t; done"
+    defaults = box.execute(query, shell=True)["output"].split()
+    browser = "google-chrome.desktop" if shutil.which("chromium") or shutil.which("google-chrome") else None
+    assert defaults[0] == "org.xfce.mousepad.desktop" and defaults[3] == "libreoffice-writer.desktop", defaults
+    if browser:
+        assert defaults[1:3] == [browser, browser], defaults
+    requests.post(f"{base}/setup/upload", data={"file_path": "/home/user/notes.txt"},
+                  files={"file_data": ("notes.txt", b"hello\n")}, timeout=60).raise_for_status()
+    opened = requests.post(f"{base}/setup/open_file", json={"path": "/home/user/notes.txt", "timeout": 60}, timeout=90)
+    assert opened.status_code == 200, opened.text
+    assert any("notes.txt" in w.title and "mousepad" in w.wm_class.lower() for w in _windows(box)), _windows(box)
+    # The defaults live in the read-only shim directory; the agent may set its own for this
+    # episode (as on the VM), and a reset's fresh home takes them away again.
+    attack = box.execute("echo 'text/plain=evil.desktop' >> /opt/arpo/bin/xdg/mimeapps.list; "
+                         "mkdir -p ~/.config && printf '[Default Applications]\\ntext/plain=vlc.desktop\\n' "
+                         "> ~/.config/mimeapps.list; xdg-mime query default text/plain", shell=True)
+    assert "Read-only file system" in attack["error"] and attack["output"].strip() == "vlc.desktop"
+    box.reset_session()
+    assert box.execute("xdg-mime query default text/plain", shell=True)["output"].strip() == "org.xfce.mousepad.desktop"
+
+
 def test_windows_are_activated_measured_and_closed_by_osworlds_rules(fresh):
     box, bridge, base = fresh
     box.execute("printf a > ~/first.txt", shell=True)
