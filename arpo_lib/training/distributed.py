@@ -96,6 +96,8 @@ def shard_for_training(model: torch.nn.Module, forward_fn: Any, *, compute_dtype
     """A sharded copy of `model` for the update: each text decoder layer and each vision block its
     own FSDP2 unit, the rest in the root. Parameters stay fp32 (the master weights); on CUDA with a
     16-bit `compute_dtype` the forward runs in it and gradients are reduced in fp32."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     net = LogprobNet(copy.deepcopy(model), forward_fn)
@@ -103,9 +105,12 @@ def shard_for_training(model: torch.nn.Module, forward_fn: Any, *, compute_dtype
     mp = MixedPrecisionPolicy()
     if device.type == "cuda" and compute_dtype != torch.float32:
         mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    # the mesh names the model's device: FSDP2's default mesh takes the machine's accelerator, so
+    # gloo ranks on CPU would each claim cuda:LOCAL_RANK on a machine with fewer GPUs than ranks
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for unit in shard_units(net.net):
-        fully_shard(unit, mp_policy=mp)
-    fully_shard(net, mp_policy=mp)
+        fully_shard(unit, mesh=mesh, mp_policy=mp)
+    fully_shard(net, mesh=mesh, mp_policy=mp)
     return net
 
 
