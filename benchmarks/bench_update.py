@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import (build_policy, device_name, max_rel_grad_diff, peak_flops, peak_gib,  # noqa: E402
-                               profile_summary, reset_peak, synthetic_trajectory, table, timed, train_flops,
-                               transformers_version, write_result)
+from benchmarks.common import (build_policy, device_name, executed_flops, max_rel_grad_diff, peak_flops,  # noqa: E402
+                               peak_gib, profile_summary, reset_peak, synthetic_trajectory, table, timed,
+                               train_flops, transformers_version, write_result)
 from arpo_lib.training.optim import make_optimizer, optimizer_state_bytes  # noqa: E402
 from arpo_lib.agent.hf_policy import (disable_activation_checkpointing, enable_activation_checkpointing,  # noqa: E402
                                       set_vision_tower_trainable)
@@ -205,8 +205,9 @@ def main(argv: list[str] | None = None) -> dict:
             rows.append({"path": name, "status": f"failed: {str(exc).splitlines()[0][:120]}"})
             policy.model.zero_grad(set_to_none=True)
             continue
+        ran = executed_flops(flops, spec["frozen_vision"], bool(args.lora_rank))
         row = {"path": name, "status": "ok", "s/fwd+bwd": seconds, "first call s": info.get("first_s"),
-               "tokens/s": len(segment) / seconds, "MFU": flops["total"] / seconds / peak if peak else None,
+               "tokens/s": len(segment) / seconds, "MFU": ran / seconds / peak if peak else None,
                "peak GiB": peak_gib(device)}
         if len(paths) > 1:  # the first path that ran is the reference, kept on the host (off the GPU's peak)
             grads = {n: p.grad.detach().cpu() for n, p in policy.model.named_parameters() if p.grad is not None}
@@ -246,7 +247,8 @@ def main(argv: list[str] | None = None) -> dict:
         reset_peak(device)
         optimizer = make_optimizer(args.optimizer, policy.trainable_parameters(), lr=1e-6, weight_decay=0.0)
 
-        def step():
+        def step():  # as the trainer: the last step's gradients freed before the forward
+            optimizer.zero_grad(set_to_none=True)
             fwd_bwd(policy, segment)
             optimizer.step()
 

@@ -84,10 +84,15 @@ def goals(gpu: list[dict]) -> str:
              if row["path"] != "naive" and row.get("speed-up")]
     lines.append(("7B update fwd+bwd at least 3x the naive path",
                   f"{max(speed):.2f}x" if speed else None, max(speed) >= 3 if speed else None))
+    # MFU counts the FLOPs a path runs (a frozen vision tower: its forward only); the whole model,
+    # as ARPO trains it, is reported beside the best of any path
     mfu = [(row["MFU"], row["path"]) for r in seven for row in r["rows"] if row.get("MFU") and row["path"] != "naive"]
     best = max(mfu) if mfu else None
-    lines.append(("7B update at least 40% MFU", f"{best[0]:.1%} ({best[1]})" if best else None,
-                  best[0] >= 0.40 if best else None))
+    whole = max((m for m in mfu if "frozenvision" not in m[1]), default=None)
+    shown = f"{best[0]:.1%} ({best[1]})" if best else None
+    if whole and best and whole != best:
+        shown += f"; training the whole model {whole[0]:.1%} ({whole[1]})"
+    lines.append(("7B update at least 40% MFU", shown, best[0] >= 0.40 if best else None))
     two = [r["update"] for r in gpu if full_shots(r, "2b") and (r.get("update") or {}).get("optimizer") == "adamw"
            and not r["update"].get("lora_rank")]
     peak2 = [u["peak GiB"] for u in two if u.get("peak GiB")]
@@ -98,9 +103,11 @@ def goals(gpu: list[dict]) -> str:
             if u.get("peak GiB")]
     tried = [r for r in gpu if full_shots(r, "7b") and r.get("update")]
     # an H100 80GB holds 79.6 GiB: a run under 79 GiB fits one (also when it was measured on an H200)
+    oom = [u["optimizer"] + (f" LoRA r{u['lora_rank']}" if u.get("lora_rank") else "") + ": out of memory"
+           for r in tried for u in [r["update"]] if u.get("status") == "out of memory"]
     lines.append(("a 7B configuration that trains on one 80 GB GPU",
-                  "; ".join(f"{o}{f' LoRA r{k}' if k else ''}: {g:.1f} GiB" for g, o, k in fits) or
-                  ("out of memory" if tried else None), any(g <= 79.0 for g, _, _ in fits) if tried else None))
+                  "; ".join([f"{o}{f' LoRA r{k}' if k else ''}: {g:.1f} GiB" for g, o, k in fits] + oom) or None,
+                  any(g <= 79.0 for g, _, _ in fits) if tried else None))
     rows = [f"| {goal} | {measured or '-'} | {'not measured' if ok is None else ('met' if ok else 'missed')} |"
             for goal, measured, ok in lines]
     return GOALS + "\n".join(rows) + "\n"
