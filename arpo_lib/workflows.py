@@ -180,7 +180,7 @@ def find_eval(path: str | Path) -> Path:
 
 def first_trajectory(eval_dir: str | Path) -> Path:
     """The first episode directory (by domain/task/sample) of an evaluation."""
-    metas = sorted(Path(eval_dir).rglob(layout.META))
+    metas = sorted(Path(eval_dir).glob(f"*/*/*/{layout.META}"))
     if not metas:
         raise FileNotFoundError(f"no trajectories under {eval_dir}")
     return metas[0].parent

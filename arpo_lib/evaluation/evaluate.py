@@ -65,6 +65,18 @@ class EvalResult:
     max_new_tokens: int | None = None
     """The response cap the protocol's own was replaced with (eval.max_new_tokens); None = the
     protocol's cap (or model.max_new_tokens under one without a cap)."""
+    tasks_total: int = 0
+    """Tasks asked for (every task of the set)."""
+    fork_acc: float = 0.0
+    """The OSWorld fork's pass_at_n.py "Acc": tasks solved (any sample scoring > 0.5) over the tasks
+    with at least one result. Its headline; comparable with ARPO's Table 1 under `osworld_uitars`."""
+    fork_acc_over_all: float = 0.0
+    """pass_at_n.py's "Acc over all": the same solved tasks over every task of the set."""
+    fork_tasks_with_result: int = 0
+    rerun: list[dict[str, Any]] = field(default_factory=list)
+    """The passes that ran episodes without a result again: {"pass", "episodes", "still_without_result"}."""
+    lead_with_fork_acc: bool = False
+    """The table starts with the fork's figures (protocols that follow it)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -75,10 +87,24 @@ class EvalResult:
                 "eval_format_error_rate": self.format_error_rate, "eval_mean_steps": self.mean_steps,
                 "seconds_eval": round(self.seconds, 3)}
 
+    def fork_line(self) -> str:
+        return (f"the fork's Acc (pass_at_n.py): {self.fork_acc:.3f} ({self.fork_solved} of "
+                f"{self.fork_tasks_with_result} tasks with a result); over all {self.tasks_total} tasks: "
+                f"{self.fork_acc_over_all:.3f}")
+
+    @property
+    def fork_solved(self) -> int:
+        return round(self.fork_acc_over_all * self.tasks_total)
+
     def table(self) -> str:
-        """A plain-text table (one row per task, then the total)."""
+        """A plain-text table (one row per task, then the total); under a protocol that follows the
+        OSWorld fork, its headline first."""
         head = f"{'task':<32} {'succ':>6} {'pass@k':>7} {'steps':>6} {'fmt_err':>8} {'env_err':>8}"
-        rows = [f"protocol: {self.protocol}", head, "-" * len(head)]
+        rows = [f"protocol: {self.protocol}"]
+        if self.lead_with_fork_acc:
+            rows.append(self.fork_line())
+            rows.append("ours (success over episodes with a result, pass@k over all tasks):")
+        rows += [head, "-" * len(head)]
         for t in self.tasks:
             rows.append(f"{t.task:<32} {t.success_rate:>6.2f} {t.pass_at_k:>7.2f} {t.mean_steps:>6.1f} "
                         f"{t.format_error_rate:>8.2f} {t.env_errors:>8d}")
@@ -87,6 +113,11 @@ class EvalResult:
                     f"{self.format_error_rate:>8.2f} {self.env_errors:>8d}")
         if self.unfinished:
             rows.append(f"unfinished (no result, not in the rates; to run again): {self.unfinished}")
+        for p in self.rerun:
+            rows.append(f"pass {p['pass']}: {p['episodes']} episode(s) without a result run again, "
+                        f"{p['still_without_result']} still without one")
+        if not self.lead_with_fork_acc:
+            rows.append(self.fork_line())
         return "\n".join(rows)
 
 
@@ -125,6 +156,14 @@ def summarize(trajs: Sequence[Trajectory], k: int | None = None) -> EvalResult:
     result.env_errors = sum(t.status == EpisodeStatus.ENV_ERROR for t in trajs)
     result.unfinished = sum(t.status == EpisodeStatus.UNFINISHED for t in trajs)
     result.checker_errors = sum(t.checker_error is not None for t in valid_all)
+    # pass_at_n.py's figures: a task is solved when any of its samples with a result scores > 0.5
+    # (result.txt is written for valid episodes only; the fork's Acc is over tasks with one)
+    with_result = [t for t in result.tasks if t.samples]
+    solved = sum(t.successes > 0 for t in with_result)
+    result.tasks_total = len(result.tasks)
+    result.fork_tasks_with_result = len(with_result)
+    result.fork_acc = solved / len(with_result) if with_result else 0.0
+    result.fork_acc_over_all = solved / len(result.tasks) if result.tasks else 0.0
     domains: dict[str, list[Trajectory]] = defaultdict(list)
     for t in valid_all:
         domains[domain_of(t.task)].append(t)
@@ -132,10 +171,48 @@ def summarize(trajs: Sequence[Trajectory], k: int | None = None) -> EvalResult:
     return result
 
 
-def unfinished_requests(trajs: Sequence[Trajectory]) -> list[EpisodeRequest]:
-    """The episodes to run again: those left unfinished, with their own task, seed and sample (what
-    the fork's get_unfinished hands its next pass)."""
-    return [EpisodeRequest(t.task, t.seed, t.sample) for t in trajs if t.status == EpisodeStatus.UNFINISHED]
+def unfinished_requests(trajs: Sequence[Trajectory], *, env_errors: bool = False) -> list[EpisodeRequest]:
+    """The episodes to run again: those left unfinished (and with `env_errors` those lost to an
+    infrastructure failure: the fork's runner writes no result for them either), with their own
+    task, seed and sample (what the fork's get_unfinished hands its next pass)."""
+    again = (EpisodeStatus.UNFINISHED, EpisodeStatus.ENV_ERROR) if env_errors else (EpisodeStatus.UNFINISHED,)
+    return [EpisodeRequest(t.task, t.seed, t.sample) for t in trajs if t.status in again]
+
+
+RERUN_ATTEMPTS = "unfinished_attempts"
+"""Where an evaluation keeps the attempts that a later pass replaced: <eval>/unfinished_attempts/
+pass_<n>/<domain>/<task>/<sample>/ (outside the results layout that readers scan)."""
+
+
+def _rerun_without_result(engine: RolloutEngine, trajs: list[Trajectory], passes: int, *, temperature: float,
+                          out_dir: str | Path | None, progress: bool, description: str) -> list[dict[str, Any]]:
+    """Up to `passes` more passes over the episodes without a result, each replacing its attempt in
+    `trajs` (in place). The replaced attempts are kept under RERUN_ATTEMPTS, not deleted as the
+    fork's get_unfinished does. Returns one record per pass run."""
+    import shutil
+
+    from arpo_lib.run.records import safe_join
+
+    record = []
+    for n in range(1, passes + 1):
+        again = unfinished_requests(trajs, env_errors=True)
+        if not again:
+            break
+        keys = {(r.task, r.sample) for r in again}
+        if out_dir is not None:
+            for t in trajs:
+                if (t.task, t.sample) in keys and t.directory and Path(t.directory).is_dir():
+                    domain, _, name = t.task.rpartition("/")
+                    keep = safe_join(out_dir, RERUN_ATTEMPTS, f"pass_{n - 1}", domain or "default", name, str(t.sample))
+                    keep.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.rmtree(keep, ignore_errors=True)
+                    shutil.move(t.directory, keep)
+        fresh = {(t.task, t.sample): t for t in engine.run(again, temperature=temperature, out_dir=out_dir,
+                                                             progress=progress, description=f"{description} pass {n}")}
+        trajs[:] = [fresh.get((t.task, t.sample), t) for t in trajs]
+        record.append({"pass": n, "episodes": len(again),
+                       "still_without_result": len(unfinished_requests(list(fresh.values()), env_errors=True))})
+    return record
 
 
 def evaluate(
@@ -150,14 +227,23 @@ def evaluate(
     description: str = "eval",
     protocol: str = "run",
     max_new_tokens: int | None = None,
+    rerun_passes: int | None = None,
 ) -> EvalResult:
-    """Run k episodes per task with seeds fixed by (seed, task, sample); same seeds every call."""
+    """Run k episodes per task with seeds fixed by (seed, task, sample); same seeds every call.
+    Then up to `rerun_passes` (None: the protocol's) more passes over the episodes left without a
+    result, as the OSWorld fork's runner runs them again."""
     requests = episode_requests(tasks, samples_per_task, seed)
     t0 = time.monotonic()
     steps_before = engine.env_steps
     torch.manual_seed(stable_seed(seed, "eval-sampling"))
     trajs = engine.run(requests, temperature=temperature, out_dir=out_dir, progress=progress, description=description)
+    p = PROTOCOLS[protocol]
+    passes = p.rerun_passes if rerun_passes is None else rerun_passes
+    rerun = _rerun_without_result(engine, trajs, passes, temperature=temperature, out_dir=out_dir,
+                                  progress=progress, description=description) if passes > 0 else []
     result = summarize(trajs, samples_per_task)
+    result.rerun = rerun
+    result.lead_with_fork_acc = p.report_fork_acc_first
     result.protocol = protocol
     result.max_new_tokens = max_new_tokens
     result.seconds = time.monotonic() - t0
@@ -179,4 +265,5 @@ def evaluate_run(engine: RolloutEngine, cfg: RunConfig, out_dir: str | Path | No
     return evaluate(engine, list(tasks or cfg.eval.tasks or cfg.env.tasks), samples_per_task=cfg.eval.samples_per_task,
                     temperature=temperature, seed=cfg.eval.seed, out_dir=out_dir, progress=cfg.logging.progress,
                     description=description, protocol=p.name,
-                    max_new_tokens=cfg.eval.max_new_tokens if p.max_new_tokens is not None else None)
+                    max_new_tokens=cfg.eval.max_new_tokens if p.max_new_tokens is not None else None,
+                    rerun_passes=cfg.eval.rerun_passes)

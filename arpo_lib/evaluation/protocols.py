@@ -18,7 +18,10 @@ with the same one.
   before the episode ends with DONE, the 15th action (the last allowed) replaced by FAIL when it is
   not already final, `call_user` answered with WAIT up to 3 times per episode before it counts as
   FAIL (`error_env` is FAIL at once), and an episode lost to an exception (a checker that raises,
-  the converter raising on `press`) left without a result, to be run again on a later pass.
+  the converter raising on `press`) left without a result, to be run again on a later pass (here
+  up to 2 more passes, `eval.rerun_passes`, over the episodes without a result, infrastructure
+  failures included; the fork's runner runs them again each time it is started). Its headline,
+  pass_at_n.py's "Acc", is reported first.
   (Its README's `--temperature 0.6` and the runner's `--max_tokens` never reach the agent.)
   One departure: the WAITs for `call_user` are counted per episode here; the fork's agent never
   resets its counter (`cur_callusr_count` is not in `reset()`), so in each runner process only the
@@ -58,6 +61,12 @@ class EvalProtocol:
     unfinished_on_error: bool = False
     """An episode the OSWorld fork's runner loses to an exception (a checker that raises, a converter
     that raises) gets no result (status `unfinished`) instead of a score of 0 or a format failure."""
+    rerun_passes: int = 0
+    """More passes over the episodes left without a result (unfinished or an infrastructure failure):
+    the fork's runner runs every example without result.txt again when it is started again
+    (get_unfinished); `eval.rerun_passes` overrides."""
+    report_fork_acc_first: bool = False
+    """The report leads with pass_at_n.py's "Acc" (the fork's headline) before our rates."""
     description: str = ""
 
     def engine_options(self) -> dict[str, Any]:
@@ -76,9 +85,9 @@ PROTOCOLS: dict[str, EvalProtocol] = {
     "osworld_uitars": EvalProtocol("osworld_uitars", prompt="osworld_uitars15", temperature=0.0, frequency_penalty=1.0,
                                    max_new_tokens=4096, fail_at_last_step=True, call_user_waits=3, osworld_pause_s=1.0,
                                    action_rules="arpo", parse_attempts=3, retry_temperature=1.0,
-                                   unfinished_on_error=True,
+                                   unfinished_on_error=True, rerun_passes=2, report_fork_acc_first=True,
                                    description="the OSWorld fork's UI-TARS agent: T=0, frequency_penalty 1, 4096 tokens, "
                                                "ARPO's action rules, unparsable responses sampled again at T=1 (3 in all), "
                                                "15th action FAIL, call_user -> WAIT x3, pause 1 s, exceptions leave "
-                                               "the episode unfinished"),
+                                               "the episode unfinished, run again on up to 2 more passes"),
 }

@@ -293,6 +293,11 @@ class EvalConfig:
     the fork's); None = the protocol's, else model.max_new_tokens. Only to shorten a run (a tiny
     model on the CPU writes to the cap): results.json records the cap used, so such numbers are
     not set beside the fork's by mistake."""
+    rerun_passes: int | None = None
+    """How many more passes run the episodes left without a result (unfinished, or lost to an
+    infrastructure failure), as the OSWorld fork's runner runs again every example without
+    result.txt; None = the protocol's (`osworld_uitars`: 2, the others 0). Bounded: what is still
+    without a result after them is reported, not run again."""
     policy: str = "model"
     """Who acts in `eval` / evaluation.ipynb: `model` (model.path) or `scripted` (the DOM-reading
     scripted agent of arpo_lib/agent/scripted.py: an upper bound on the MiniWoB++ tasks it supports)."""

@@ -213,3 +213,70 @@ def test_what_the_environment_says_about_an_action_is_in_the_trajectory(tmp_path
     line = json.loads((Path(traj.directory) / "traj.jsonl").read_text().splitlines()[0])
     assert line["action_error"] == traj.steps[0].action_error
     assert traj.task_score == 0.0  # "hello wrld" is not what the task asks for
+
+
+def _evaluate_fake(tmp_path: Path, faults: dict[str, Any], samples: int, **kwargs: Any) -> Any:
+    from arpo_lib.evaluation.evaluate import evaluate
+
+    config = load_fake_task("fake-click")
+    config["fake"] = faults
+    pool = InlinePool(lambda: OSWorldEnv(config, provider="fake", desktop_env_class=FakeDesktopEnv,
+                                         cache_root=tmp_path / "cache", download_cache=None, pause_s=0,
+                                         backoff_s=0, max_steps=15))
+    policy = TextPolicy(["Action: click(start_box='(966,546)')", "Action: finished(content='')"] * 8)
+    engine = RolloutEngine(policy, pool, max_steps=15, **PROTOCOLS["osworld_uitars"].engine_options())
+    try:
+        return evaluate(engine, ["osworld/fake-click"], samples_per_task=samples, temperature=0.0,
+                        out_dir=tmp_path / "eval", progress=False, protocol="osworld_uitars", **kwargs)
+    finally:
+        pool.close()
+
+
+def test_episodes_without_a_result_run_again_and_the_forks_acc_leads(tmp_path):
+    """Under osworld_uitars an episode whose checker raised is run again on the next pass (as the
+    fork's get_unfinished does), the replaced attempt kept aside; the report leads with
+    pass_at_n.py's Acc."""
+    result = _evaluate_fake(tmp_path, {"checker_raises": 1}, samples=2)
+    assert result.rerun == [{"pass": 1, "episodes": 1, "still_without_result": 0}]
+    assert (result.unfinished, result.tasks[0].samples, result.tasks[0].successes) == (0, 2, 2)
+    assert (result.fork_acc, result.fork_acc_over_all, result.fork_tasks_with_result) == (1.0, 1.0, 1)
+    sample0 = tmp_path / "eval" / "osworld" / "fake-click" / "0"
+    assert float((sample0 / "result.txt").read_text()) == 1.0
+    kept = tmp_path / "eval" / "unfinished_attempts" / "pass_0" / "osworld" / "fake-click" / "0"
+    assert json.loads((kept / "meta.json").read_text())["status"] == "unfinished"
+    assert not (kept / "result.txt").exists()
+    lines = result.table().splitlines()
+    assert lines[1].startswith("the fork's Acc (pass_at_n.py): 1.000 (1 of 1 tasks with a result)")
+    assert "pass 1: 1 episode(s) without a result run again, 0 still without one" in lines
+    saved = json.loads((tmp_path / "eval" / "results.json").read_text())
+    assert saved["rerun"] == result.rerun and saved["fork_acc"] == 1.0
+
+
+@pytest.mark.parametrize("passes, expected", [(None, 2), (0, 0)])
+def test_reruns_are_bounded_and_what_stays_without_a_result_is_reported(tmp_path, passes, expected):
+    """A checker that always raises: the protocol's 2 more passes (or eval.rerun_passes), then the
+    episodes are reported unfinished; the fork's Acc has no task with a result, Acc over all is 0."""
+    result = _evaluate_fake(tmp_path, {"checker_raises": True}, samples=1, rerun_passes=passes)
+    assert [p["pass"] for p in result.rerun] == list(range(1, expected + 1))
+    assert all(p["still_without_result"] == 1 for p in result.rerun)
+    assert (result.unfinished, result.tasks_total, result.fork_tasks_with_result) == (1, 1, 0)
+    assert (result.fork_acc, result.fork_acc_over_all) == (0.0, 0.0)
+    attempts = sorted(p.name for p in (tmp_path / "eval" / "unfinished_attempts").glob("pass_*")) if expected else []
+    assert attempts == [f"pass_{n}" for n in range(expected)]
+
+
+def test_infrastructure_failures_are_run_again_with_the_unfinished():
+    """The fork's runner writes no result for an episode its environment lost either: both are
+    what its next pass runs; the workbench's own `unfinished_requests` keeps its old meaning."""
+    from arpo_lib.evaluation.evaluate import summarize, unfinished_requests
+    from arpo_lib.types import EpisodeStatus, Trajectory
+
+    trajs = [Trajectory("osworld/a", 1, 0, task_score=1.0), Trajectory("osworld/a", 2, 1, status=EpisodeStatus.ENV_ERROR),
+             Trajectory("osworld/b", 3, 0, status=EpisodeStatus.UNFINISHED)]
+    assert unfinished_requests(trajs) == [EpisodeRequest("osworld/b", 3, 0)]
+    assert unfinished_requests(trajs, env_errors=True) == [EpisodeRequest("osworld/a", 2, 1),
+                                                           EpisodeRequest("osworld/b", 3, 0)]
+    result = summarize(trajs)
+    # task a solved in its one sample with a result; b has none: Acc 1/1, over all 1/2
+    assert (result.fork_acc, result.fork_acc_over_all, result.tasks_total) == (1.0, 0.5, 2)
+    assert result.table().splitlines()[-1].startswith("the fork's Acc (pass_at_n.py): 1.000 (1 of 1 tasks")

@@ -33,7 +33,8 @@ Fault injection, to exercise retries and infrastructure failures:
   ConnectionError) or `"no_screenshot"` (step j returns a None screenshot, as the real controller
   does when the VM stopped answering; the VM stays dead), `hang_at_step: j` with `hang_s: s`
   (step j sleeps s seconds), `evaluate_fails: true` (evaluate raises ConnectionError),
-  `checker_raises: true` (evaluate raises KeyError, as a checker missing its result file does),
+  `checker_raises: true` (evaluate raises KeyError, as a checker missing its result file does;
+  `checker_raises: k`: the first k evaluations of this task id in this process raise),
   `clipboard: false` (the VM has no clipboard tool: code that copies stops there, as `python -c`
   would on pyperclip's exception, and the clipboard probe says so).
 - `controller.execute_python_command` (OSWorld's PythonController, which the workbench calls
@@ -163,6 +164,7 @@ class FakeDesktopEnv:
     instances: ClassVar[list["FakeDesktopEnv"]] = []
     """Every instance built (or attempted) in this process, in order."""
     _resets_by_task: ClassVar[dict[str, int]] = defaultdict(int)
+    _evaluations_by_task: ClassVar[dict[str, int]] = defaultdict(int)
     downloads: ClassVar[list[str]] = []
     """URLs the fake set-ups "downloaded" (a file desktop-env finds in its cache is not fetched)."""
 
@@ -172,6 +174,7 @@ class FakeDesktopEnv:
         cls.calls.clear()
         cls.instances.clear()
         cls._resets_by_task.clear()
+        cls._evaluations_by_task.clear()
         cls.downloads.clear()
 
     # The signatures below are desktop-env 1.0.2's, parameter for parameter (names, order,
@@ -278,8 +281,12 @@ class FakeDesktopEnv:
         """The task's score from the fake metric named by `evaluator.func`."""
         self._check_alive()
         self._check_running("evaluate")
-        if self._fault("checker_raises", False):
-            raise KeyError("fake checker: the result file is missing (injected)")
+        raises = self._fault("checker_raises", False)
+        if raises is not False:  # true: always; k: the first k evaluations of this task id
+            task_id = self.task_config["id"]
+            FakeDesktopEnv._evaluations_by_task[task_id] += 1
+            if raises is True or FakeDesktopEnv._evaluations_by_task[task_id] <= raises:
+                raise KeyError("fake checker: the result file is missing (injected)")
         if self._fault("evaluate_fails", False):
             raise ConnectionError("fake VM: the evaluator could not reach the VM (injected)")
         evaluator = self.task_config["evaluator"]
