@@ -116,7 +116,7 @@ class EvalResult:
         for p in self.rerun:
             rows.append(f"pass {p['pass']}: {p['episodes']} episode(s) without a result run again, "
                         f"{p['still_without_result']} still without one")
-        if not self.lead_with_fork_acc:
+        if not self.lead_with_fork_acc and any(t.task.startswith("osworld/") for t in self.tasks):
             rows.append(self.fork_line())
         return "\n".join(rows)
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from arpo_lib.agent.client import ServerError
-from arpo_lib.run.net import is_loopback
+from arpo_lib.run.net import is_loopback, weak_key_reason
 
 BACKENDS = ("hf", "vllm")
 HF_OPTIONS: dict[str, Any] = {
@@ -434,7 +434,9 @@ def start_server(
     spec = ServerSpec(model=str(model), backend=backend, host=host, port=port or 0,
                       served_model_name=served_model_name, options=options, extra_args=tuple(extra_args),
                       python=python or sys.executable, api_key_env=api_key_env)
-    api_key_from_env(api_key_env)  # set and non-empty, before anything starts
+    # the key set, non-empty and long enough where it must protect: before anything starts
+    if weak := weak_key_reason(api_key_from_env(api_key_env), host):
+        raise UnprotectedServerError(f"refusing to start the server: {weak}")
     spec.check_available()
     if port is None:
         spec.port = free_port(host)

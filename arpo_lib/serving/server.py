@@ -360,11 +360,13 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, served_model
         torch.set_num_threads(threads)
     # SIGTERM (what ServerHandle.stop sends) unwinds like Ctrl-C, so the socket is closed cleanly.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    from arpo_lib.run.net import is_loopback
+    from arpo_lib.run.net import is_loopback, weak_key_reason
     from arpo_lib.serving.launch import UnprotectedServerError
 
     if not is_loopback(host) and not api_key:
         raise UnprotectedServerError(f"refusing to listen on {host!r} without an API key (--api-key-env NAME)")
+    if weak := weak_key_reason(api_key, host):
+        raise UnprotectedServerError(f"refusing to listen: {weak}")
     name = served_model_name or Path(model).name
     server = ChatServer((host, port), name, api_key=api_key)
     thread = threading.Thread(target=server.serve_forever, name="http", daemon=True)

@@ -174,3 +174,57 @@ def test_gpu_machine_and_vm_machine_flow(tiny_qwen2vl, tmp_path, monkeypatch, ch
         assert f"generating with {tiny_qwen2vl.name} at {url}" in out.read_text()
     finally:
         stop_server(info["pid"])
+
+
+def test_a_short_key_cannot_protect_a_reachable_server(tiny_qwen2vl, monkeypatch):
+    """The OSWorld fork's runner sends the fixed key 'empty': a server beyond loopback with such a
+    key would be open to anyone who read the fork's code. Refused by our server and the launcher
+    (vLLM too) before anything starts; loopback needs no key, so any is fine there."""
+    from arpo_lib.run.net import weak_key_reason
+
+    assert "empty" in weak_key_reason("empty", "0.0.0.0") and "SSH tunnel" in weak_key_reason("x" * 15, "10.0.0.5")
+    assert weak_key_reason("empty", "127.0.0.1") is None and weak_key_reason(KEY, "0.0.0.0") is None
+    monkeypatch.setenv(KEY_VAR, "empty")
+    for backend in ("hf", "vllm"):
+        with pytest.raises(UnprotectedServerError, match="5 characters"):
+            start_server(tiny_qwen2vl, backend=backend, host="0.0.0.0", api_key_env=KEY_VAR, python=sys.executable)
+    done = subprocess.run([sys.executable, "-m", "arpo_lib.serving.server", "--model", str(tiny_qwen2vl),
+                           "--host", "0.0.0.0", "--port", "0", "--api-key-env", KEY_VAR],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "the OSWorld fork's runner sends 'empty'" in done.stderr
+
+
+@pytest.mark.slow
+def test_the_forks_runner_reaches_a_loopback_server_by_its_model_name(tiny_qwen2vl, tmp_path):
+    """The request the fork's UI-TARS agent sends (mm_agents/uitars_agent.py: OpenAI(base_url,
+    api_key="empty"), model "ui-tars", frequency_penalty 1, its system line, the prompt, then the
+    screenshot as a PNG data URL) answered by our server on 127.0.0.1 (reached from the VM machine
+    through `ssh -L`) served as `ui-tars`: no key configured, the fork's "empty" ignored."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    png = io.BytesIO()
+    Image.new("RGB", (64, 64), "white").save(png, format="PNG")
+    request_body = {"model": "ui-tars", "frequency_penalty": 1, "max_tokens": 8, "temperature": 0.0, "messages": [
+        {"role": "system", "content": [{"type": "text", "text": "You are a helpful assistant."}]},
+        {"role": "user", "content": [{"type": "text", "text": "You are a GUI agent. ... ## User Instruction\nClick OK"}]},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {
+            "url": "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()}}]},
+    ]}
+    handle = start_server(tiny_qwen2vl, device="cpu", threads=1, max_new_tokens=8, served_model_name="ui-tars",
+                          log_path=tmp_path / "server.log")
+    try:
+        handle.wait_healthy(timeout_s=60, poll_s=0.2)
+        request = urllib.request.Request(handle.base_url + "/chat/completions", data=json.dumps(request_body).encode(),
+                                         headers={"Content-Type": "application/json", "Authorization": "Bearer empty"})
+        with urllib.request.urlopen(request, timeout=120) as resp:
+            answer = json.loads(resp.read())
+        with urllib.request.urlopen(urllib.request.Request(handle.base_url + "/models", headers={
+                "Authorization": "Bearer empty"}), timeout=30) as resp:
+            models = json.loads(resp.read())
+    finally:
+        handle.stop()
+    assert answer["model"] == "ui-tars" and isinstance(answer["choices"][0]["message"]["content"], str)
+    assert [m["id"] for m in models["data"]] == ["ui-tars"]
