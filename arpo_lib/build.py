@@ -29,7 +29,7 @@ from arpo_lib.evaluation.protocols import PROTOCOLS
 from arpo_lib.run import config as config_module
 from arpo_lib.run.config import ConfigError, RunConfig, server_urls
 from arpo_lib.run.layout import RunDir
-from arpo_lib.run.records import safe_join
+from arpo_lib.run.records import atomic_write_bytes, safe_join
 from arpo_lib.serving.launch import ServerHandle, free_port, start_server
 from arpo_lib.serving.weight_sync import FollowingServed, ServedPolicy, connect_all, save_for_server
 from arpo_lib.training import checkpoint as ckpt
@@ -88,23 +88,63 @@ def env_pool(cfg: RunConfig, share: int = 1) -> WorkerPool:
     env.workers)."""
     opts = dict(cfg.env.options)
     opts.setdefault("max_steps", cfg.env.max_steps)
-    python = cfg.env.python
-    if python == "auto":
-        python = None
-        tasks = cfg.env.tasks + (cfg.eval.tasks or []) + (cfg.select.tasks or [])
-        if any(t.startswith("osworld/") for t in tasks):
-            from arpo_lib.envs.osworld.env import find_osworld_python
-
-            python = find_osworld_python()
-            if python is None:
-                raise RuntimeError("env.python=auto: no interpreter with desktop_env found "
-                                   "(run scripts/setup_osworld.sh or set $ARPO_OSWORLD_PYTHON)")
+    python = env_python(cfg)
+    record_desktop_env(cfg)
     ray = {"ray_address": cfg.env.ray_address, "ray_resource": cfg.env.ray_resource,
            "ray_num_cpus": cfg.env.ray_num_cpus} if cfg.env.backend == "ray" else {}
     from arpo_lib.envs.pool import make_pool
 
     return make_pool(math.ceil(cfg.env.workers / share), opts, cfg.env.step_timeout_s, cfg.env.envs_per_worker,
                      backend=cfg.env.backend, python=python, **ray)
+
+
+def _osworld_tasks(cfg: RunConfig) -> bool:
+    tasks = cfg.env.tasks + (cfg.eval.tasks or []) + (cfg.select.tasks or [])
+    return any(t.startswith("osworld/") for t in tasks)
+
+
+def env_python(cfg: RunConfig) -> str | None:
+    """The interpreter of the environment workers (env.python; `auto`: OSWorld's own environment
+    for osworld tasks, else this one, None)."""
+    python = cfg.env.python
+    if python != "auto":
+        return python
+    if not _osworld_tasks(cfg):
+        return None
+    from arpo_lib.envs.osworld.env import find_osworld_python
+
+    python = find_osworld_python()
+    if python is None:
+        raise RuntimeError("env.python=auto: no interpreter with desktop_env found "
+                           "(run scripts/setup_osworld.sh or set $ARPO_OSWORLD_PYTHON)")
+    return python
+
+
+def record_desktop_env(cfg: RunConfig) -> dict[str, Any] | None:
+    """`desktop_env_build` written to <run>/desktop_env.json (the run record: which checkers scored
+    its rewards); a run that changes build on resume keeps the earlier ones in `previous`."""
+    from arpo_lib.envs.osworld.build_info import desktop_env_of, same_build
+
+    build = desktop_env_of(cfg)
+    if build is None:
+        return None
+
+    path = RunDir(cfg.run_dir).root / "desktop_env.json"
+    record = {**build, "previous": []}
+    if path.is_file():
+        try:
+            old = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            old = None
+        if old and same_build(old, build):
+            return old
+        if old:
+            record["previous"] = [*old.pop("previous", []), old]
+            log.warning("the run's desktop_env changed: %s -> %s; rewards before and after are scored by "
+                        "different checkers", old.get("label"), build["label"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, (json.dumps(record, indent=1) + "\n").encode())
+    return record
 
 
 def hf_policy(cfg: RunConfig, path: str | Path | None = None, *, lora: bool = True,

@@ -3,6 +3,12 @@
 # environment workers run (arpo_lib is put on their PYTHONPATH; arpo_lib.envs.osworld imports no torch).
 #   bash scripts/setup_osworld.sh         -> builds the venv; prints its python on stdout
 #   bash scripts/setup_osworld.sh --vm    -> also pulls the Docker image and downloads the Ubuntu VM disk
+#   --desktop-env=fork (default) -> the ARPO authors' fork of OSWorld at ARPO's submodule commit
+#       (FanbinLu/OSWorld@7a6409d, from GitHub; its checkers and pause()/unpause(): what ARPO's
+#       numbers were scored with); ARPO_DESKTOP_ENV_SOURCE=<a directory or archive of that tree>
+#       installs it from a local copy instead (machines without GitHub)
+#   --desktop-env=pypi -> PyPI's desktop-env 1.0.2 (OSWorld-Verified era checkers, no pause())
+#   What was installed is written to <venv>/arpo-desktop-env.json; every evaluation records it.
 #   bash scripts/setup_osworld.sh --light -> desktop-env without its pinned dependencies: only what
 #       DesktopEnv, its set-up, getters and metrics import (scripts/osworld_evaluator_requirements.txt)
 #       plus the workbench's torch pair (~1.5 GB without torch). With ARPO_OSWORLD_TORCH_FROM=<a
@@ -24,16 +30,39 @@ DESKTOP_ENV_VERSION="1.0.2"
 DOCKER_IMAGE="happysixd/osworld-docker"
 VM_URL="https://huggingface.co/datasets/xlangai/ubuntu_osworld/resolve/main/Ubuntu.qcow2.zip"
 
+FORK_REPO="FanbinLu/OSWorld"   # = arpo_lib/envs/osworld/build_info.py FORK_REPO / FORK_COMMIT
+FORK_COMMIT="7a6409d7f54e335181398b10038ddf3beda9ab33"
+
 WITH_VM=0
 LIGHT=0
+CHOICE=fork
 for arg in "$@"; do
   case "$arg" in
     --vm) WITH_VM=1 ;;
     --light) LIGHT=1 ;;
-    -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 0 ;;
+    --desktop-env=fork|--desktop-env=pypi) CHOICE="${arg#--desktop-env=}" ;;
+    --desktop-env=*) die "--desktop-env must be fork (ARPO's, the default) or pypi (desktop-env $DESKTOP_ENV_VERSION)" ;;
+    -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 0 ;;
     *) die "unknown argument $arg (see --help)" ;;
   esac
 done
+if [ "$CHOICE" = fork ]; then
+  if [ -n "${ARPO_DESKTOP_ENV_SOURCE:-}" ]; then
+    [ -e "$ARPO_DESKTOP_ENV_SOURCE" ] || die "ARPO_DESKTOP_ENV_SOURCE=$ARPO_DESKTOP_ENV_SOURCE does not exist"
+    if [ -d "$ARPO_DESKTOP_ENV_SOURCE" ]; then
+      [ -f "$ARPO_DESKTOP_ENV_SOURCE/setup.py" ] && [ -d "$ARPO_DESKTOP_ENV_SOURCE/desktop_env" ] \
+        || die "ARPO_DESKTOP_ENV_SOURCE=$ARPO_DESKTOP_ENV_SOURCE is not an OSWorld tree (setup.py and desktop_env/)"
+    fi
+    DESKTOP_ENV_REQ="$(cd "$(dirname "$ARPO_DESKTOP_ENV_SOURCE")" && pwd)/$(basename "$ARPO_DESKTOP_ENV_SOURCE")"
+    MARKER_JSON="{\"source\": \"fork\", \"repository\": \"$FORK_REPO\", \"commit\": \"$FORK_COMMIT\", \"from\": \"$DESKTOP_ENV_REQ\"}"
+  else
+    DESKTOP_ENV_REQ="desktop_env @ https://github.com/$FORK_REPO/archive/$FORK_COMMIT.tar.gz"
+    MARKER_JSON="{\"source\": \"fork\", \"repository\": \"$FORK_REPO\", \"commit\": \"$FORK_COMMIT\"}"
+  fi
+else
+  DESKTOP_ENV_REQ="desktop-env==$DESKTOP_ENV_VERSION"
+  MARKER_JSON="{\"source\": \"pypi\", \"requirement\": \"$DESKTOP_ENV_REQ\"}"
+fi
 
 CACHE="${XDG_CACHE_HOME:-$HOME/.cache}/arpo-workbench"
 VENV="${ARPO_OSWORLD_VENV:-$CACHE/venv-osworld}"
@@ -69,19 +98,21 @@ fi
 [ -f "$VENV/.gitignore" ] || printf '*\n' > "$VENV/.gitignore"
 
 # 2. The packages (first time: several minutes, ~7 GB). Fast when done: pip runs only when this file changed.
-flavour="full"
-[ "$LIGHT" = 1 ] && flavour="light${ARPO_OSWORLD_TORCH_FROM:+-borrowed}"
-stamp="$VENV/.setup-osworld-$flavour-$(cat scripts/setup_osworld.sh scripts/osworld_evaluator_requirements.txt | sha256sum | cut -c1-16)"
+flavour="$CHOICE-full"
+[ "$LIGHT" = 1 ] && flavour="$CHOICE-light${ARPO_OSWORLD_TORCH_FROM:+-borrowed}"
+stamp="$VENV/.setup-osworld-$flavour-$( (cat scripts/setup_osworld.sh scripts/osworld_evaluator_requirements.txt; \
+  printf '%s' "$DESKTOP_ENV_REQ") | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ]; then
-  say "packages up to date ($VENV, desktop-env $DESKTOP_ENV_VERSION, $flavour)"
+  say "packages up to date ($VENV, $DESKTOP_ENV_REQ, $flavour)"
 else
   t0=$SECONDS
   # pip warns once per package about local wheel folders some machines configure: not useful here.
   quiet() { "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; }
   quiet "$VP" -m pip install -q --upgrade pip
   if [ "$LIGHT" = 1 ]; then
-    say "installing desktop-env==$DESKTOP_ENV_VERSION (no pinned dependencies) and what its evaluator imports into $VENV"
-    quiet "$VP" -m pip install -q --no-deps "desktop-env==$DESKTOP_ENV_VERSION" easyocr || die "pip install failed"
+    say "installing $DESKTOP_ENV_REQ (no pinned dependencies) and what its evaluator imports into $VENV"
+    quiet "$VP" -m pip uninstall -q -y desktop-env desktop_env >/dev/null 2>&1 || true
+    quiet "$VP" -m pip install -q --no-deps "$DESKTOP_ENV_REQ" easyocr || die "pip install of $DESKTOP_ENV_REQ failed"
     quiet "$VP" -m pip install -q -r scripts/osworld_evaluator_requirements.txt || die "pip install failed"
     site="$("$VP" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
     if [ -n "${ARPO_OSWORLD_TORCH_FROM:-}" ]; then
@@ -93,11 +124,13 @@ else
       quiet "$VP" -m pip install -q "torch==2.14.1" "torchvision==0.29.1" || die "pip install failed"
     fi
   else
-    say "installing desktop-env==$DESKTOP_ENV_VERSION, pillow and pyseccomp into $VENV"
-    # pillow: arpo_lib's screenshots (desktop-env pins its own 11.0 line, which pip keeps);
+    say "installing $DESKTOP_ENV_REQ, pillow and pyseccomp into $VENV"
+    # pillow: arpo_lib's screenshots (desktop-env pins its own line, which pip keeps);
     # pyseccomp: the desktop sandbox's system-call filter (provider "sandbox").
-    quiet "$VP" -m pip install -q "desktop-env==$DESKTOP_ENV_VERSION" pillow pyseccomp || die "pip install failed"
+    quiet "$VP" -m pip uninstall -q -y desktop-env desktop_env >/dev/null 2>&1 || true
+    quiet "$VP" -m pip install -q "$DESKTOP_ENV_REQ" pillow pyseccomp || die "pip install of $DESKTOP_ENV_REQ failed"
   fi
+  printf '%s\n' "$MARKER_JSON" > "$VENV/arpo-desktop-env.json"
   say "checking the imports"
   "$VP" -c 'import desktop_env.desktop_env, docker, PIL, pyseccomp' || die "import check failed"
   rm -f "$VENV"/.setup-osworld-*

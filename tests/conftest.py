@@ -198,8 +198,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 @pytest.fixture(scope="session")
 def osworld_python() -> str:
     """$ARPO_OSWORLD_PYTHON where set; else the tests' own OSWorld environment, built by
-    `setup_osworld.sh --light` (desktop-env 1.0.2 and what its evaluator imports, ~1.5 GB, about a
-    minute the first time on a machine; torch borrowed from this environment)."""
+    `setup_osworld.sh --light --desktop-env=pypi` (desktop-env 1.0.2 from PyPI: GitHub, where the
+    fork is, cannot be reached from CI; and what its evaluator imports, ~1.5 GB, about a minute the
+    first time on a machine; torch borrowed from this environment)."""
     from arpo_lib.envs.desktop.sandbox import desktop_unavailable
     from arpo_lib.envs.osworld.env import workbench_cache
 
@@ -212,7 +213,8 @@ def osworld_python() -> str:
 
     env = {**os.environ, "ARPO_OSWORLD_VENV": str(workbench_cache() / "test-venv-osworld"),
            "ARPO_OSWORLD_TORCH_FROM": sysconfig.get_paths()["purelib"]}
-    done = subprocess.run(["bash", str(REPO / "scripts" / "setup_osworld.sh"), "--light"], cwd=REPO, env=env,
+    done = subprocess.run(["bash", str(REPO / "scripts" / "setup_osworld.sh"), "--light", "--desktop-env=pypi"],
+                          cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout.strip().splitlines()[-1]

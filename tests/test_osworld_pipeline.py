@@ -54,6 +54,7 @@ def test_evaluation_notebook_on_osworld_tasks(task_data, tmp_path, tiny_qwen2vl)
     results = json.loads((run / "eval" / "results.json").read_text())
     assert results["episodes"] == 4 and results["env_errors"] == 0
     assert results["protocol"] == "osworld_uitars"  # the config's: comparable with the fork's UI-TARS numbers
+    assert results["desktop_env"]["source"] == "fake"  # no checkers of OSWorld's scored this: said so
     assert results["max_new_tokens"] == 16  # ... except for the cap, shortened for the tiny model, and said so
     assert set(results["per_domain"]) == {"chrome", "os"}  # OSWorld's domains, from the task data
     # the OSWorld fork's layout: trial 0, one example directory per task with result.txt

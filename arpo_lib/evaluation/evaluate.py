@@ -77,6 +77,9 @@ class EvalResult:
     """The passes that ran episodes without a result again: {"pass", "episodes", "still_without_result"}."""
     lead_with_fork_acc: bool = False
     """The table starts with the fork's figures (protocols that follow it)."""
+    desktop_env: dict[str, Any] | None = None
+    """Which desktop_env scored the OSWorld episodes (envs/osworld/build_info.py: its `label`, the
+    version, a hash of its evaluator sources, whether it pauses the VM); None without OSWorld."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -101,6 +104,8 @@ class EvalResult:
         OSWorld fork, its headline first."""
         head = f"{'task':<32} {'succ':>6} {'pass@k':>7} {'steps':>6} {'fmt_err':>8} {'env_err':>8}"
         rows = [f"protocol: {self.protocol}"]
+        if self.desktop_env:
+            rows[0] += f", desktop_env: {self.desktop_env.get('label')}"
         if self.lead_with_fork_acc:
             rows.append(self.fork_line())
             rows.append("ours (success over episodes with a result, pass@k over all tasks):")
@@ -228,6 +233,7 @@ def evaluate(
     protocol: str = "run",
     max_new_tokens: int | None = None,
     rerun_passes: int | None = None,
+    desktop_env: dict[str, Any] | None = None,
 ) -> EvalResult:
     """Run k episodes per task with seeds fixed by (seed, task, sample); same seeds every call.
     Then up to `rerun_passes` (None: the protocol's) more passes over the episodes left without a
@@ -243,6 +249,7 @@ def evaluate(
                                   progress=progress, description=description) if passes > 0 else []
     result = summarize(trajs, samples_per_task)
     result.rerun = rerun
+    result.desktop_env = desktop_env
     result.lead_with_fork_acc = p.report_fork_acc_first
     result.protocol = protocol
     result.max_new_tokens = max_new_tokens
@@ -260,10 +267,12 @@ def evaluate_run(engine: RolloutEngine, cfg: RunConfig, out_dir: str | Path | No
     """A run's evaluation (`eval.samples_per_task`, `eval.seed`, the temperature of the protocol
     or `eval.temperature`) on `tasks`, else `eval.tasks`, else the training tasks. `protocol`
     (default eval.protocol) must be the one the engine was built for (`build.engine`)."""
+    from arpo_lib.envs.osworld.build_info import desktop_env_of
+
     p = PROTOCOLS[protocol or cfg.eval.protocol]
     temperature = cfg.eval.temperature if p.temperature is None else p.temperature
     return evaluate(engine, list(tasks or cfg.eval.tasks or cfg.env.tasks), samples_per_task=cfg.eval.samples_per_task,
                     temperature=temperature, seed=cfg.eval.seed, out_dir=out_dir, progress=cfg.logging.progress,
                     description=description, protocol=p.name,
                     max_new_tokens=cfg.eval.max_new_tokens if p.max_new_tokens is not None else None,
-                    rerun_passes=cfg.eval.rerun_passes)
+                    rerun_passes=cfg.eval.rerun_passes, desktop_env=desktop_env_of(cfg))

@@ -409,7 +409,25 @@ def compare_eval(result: EvalLike, baseline: EvalLike, *, labels: tuple[str, str
     only = [n for n in names if (n in ours_t) != (n in base_t)]
     if only:
         lines.append(f"({len(only)} task(s) evaluated on one side only: {', '.join(only)})")
-    return "\n".join(lines)
+    return "\n".join(mixing_warnings(ours, base, labels) + lines)
+
+
+def mixing_warnings(ours: dict[str, Any], base: dict[str, Any], labels: tuple[str, str]) -> list[str]:
+    """WARNING lines when two evaluations were not measured the same way: another protocol, or
+    OSWorld episodes scored by another desktop_env (the fork's checkers are not PyPI's)."""
+    from arpo_lib.envs.osworld.build_info import same_build
+
+    out = []
+    if ours.get("protocol", "run") != base.get("protocol", "run"):
+        out.append(f"WARNING: {labels[0]} was measured under protocol {ours.get('protocol', 'run')!r}, "
+                   f"{labels[1]} under {base.get('protocol', 'run')!r}: the numbers are not comparable")
+    a, b = ours.get("desktop_env"), base.get("desktop_env")
+    if (a or b) and not same_build(a, b):
+        def name(d: dict[str, Any] | None) -> str:
+            return d.get("label", "?") if d else "not recorded"
+        out.append(f"WARNING: the OSWorld checkers differ: {labels[0]} scored by {name(a)}, {labels[1]} by "
+                   f"{name(b)}: the scores are not comparable")
+    return out
 
 
 def save_figure(fig: Figure, path: str | Path) -> Path:

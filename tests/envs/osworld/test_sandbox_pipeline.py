@@ -64,6 +64,11 @@ def test_eval_scores_osworlds_tasks_1_with_the_scripted_solutions_and_0_with_the
     assert results["episodes"] == 3 and results["env_errors"] == 0, results
     assert {r["task"]: r["success_rate"] for r in results["tasks"]} == {
         f"osworld/{t}": 1.0 for t in [*CHROME, INFEASIBLE]}, results["tasks"]
+    # which checkers scored it: the tests' environment is PyPI's 1.0.2 (no pause())
+    assert results["desktop_env"]["label"] == "pypi desktop-env 1.0.2", results["desktop_env"]
+    assert results["desktop_env"]["has_pause"] is False
+    assert json.loads((tmp_path / "osworld-sandbox" / "desktop_env.json").read_text())["label"] == \
+        "pypi desktop-env 1.0.2"
     # the OSWorld fork's layout: <model>/<trial>/<domain>/<task>/result.txt, read by its pass_at_n.py
     model_dir = results_file.parent / "osworld_results" / "pyautogui" / "screenshot" / tiny_qwen25vl.name
     scores = {p.parent.name: float(p.read_text()) for p in model_dir.glob("0/*/*/result.txt")}
@@ -107,3 +112,33 @@ def test_one_arpo_step_on_real_osworld_tasks_with_a_served_policy_and_ray_actors
     assert sorted(last["tasks"]) == sorted(f"osworld/{t}" for t in CHROME)
     assert last["env_steps"] >= 4 and last["server_requests"] >= 4  # 2 tasks x 2 episodes through the server
     assert last["replay_injections"] >= 1 and last["grad_norm"] > 0, last
+
+
+FORK_SOURCE = os.environ.get("ARPO_DESKTOP_ENV_SOURCE")
+
+
+@pytest.mark.skipif(not FORK_SOURCE, reason="the ARPO fork's desktop_env needs GitHub or a local copy of its tree: "
+                    "set ARPO_DESKTOP_ENV_SOURCE=<OSWorld tree> to run this")
+def test_the_forks_desktop_env_installed_by_the_setup_script_scores_them_alike(task_cache, tmp_path, tiny_qwen25vl):
+    """`setup-osworld --light` (the fork: the default) from a local copy of the fork's tree; the
+    same three tasks scored by the fork's checkers, and results.json says so."""
+    import sysconfig
+
+    from arpo_lib.envs.osworld.env import workbench_cache
+
+    env = {**os.environ, "ARPO_OSWORLD_VENV": str(workbench_cache() / "test-venv-osworld-fork"),
+           "ARPO_OSWORLD_TORCH_FROM": sysconfig.get_paths()["purelib"]}
+    done = subprocess.run(["bash", "scripts/setup_osworld.sh", "--light"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    fork_python = done.stdout.strip().splitlines()[-1]
+    done = _arpo(["eval", "--config", "configs/osworld_sandbox.yaml", "eval.policy=scripted",
+                  "eval.protocol=arpo_train", f"model.path={tiny_qwen25vl}", f"out_dir={tmp_path}",
+                  "logging.progress=false"], fork_python, task_cache)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads(next((tmp_path / "osworld-sandbox" / "eval").glob("*/results.json")).read_text())
+    assert results["desktop_env"]["source"] == "fork" and results["desktop_env"]["has_pause"] is True, \
+        results["desktop_env"]
+    assert results["desktop_env"]["label"].startswith("fork (local copy "), results["desktop_env"]
+    assert {r["task"]: r["success_rate"] for r in results["tasks"]} == {
+        f"osworld/{t}": 1.0 for t in [*CHROME, INFEASIBLE]}, results["tasks"]
