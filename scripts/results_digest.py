@@ -55,7 +55,9 @@ def digest_tree(root: Path, out_dir: Path) -> dict[str, Any]:
         if path.suffix in (".json", ".jsonl", ".yaml"):
             data = data.replace(str(out_dir).encode(), b"<out>").replace(str(REPO).encode(), b"<repo>")
         try:
-            if path.name == "manifest.json":  # checkpoint file sizes; trainer_state.json holds wall times
+            if path.name == ".metadata" and path.parent.name == "optimizer_shards":
+                digest[rel] = _dcp_metadata(path)
+            elif path.name == "manifest.json":  # checkpoint file sizes; trainer_state.json holds wall times
                 digest[rel] = {k: v for k, v in json.loads(data).items() if k != "trainer_state.json"}
             elif path.suffix == ".json":
                 digest[rel] = strip(json.loads(data))
@@ -66,6 +68,18 @@ def digest_tree(root: Path, out_dir: Path) -> dict[str, Any]:
         except (json.JSONDecodeError, UnicodeDecodeError):
             digest[rel] = hashlib.sha256(data).hexdigest()
     return digest
+
+
+def _dcp_metadata(path: Path) -> str:
+    """torch.distributed.checkpoint's index without its `storage_meta` (a random save id and the
+    absolute path it was written to: different in every run)."""
+    import dataclasses
+    import pickle
+
+    meta = pickle.loads(path.read_bytes())
+    if dataclasses.is_dataclass(meta) and hasattr(meta, "storage_meta"):
+        meta = dataclasses.replace(meta, storage_meta=None)
+    return hashlib.sha256(pickle.dumps(meta)).hexdigest()
 
 
 def run_smoke(out: Path) -> None:
@@ -98,10 +112,11 @@ def run_fsdp2(out: Path) -> None:
         raise SystemExit(f"the 2-process run failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
 
 
-def make(out_file: Path, fsdp2: bool) -> None:
-    runs = {"smoke": run_smoke, "comparison": run_comparison}
-    if fsdp2:
-        runs["fsdp2"] = run_fsdp2
+RUNS = {"smoke": run_smoke, "comparison": run_comparison, "fsdp2": run_fsdp2}
+
+
+def make(out_file: Path, names: list[str]) -> None:
+    runs = {name: RUNS[name] for name in names}
     result: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="digest-") as tmp:
         for name, fn in runs.items():
@@ -116,13 +131,13 @@ def make(out_file: Path, fsdp2: bool) -> None:
 def compare(a_file: Path, b_file: Path) -> int:
     a, b = json.loads(a_file.read_text()), json.loads(b_file.read_text())
     differing = []
-    for run in sorted(a.keys() | b.keys()):
+    for run in sorted(a.keys() & b.keys()):  # runs made on one side only are not compared
         ra, rb = a.get(run, {}), b.get(run, {})
         differing += [f"{run}/{k}" for k in sorted(ra.keys() | rb.keys()) if ra.get(k) != rb.get(k)]
     if differing:
         print(f"{len(differing)} files differ:", *differing[:40], sep="\n  ")
         return 1
-    print(f"identical: {sum(len(v) for v in a.values())} files")
+    print(f"identical: {sum(len(a[r]) for r in a.keys() & b.keys())} files in {', '.join(sorted(a.keys() & b.keys()))}")
     return 0
 
 
@@ -130,7 +145,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--compare", type=Path, nargs=2)
-    parser.add_argument("--no-fsdp2", action="store_true")
+    parser.add_argument("--no-fsdp2", action="store_true", help="leave the 2-process run out")
+    parser.add_argument("--runs", default=",".join(RUNS), help=f"which runs (default: {','.join(RUNS)})")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
     os.chdir(REPO)
@@ -138,7 +154,11 @@ def main() -> int:
         return compare(*args.compare)
     if not args.out:
         parser.error("--out FILE or --compare A B")
-    make(args.out, fsdp2=not args.no_fsdp2)
+    names = [n for n in args.runs.split(",") if n and not (args.no_fsdp2 and n == "fsdp2")]
+    unknown = [n for n in names if n not in RUNS]
+    if unknown:
+        parser.error(f"unknown runs {unknown}; known: {', '.join(RUNS)}")
+    make(args.out, names)
     return 0
 
 
