@@ -26,6 +26,7 @@ from arpo_lib.agent.hf_policy import HFPolicy
 from arpo_lib.agent.server_policy import ServerPolicy
 from arpo_lib.evaluation.evaluate import EvalResult, evaluate_run
 from arpo_lib.evaluation.protocols import PROTOCOLS
+from arpo_lib.rollout.engine import RolloutEngine
 from arpo_lib.run import config as config_module
 from arpo_lib.run.config import ConfigError, RunConfig, server_urls
 from arpo_lib.run.layout import RunDir
@@ -34,7 +35,6 @@ from arpo_lib.serving.launch import ServerHandle, free_port, start_server
 from arpo_lib.serving.weight_sync import FollowingServed, ServedPolicy, connect_all, save_for_server
 from arpo_lib.training import checkpoint as ckpt
 from arpo_lib.training.distributed import Ranks, barrier, device_for, init_process_group
-from arpo_lib.training.rollout import RolloutEngine
 from arpo_lib.training.trainer import Trainer
 from arpo_lib.types import WorkerPool
 
@@ -334,8 +334,7 @@ def engine(cfg: RunConfig, scripted: bool = False, protocol: str = "run") -> Ite
     try:
         with env_pool(cfg) as pool:
             yield RolloutEngine(acting, pool, max_steps=cfg.env.max_steps, format_coef=cfg.algo.format_coef,
-                                format_penalty=cfg.algo.format_penalty,
-                                **{**p.engine_options(), "max_new_tokens": response_cap(cfg, p)})
+                                format_penalty=cfg.algo.format_penalty, rules=p.rollout_rules(response_cap(cfg, p)))
     finally:
         if cfg.rollout.backend == "server":
             acting.close()

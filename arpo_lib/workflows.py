@@ -275,7 +275,7 @@ def export_results(cfg: RunConfig, eval_dir: Path) -> Path | None:
     not <eval>/osworld, which holds the osworld family's own trajectories)."""
     if not cfg.eval.osworld_results:
         return None
-    from arpo_lib.envs.osworld.export import export_osworld_results
+    from arpo_lib.evaluation.osworld_export import export_osworld_results
 
     model = cfg.serve.served_model_name or Path(cfg.model.path).name
     return export_osworld_results(eval_dir, Path(eval_dir) / "osworld_results", model)

@@ -22,6 +22,7 @@ LAYERS = [
     ("algo",),
     ("agent",),
     ("serving",),
+    ("rollout",),
     ("viz",),
     ("training",),
     ("evaluation",),
@@ -175,6 +176,13 @@ def test_packages_import_only_lower_layers():
 def test_the_ground_floor_imports_nothing_of_ours(module):
     others = {t for t in import_graph()[module] if not t.startswith("arpo_lib.run")}
     assert not others, f"{module} imports {others}"
+
+
+def test_types_imports_only_the_ground_floor():
+    """The data between the packages is read by environment workers in OSWorld's own interpreter:
+    it may lean on run/ only (never actions, agent or torch)."""
+    others = {t for t in import_graph()["arpo_lib.types"] if not t.startswith("arpo_lib.run")}
+    assert not others, f"arpo_lib.types imports {others}"
 
 
 def test_public_names_keep_working():

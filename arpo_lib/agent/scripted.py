@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from arpo_lib.actions import MAX_PIXELS, MIN_PIXELS, Action, format_response
+from arpo_lib.types import SamplingParams
 
 # --------------------------------------------------------------------------------------------
 # Reading the page
@@ -437,21 +438,16 @@ class ScriptedPolicy:
         self,
         segments: Sequence[Any],
         *,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        max_new_tokens: int | None = None,
+        sampling: SamplingParams = SamplingParams(),
         contexts: Sequence[Any] | None = None,
         seeds: Sequence[int] | None = None,
         cache_keys: Sequence[Any] | None = None,
-        frequency_penalty: float = 0.0,
     ) -> list[Any]:
-        """One scripted response per (segment, context). `top_p` and `max_new_tokens` are
-        accepted for interface compatibility and ignored (a script is never cut short),
-        as are `cache_keys`."""
+        """One scripted response per (segment, context), scored at `sampling.temperature`; the
+        other sampling options are ignored (a script is never cut short), as are `cache_keys`."""
         import torch
 
-        from arpo_lib.agent.prompt import Segment
-        from arpo_lib.types import Generation
+        from arpo_lib.types import Generation, Segment
 
         if not segments:
             return []
@@ -474,7 +470,7 @@ class ScriptedPolicy:
                 loss_mask=[0] * len(seg) + [1] * len(ids),
                 pixel_values=seg.pixel_values, image_grid_thw=seg.image_grid_thw,
                 screenshot_steps=seg.screenshot_steps))
-        scale = temperature if temperature > 0 else 1.0
+        scale = sampling.temperature if sampling.temperature > 0 else 1.0
         with torch.no_grad():
             logprobs = self.base.sequence_logprobs(scored, scale)
         return [Generation(text=t, token_ids=ids, logprobs=lp.float().cpu().tolist())

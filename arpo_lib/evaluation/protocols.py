@@ -31,7 +31,8 @@ with the same one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+
+from arpo_lib.evaluation.rules import ProtocolRules
 
 
 @dataclass(frozen=True)
@@ -69,12 +70,14 @@ class EvalProtocol:
     """The report leads with pass_at_n.py's "Acc" (the fork's headline) before our rates."""
     description: str = ""
 
-    def engine_options(self) -> dict[str, Any]:
-        """The `RolloutEngine` arguments that carry this protocol's rules."""
-        return {"frequency_penalty": self.frequency_penalty, "fail_at_last_step": self.fail_at_last_step,
-                "call_user_waits": self.call_user_waits, "action_rules": self.action_rules,
-                "max_new_tokens": self.max_new_tokens, "parse_attempts": self.parse_attempts,
-                "retry_temperature": self.retry_temperature, "unfinished_on_error": self.unfinished_on_error}
+    def rollout_rules(self, max_new_tokens: int | None = None) -> ProtocolRules:
+        """The rules this protocol gives the rollout engine; `max_new_tokens` replaces its response
+        cap (`build.response_cap`: a run may shorten it)."""
+        return ProtocolRules(frequency_penalty=self.frequency_penalty,
+                             max_new_tokens=self.max_new_tokens if max_new_tokens is None else max_new_tokens,
+                             fail_at_last_step=self.fail_at_last_step, call_user_waits=self.call_user_waits,
+                             action_rules=self.action_rules, parse_attempts=self.parse_attempts,
+                             retry_temperature=self.retry_temperature, unfinished_on_error=self.unfinished_on_error)
 
 
 PROTOCOLS: dict[str, EvalProtocol] = {

@@ -16,8 +16,8 @@ import torch
 
 from arpo_lib.agent.scripted import SCRIPTED_TASKS, ScriptedPolicy, supports
 from arpo_lib.algo import ReplayBuffer
+from arpo_lib.rollout.engine import RolloutEngine
 from arpo_lib.run.records import append_jsonl
-from arpo_lib.training.rollout import RolloutEngine
 from arpo_lib.types import Trajectory, episode_requests
 
 log = logging.getLogger(__name__)

@@ -54,7 +54,8 @@ from arpo_lib.training.checkpoint import (begin_checkpoint, drop_records_after, 
                                           tmp_checkpoint_dir)
 from arpo_lib.training.distributed import SINGLE, Ranks
 from arpo_lib.training.optim import make_optimizer, micro_batches, warmup_schedule
-from arpo_lib.training.rollout import RolloutEngine, load_trajectory
+from arpo_lib.rollout.engine import RolloutEngine
+from arpo_lib.rollout.store import load_trajectory
 from arpo_lib.training.sft import collect_demonstrations, seed_replay, warm_start
 from arpo_lib.types import Group, Trajectory, WorkerPool, episode_requests
 

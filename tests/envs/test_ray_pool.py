@@ -17,7 +17,7 @@ import pytest
 from arpo_lib.envs.base import EnvError
 from arpo_lib.envs.pool import EnvPool, make_pool
 from arpo_lib.envs.worker import EnvSetupError
-from arpo_lib.training.rollout import RolloutEngine
+from arpo_lib.rollout.engine import RolloutEngine
 from arpo_lib.types import EpisodeRequest
 
 OPTIONS = {"scale": 2, "max_steps": 3}
