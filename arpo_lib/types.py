@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
 from arpo_lib.run import layout
 from arpo_lib.run.seeding import stable_seed
 
-if TYPE_CHECKING:  # annotations only: torch stays out of the workers, agent and actions sit beside or above
+if TYPE_CHECKING:  # annotations only: this module imports run/ alone (and never torch, for the workers)
     import torch
     from PIL import Image
 
