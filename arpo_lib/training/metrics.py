@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
@@ -56,11 +57,49 @@ def is_weight_stats(items: list[tuple[Any, float, Trajectory]], plans: list["Pla
     return weight_stats([w for ws in backend.gather_lists(counted) for w in ws], cap)
 
 
-def update_stats(sequences: int, groups: list[Group], weights_version: int) -> dict[str, Any]:
-    """An update's statistics before it starts (what an update without sequences reports)."""
-    return {"loss": 0.0, "clip_fraction": 0.0, "grad_norm": 0.0, "tokens": 0, "sequences": sequences,
+class UpdateMetrics:
+    """An update's statistics as it runs: per mini-batch (`minibatch`) its loss, clip fraction and
+    KLs (token means, summed over ranks), gradient norm and tokens; the loss, norm and tokens count
+    only for the optimizer steps taken, the clip fraction and KLs for every mini-batch this process
+    ran sequences of. `result()` is the update's part of the step's metrics."""
+
+    def __init__(self, sequences: int, groups: list[Group], weights_version: int):
+        self.stats: dict[str, Any] = {
+            "loss": 0.0, "clip_fraction": 0.0, "grad_norm": 0.0, "tokens": 0, "sequences": sequences,
             "optimizer_steps": 0, "skipped_steps": 0, "approx_kl": 0.0, "kl": 0.0,
             **replay_ages(groups, weights_version)}
+        self.losses: list[float] = []
+        self.norms: list[float] = []
+        self.clips: list[float] = []
+        self.kls: list[float] = []
+        self.ref_kls: list[float] = []
+
+    @property
+    def optimizer_steps(self) -> int:
+        return self.stats["optimizer_steps"]
+
+    def add(self, more: dict[str, Any]) -> None:
+        self.stats.update(more)
+
+    def minibatch(self, sums: list[float], *, ran: bool, norm: float, tokens: int) -> None:
+        """`sums`: the mini-batch's loss, clip fraction, approx. KL and KL to the reference;
+        `ran`: this process ran sequences of it; a finite `norm`: its optimizer step was taken."""
+        loss, clip, kl, ref_kl = sums
+        if ran:
+            self.clips.append(clip)
+            self.kls.append(kl)
+            self.ref_kls.append(ref_kl)
+        if math.isfinite(norm):
+            self.losses.append(loss)
+            self.norms.append(norm)
+            self.stats["optimizer_steps"] += 1
+            self.stats["tokens"] += tokens
+        else:
+            self.stats["skipped_steps"] += 1
+
+    def result(self) -> dict[str, Any]:
+        return {**self.stats, "loss": mean(self.losses), "clip_fraction": mean(self.clips),
+                "grad_norm": mean(self.norms), "approx_kl": mean(self.kls), "kl": mean(self.ref_kls)}
 
 
 def rollout_metrics(tasks: list[str], trajs: list[Trajectory], groups: list[Group]) -> dict[str, Any]:

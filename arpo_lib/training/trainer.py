@@ -42,7 +42,7 @@ from arpo_lib.run.config import RunConfig
 from arpo_lib.run.seeding import stable_seed
 from arpo_lib.training.backend import Plan, TrainingBackend
 from arpo_lib.training.checkpoint import Checkpointer
-from arpo_lib.training.metrics import RunRecords, is_weight_stats, mean, step_metrics, update_stats
+from arpo_lib.training.metrics import RunRecords, UpdateMetrics, is_weight_stats, step_metrics
 from arpo_lib.training.optim import make_optimizer, warmup_schedule
 from arpo_lib.training.rollout import RolloutEngine, load_trajectory
 from arpo_lib.training.rollout_source import RolloutSource, task_batch
@@ -73,7 +73,7 @@ class Trainer:
     model of the KL term (algo.kl_coef > 0); `resume` drops the records after that checkpoint."""
 
     def __init__(self, cfg: RunConfig, policy: TrainablePolicy, *, rollouts: RolloutSource, backend: TrainingBackend,
-                 sft: WarmStart, records: RunRecords, checkpoints: Checkpointer, evaluator: Evaluator | None = None,
+                 sft: WarmStart, records: RunRecords, checkpoints: Checkpointer, evaluator: Evaluator,
                  reference: torch.nn.Module | None = None, resume: bool = False):
         self.cfg, self.policy, self.rollouts, self.backend, self.sft = cfg, policy, rollouts, backend, sft
         self.records, self.checkpoints, self.evaluator, self.reference = records, checkpoints, evaluator, reference
@@ -86,10 +86,7 @@ class Trainer:
         self.replay: ReplayBuffer[dict[str, Any]] = ReplayBuffer(
             capacity_per_task=rp.capacity_per_task, success_threshold=rp.success_threshold, enabled=rp.enabled,
             seed=stable_seed(t.seed, "replay"), std_threshold=rp.std_threshold, mean_threshold=rp.mean_threshold)
-        restored = checkpoints.restore(self.optimizer, self.scheduler)
-        self.step, state = 0, {}
-        if restored is not None:
-            self.step, self.replay, state = restored
+        self.step, self.replay, state = checkpoints.restore(self.optimizer, self.scheduler) or (0, self.replay, {})
         self.weights_version = int(state.get("weights_version", 0))
         """Counts weight changes (warm start, optimizer steps): what a rollout server must hold,
         and how old a replayed trajectory is (checkpointed)."""
@@ -145,7 +142,7 @@ class Trainer:
         self.step += 1
 
         evaluation = {}
-        if self.evaluator is not None and self.evaluator.due(self.step):
+        if self.evaluator.due(self.step):
             if self.backend.is_main:  # the others wait: the evaluation is rank 0's
                 evaluation = self.evaluate(layout.step_name(self.step)).metrics()
             self.backend.barrier()
@@ -189,9 +186,9 @@ class Trainer:
         t, a = self.cfg.train, self.cfg.algo
         items = [(seg, adv, traj) for g in groups for traj, adv in zip(g.trajectories, g.advantages)
                  for seg in traj.segments if any(seg.loss_mask)]
-        stats = update_stats(len(items), groups, self.weights_version)
+        stats = UpdateMetrics(len(items), groups, self.weights_version)
         if not items:
-            return stats
+            return stats.result()
         random.Random(stable_seed(t.seed, "shuffle", self.step)).shuffle(items)
         # A sequence with advantage 0 has zero policy loss and gradient, so it is not run through
         # the model -- unless a KL term to the reference depends on it too.
@@ -212,36 +209,25 @@ class Trainer:
             if a.replay.correction == "tis" and traj.replayed:
                 is_weights[id(seg)] = truncated_is_weights(old[id(seg)].double(), behaviour.double(),
                                                            a.replay.tis_cap).float()
-        stats.update(is_weight_stats(items, plans, is_weights, self.backend, a.replay.tis_cap))
-        losses, clips, norms, kls, ref_kls = [], [], [], [], []
+        stats.add(is_weight_stats(items, plans, is_weights, self.backend, a.replay.tis_cap))
         self.backend.train_mode()
         for mb, plan in zip(minibatches, plans):
             if not mb:
                 continue
             n_tok = sum(sum(seg.loss_mask) for seg, _, _ in mb)
             self.optimizer.zero_grad(set_to_none=True)
-            loss, clip, kl, ref_kl = self._gradients(plan, len(mb), n_tok, old, is_weights)
-            if plan:
-                clips.append(clip)
-                kls.append(kl)
-                ref_kls.append(ref_kl)
+            sums = self._gradients(plan, len(mb), n_tok, old, is_weights)
             norm = self.backend.clip_grad_norm(self.optimizer, t.grad_clip)
-            if not math.isfinite(norm):
+            if math.isfinite(norm):
+                self.optimizer.step()
+                self.scheduler.step()  # the schedule counts the optimizer steps taken
+                self.consecutive_skips = 0
+                self.weights_version += 1
+            else:
                 self._skip_step(norm)
-                stats["skipped_steps"] += 1
-                continue
-            self.optimizer.step()
-            self.scheduler.step()  # the schedule counts the optimizer steps taken
-            self.consecutive_skips = 0
-            self.weights_version += 1
-            losses.append(loss)
-            norms.append(norm)
-            stats["optimizer_steps"] += 1
-            stats["tokens"] += n_tok
-        self.backend.after_update(stepped=stats["optimizer_steps"] > 0)
-        stats.update(loss=mean(losses), clip_fraction=mean(clips), grad_norm=mean(norms), approx_kl=mean(kls),
-                     kl=mean(ref_kls))
-        return stats
+            stats.minibatch(sums, ran=bool(plan), norm=norm, tokens=n_tok)
+        self.backend.after_update(stepped=stats.optimizer_steps > 0)
+        return stats.result()
 
     def _gradients(self, plan: Plan, n_seq: int, n_tok: int, old: dict[int, torch.Tensor],
                    is_weights: dict[int, torch.Tensor]) -> list[float]:
@@ -309,8 +295,6 @@ class Trainer:
 
     def evaluate(self, label: str, tasks: list[str] | None = None) -> "EvalResult":
         """Evaluate the current policy with the run's protocol into <run>/eval/<label>."""
-        if self.evaluator is None:
-            raise RuntimeError("this trainer was built without an evaluator (use arpo_lib.build.trainer)")
         return self.evaluator(self.rollouts.engine(self.weights_version, announce=False), label, tasks)
 
     def save_checkpoint(self) -> Path:
