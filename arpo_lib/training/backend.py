@@ -17,7 +17,7 @@ checkpoint. The collectives themselves are `training.distributed`'s (identities 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
 import torch
 
@@ -171,16 +171,7 @@ class FSDP2(TrainingBackend):
         return self.policy.sequence_logprobs(segments, temperature, pack=self.pack, model=self._net)
 
     def plan(self, sequences: Sequences) -> Plan:
-        """This rank's token-balanced share, padded to the busiest rank's count of micro-batches
-        with the shortest sequence, not live (FSDP2 all-gathers in every forward)."""
-        shares = dist_.split_by_tokens([len(s) for s, _ in sequences], self.ranks.world_size)
-        per_rank = [self.split([sequences[i] for i in share]) for share in shares]
-        busiest = max(len(p) for p in per_rank)
-        plan = [(m, True) for m in per_rank[self.ranks.rank]]
-        if len(plan) < busiest:
-            shortest = min(sequences, key=lambda a: len(a[0]))
-            plan += [([shortest], False)] * (busiest - len(plan))
-        return plan
+        return rank_plan(sequences, self.split, self.ranks.rank, self.ranks.world_size)
 
     def train_mode(self) -> None:
         super().train_mode()
@@ -212,6 +203,22 @@ class FSDP2(TrainingBackend):
         if self.net is None:
             raise RuntimeError("the FSDP2 backend is closed")
         return self.net
+
+
+def rank_plan(sequences: Sequences, split: Callable[[Sequences], list[Sequences]], rank: int,
+              world_size: int) -> Plan:
+    """Rank `rank`'s micro-batches of a mini-batch: its token-balanced share (`split_by_tokens`;
+    every rank computes every share) in micro-batches (`split`), padded to the busiest rank's
+    count with the shortest sequence, not live: FSDP2 all-gathers in every forward, so every rank
+    must run as many."""
+    shares = dist_.split_by_tokens([len(s) for s, _ in sequences], world_size)
+    per_rank = [split([sequences[i] for i in share]) for share in shares]
+    busiest = max(len(p) for p in per_rank)
+    plan = [(m, True) for m in per_rank[rank]]
+    if len(plan) < busiest:
+        shortest = min(sequences, key=lambda a: len(a[0]))
+        plan += [([shortest], False)] * (busiest - len(plan))
+    return plan
 
 
 def training_backend(policy: "TrainablePolicy", ranks: Ranks, *, micro_batch_size: int, token_budget: int,

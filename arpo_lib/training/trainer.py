@@ -105,7 +105,7 @@ class Trainer:
     def __enter__(self) -> "Trainer":
         return self
 
-    def __exit__(self, exc_type: object, *exc: object) -> None:
+    def __exit__(self, exc_type: object = None, *exc: object) -> None:
         self.close(failed=exc_type is not None)
 
     # -- the loop ----------------------------------------------------------------------------------
