@@ -25,7 +25,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
@@ -36,6 +36,8 @@ from arpo_lib.run.records import atomic_write_text, fsync_dir, read_jsonl
 from arpo_lib.training.distributed import load_full_optimizer_state
 
 if TYPE_CHECKING:
+    from torch.optim.lr_scheduler import LRScheduler
+
     from arpo_lib.training.backend import TrainingBackend
     from arpo_lib.types import TrainablePolicy
 
@@ -80,9 +82,9 @@ def load_optimizer_shards(shards: Path, model: torch.nn.Module, optimizer: torch
     set_optimizer_state_dict(model, optimizer, optim_state_dict=state)
 
 
-def save_checkpoint(ckpt_dir: Path, step: int, *, policy: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
-                    replay: ReplayBuffer, config: dict[str, Any], keep: int, state: dict[str, Any] | None = None,
-                    sharded: bool = False) -> Path:
+def save_checkpoint(ckpt_dir: Path, step: int, *, policy: "TrainablePolicy", optimizer: torch.optim.Optimizer,
+                    scheduler: "LRScheduler", replay: ReplayBuffer, config: dict[str, Any], keep: int,
+                    state: dict[str, Any] | None = None, sharded: bool = False) -> Path:
     """Write model, optimizer, scheduler, replay buffer, RNG, step and the trainer's own `state`
     (JSON) atomically; keep the newest `keep` checkpoints. Returns the checkpoint directory.
     `sharded`: the optimizer state is already in the temporary directory's `optimizer_shards/`
@@ -120,8 +122,9 @@ def save_checkpoint(ckpt_dir: Path, step: int, *, policy: Any, optimizer: torch.
     return final
 
 
-def load_checkpoint(checkpoint: Path, *, optimizer: torch.optim.Optimizer, scheduler: Any,
-                    load_optimizer: Any = None) -> tuple[int, ReplayBuffer, dict[str, Any]]:
+def load_checkpoint(checkpoint: Path, *, optimizer: torch.optim.Optimizer, scheduler: "LRScheduler",
+                    load_optimizer: Callable[[dict[str, Any] | Path], None] | None = None
+                    ) -> tuple[int, ReplayBuffer, dict[str, Any]]:
     """Restore optimizer, scheduler and torch's RNG from a checkpoint; returns (step, replay buffer,
     the trainer's own state). The model is loaded by whoever builds the policy (`arpo_lib.build`).
     `load_optimizer(state)` replaces `optimizer.load_state_dict`; it receives the path of the
@@ -154,7 +157,8 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return step % self.every == 0 or step == self.last_step
 
-    def restore(self, optimizer: torch.optim.Optimizer, scheduler: Any) -> tuple[int, ReplayBuffer, dict[str, Any]] | None:
+    def restore(self, optimizer: torch.optim.Optimizer, scheduler: "LRScheduler"
+                ) -> tuple[int, ReplayBuffer, dict[str, Any]] | None:
         """The step, replay buffer and trainer state of `resume_from` (None: a run from step 0);
         the optimizer, schedule and torch's RNG are restored in place."""
         if self.resume_from is None:
@@ -164,7 +168,7 @@ class Checkpointer:
         log.info("resumed %s at step %d from %s", self.run.root, restored[0], self.resume_from.name)
         return restored
 
-    def save(self, step: int, *, policy: "TrainablePolicy", optimizer: torch.optim.Optimizer, scheduler: Any,
+    def save(self, step: int, *, policy: "TrainablePolicy", optimizer: torch.optim.Optimizer, scheduler: "LRScheduler",
              replay: ReplayBuffer, config: dict[str, Any], state: dict[str, Any]) -> Path:
         """Write step `step`'s checkpoint (all ranks call this together); returns its directory."""
         ckpt_dir, backend = self.run.checkpoints, self.backend

@@ -28,8 +28,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def collect_demonstrations(policy: Any, pool: Any, tasks: Sequence[str], per_task: int, *, seed: int,
-                           out_dir: Any = None, max_steps: int = 15, progress: bool = True) -> list[Trajectory]:
+def collect_demonstrations(policy: TrainablePolicy, pool: WorkerPool, tasks: Sequence[str], per_task: int, *, seed: int,
+                           out_dir: Path | None = None, max_steps: int = 15, progress: bool = True) -> list[Trajectory]:
     """Run the scripted demonstrator `per_task` times per supported task; returns the successes.
 
     Demonstrations are drawn on fresh layouts of a task's family, never on the fixed instances
@@ -59,7 +59,7 @@ def first_per_task(trajs: Sequence[Trajectory], n: int) -> list[Trajectory]:
     return chosen
 
 
-def supervised_warm_start(policy: Any, demos: Sequence[Trajectory], *, steps: int, lr: float = 1e-3,
+def supervised_warm_start(policy: TrainablePolicy, demos: Sequence[Trajectory], *, steps: int, lr: float = 1e-3,
                           batch_size: int = 4, seed: int = 0, progress: bool = True) -> list[float]:
     """AdamW on the demonstrations' assistant tokens for `steps` steps; returns the loss per step."""
     from tqdm.auto import tqdm
@@ -85,7 +85,7 @@ def supervised_warm_start(policy: Any, demos: Sequence[Trajectory], *, steps: in
     return losses
 
 
-def warm_start(policy: Any, demos: Sequence[Trajectory], *, per_task: int, steps: int, lr: float, batch_size: int,
+def warm_start(policy: TrainablePolicy, demos: Sequence[Trajectory], *, per_task: int, steps: int, lr: float, batch_size: int,
                seed: int, record: Path | None, progress: bool = True) -> list[float]:
     """The run's warm start: `supervised_warm_start` on the first `per_task` demonstrations of
     each task, recorded in `record` (warm_start.jsonl) and logged."""
