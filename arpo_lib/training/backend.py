@@ -125,6 +125,12 @@ class TrainingBackend:
     def barrier(self) -> None:
         dist_.barrier(self.ranks)
 
+    def on_main(self, work: Callable[[], T]) -> T | None:
+        """`work()` on rank 0 while the other ranks wait for it (they get None)."""
+        result = work() if self.is_main else None
+        self.barrier()
+        return result
+
     def close(self, failed: bool = False) -> None:
         """Leave the process group; `failed`: without waiting for the others (they may be stuck in
         a collective this rank will never join; torchrun stops them when this process exits)."""

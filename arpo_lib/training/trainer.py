@@ -142,10 +142,8 @@ class Trainer:
         self.step += 1
 
         evaluation = {}
-        if self.evaluator.due(self.step):
-            if self.backend.is_main:  # the others wait: the evaluation is rank 0's
-                evaluation = self.evaluate(layout.step_name(self.step)).metrics()
-            self.backend.barrier()
+        if self.evaluator.due(self.step):  # rank 0's, the others wait
+            evaluation = self.backend.on_main(lambda: self.evaluate(layout.step_name(self.step)).metrics()) or {}
         metrics = step_metrics(self.step, tasks, trajs, groups, replay_size=len(self.replay), env_steps=env_steps,
                                lr=self.scheduler.get_last_lr()[0], update=update, seconds_rollout=t_rollout,
                                seconds_update=t_update, extra={**self.rollouts.metrics(), **evaluation})
