@@ -16,6 +16,7 @@ checkpoint. The collectives themselves are `training.distributed`'s (identities 
 """
 from __future__ import annotations
 
+import abc
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
@@ -38,7 +39,7 @@ Plan = list[tuple[Sequences, bool]]
 """This process's micro-batches of one mini-batch, each with `live` (False: padding, loss times 0)."""
 
 
-class TrainingBackend:
+class TrainingBackend(abc.ABC):
     """What both backends share: this process's place among the ranks and the collectives over
     them (identities for one process), micro-batches of at most `micro_batch_size` sequences or
     (`token_budget` > 0) of padded tokens, run packed (`pack`). Subclasses own the trained model."""
@@ -56,17 +57,17 @@ class TrainingBackend:
         return self.ranks.is_main
 
     # -- the update --------------------------------------------------------------------------------
+    @abc.abstractmethod
     def parameters(self) -> list[torch.nn.Parameter]:
         """What the optimizer updates."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def logprobs(self, segments: Sequence["Segment"], temperature: float) -> list[torch.Tensor]:
         """The training forward of a micro-batch: log-probs (with grad) of each segment's trained tokens."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def plan(self, sequences: Sequences) -> Plan:
         """This process's micro-batches of a mini-batch's sequences."""
-        raise NotImplementedError
 
     def split(self, sequences: Sequences) -> list[Sequences]:
         """`sequences` in micro-batches, in order or (token budget) sorted by length."""
@@ -95,9 +96,9 @@ class TrainingBackend:
         """The full model was trained outside the update (on rank 0): every rank gets it."""
 
     # -- checkpoints -------------------------------------------------------------------------------
+    @abc.abstractmethod
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any] | Path) -> None:
         """A checkpoint's optimizer state, whichever number of processes wrote it."""
-        raise NotImplementedError
 
     def save_optimizer_shards(self, directory: Path, optimizer: torch.optim.Optimizer) -> None:
         raise NotImplementedError(f"{type(self).__name__} keeps the optimizer state whole")

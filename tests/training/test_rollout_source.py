@@ -7,18 +7,17 @@ from typing import Any
 
 from arpo_lib.run.layout import RunDir
 from arpo_lib.serving.weight_sync import FollowingServed
-from arpo_lib.training.backend import TrainingBackend
-from arpo_lib.training.distributed import SINGLE
+from arpo_lib.training.backend import SingleProcess, TrainingBackend
 from arpo_lib.training.rollout_source import RolloutSource
 
 URLS = ["http://10.0.0.5:8000/v1"]
 
 
-class Announcing(TrainingBackend):
+class Announcing(SingleProcess):
     """One process standing in for a rank of a group whose rank 0 announced `URLS`."""
 
     def __init__(self) -> None:
-        super().__init__(policy=None, ranks=SINGLE)
+        super().__init__(policy=None)
         self.sent: list[Any] = []
 
     def broadcast(self, obj: Any) -> Any:
