@@ -34,9 +34,14 @@ from arpo_lib.run.records import atomic_write_bytes, safe_join
 from arpo_lib.serving.launch import ServerHandle, free_port, start_server
 from arpo_lib.serving.weight_sync import FollowingServed, ServedPolicy, connect_all, save_for_server
 from arpo_lib.training import checkpoint as ckpt
+from arpo_lib.training.backend import training_backend
+from arpo_lib.training.checkpoint import Checkpointer
 from arpo_lib.training.distributed import Ranks, barrier, device_for, init_process_group
+from arpo_lib.training.metrics import RunRecords
+from arpo_lib.training.rollout_source import RolloutSource
+from arpo_lib.training.sft import WarmStart
 from arpo_lib.training.trainer import Trainer
-from arpo_lib.types import WorkerPool
+from arpo_lib.types import ServedWeights, WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -248,16 +253,26 @@ def served_policy(cfg: RunConfig, trained: HFPolicy) -> ServedPolicy:
                         initial_model=trained.path, replicas=cfg.serve.replicas)
 
 
-def evaluator(cfg: RunConfig) -> Any:
-    """The evaluation a trainer runs: (engine, label, tasks) -> EvalResult in <run>/eval/<label>."""
-    run = RunDir(cfg.run_dir)
+class RunEvaluation:
+    """The evaluation a trainer runs: due every train.eval_every steps and at the last (0: only
+    when asked); (engine, label, tasks) -> EvalResult in <run>/eval/<label>."""
 
-    def run_eval(engine: RolloutEngine, label: str, tasks: list[str] | None = None) -> EvalResult:
+    def __init__(self, cfg: RunConfig):
+        self.cfg, self.run = cfg, RunDir(cfg.run_dir)
+
+    def due(self, step: int) -> bool:
+        every = self.cfg.train.eval_every
+        return bool(every) and (step % every == 0 or step == self.cfg.train.steps)
+
+    def __call__(self, engine: RolloutEngine, label: str, tasks: list[str] | None = None) -> EvalResult:
         # The training engine: the run's prompt and environment options, so protocol `run`.
-        return evaluate_run(engine, cfg, safe_join(run.eval_root, label), tasks=tasks, description=f"eval {label}",
-                            protocol="run")
+        return evaluate_run(engine, self.cfg, safe_join(self.run.eval_root, label), tasks=tasks,
+                            description=f"eval {label}", protocol="run")
 
-    return run_eval
+
+def evaluator(cfg: RunConfig) -> RunEvaluation:
+    """The evaluation a trainer runs (`RunEvaluation`)."""
+    return RunEvaluation(cfg)
 
 
 def trainer(cfg: RunConfig, *, resume: bool = False, policy: HFPolicy | None = None,
@@ -287,12 +302,27 @@ def trainer(cfg: RunConfig, *, resume: bool = False, policy: HFPolicy | None = N
     if checkpoint is not None and lora:
         trained.load_adapter(checkpoint / "model")
     reference = reference_model(cfg, trained.device) if cfg.algo.kl_coef > 0 else None
-    served = None
-    if cfg.rollout.backend == "server":  # distributed: rank 0 keeps the server current, the others follow
+    t, r = cfg.train, cfg.rollout
+    backend = training_backend(trained, ranks, micro_batch_size=t.micro_batch_size, token_budget=t.token_budget,
+                               pack=t.pack)
+    served: ServedWeights | None = None
+    if r.backend == "server":  # distributed: rank 0 keeps the server current, the others follow
         served = (served_policy(cfg, trained) if ranks.is_main
                   else FollowingServed(connect=lambda url: server_policy(cfg, url)))
-    return Trainer(cfg, trained, make_pool=lambda: env_pool(cfg, ranks.world_size), served=served, evaluator=evaluator(cfg),
-                   checkpoint=checkpoint, resume=resume, reference=reference, ranks=ranks)
+    records = RunRecords(cfg, backend)
+    rollouts = RolloutSource(trained, cfg.env.tasks, lambda: env_pool(cfg, ranks.world_size), backend, served=served,
+                             run=run, group_size=r.group_size, temperature=r.temperature, top_p=r.top_p,
+                             max_steps=cfg.env.max_steps, format_coef=cfg.algo.format_coef,
+                             format_penalty=cfg.algo.format_penalty, seed=t.seed, progress=records.progress)
+    ws = cfg.warm_start
+    sft = WarmStart(trained, backend, lambda: rollouts.pool, run=run, tasks=cfg.env.tasks,
+                    demos_per_task=ws.demos_per_task, steps=ws.steps, lr=ws.lr, batch_size=ws.batch_size,
+                    demo_replay=t.demo_replay, seed=t.seed, max_steps=cfg.env.max_steps, progress=records.progress,
+                    done=checkpoint is not None)
+    checkpoints = Checkpointer(run, backend, every=t.checkpoint_every, keep=t.keep_checkpoints, last_step=t.steps,
+                               resume_from=checkpoint)
+    return Trainer(cfg, trained, rollouts=rollouts, backend=backend, sft=sft, records=records,
+                   checkpoints=checkpoints, evaluator=evaluator(cfg), reference=reference, resume=resume)
 
 
 def response_cap(cfg: RunConfig, protocol: Any) -> int | None:

@@ -85,7 +85,7 @@ def test_training_through_the_hf_server_with_restart_sync(warm_tiny_qwen2vl, tmp
         "rollout.weight_sync=restart", "serve.backend=hf", "logging.progress=false"])
     with build.trainer(cfg) as trainer:
         history = trainer.train()
-        server = trainer.served.server
+        server = trainer.rollouts.served.server
         assert server is not None and server.running()
         served = HFPolicy(tmp_path / "restart" / "server_weights", device="cpu")
         for name, tensor in trainer.policy.model.state_dict().items():

@@ -220,7 +220,7 @@ def test_training_step_pushes_its_weights_to_the_server(server, served_model, hf
         assert metrics["optimizer_steps"] == 1 and metrics["seconds_sync_total"] > 0
         updated = trainer.policy
         ours = updated.generate(segs, sampling=SAMPLE, contexts=ctxs, seeds=list(range(len(segs))))
-        theirs = trainer.served.client.generate(segs, sampling=SAMPLE, contexts=ctxs, seeds=list(range(len(segs))))
+        theirs = trainer.rollouts.served.client.generate(segs, sampling=SAMPLE, contexts=ctxs, seeds=list(range(len(segs))))
         for a, b, seg in zip(ours, theirs, segs):
             with torch.no_grad():
                 (lp,) = updated.sequence_logprobs([_with_response(seg, b)], 1.0)
@@ -282,8 +282,8 @@ def test_a_training_run_keeps_a_fleet_of_two_vllm_servers_on_its_weights(served_
         (metrics,) = trainer.train()
         assert metrics["optimizer_steps"] == 1 and metrics["server_prompt_mismatches"] == 0
         assert len(metrics["server_requests_by_replica"]) == 2 and min(metrics["server_requests_by_replica"]) > 0
-        fleet = trainer.served.client
-        pids = [server.pid for server in trainer.served.servers]
+        fleet = trainer.rollouts.served.client
+        pids = [server.pid for server in trainer.rollouts.served.servers]
         assert len(set(fleet.base_urls)) == 2
         for replica in fleet.clients:
             answers = replica.generate(segs, sampling=SAMPLE, contexts=ctxs, seeds=list(range(len(segs))))
