@@ -41,7 +41,7 @@ from typing import Any, Callable
 
 import torch
 
-from arpo_lib.algo import ReplayBuffer, group_advantages, policy_loss, truncated_is_weights
+from arpo_lib.algo import ADV_ESTIMATORS, POLICY_LOSSES, ReplayBuffer, truncated_is_weights
 from arpo_lib.run import layout
 from arpo_lib.run.config import RunConfig, config_changes, read_saved_config, save_config
 from arpo_lib.run.layout import RunDir
@@ -336,9 +336,8 @@ class Trainer:
                 group[result.replaced] = replayed
             for t in fresh:  # after injection, with the fresh (pre-replacement) group
                 self.replay.add(task, t.replay_item(), t.task_score)
-            adv = group_advantages(torch.tensor([t.reward for t in group], dtype=torch.float64),
-                                   eps=self.cfg.algo.adv_eps,
-                                   norm_by_std=self.cfg.algo.norm_adv_by_std).tolist()
+            adv = ADV_ESTIMATORS[self.cfg.algo.adv_estimator](
+                torch.tensor([t.reward for t in group], dtype=torch.float64), self.cfg.algo).tolist()
             groups.append(Group(task, group, adv, result.injected, result.all_failed))
         return groups
 
@@ -412,10 +411,8 @@ class Trainer:
                 if is_weights:
                     weights = _pad([is_weights.get(id(s), torch.ones(len(o))).to(logprobs.device)
                                     for s, o in zip(segs, new)])
-                loss, m = policy_loss(logprobs, old_lp, advs, mask, clip_low=cfg.algo.clip_low,
-                                      clip_high=cfg.algo.clip_high, dual_clip=cfg.algo.dual_clip,
-                                      aggregation=cfg.algo.aggregation, ref_logprobs=ref_lp,
-                                      kl_coef=cfg.algo.kl_coef, is_weights=weights)
+                loss, m = POLICY_LOSSES[cfg.algo.policy_loss](logprobs, old_lp, advs, mask, cfg.algo,
+                                                              ref_logprobs=ref_lp, is_weights=weights)
                 # Exact aggregation across micro-batches (and ranks): weight by this micro-batch's
                 # share of the whole mini-batch. FSDP averages gradients over ranks, hence x world size;
                 # a padding micro-batch (a rank with less work keeping FSDP's collectives in step) counts 0.
