@@ -11,6 +11,7 @@ package is cheap and works on a machine without a browser.
 from __future__ import annotations
 
 import difflib
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,9 +25,13 @@ __all__ = ["ENV_FAMILIES", "EnvError", "EnvFamily", "GUIEnv", "Observation", "ch
 
 def register_family(family: EnvFamily) -> EnvFamily:
     """Register a family: `make_env(f"{family.name}/{task}", **options)` calls `family.make(task, **options)`."""
+    return _register(family, sys._getframe(1).f_globals.get("__name__", "?"))
+
+
+def _register(family: EnvFamily, origin: str) -> EnvFamily:
     if not family.name or "/" in family.name:
         raise ValueError(f"a family's name must be non-empty and without '/', got {family.name!r}")
-    return ENV_FAMILIES.register(family.name, family)
+    return ENV_FAMILIES.register(family.name, family, origin=origin)
 
 
 def register_env(
@@ -40,7 +45,8 @@ def register_env(
     `make_env(f"{prefix}/{task}", **options)` calls `factory(task, **options)`. `tasks` lists the
     valid task names, or is a function returning them (called lazily); empty means any task name is
     passed to the factory, which validates it. `cache_tasks=False` asks the lister again every time."""
-    return register_family(EnvFamily(prefix, factory, description, tasks, cache_tasks))
+    return _register(EnvFamily(prefix, factory, description, tasks, cache_tasks),
+                     sys._getframe(1).f_globals.get("__name__", "?"))
 
 
 def list_envs(prefix: str | None = None) -> list[str]:

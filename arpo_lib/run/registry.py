@@ -60,15 +60,16 @@ class Registry(Mapping[str, T], Generic[T]):
         self._lock = threading.RLock()
 
     @overload
-    def register(self, name: str) -> Callable[[T], T]: ...
+    def register(self, name: str, *, origin: str | None = None) -> Callable[[T], T]: ...
 
     @overload
-    def register(self, name: str, entry: T) -> T: ...
+    def register(self, name: str, entry: T, *, origin: str | None = None) -> T: ...
 
-    def register(self, name: str, entry: Any = None) -> Any:
+    def register(self, name: str, entry: Any = None, *, origin: str | None = None) -> Any:
         """Add `entry` under `name`; without `entry`, a decorator that adds what it decorates.
-        A name taken by another entry is refused (registering the same object again is not)."""
-        origin = sys._getframe(1).f_globals.get("__name__", "?")  # the module registering
+        A name taken by another entry is refused (registering the same object again is not).
+        `origin`: the module registering, for messages (default: the caller's)."""
+        origin = origin or sys._getframe(1).f_globals.get("__name__", "?")
         if entry is None:
             return lambda obj: self._add(name, obj, origin)
         return self._add(name, entry, origin)
