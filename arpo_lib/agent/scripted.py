@@ -23,7 +23,7 @@ from typing import Any
 from arpo_lib import envs
 from arpo_lib.actions import MAX_PIXELS, MIN_PIXELS, format_response
 # The MiniWoB demonstrator's names, kept here for their older callers (sft's message, tests).
-from arpo_lib.envs.miniwob_scripted import SCRIPTED_TASKS, SOLVERS, infer_task, task_name  # noqa: F401
+from arpo_lib.envs.miniwob_scripted import SCRIPTED_TASKS, infer_task, task_name  # noqa: F401
 
 _BARE_NAMES = "miniwob"
 """The family of a task named without one (`click-test`): what `infer_task` answers, and what
@@ -32,8 +32,7 @@ callers wrote before there were other families."""
 
 def _family_task(task: str) -> tuple[envs.EnvFamily, str]:
     """(family, task within it) of a task name; an instance's `@<seed>` dropped."""
-    family, name = envs.check_env_name(task if "/" in task else f"{_BARE_NAMES}/{task}", listed=False)
-    return family, name
+    return envs.check_env_name(task if "/" in task else f"{_BARE_NAMES}/{task}", listed=False)
 
 
 def scripted_response(
