@@ -59,8 +59,6 @@ def check_tasks(cfg: RunConfig) -> RunConfig:
     for key, tasks in (("env.tasks", cfg.env.tasks), ("eval.tasks", cfg.eval.tasks or []),
                        ("select.tasks", cfg.select.tasks or [])):
         for task in tasks:
-            if isinstance(task, str) and task.partition("/")[0] in envs.PLANNED_FAMILIES:
-                continue  # checked when the family exists; building it says why it does not yet
             if envs.is_task_set_name(task):
                 continue  # expanded by resolve_task_sets when the run starts (needs the task data)
             try:
@@ -88,9 +86,9 @@ def resolve_task_sets(cfg: RunConfig) -> RunConfig:
 # -- components ----------------------------------------------------------------------------------
 def env_pool(cfg: RunConfig, share: int = 1) -> WorkerPool:
     """The run's environment workers: local processes or Ray actors (env.backend), in the
-    interpreter env.python names (`auto`: OSWorld's own environment for osworld tasks).
-    `share`: the number of training processes splitting the episodes (each gets its part of
-    env.workers)."""
+    interpreter env.python names (`auto`: the one the tasks' families need), importing the run's
+    plug-ins. `share`: the number of training processes splitting the episodes (each gets its part
+    of env.workers)."""
     opts = dict(cfg.env.options)
     opts.setdefault("max_steps", cfg.env.max_steps)
     python = env_python(cfg)
@@ -100,29 +98,21 @@ def env_pool(cfg: RunConfig, share: int = 1) -> WorkerPool:
     from arpo_lib.envs.pool import make_pool
 
     return make_pool(math.ceil(cfg.env.workers / share), opts, cfg.env.step_timeout_s, cfg.env.envs_per_worker,
-                     backend=cfg.env.backend, python=python, **ray)
-
-
-def _osworld_tasks(cfg: RunConfig) -> bool:
-    tasks = cfg.env.tasks + (cfg.eval.tasks or []) + (cfg.select.tasks or [])
-    return any(t.startswith("osworld/") for t in tasks)
+                     backend=cfg.env.backend, python=python, plugins=cfg.plugins, **ray)
 
 
 def env_python(cfg: RunConfig) -> str | None:
-    """The interpreter of the environment workers (env.python; `auto`: OSWorld's own environment
-    for osworld tasks, else this one, None)."""
+    """The interpreter of the environment workers (env.python; `auto`: the one the families of
+    the run's tasks need, e.g. OSWorld's own environment, else this one, None)."""
     python = cfg.env.python
     if python != "auto":
         return python
-    if not _osworld_tasks(cfg):
-        return None
-    from arpo_lib.envs.osworld.env import find_osworld_python
-
-    python = find_osworld_python()
-    if python is None:
-        raise RuntimeError("env.python=auto: no interpreter with desktop_env found "
-                           "(run scripts/setup_osworld.sh or set $ARPO_OSWORLD_PYTHON)")
-    return python
+    tasks = cfg.env.tasks + (cfg.eval.tasks or []) + (cfg.select.tasks or [])
+    families = {f.name: f for f in map(envs.family_of, tasks) if f.python is not None}
+    if len(families) > 1:
+        raise ConfigError(f"env.python: the tasks' families {', '.join(families)} each need an interpreter of "
+                          "their own; run them separately")
+    return next(iter(families.values())).python() if families else None
 
 
 def record_desktop_env(cfg: RunConfig) -> dict[str, Any] | None:

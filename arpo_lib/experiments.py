@@ -12,7 +12,7 @@ run directory `<out_dir>/<name>`):
    `eval_warm_start/`, and `compare.baseline_samples_per_task` episodes per task at the training
    temperature -> `eval_warm_start_train/` (what training-rollout success is compared with, task
    by task: batches draw a few tasks per step, so only per-task rates compare).
-4. **the runs**: for every seed in `compare.seeds`, every arm of `compare.algos` (`ARMS`) from the
+4. **the runs**: for every seed in `compare.seeds`, every arm of `compare.algos` (`COMPARISON_ARMS`) from the
    same weights, tasks, rollout budget and seeds; each ends with the same evaluation -> `<arm>-s<seed>/`.
 5. **report**: per arm the mean with a bootstrap 95% interval over seeds; paired differences per
    seed with an exact paired permutation test (and a sign test); `report.json`, `report.md`,
@@ -38,16 +38,10 @@ from arpo_lib.run import layout
 from arpo_lib.run.config import RunConfig, config_changes, config_from_dict, read_saved_config
 from arpo_lib.run.layout import RunDir
 from arpo_lib.run.records import atomic_write_text, read_jsonl
+from arpo_lib.run.registry import COMPARISON_ARMS
 
 log = logging.getLogger(__name__)
 
-ARMS: dict[str, dict[str, Any]] = {
-    "grpo": {"algo.replay.enabled": False, "algo.replay.correction": "none"},
-    "arpo": {"algo.replay.enabled": True, "algo.replay.correction": "none"},
-    "arpo_tis": {"algo.replay.enabled": True, "algo.replay.correction": "tis"},
-}
-"""Arm name -> what its runs override: plain GRPO, ARPO as published, ARPO with replayed
-trajectories weighted by truncated importance ratios."""
 ARM_LABELS = {"grpo": "GRPO", "arpo": "ARPO", "arpo_tis": "ARPO+TIS"}
 PAIRS = (("arpo", "grpo"), ("arpo_tis", "arpo"), ("arpo_tis", "grpo"))
 """Paired comparisons the report makes (first minus second), where both arms ran."""
@@ -127,7 +121,7 @@ def run_config(cfg: RunConfig, algo: str, seed: int, model_dir: Path, tasks: lis
     """The config of one run of the experiment: arm `algo`, training seed `seed`, from the warm
     start in `model_dir` on the kept `tasks` (its directory: `<experiment>/<algo>-s<seed>`)."""
     return _derive(cfg, f"{algo}-s{seed}", **{"model.path": str(model_dir), "env.tasks": tasks, "eval.tasks": None,
-                                              **ARMS[algo], "train.seed": seed,
+                                              **COMPARISON_ARMS[algo], "train.seed": seed,
                                               "warm_start.steps": 0, "warm_start.demos_per_task": 0,
                                               "train.demo_replay": 0,
                                               "train.tasks_per_batch": min(cfg.train.tasks_per_batch, len(tasks))})

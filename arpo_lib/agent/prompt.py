@@ -37,9 +37,7 @@ def get_prompt(name: str | Prompt) -> Prompt:
     """A prompt by name; ValueError naming the known ones."""
     if isinstance(name, Prompt):
         return name
-    if name not in PROMPTS:
-        raise ValueError(f"unknown prompt {name!r}; known: {', '.join(PROMPTS)}")
-    return PROMPTS[name]
+    return PROMPTS[name]  # an unknown name: ValueError naming the registered prompts
 
 
 def initial_messages(instruction: str, prompt: str | Prompt = DEFAULT_PROMPT) -> list[dict[str, Any]]:

@@ -5,8 +5,8 @@
         trajs   = rollouts(tasks x G)                   # parallel browsers, batched generation
         groups  = per task: replay.maybe_inject(...)    # ARPO: rescue all-failed groups
                   then replay.add(fresh trajectories)
-        adv     = group_advantages(rewards)             # per group, Bessel std
-        update  = PPO clipped loss, one epoch, `updates_per_batch` optimizer steps
+        adv     = estimator(rewards)                    # per group: GRPO's, Bessel std (algo.adv_estimator)
+        update  = ARPO's clipped loss (algo.policy_loss), one epoch, `updates_per_batch` optimizer steps
         metrics -> metrics.jsonl; evaluation and checkpoint (model, optimizer, replay, RNG) when due
 
 The trainer holds the algorithm and reads `train.*` and `algo.*` only; `arpo_lib.build.trainer(cfg)`
@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
 
-from arpo_lib.algo import ReplayBuffer, group_advantages, policy_loss, truncated_is_weights
+from arpo_lib.algo import ADV_ESTIMATORS, POLICY_LOSSES, ReplayBuffer, truncated_is_weights
 from arpo_lib.run import layout
 from arpo_lib.run.config import RunConfig
 from arpo_lib.run.seeding import stable_seed
@@ -171,9 +171,8 @@ class Trainer:
                 group[result.replaced] = replayed
             for t in fresh:  # after injection, with the fresh (pre-replacement) group
                 self.replay.add(task, t.replay_item(), t.task_score)
-            adv = group_advantages(torch.tensor([t.reward for t in group], dtype=torch.float64),
-                                   eps=self.cfg.algo.adv_eps,
-                                   norm_by_std=self.cfg.algo.norm_adv_by_std).tolist()
+            adv = ADV_ESTIMATORS[self.cfg.algo.adv_estimator](
+                torch.tensor([t.reward for t in group], dtype=torch.float64), self.cfg.algo).tolist()
             groups.append(Group(task, group, adv, result.injected, result.all_failed))
         return groups
 
@@ -246,9 +245,8 @@ class Trainer:
             if is_weights:
                 weights = _pad([is_weights.get(id(s), torch.ones(len(o))).to(logprobs.device)
                                 for s, o in zip(segs, new)])
-            loss, m = policy_loss(logprobs, old_lp, advs, mask, clip_low=a.clip_low, clip_high=a.clip_high,
-                                  dual_clip=a.dual_clip, aggregation=a.aggregation, ref_logprobs=ref_lp,
-                                  kl_coef=a.kl_coef, is_weights=weights)
+            loss, m = POLICY_LOSSES[a.policy_loss](logprobs, old_lp, advs, mask, a, ref_logprobs=ref_lp,
+                                                   is_weights=weights)
             # Exact aggregation across micro-batches (and ranks): weight by this micro-batch's
             # share of the whole mini-batch.
             share = float(mask.sum()) / n_tok if a.aggregation == "token-mean" else len(micro) / n_seq
