@@ -37,6 +37,8 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 import torch
 
 from arpo_lib.algo import ADV_ESTIMATORS, POLICY_LOSSES, ReplayBuffer, truncated_is_weights
+from arpo_lib.rollout.engine import RolloutEngine
+from arpo_lib.rollout.store import load_trajectory
 from arpo_lib.run import layout
 from arpo_lib.run.config import RunConfig
 from arpo_lib.run.seeding import stable_seed

@@ -3,7 +3,6 @@ non-finite gradients, the KL term of zero-advantage sequences, lone successes, a
 response scored by the environment's checker."""
 from __future__ import annotations
 
-import logging
 
 import pytest
 import torch
