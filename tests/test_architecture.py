@@ -315,3 +315,18 @@ def test_the_old_names_users_notebooks_hold_still_work(tmp_path, tiny_qwen2vl):
         trainer = Trainer(cfg)
     trainer.close()
     assert trainer.step == 0 and (tmp_path / "old" / "config.yaml").is_file()
+
+
+def test_the_trainer_reads_as_the_algorithm_and_reads_only_its_own_config_sections():
+    """Issue 34's target: `training/trainer.py` under ~250 lines, `train_step` about 40, and the
+    trainer and its update read `train.*` and `algo.*` only (the rest is read by the components
+    `build.trainer` hands them)."""
+    trainer = PACKAGE / "training" / "trainer.py"
+    source = trainer.read_text()
+    assert len(source.splitlines()) <= 250, len(source.splitlines())
+    tree = ast.parse(source)
+    step = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "train_step")
+    assert step.end_lineno - step.lineno + 1 <= 45
+    for path in (trainer, PACKAGE / "training" / "update.py"):
+        sections = set(re.findall(r"\bcfg\.(\w+)", path.read_text()))
+        assert sections <= {"train", "algo", "to_dict"}, (path.name, sections)

@@ -25,7 +25,8 @@ from arpo_lib.run.registry import LR_SCHEDULES
 T = TypeVar("T")
 
 
-def make_optimizer(name: str, params: list[torch.nn.Parameter], lr: float, weight_decay: float) -> torch.optim.Optimizer:
+def make_optimizer(name: str, params: list[torch.nn.Parameter], lr: float,
+                   weight_decay: float) -> torch.optim.Optimizer:
     """`adamw` (fused on CUDA: one kernel for all parameters) or `adafactor` (low memory)."""
     if name == "adamw":
         fused = bool(params) and all(p.is_cuda for p in params)

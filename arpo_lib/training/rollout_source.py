@@ -20,10 +20,10 @@ from typing import Any, Callable
 
 import torch
 
+from arpo_lib.rollout.engine import RolloutEngine
 from arpo_lib.run.layout import RunDir
 from arpo_lib.run.seeding import stable_seed
 from arpo_lib.training.backend import TrainingBackend
-from arpo_lib.rollout.engine import RolloutEngine
 from arpo_lib.types import (FollowingWeights, Policy, ServedWeights, TrainablePolicy, Trajectory, WorkerPool,
                             episode_requests)
 

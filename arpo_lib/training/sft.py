@@ -85,8 +85,8 @@ def supervised_warm_start(policy: TrainablePolicy, demos: Sequence[Trajectory], 
     return losses
 
 
-def warm_start(policy: TrainablePolicy, demos: Sequence[Trajectory], *, per_task: int, steps: int, lr: float, batch_size: int,
-               seed: int, record: Path | None, progress: bool = True) -> list[float]:
+def warm_start(policy: TrainablePolicy, demos: Sequence[Trajectory], *, per_task: int, steps: int, lr: float,
+               batch_size: int, seed: int, record: Path | None, progress: bool = True) -> list[float]:
     """The run's warm start: `supervised_warm_start` on the first `per_task` demonstrations of
     each task, recorded in `record` (warm_start.jsonl) and logged."""
     chosen = first_per_task(demos, per_task)
@@ -121,7 +121,8 @@ class WarmStart:
                  run: RunDir, tasks: Sequence[str], demos_per_task: int, steps: int, lr: float, batch_size: int,
                  demo_replay: int, seed: int, max_steps: int, progress: bool, done: bool = False):
         self.policy, self.backend, self.pool, self.run = policy, backend, pool, run
-        self.tasks, self.demos_per_task, self.steps, self.lr, self.batch_size = tasks, demos_per_task, steps, lr, batch_size
+        self.tasks, self.demos_per_task, self.steps = tasks, demos_per_task, steps
+        self.lr, self.batch_size = lr, batch_size
         self.demo_replay, self.seed, self.max_steps, self.progress = demo_replay, seed, max_steps, progress
         self.warm_started = self.replay_seeded = done
         self._demos: list[Trajectory] | None = None

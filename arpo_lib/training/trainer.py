@@ -6,58 +6,51 @@
         groups  = per task: replay.maybe_inject(...)    # ARPO: rescue all-failed groups
                   then replay.add(fresh trajectories)
         adv     = estimator(rewards)                    # per group: GRPO's, Bessel std (algo.adv_estimator)
-        update  = ARPO's clipped loss (algo.policy_loss), one epoch, `updates_per_batch` optimizer steps
+        update  = ARPO's clipped loss (algo.policy_loss), one epoch, `updates_per_batch`
+                  optimizer steps (training/update.py)
         metrics -> metrics.jsonl; evaluation and checkpoint (model, optimizer, replay, RNG) when due
 
 The trainer holds the algorithm and reads `train.*` and `algo.*` only; `arpo_lib.build.trainer(cfg)`
 gives it the rest: the rollouts (`rollout_source`: this process's model or servers following its
 weights), where the update runs (`backend`: one process or FSDP2), the demonstrations (`sft`), the
-records (`metrics`), the checkpoints and the evaluation, each deciding its own details and cadence.
+records (`metrics`), the checkpoints and the evaluation, each deciding its own details and cadence;
+the policy update (`update.PolicyUpdate`) holds the optimizer.
 
 Departures from the original, on purpose:
 - Infrastructure failures (a crashed browser/VM) are dropped from their group, not scored 0.
-- Sequences with advantage exactly 0 are counted in the loss normaliser but not run through the
-  model (their loss and gradient are exactly zero), unless a KL term (algo.kl_coef) needs them.
+- Sequences with advantage exactly 0 are not run through the model (see training/update.py).
 - A lone success of a task whose other rollouts hit infrastructure failures is stored for replay
   though its group is too small to train on. A non-finite gradient skips its optimizer step, as
   ARPO; `train.max_skipped_steps` in a row stop the run.
-- `algo.old_logprobs=recompute` (default, as ARPO) recomputes old log-probs with the current
-  policy before the update; `behaviour` uses the log-probs stored at sampling time instead.
 - Checkpoints include the replay buffer and the data order; `resume` continues exactly.
 """
 from __future__ import annotations
 
 import logging
-import math
-import random
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
 
-from arpo_lib.algo import ADV_ESTIMATORS, POLICY_LOSSES, ReplayBuffer, truncated_is_weights
+from arpo_lib.algo import ADV_ESTIMATORS, ReplayBuffer
 from arpo_lib.rollout.engine import RolloutEngine
 from arpo_lib.rollout.store import load_trajectory
 from arpo_lib.run import layout
 from arpo_lib.run.config import RunConfig
 from arpo_lib.run.seeding import stable_seed
-from arpo_lib.training.backend import Plan, TrainingBackend
+from arpo_lib.training.backend import TrainingBackend
 from arpo_lib.training.checkpoint import Checkpointer
-from arpo_lib.training.metrics import RunRecords, UpdateMetrics, is_weight_stats, step_metrics
-from arpo_lib.training.optim import make_optimizer, warmup_schedule
+from arpo_lib.training.metrics import RunRecords, step_metrics
 from arpo_lib.training.rollout_source import RolloutSource, task_batch
 from arpo_lib.training.sft import WarmStart
+from arpo_lib.training.update import NonFiniteGradientError, PolicyUpdate  # noqa: F401 (its old home)
 from arpo_lib.types import Group, TrainablePolicy, Trajectory
 
 if TYPE_CHECKING:  # annotations only: evaluation sits above training
     from arpo_lib.evaluation.evaluate import EvalResult
 
 log = logging.getLogger(__name__)
-
-
-class NonFiniteGradientError(RuntimeError):
-    """Too many optimizer steps in a row had a NaN or infinite gradient (train.max_skipped_steps)."""
 
 
 class Evaluator(Protocol):
@@ -81,9 +74,9 @@ class Trainer:
         self.run = records.run
         self.run_dir = self.run.root
         t, rp = cfg.train, cfg.algo.replay
-        self.optimizer = make_optimizer(t.optimizer, backend.parameters(), t.lr, t.weight_decay)
-        self.scheduler = warmup_schedule(self.optimizer, t.steps * t.updates_per_batch, t.warmup_ratio,
-                                         t.lr_schedule, t.min_lr_ratio)
+        self.updater = PolicyUpdate(cfg, policy, backend, temperature=rollouts.temperature, reference=reference,
+                                    checkpoints_dir=self.run.checkpoints)
+        self.optimizer, self.scheduler = self.updater.optimizer, self.updater.scheduler
         self.replay: ReplayBuffer[dict[str, Any]] = ReplayBuffer(
             capacity_per_task=rp.capacity_per_task, success_threshold=rp.success_threshold, enabled=rp.enabled,
             seed=stable_seed(t.seed, "replay"), std_threshold=rp.std_threshold, mean_threshold=rp.mean_threshold)
@@ -91,8 +84,7 @@ class Trainer:
         self.weights_version = int(state.get("weights_version", 0))
         """Counts weight changes (warm start, optimizer steps): what a rollout server must hold,
         and how old a replayed trajectory is (checkpointed)."""
-        self.consecutive_skips = int(state.get("consecutive_skips", 0))
-        """Optimizer steps skipped in a row for a non-finite gradient (train.max_skipped_steps)."""
+        self.updater.consecutive_skips = int(state.get("consecutive_skips", 0))
         self.seconds_warm_start = 0.0
         records.start(self.step, resume)
 
@@ -178,101 +170,16 @@ class Trainer:
             groups.append(Group(task, group, adv, result.injected, result.all_failed))
         return groups
 
-    # -- the policy update -------------------------------------------------------------------------
     def update(self, groups: list[Group]) -> dict[str, Any]:
-        """One PPO epoch over the batch, split into `updates_per_batch` optimizer steps."""
-        t, a = self.cfg.train, self.cfg.algo
-        items = [(seg, adv, traj) for g in groups for traj, adv in zip(g.trajectories, g.advantages)
-                 for seg in traj.segments if any(seg.loss_mask)]
-        stats = UpdateMetrics(len(items), groups, self.weights_version)
-        if not items:
-            return stats.result()
-        random.Random(stable_seed(t.seed, "shuffle", self.step)).shuffle(items)
-        # A sequence with advantage 0 has zero policy loss and gradient, so it is not run through
-        # the model -- unless a KL term to the reference depends on it too.
-        with_kl = self.reference is not None and a.kl_coef > 0
-        minibatches = [items[i::t.updates_per_batch] for i in range(t.updates_per_batch)]
-        # Which micro-batches this process runs in each mini-batch: all of them, or its share.
-        plans = [self.backend.plan([(s, adv) for s, adv, _ in mb if adv != 0.0 or with_kl]) for mb in minibatches]
-        mine = {id(s) for plan in plans for micro, _ in plan for s, _ in micro}
-        # Old log-probs before any update (ratio starts at 1, as ARPO), and with
-        # algo.replay.correction=tis the truncated importance weights of replayed members.
-        old: dict[int, torch.Tensor] = {}
-        is_weights: dict[int, torch.Tensor] = {}
-        for seg, _, traj in (item for item in items if id(item[0]) in mine):
-            behaviour = torch.tensor([lp for lp, m in zip(seg.behaviour_logprobs, seg.loss_mask) if m])
-            with torch.no_grad():
-                old[id(seg)] = (behaviour if a.old_logprobs == "behaviour" else
-                                self.policy.sequence_logprobs([seg], self.rollouts.temperature)[0].detach().cpu())
-            if a.replay.correction == "tis" and traj.replayed:
-                is_weights[id(seg)] = truncated_is_weights(old[id(seg)].double(), behaviour.double(),
-                                                           a.replay.tis_cap).float()
-        stats.add(is_weight_stats(items, plans, is_weights, self.backend, a.replay.tis_cap))
-        self.backend.train_mode()
-        for mb, plan in zip(minibatches, plans):
-            if not mb:
-                continue
-            n_tok = sum(sum(seg.loss_mask) for seg, _, _ in mb)
-            self.optimizer.zero_grad(set_to_none=True)
-            sums = self._gradients(plan, len(mb), n_tok, old, is_weights)
-            norm = self.backend.clip_grad_norm(self.optimizer, t.grad_clip)
-            if math.isfinite(norm):
-                self.optimizer.step()
-                self.scheduler.step()  # the schedule counts the optimizer steps taken
-                self.consecutive_skips = 0
-                self.weights_version += 1
-            else:
-                self._skip_step(norm)
-            stats.minibatch(sums, ran=bool(plan), norm=norm, tokens=n_tok)
-        self.backend.after_update(stepped=stats.optimizer_steps > 0)
-        return stats.result()
+        """The policy update (`training/update.py`): one PPO epoch, `updates_per_batch` optimizer steps."""
+        stats = self.updater(groups, self.step, self.weights_version)
+        self.weights_version += stats["optimizer_steps"]
+        return stats
 
-    def _gradients(self, plan: Plan, n_seq: int, n_tok: int, old: dict[int, torch.Tensor],
-                   is_weights: dict[int, torch.Tensor]) -> list[float]:
-        """One mini-batch's clipped loss into the gradients, micro-batch by micro-batch; returns its
-        loss, clip fraction, approx. KL and KL to the reference (token means, summed over ranks)."""
-        a, temperature = self.cfg.algo, self.rollouts.temperature
-        sums = [0.0, 0.0, 0.0, 0.0]
-        for micro, live in plan:
-            segs = [s for s, _ in micro]
-            new = self.backend.logprobs(segs, temperature)
-            logprobs = _pad(new)
-            old_lp = _pad([old[id(s)].to(logprobs.device) for s in segs])
-            mask = _pad([torch.ones_like(t) for t in new])
-            advs = torch.tensor([adv for _, adv in micro], dtype=logprobs.dtype, device=logprobs.device)
-            ref_lp = weights = None
-            if self.reference is not None:
-                with torch.no_grad():
-                    ref_lp = _pad(self.policy.sequence_logprobs(segs, temperature, model=self.reference))
-            if is_weights:
-                weights = _pad([is_weights.get(id(s), torch.ones(len(o))).to(logprobs.device)
-                                for s, o in zip(segs, new)])
-            loss, m = POLICY_LOSSES[a.policy_loss](logprobs, old_lp, advs, mask, a, ref_logprobs=ref_lp,
-                                                   is_weights=weights)
-            # Exact aggregation across micro-batches (and ranks): weight by this micro-batch's
-            # share of the whole mini-batch.
-            share = float(mask.sum()) / n_tok if a.aggregation == "token-mean" else len(micro) / n_seq
-            self.backend.backward(loss, share, live)
-            if live:  # the metrics: token means over the mini-batch, whatever its partition
-                tokens = float(mask.sum()) / n_tok
-                part = [loss.item() * share] + [m.get(k, 0.0) * tokens for k in ("clip_fraction", "approx_kl", "kl")]
-                sums = [s + p for s, p in zip(sums, part)]
-        return self.backend.all_reduce_sum(sums)
-
-    def _skip_step(self, norm: float) -> None:
-        """A non-finite gradient: drop it instead of letting one NaN poison every weight (and
-        every checkpoint after it), as ARPO does; stop after `train.max_skipped_steps` in a row."""
-        self.optimizer.zero_grad(set_to_none=True)
-        self.consecutive_skips += 1
-        log.warning("step %d: the gradient norm is %s: optimizer step skipped (%d in a row)",
-                    self.step, norm, self.consecutive_skips)
-        limit = self.cfg.train.max_skipped_steps
-        if limit and self.consecutive_skips >= limit:
-            raise NonFiniteGradientError(
-                f"{self.consecutive_skips} optimizer steps in a row had a non-finite gradient norm ({norm}): "
-                f"the run is stopped before it trains on garbage. The last checkpoint in {self.run.checkpoints} "
-                "is intact; look for NaN/inf in the log-probs or rewards, lower train.lr, or raise "
-                "train.max_skipped_steps to tolerate more.")
+    @property
+    def consecutive_skips(self) -> int:
+        """Optimizer steps skipped in a row for a non-finite gradient (train.max_skipped_steps)."""
+        return self.updater.consecutive_skips
 
     # -- before the first step, evaluation and checkpoints -----------------------------------------
     def warm_start(self) -> list[float]:
@@ -301,6 +208,3 @@ class Trainer:
                                      state={"consecutive_skips": self.consecutive_skips,
                                             "weights_version": self.weights_version})
 
-
-def _pad(seqs: list[torch.Tensor]) -> torch.Tensor:
-    return torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True)
