@@ -26,6 +26,7 @@ from arpo_lib.agent.hf_policy import HFPolicy
 from arpo_lib.agent.server_policy import ServerPolicy
 from arpo_lib.evaluation.evaluate import EvalResult, evaluate_run
 from arpo_lib.evaluation.protocols import PROTOCOLS
+from arpo_lib.rollout.engine import RolloutEngine
 from arpo_lib.run import config as config_module
 from arpo_lib.run.config import ConfigError, RunConfig, server_urls
 from arpo_lib.run.layout import RunDir
@@ -33,10 +34,14 @@ from arpo_lib.run.records import atomic_write_bytes, safe_join
 from arpo_lib.serving.launch import ServerHandle, free_port, start_server
 from arpo_lib.serving.weight_sync import FollowingServed, ServedPolicy, connect_all, save_for_server
 from arpo_lib.training import checkpoint as ckpt
+from arpo_lib.training.backend import training_backend
+from arpo_lib.training.checkpoint import Checkpointer
 from arpo_lib.training.distributed import Ranks, barrier, device_for, init_process_group
-from arpo_lib.training.rollout import RolloutEngine
+from arpo_lib.training.metrics import RunRecords
+from arpo_lib.training.rollout_source import RolloutSource
+from arpo_lib.training.sft import WarmStart
 from arpo_lib.training.trainer import Trainer
-from arpo_lib.types import WorkerPool
+from arpo_lib.types import ServedWeights, WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +59,6 @@ def check_tasks(cfg: RunConfig) -> RunConfig:
     for key, tasks in (("env.tasks", cfg.env.tasks), ("eval.tasks", cfg.eval.tasks or []),
                        ("select.tasks", cfg.select.tasks or [])):
         for task in tasks:
-            if isinstance(task, str) and task.partition("/")[0] in envs.PLANNED_FAMILIES:
-                continue  # checked when the family exists; building it says why it does not yet
             if envs.is_task_set_name(task):
                 continue  # expanded by resolve_task_sets when the run starts (needs the task data)
             try:
@@ -83,9 +86,9 @@ def resolve_task_sets(cfg: RunConfig) -> RunConfig:
 # -- components ----------------------------------------------------------------------------------
 def env_pool(cfg: RunConfig, share: int = 1) -> WorkerPool:
     """The run's environment workers: local processes or Ray actors (env.backend), in the
-    interpreter env.python names (`auto`: OSWorld's own environment for osworld tasks).
-    `share`: the number of training processes splitting the episodes (each gets its part of
-    env.workers)."""
+    interpreter env.python names (`auto`: the one the tasks' families need), importing the run's
+    plug-ins. `share`: the number of training processes splitting the episodes (each gets its part
+    of env.workers)."""
     opts = dict(cfg.env.options)
     opts.setdefault("max_steps", cfg.env.max_steps)
     python = env_python(cfg)
@@ -95,29 +98,21 @@ def env_pool(cfg: RunConfig, share: int = 1) -> WorkerPool:
     from arpo_lib.envs.pool import make_pool
 
     return make_pool(math.ceil(cfg.env.workers / share), opts, cfg.env.step_timeout_s, cfg.env.envs_per_worker,
-                     backend=cfg.env.backend, python=python, **ray)
-
-
-def _osworld_tasks(cfg: RunConfig) -> bool:
-    tasks = cfg.env.tasks + (cfg.eval.tasks or []) + (cfg.select.tasks or [])
-    return any(t.startswith("osworld/") for t in tasks)
+                     backend=cfg.env.backend, python=python, plugins=cfg.plugins, **ray)
 
 
 def env_python(cfg: RunConfig) -> str | None:
-    """The interpreter of the environment workers (env.python; `auto`: OSWorld's own environment
-    for osworld tasks, else this one, None)."""
+    """The interpreter of the environment workers (env.python; `auto`: the one the families of
+    the run's tasks need, e.g. OSWorld's own environment, else this one, None)."""
     python = cfg.env.python
     if python != "auto":
         return python
-    if not _osworld_tasks(cfg):
-        return None
-    from arpo_lib.envs.osworld.env import find_osworld_python
-
-    python = find_osworld_python()
-    if python is None:
-        raise RuntimeError("env.python=auto: no interpreter with desktop_env found "
-                           "(run scripts/setup_osworld.sh or set $ARPO_OSWORLD_PYTHON)")
-    return python
+    tasks = cfg.env.tasks + (cfg.eval.tasks or []) + (cfg.select.tasks or [])
+    families = {f.name: f for f in map(envs.family_of, tasks) if f.python is not None}
+    if len(families) > 1:
+        raise ConfigError(f"env.python: the tasks' families {', '.join(families)} each need an interpreter of "
+                          "their own; run them separately")
+    return next(iter(families.values())).python() if families else None
 
 
 def record_desktop_env(cfg: RunConfig) -> dict[str, Any] | None:
@@ -248,16 +243,26 @@ def served_policy(cfg: RunConfig, trained: HFPolicy) -> ServedPolicy:
                         initial_model=trained.path, replicas=cfg.serve.replicas)
 
 
-def evaluator(cfg: RunConfig) -> Any:
-    """The evaluation a trainer runs: (engine, label, tasks) -> EvalResult in <run>/eval/<label>."""
-    run = RunDir(cfg.run_dir)
+class RunEvaluation:
+    """The evaluation a trainer runs: due every train.eval_every steps and at the last (0: only
+    when asked); (engine, label, tasks) -> EvalResult in <run>/eval/<label>."""
 
-    def run_eval(engine: RolloutEngine, label: str, tasks: list[str] | None = None) -> EvalResult:
+    def __init__(self, cfg: RunConfig):
+        self.cfg, self.run = cfg, RunDir(cfg.run_dir)
+
+    def due(self, step: int) -> bool:
+        every = self.cfg.train.eval_every
+        return bool(every) and (step % every == 0 or step == self.cfg.train.steps)
+
+    def __call__(self, engine: RolloutEngine, label: str, tasks: list[str] | None = None) -> EvalResult:
         # The training engine: the run's prompt and environment options, so protocol `run`.
-        return evaluate_run(engine, cfg, safe_join(run.eval_root, label), tasks=tasks, description=f"eval {label}",
-                            protocol="run")
+        return evaluate_run(engine, self.cfg, safe_join(self.run.eval_root, label), tasks=tasks,
+                            description=f"eval {label}", protocol="run")
 
-    return run_eval
+
+def evaluator(cfg: RunConfig) -> RunEvaluation:
+    """The evaluation a trainer runs (`RunEvaluation`)."""
+    return RunEvaluation(cfg)
 
 
 def trainer(cfg: RunConfig, *, resume: bool = False, policy: HFPolicy | None = None,
@@ -287,12 +292,27 @@ def trainer(cfg: RunConfig, *, resume: bool = False, policy: HFPolicy | None = N
     if checkpoint is not None and lora:
         trained.load_adapter(checkpoint / "model")
     reference = reference_model(cfg, trained.device) if cfg.algo.kl_coef > 0 else None
-    served = None
-    if cfg.rollout.backend == "server":  # distributed: rank 0 keeps the server current, the others follow
+    t, r = cfg.train, cfg.rollout
+    backend = training_backend(trained, ranks, micro_batch_size=t.micro_batch_size, token_budget=t.token_budget,
+                               pack=t.pack)
+    served: ServedWeights | None = None
+    if r.backend == "server":  # distributed: rank 0 keeps the server current, the others follow
         served = (served_policy(cfg, trained) if ranks.is_main
                   else FollowingServed(connect=lambda url: server_policy(cfg, url)))
-    return Trainer(cfg, trained, make_pool=lambda: env_pool(cfg, ranks.world_size), served=served, evaluator=evaluator(cfg),
-                   checkpoint=checkpoint, resume=resume, reference=reference, ranks=ranks)
+    records = RunRecords(cfg, backend)
+    rollouts = RolloutSource(trained, cfg.env.tasks, lambda: env_pool(cfg, ranks.world_size), backend, served=served,
+                             run=run, group_size=r.group_size, temperature=r.temperature, top_p=r.top_p,
+                             max_steps=cfg.env.max_steps, format_coef=cfg.algo.format_coef,
+                             format_penalty=cfg.algo.format_penalty, seed=t.seed, progress=records.progress)
+    ws = cfg.warm_start
+    sft = WarmStart(trained, backend, lambda: rollouts.pool, run=run, tasks=cfg.env.tasks,
+                    demos_per_task=ws.demos_per_task, steps=ws.steps, lr=ws.lr, batch_size=ws.batch_size,
+                    demo_replay=t.demo_replay, seed=t.seed, max_steps=cfg.env.max_steps, progress=records.progress,
+                    done=checkpoint is not None)
+    checkpoints = Checkpointer(run, backend, every=t.checkpoint_every, keep=t.keep_checkpoints, last_step=t.steps,
+                               resume_from=checkpoint)
+    return Trainer(cfg, trained, rollouts=rollouts, backend=backend, sft=sft, records=records,
+                   checkpoints=checkpoints, evaluator=evaluator(cfg), reference=reference, resume=resume)
 
 
 def response_cap(cfg: RunConfig, protocol: Any) -> int | None:
@@ -334,8 +354,7 @@ def engine(cfg: RunConfig, scripted: bool = False, protocol: str = "run") -> Ite
     try:
         with env_pool(cfg) as pool:
             yield RolloutEngine(acting, pool, max_steps=cfg.env.max_steps, format_coef=cfg.algo.format_coef,
-                                format_penalty=cfg.algo.format_penalty,
-                                **{**p.engine_options(), "max_new_tokens": response_cap(cfg, p)})
+                                format_penalty=cfg.algo.format_penalty, rules=p.rollout_rules(response_cap(cfg, p)))
     finally:
         if cfg.rollout.backend == "server":
             acting.close()

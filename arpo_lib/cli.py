@@ -231,7 +231,7 @@ def _cmd_select_tasks(args: argparse.Namespace) -> int:
 
 
 def _cmd_export_osworld(args: argparse.Namespace) -> int:
-    from arpo_lib.envs.osworld.export import export_osworld_results
+    from arpo_lib.evaluation.osworld_export import export_osworld_results
 
     eval_dir = Path(args.eval_dir)
     out = export_osworld_results(eval_dir, Path(args.out) if args.out else eval_dir / "osworld_results", args.model)

@@ -12,63 +12,94 @@ run directory `<out_dir>/<name>`):
    `eval_warm_start/`, and `compare.baseline_samples_per_task` episodes per task at the training
    temperature -> `eval_warm_start_train/` (what training-rollout success is compared with, task
    by task: batches draw a few tasks per step, so only per-task rates compare).
-4. **the runs**: for every seed in `compare.seeds`, every arm of `compare.algos` (`ARMS`) from the
+4. **the runs**: for every seed in `compare.seeds`, every arm of `compare.algos` (`COMPARISON_ARMS`) from the
    same weights, tasks, rollout budget and seeds; each ends with the same evaluation -> `<arm>-s<seed>/`.
 5. **report**: per arm the mean with a bootstrap 95% interval over seeds; paired differences per
    seed with an exact paired permutation test (and a sign test); `report.json`, `report.md`,
-   `comparison.png` (`evaluation.stats` holds the statistics).
+   `comparison.png`.
 
 Every stage is skipped when its result exists, and a run resumes from its last checkpoint, so
 rerunning the same command (in this session or a later one) continues where it stopped. The
 replay buffer starts empty in every arm (`train.demo_replay` is forced to 0): ARPO's buffer
 holds only the policy's own successes, as in the paper.
+
+This module is the stages, in the order `run_comparison` runs them, and the caching that lets a
+stage be skipped (a stage's directory is reused only if it was made with the same setting). The
+statistics are `evaluation.stats`; the report's text is `viz.report`, its figure `viz.plots`.
 """
 from __future__ import annotations
 
 import json
 import logging
-import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 from arpo_lib import build
-from arpo_lib.evaluation.stats import band, bootstrap_ci, paired_permutation_test, sign_test
+from arpo_lib.evaluation.stats import arm_statistics, paired_comparison
 from arpo_lib.run import layout
 from arpo_lib.run.config import RunConfig, config_changes, config_from_dict, read_saved_config
 from arpo_lib.run.layout import RunDir
 from arpo_lib.run.records import atomic_write_text, read_jsonl
+from arpo_lib.run.registry import COMPARISON_ARMS
+from arpo_lib.viz.report import report_digest, report_markdown
 
 log = logging.getLogger(__name__)
 
-ARMS: dict[str, dict[str, Any]] = {
-    "grpo": {"algo.replay.enabled": False, "algo.replay.correction": "none"},
-    "arpo": {"algo.replay.enabled": True, "algo.replay.correction": "none"},
-    "arpo_tis": {"algo.replay.enabled": True, "algo.replay.correction": "tis"},
-}
-"""Arm name -> what its runs override: plain GRPO, ARPO as published, ARPO with replayed
-trajectories weighted by truncated importance ratios."""
-ARM_LABELS = {"grpo": "GRPO", "arpo": "ARPO", "arpo_tis": "ARPO+TIS"}
+# report_markdown and report_digest live in viz.report; the notebook calls them through this module.
+__all__ = ["comparison_report", "evaluate_model", "finished_runs", "report_digest", "report_markdown",
+           "require_same_setting", "run_arm", "run_comparison", "run_config", "selection_stage", "setting_changes",
+           "warm_start_stage"]
+
 PAIRS = (("arpo", "grpo"), ("arpo_tis", "arpo"), ("arpo_tis", "grpo"))
 """Paired comparisons the report makes (first minus second), where both arms ran."""
 
 
-def _derive(cfg: RunConfig, name: str, **changes: Any) -> RunConfig:
-    """A copy of the experiment's config for one stage: dotted keys -> values."""
-    data = cfg.to_dict()
-    data["out_dir"], data["name"] = str(cfg.run_dir), name
-    for key, value in changes.items():
-        node = data
-        parts = key.split(".")
-        for part in parts[:-1]:
-            node = node[part]
-        node[parts[-1]] = value
-    return config_from_dict(data)
+def run_comparison(cfg: RunConfig, *, report_only: bool = False) -> dict[str, Any]:
+    """All stages; returns the report (also written to report.json / report.md / comparison.png).
+
+    `report_only`: run nothing; report the runs that have finished so far (a long experiment can
+    be looked at while it runs, or after it was stopped). The report then names the missing runs
+    (`missing_runs`). RuntimeError if the warm start, selection or baseline evaluations, or every
+    run, are not finished yet."""
+    t0 = time.monotonic()
+    if report_only:
+        _require_finished_stages(cfg)
+        model_dir = cfg.run_dir / "warm_start" / "model"
+    else:
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        model_dir = warm_start_stage(cfg)
+    tasks = selection_stage(cfg, model_dir)
+    warm = evaluate_model(cfg, model_dir, tasks, cfg.run_dir / "eval_warm_start")
+    warm_train = evaluate_model(cfg, model_dir, tasks, cfg.run_dir / "eval_warm_start_train",
+                                temperature=cfg.rollout.temperature,
+                                samples_per_task=cfg.compare.baseline_samples_per_task)
+    if report_only:
+        runs, missing = finished_runs(cfg)
+    else:
+        runs = [run_arm(cfg, algo, seed, model_dir, tasks) for seed in cfg.compare.seeds for algo in cfg.compare.algos]
+        missing = []
+    report = comparison_report(cfg, warm, runs, tasks, warm_train=warm_train)
+    report["missing_runs"] = missing
+    report["seconds_total_this_call"] = round(time.monotonic() - t0, 1)
+    write_report(cfg.run_dir, report)
+    return report
 
 
-def _done(path: Path) -> dict[str, Any] | None:
-    return json.loads(path.read_text()) if path.is_file() else None
+def _require_finished_stages(cfg: RunConfig) -> None:
+    """RuntimeError naming what is missing unless the warm start, the selection, both baseline
+    evaluations and at least one run have finished (what `--report-only` reads, running nothing)."""
+    stages = [cfg.run_dir / "warm_start" / "done.json", RunDir(cfg.run_dir).selection / layout.SELECTION_RESULT,
+              cfg.run_dir / "eval_warm_start" / layout.EVAL_RESULTS,
+              cfg.run_dir / "eval_warm_start_train" / layout.EVAL_RESULTS]
+    absent = [str(p) for p in stages if not p.is_file()]
+    if absent:
+        raise RuntimeError(f"nothing to report in {cfg.run_dir} yet: stages not finished: {', '.join(absent)}")
+    if not finished_runs(cfg)[0]:
+        raise RuntimeError(f"nothing to report in {cfg.run_dir} yet: no run has finished")
 
+
+# ------------------------------------------------------------------------- stage 1: warm start
 
 def warm_start_stage(cfg: RunConfig) -> Path:
     """SFT on scripted demonstrations once; returns the saved model directory."""
@@ -87,6 +118,8 @@ def warm_start_stage(cfg: RunConfig) -> Path:
     return model_dir
 
 
+# --------------------------------------------------------------------- stage 2: task selection
+
 def selection_stage(cfg: RunConfig, model_dir: Path) -> list[str]:
     """ARPO's task selection with the warm-started policy; returns the kept tasks."""
     from arpo_lib.evaluation.task_selection import load_selection
@@ -102,6 +135,8 @@ def selection_stage(cfg: RunConfig, model_dir: Path) -> list[str]:
                            "for RL to have any signal; train it longer (warm_start.steps) or raise select.k")
     return kept
 
+
+# -------------------------------------------- stage 3: evaluations (baselines, final policies)
 
 def evaluate_model(cfg: RunConfig, model_dir: Path, tasks: list[str], out: Path,
                    temperature: float | None = None, samples_per_task: int | None = None) -> dict[str, Any]:
@@ -123,56 +158,16 @@ def evaluate_model(cfg: RunConfig, model_dir: Path, tasks: list[str], out: Path,
     return result.to_dict()
 
 
+# --------------------------------------------------------------------------- stage 4: the runs
+
 def run_config(cfg: RunConfig, algo: str, seed: int, model_dir: Path, tasks: list[str]) -> RunConfig:
     """The config of one run of the experiment: arm `algo`, training seed `seed`, from the warm
     start in `model_dir` on the kept `tasks` (its directory: `<experiment>/<algo>-s<seed>`)."""
     return _derive(cfg, f"{algo}-s{seed}", **{"model.path": str(model_dir), "env.tasks": tasks, "eval.tasks": None,
-                                              **ARMS[algo], "train.seed": seed,
+                                              **COMPARISON_ARMS[algo], "train.seed": seed,
                                               "warm_start.steps": 0, "warm_start.demos_per_task": 0,
                                               "train.demo_replay": 0,
                                               "train.tasks_per_batch": min(cfg.train.tasks_per_batch, len(tasks))})
-
-
-SETTING_FREE = ("out_dir", "name", "model.path", "compare.", "logging.")
-"""Config keys (or prefixes) that do not change what a run of the experiment computes: where it
-lives, the experiment's seed list and arms, logging. Every other key is part of a run's setting."""
-
-
-WARM_START_SETTING = ("warm_start.", "env.", "model.", "agent.", "train.seed")
-"""What the warm start depends on (its demonstrations, model and prompt), for the same check.
-env.tasks and env.instances_per_task are not compared there: the trainer saves them expanded
-into fixed instances, so the saved form is not the experiment's."""
-WARM_START_FREE = ("out_dir", "name", "env.tasks", "env.instances_per_task")
-
-
-def _matches(key: str, patterns: tuple[str, ...]) -> bool:
-    return any(key == p or (p.endswith(".") and key.startswith(p)) for p in patterns)
-
-
-def setting_changes(saved: Path, cfg: RunConfig, free: tuple[str, ...] = SETTING_FREE,
-                    only: tuple[str, ...] | None = None) -> dict[str, tuple[Any, Any]]:
-    """Dotted key -> (value in the config saved at `saved`, value in `cfg`) for every key of a
-    run's setting that differs (keys of `free` left out; with `only`, only those keys; a key the
-    saved config predates counts with its default)."""
-    return {k: v for k, v in config_changes(read_saved_config(saved), cfg).items()
-            if not _matches(k, free) and (only is None or _matches(k, only))}
-
-
-def require_same_setting(run_cfg: RunConfig, free: tuple[str, ...] = SETTING_FREE,
-                         only: tuple[str, ...] | None = None) -> None:
-    """RuntimeError when the run directory already holds a run (started or finished) made with
-    another setting: the experiment caches runs by directory, so changing e.g. train.steps and
-    rerunning under the same name would otherwise report the old runs as the new setting's, or
-    resume them with the new one."""
-    saved = RunDir(run_cfg.run_dir).config
-    if not saved.is_file():
-        return
-    changes = setting_changes(saved, run_cfg, free, only)
-    if changes:
-        shown = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in list(changes.items())[:8])
-        raise RuntimeError(f"{run_cfg.run_dir} holds a run made with another setting ({shown}"
-                           f"{', ...' if len(changes) > 8 else ''}): give the experiment another name "
-                           f"(name=...) or move that run away")
 
 
 def run_arm(cfg: RunConfig, algo: str, seed: int, model_dir: Path, tasks: list[str]) -> dict[str, Any]:
@@ -246,170 +241,22 @@ def finished_runs(cfg: RunConfig) -> tuple[list[dict[str, Any]], list[str]]:
     return done, missing
 
 
-def _require_finished_stages(cfg: RunConfig) -> None:
-    """RuntimeError naming what is missing unless the warm start, the selection, both baseline
-    evaluations and at least one run have finished (what `--report-only` reads, running nothing)."""
-    stages = [cfg.run_dir / "warm_start" / "done.json", RunDir(cfg.run_dir).selection / layout.SELECTION_RESULT,
-              cfg.run_dir / "eval_warm_start" / layout.EVAL_RESULTS,
-              cfg.run_dir / "eval_warm_start_train" / layout.EVAL_RESULTS]
-    absent = [str(p) for p in stages if not p.is_file()]
-    if absent:
-        raise RuntimeError(f"nothing to report in {cfg.run_dir} yet: stages not finished: {', '.join(absent)}")
-    if not finished_runs(cfg)[0]:
-        raise RuntimeError(f"nothing to report in {cfg.run_dir} yet: no run has finished")
-
-
-def run_comparison(cfg: RunConfig, *, report_only: bool = False) -> dict[str, Any]:
-    """All stages; returns the report (also written to report.json / report.md / comparison.png).
-
-    `report_only`: run nothing; report the runs that have finished so far (a long experiment can
-    be looked at while it runs, or after it was stopped). The report then names the missing runs
-    (`missing_runs`). RuntimeError if the warm start, selection or baseline evaluations, or every
-    run, are not finished yet."""
-    from arpo_lib.viz.plots import plot_comparison, save_figure
-
-    t0 = time.monotonic()
-    if report_only:
-        _require_finished_stages(cfg)
-        model_dir = cfg.run_dir / "warm_start" / "model"
-    else:
-        cfg.run_dir.mkdir(parents=True, exist_ok=True)
-        model_dir = warm_start_stage(cfg)
-    tasks = selection_stage(cfg, model_dir)
-    warm = evaluate_model(cfg, model_dir, tasks, cfg.run_dir / "eval_warm_start")
-    warm_train = evaluate_model(cfg, model_dir, tasks, cfg.run_dir / "eval_warm_start_train",
-                                temperature=cfg.rollout.temperature,
-                                samples_per_task=cfg.compare.baseline_samples_per_task)
-    if report_only:
-        runs, missing = finished_runs(cfg)
-    else:
-        runs = [run_arm(cfg, algo, seed, model_dir, tasks) for seed in cfg.compare.seeds for algo in cfg.compare.algos]
-        missing = []
-    report = comparison_report(cfg, warm, runs, tasks, warm_train=warm_train)
-    report["missing_runs"] = missing
-    report["seconds_total_this_call"] = round(time.monotonic() - t0, 1)
-    atomic_write_text(cfg.run_dir / "report.json", json.dumps(report, indent=1))
-    atomic_write_text(cfg.run_dir / "report.md", report_markdown(report))
-    save_figure(plot_comparison(report), cfg.run_dir / "comparison.png")
-    return report
-
-
-def _stats(values: list[float], seed: int = 0) -> dict[str, float]:
-    """Mean, Bessel std, range and the bootstrap 95% interval of the mean over seeds."""
-    ci = bootstrap_ci(values, seed=seed)
-    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
-            "min": min(values), "max": max(values), "n": len(values), "lo": ci["lo"], "hi": ci["hi"]}
-
-
-def moving(values: list[float], window: int = 3) -> list[float]:
-    """Trailing moving average (the curves' smoothing)."""
-    return [statistics.fmean(values[max(0, i - window + 1):i + 1]) for i in range(len(values))]
-
-
-def _quarter(curve: list[float], last: bool) -> float:
-    tail = max(1, len(curve) // 4)
-    return statistics.fmean(curve[-tail:] if last else curve[:tail])
-
-
-def quarter_by_task(run: dict[str, Any], last: bool) -> dict[str, float]:
-    """Training-rollout success per task over the first or last quarter of a run's steps
-    (successes / episodes of that task in those steps); {} for a run recorded without it."""
-    per_step = run.get("train_success_by_task") or []
-    if not per_step or not any(per_step):
-        return {}
-    tail = max(1, len(per_step) // 4)
-    counts: dict[str, list[int]] = {}
-    for step in (per_step[-tail:] if last else per_step[:tail]):
-        for task, (successes, episodes) in step.items():
-            c = counts.setdefault(task, [0, 0])
-            c[0] += successes
-            c[1] += episodes
-    return {task: s / n for task, (s, n) in sorted(counts.items()) if n}
-
-
-def train_quarter(run: dict[str, Any], last: bool) -> float:
-    """Training success over a quarter, every task weighted equally (the batches draw a few tasks
-    per step, so a quarter's raw rate weighs them by chance); the raw rate for old records."""
-    by_task = quarter_by_task(run, last)
-    return statistics.fmean(by_task.values()) if by_task else _quarter(run["train_success"], last)
-
-
-def train_gain(run: dict[str, Any], baseline: dict[str, Any]) -> float:
-    """Last-quarter training success minus the warm start's at the training temperature, task by
-    task, averaged over the tasks the last quarter trained on: a gain that no task mix can fake.
-    `baseline`: an evaluation result (its per-task `tasks`); the overall rates when either side
-    has no per-task numbers."""
-    by_task = quarter_by_task(run, last=True)
-    warm = {t["task"]: t["success_rate"] for t in baseline.get("tasks") or []}
-    if by_task and all(task in warm for task in by_task):
-        return statistics.fmean(rate - warm[task] for task, rate in by_task.items())
-    return _quarter(run["train_success"], True) - baseline["success_rate"]
-
-
-def final_gain(run: dict[str, Any], baseline: dict[str, Any]) -> float | None:
-    """The final policy's success at the training temperature minus the warm start's, task by
-    task (same episodes), averaged over tasks; None for a run measured without it."""
-    final = run.get("final_train_t")
-    if not final:
-        return None
-    warm = {t["task"]: t["success_rate"] for t in baseline.get("tasks") or []}
-    by_task = final.get("by_task") or {}
-    if by_task and all(task in warm for task in by_task):
-        return statistics.fmean(rate - warm[task] for task, rate in by_task.items())
-    return final["success_rate"] - baseline["success_rate"]
-
+# ------------------------------------------------------------------------- stage 5: the report
 
 def comparison_report(cfg: RunConfig, warm: dict[str, Any], runs: list[dict[str, Any]], tasks: list[str],
                       warm_train: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Per arm (mean, std, range and bootstrap 95% interval over seeds): final evaluation success
-    and its gain over the warm start; training-rollout success in the first and last quarter of
-    steps and the last quarter's gain over the warm start at the training temperature; share of
-    all-failed groups; replay injections; importance weights and replay age where they apply.
-    Paired (same seed) differences between arms with permutation and sign-test p-values."""
+    """The study's numbers: per arm of `compare.algos` that ran, `evaluation.stats.arm_statistics`
+    over its seeds (gains against `warm_train`, the warm start at the training temperature, or
+    `warm` without it); paired (same seed) differences for each of `PAIRS` where both arms ran;
+    the setting they were measured in, and the runs themselves."""
     warm_t = warm_train or warm
     arms: dict[str, Any] = {}
     for algo in cfg.compare.algos:
         rs = sorted((r for r in runs if r["algo"] == algo), key=lambda r: r["seed"])
-        if not rs:
-            continue
-        gains = [train_gain(r, warm_t) for r in rs]
-        arm = {
-            "seeds": [r["seed"] for r in rs],
-            "eval_success": _stats([r["eval"]["success_rate"] for r in rs]),
-            "eval_gain_over_warm_start": _stats([r["eval"]["success_rate"] - warm["success_rate"] for r in rs]),
-            "train_success_last_quarter": _stats([train_quarter(r, True) for r in rs]),
-            "train_success_first_quarter": _stats([train_quarter(r, False) for r in rs]),
-            "train_gain_over_warm_start": _stats(gains),
-            "every_seed_gained_15_points": all(g >= 0.15 for g in gains),
-            "gains_by_seed": gains,
-            "all_failed_share": _stats([statistics.fmean(r["all_failed_groups"]) for r in rs]),
-            "replay_injections": _stats([float(sum(r["replay_injections"])) for r in rs]),
-            "seconds": _stats([float(r["seconds"]) for r in rs]),
-        }
-        finals = [final_gain(r, warm_t) for r in rs]
-        if finals and all(f is not None for f in finals):
-            arm["final_gain_over_warm_start"] = _stats(finals)  # type: ignore[arg-type]
-            arm["final_gains_by_seed"] = finals
-            arm["every_seed_final_gained_15_points"] = all(f >= 0.15 for f in finals)  # type: ignore[operator]
-        by_task = [quarter_by_task(r, True) for r in rs]
-        arm["train_last_quarter_by_task"] = {
-            task: statistics.fmean(b[task] for b in by_task if task in b)
-            for task in sorted({t for b in by_task for t in b})}
-        arm["curves"] = {key: band([moving(r[key]) for r in rs]) for key in ("train_success", "all_failed_groups")}
-        for key in ("is_weight_mean", "is_capped_share", "replay_age_mean"):
-            per_run = [statistics.fmean(r[key]) for r in rs if r.get(key)]
-            if per_run:
-                arm[key] = _stats(per_run)
-        arms[algo] = arm
-    pairs = {}
-    for a, b in PAIRS:
-        if a not in arms or b not in arms:
-            continue
-        seeds = sorted(set(arms[a]["seeds"]) & set(arms[b]["seeds"]))
-        measures = ["eval", "train"]
-        if all(r.get("final_train_t") for r in runs if r["algo"] in (a, b) and r["seed"] in seeds):
-            measures.append("final_t")
-        pairs[f"{a}-{b}"] = {m: _paired(runs, a, b, seeds, m) for m in measures}
+        if rs:
+            arms[algo] = arm_statistics(rs, warm, warm_t)
+    pairs = {f"{a}-{b}": paired_comparison(runs, a, b, sorted(set(arms[a]["seeds"]) & set(arms[b]["seeds"])))
+             for a, b in PAIRS if a in arms and b in arms}
     return {"experiment": str(cfg.run_dir), "tasks": tasks, "steps": cfg.train.steps,
             "rollouts_per_step": cfg.train.tasks_per_batch * cfg.rollout.group_size,
             "eval": {"samples_per_task": cfg.eval.samples_per_task, "temperature": cfg.eval.temperature,
@@ -421,117 +268,71 @@ def comparison_report(cfg: RunConfig, warm: dict[str, Any], runs: list[dict[str,
             "arms": arms, "paired": pairs, "runs": runs}
 
 
-PAIRED_MEASURES = {"eval": "final eval success", "train": "train success, last quarter",
-                   "final_t": "final policy at T=train"}
-"""The measures arms are compared on, seed by seed (`final_t` where every run of both has it)."""
+def write_report(run_dir: Path, report: dict[str, Any]) -> None:
+    """report.json, report.md (`viz.report`) and comparison.png (`viz.plots`) in the experiment's directory."""
+    from arpo_lib.viz.plots import plot_comparison, save_figure  # matplotlib: only when a report is written
+
+    atomic_write_text(run_dir / "report.json", json.dumps(report, indent=1))
+    atomic_write_text(run_dir / "report.md", report_markdown(report))
+    save_figure(plot_comparison(report), run_dir / "comparison.png")
 
 
-def _paired(runs: list[dict[str, Any]], a: str, b: str, seeds: list[int], measure: str) -> dict[str, Any]:
-    """Per-seed differences a - b of final evaluation success (`eval`), last-quarter training
-    success (`train`) or the final policy's success on the training tasks at the training
-    temperature (`final_t`), their mean with a bootstrap interval, and two-sided p-values."""
-    def value(algo: str, seed: int) -> float:
-        r = next(r for r in runs if r["algo"] == algo and r["seed"] == seed)
-        if measure == "eval":
-            return r["eval"]["success_rate"]
-        return r["final_train_t"]["success_rate"] if measure == "final_t" else train_quarter(r, True)
+# ------------------------------------------- a stage's cache: reused for the same setting only
 
-    xa, xb = [value(a, s) for s in seeds], [value(b, s) for s in seeds]
-    diffs = [x - y for x, y in zip(xa, xb)]
-    return {"seeds": seeds, "differences": diffs, **_stats(diffs),
-            "p_permutation": paired_permutation_test(xa, xb), "p_sign": sign_test(xa, xb)}
-
-
-def report_markdown(report: dict[str, Any]) -> str:
-    w = report["warm_start_eval"]["success_rate"]
-    wt = (report.get("warm_start_train_temperature") or report["warm_start_eval"])["success_rate"]
-    temps = report["eval"]
-    lines = [f"# {' vs '.join(ARM_LABELS.get(a, a) for a in report['arms'])} from one warm start "
-             f"({len(report['tasks'])} tasks, {report['steps']} steps x {report['rollouts_per_step']} rollouts)", "",
-             f"Evaluation protocol `{temps.get('protocol', 'run')}`. "
-             f"Warm start (SFT): evaluation success **{w:.3f}** at temperature {temps['temperature']} "
-             f"({report['warm_start_eval']['episodes']} episodes, seed {temps['seed']}); "
-             f"**{wt:.3f}** at the training temperature {temps.get('train_temperature', 1.0)}.", "",
-             "Means over seeds with bootstrap 95% intervals.", "",
-             "| arm | seeds | final eval success | gain over warm start | train success, first → last quarter | "
-             "last-quarter gain over warm start (T=train) | every seed +15 pts | all-failed groups | injections |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for algo, a in report["arms"].items():
-        e, g, f, last = a["eval_success"], a["eval_gain_over_warm_start"], a["train_success_first_quarter"], \
-            a["train_success_last_quarter"]
-        tg = a.get("train_gain_over_warm_start", {"mean": last["mean"] - wt, "lo": 0.0, "hi": 0.0})
-        lines.append(f"| {ARM_LABELS.get(algo, algo)} | {len(a['seeds'])} | {e['mean']:.3f} [{e['lo']:.3f}, {e['hi']:.3f}] | "
-                     f"{g['mean']:+.3f} | {f['mean']:.3f} → {last['mean']:.3f} | "
-                     f"{tg['mean']:+.3f} [{tg['lo']:+.3f}, {tg['hi']:+.3f}] | "
-                     f"{'yes' if a.get('every_seed_gained_15_points') else 'no'} | {a['all_failed_share']['mean']:.2f} | "
-                     f"{a['replay_injections']['mean']:.1f} |")
-    arms_all = report["arms"]
-    if any(a.get("gains_by_seed") for a in arms_all.values()):
-        with_final = any(a.get("final_gains_by_seed") for a in arms_all.values())
-        lines += ["", "Training gain over the warm start per seed, task by task at the training temperature: "
-                  "last quarter of the training rollouts" + (
-                      "; and the final policy run on the training tasks with the baseline's episodes "
-                      "(`compare.final_at_train_temperature`)" if with_final else "") + ".", ""]
-        seeds = sorted({seed for a in arms_all.values() for seed in a["seeds"]})  # arms may lag (partial report)
-        lines += ["| arm | measure | " + " | ".join(f"s{seed}" for seed in seeds) + " | mean [95% CI] | every seed +15 pts |",
-                  "|---|---|" + "---|" * (len(seeds) + 2)]
-        for algo, a in arms_all.items():
-            rows = [("last quarter", a.get("gains_by_seed"), a.get("train_gain_over_warm_start"),
-                     a.get("every_seed_gained_15_points")),
-                    ("final policy", a.get("final_gains_by_seed"), a.get("final_gain_over_warm_start"),
-                     a.get("every_seed_final_gained_15_points"))]
-            for label, gains, st, every in rows:
-                if not gains:
-                    continue
-                by_seed = dict(zip(a["seeds"], gains))
-                cells = ["–" if seed not in by_seed else
-                         (f"**{by_seed[seed]:+.3f}**" if by_seed[seed] < 0.15 else f"{by_seed[seed]:+.3f}") for seed in seeds]
-                lines.append(f"| {ARM_LABELS.get(algo, algo)} | {label} | " + " | ".join(cells) +
-                             f" | {st['mean']:+.3f} [{st['lo']:+.3f}, {st['hi']:+.3f}] | {'yes' if every else 'no'} |")
-    if report.get("paired"):
-        lines += ["", "Paired differences (same seed: same first batch, task order and evaluation episodes):", "",
-                  "| comparison | measure | mean difference [95% CI] | seeds a > b / a < b / equal | p (permutation) | p (sign) |",
-                  "|---|---|---|---|---|---|"]
-        for name, measures in report["paired"].items():
-            a, b = name.split("-")
-            for measure, d in measures.items():
-                diffs = d["differences"]
-                wins, losses = sum(x > 0 for x in diffs), sum(x < 0 for x in diffs)
-                lines.append(f"| {ARM_LABELS.get(a, a)} − {ARM_LABELS.get(b, b)} | {PAIRED_MEASURES[measure]} | "
-                             f"{d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}] | "
-                             f"{wins} / {losses} / {len(diffs) - wins - losses} | "
-                             f"{d['p_permutation']:.3f} | {d['p_sign']:.3f} |")
-    by_task = report.get("warm_start_train_by_task") or {}
-    if by_task and any(a.get("train_last_quarter_by_task") for a in report["arms"].values()):
-        arms = list(report["arms"])
-        lines += ["", "Training success per task at the training temperature: the warm start, and each arm's "
-                  "last quarter (mean over seeds). The gains above are these differences averaged over tasks.", "",
-                  "| task | warm start | " + " | ".join(ARM_LABELS.get(a, a) for a in arms) + " |",
-                  "|---|---|" + "---|" * len(arms)]
-        for task, rate in by_task.items():
-            cells = [report["arms"][a].get("train_last_quarter_by_task", {}).get(task) for a in arms]
-            lines.append(f"| {task} | {rate:.3f} | " + " | ".join("–" if c is None else f"{c:.3f}" for c in cells) + " |")
-    final_col = any(r.get("final_train_t") for r in report["runs"])
-    lines += ["", "| run | final eval success | train success (last quarter) | "
-              + ("final policy at T=train | " if final_col else "") + "injections | seconds |",
-              "|---|---|---|" + ("---|" if final_col else "") + "---|---|"]
-    for r in sorted(report["runs"], key=lambda r: (r["algo"], r["seed"])):
-        final_cell = ""
-        if final_col:
-            final_cell = f"{r['final_train_t']['success_rate']:.3f} | " if r.get("final_train_t") else "– | "
-        lines.append(f"| {r['algo']}-s{r['seed']} | {r['eval']['success_rate']:.3f} | "
-                     f"{train_quarter(r, True):.3f} | {final_cell}{sum(r['replay_injections'])} | {r['seconds']} |")
-    lines += ["", f"Tasks: {', '.join(report['tasks'])}"]
-    if report.get("missing_runs"):
-        lines[1:1] = ["", f"**Partial report: {len(report['missing_runs'])} run(s) not finished** "
-                      f"({', '.join(report['missing_runs'])}); the figures cover the finished ones only."]
-    return "\n".join(lines) + "\n"
+def _derive(cfg: RunConfig, name: str, **changes: Any) -> RunConfig:
+    """A copy of the experiment's config for one stage: dotted keys -> values."""
+    data = cfg.to_dict()
+    data["out_dir"], data["name"] = str(cfg.run_dir), name
+    for key, value in changes.items():
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node[part]
+        node[parts[-1]] = value
+    return config_from_dict(data)
 
 
-def report_digest(report: dict[str, Any]) -> str:
-    """The seed-determined numbers of a comparison, rounded (what nbval compares)."""
-    rows = [f"warm start eval {report['warm_start_eval']['success_rate']:.3f}, tasks kept {len(report['tasks'])}"]
-    for r in report["runs"]:
-        rows.append(f"{r['algo']}-s{r['seed']}: eval {r['eval']['success_rate']:.3f}, "
-                    f"injections {sum(r['replay_injections'])}")
-    return "\n".join(rows)
+def _done(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+SETTING_FREE = ("out_dir", "name", "model.path", "compare.", "logging.")
+"""Config keys (or prefixes) that do not change what a run of the experiment computes: where it
+lives, the experiment's seed list and arms, logging. Every other key is part of a run's setting."""
+
+
+WARM_START_SETTING = ("warm_start.", "env.", "model.", "agent.", "train.seed")
+"""What the warm start depends on (its demonstrations, model and prompt), for the same check.
+env.tasks and env.instances_per_task are not compared there: the trainer saves them expanded
+into fixed instances, so the saved form is not the experiment's."""
+WARM_START_FREE = ("out_dir", "name", "env.tasks", "env.instances_per_task")
+
+
+def _matches(key: str, patterns: tuple[str, ...]) -> bool:
+    return any(key == p or (p.endswith(".") and key.startswith(p)) for p in patterns)
+
+
+def setting_changes(saved: Path, cfg: RunConfig, free: tuple[str, ...] = SETTING_FREE,
+                    only: tuple[str, ...] | None = None) -> dict[str, tuple[Any, Any]]:
+    """Dotted key -> (value in the config saved at `saved`, value in `cfg`) for every key of a
+    run's setting that differs (keys of `free` left out; with `only`, only those keys; a key the
+    saved config predates counts with its default)."""
+    return {k: v for k, v in config_changes(read_saved_config(saved), cfg).items()
+            if not _matches(k, free) and (only is None or _matches(k, only))}
+
+
+def require_same_setting(run_cfg: RunConfig, free: tuple[str, ...] = SETTING_FREE,
+                         only: tuple[str, ...] | None = None) -> None:
+    """RuntimeError when the run directory already holds a run (started or finished) made with
+    another setting: the experiment caches runs by directory, so changing e.g. train.steps and
+    rerunning under the same name would otherwise report the old runs as the new setting's, or
+    resume them with the new one."""
+    saved = RunDir(run_cfg.run_dir).config
+    if not saved.is_file():
+        return
+    changes = setting_changes(saved, run_cfg, free, only)
+    if changes:
+        shown = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in list(changes.items())[:8])
+        raise RuntimeError(f"{run_cfg.run_dir} holds a run made with another setting ({shown}"
+                           f"{', ...' if len(changes) > 8 else ''}): give the experiment another name "
+                           f"(name=...) or move that run away")

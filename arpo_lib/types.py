@@ -3,9 +3,10 @@
     EpisodeRequest --(RolloutEngine: Policy x WorkerPool)--> Trajectory --(replay, advantages)--> Group
 
 `Policy` is what the rollout engine asks of whoever acts (the in-process model, a model behind
-a server, the scripted demonstrator); `WorkerPool` is what it asks of the environments (local
-worker processes or Ray actors). Torch-free: environment workers in OSWorld's own interpreter
-import this module too.
+a server, the scripted demonstrator), `SamplingParams` how it asks, and `Segment` the tokens it
+sends; `WorkerPool` is what it asks of the environments (local worker processes or Ray actors).
+Torch-free and importing only `run/`: environment workers in OSWorld's own interpreter import
+this module too.
 """
 from __future__ import annotations
 
@@ -13,14 +14,15 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
 
-from arpo_lib.actions import ParsedResponse
 from arpo_lib.run import layout
 from arpo_lib.run.seeding import stable_seed
 
-if TYPE_CHECKING:  # annotations only: the agent package sits above this module
+if TYPE_CHECKING:  # annotations only: this module imports run/ alone (and never torch, for the workers)
+    import torch
     from PIL import Image
 
-    from arpo_lib.agent.prompt import Segment, TokenConversation
+    from arpo_lib.actions import ParsedResponse
+    from arpo_lib.agent.prompt import TokenConversation
 
 SUCCESS_THRESHOLD = 0.5
 """A trajectory *solved* its task when its task score is above this: success rates, pass@k and
@@ -78,6 +80,80 @@ class PolicyContext:
 
 
 @dataclass
+class Segment:
+    """One training sequence. ids/mask/logprobs are aligned 1-D lists over tokens."""
+
+    input_ids: list[int] = field(default_factory=list)
+    mm_token_type_ids: list[int] = field(default_factory=list)
+    """1 at image tokens (Qwen-VL's M-RoPE needs it), 0 elsewhere."""
+    loss_mask: list[int] = field(default_factory=list)
+    """1 at sampled assistant tokens (the only tokens trained on)."""
+    behaviour_logprobs: list[float] = field(default_factory=list)
+    """Log-prob of each token under the sampling policy (0 where loss_mask is 0)."""
+    pixel_values: list["torch.Tensor"] = field(default_factory=list)
+    """Per image: (patches, C*T*P*P), straight from the image processor."""
+    image_grid_thw: list["torch.Tensor"] = field(default_factory=list)
+    """Per image: (3,)."""
+    screenshot_steps: list[int] = field(default_factory=list)
+    """Episode step index of each image in this segment (to reload it from step_N.png)."""
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def extend(self, ids: list[int], mm_types: list[int], mask: int, logprobs: list[float] | None = None) -> None:
+        self.input_ids += ids
+        self.mm_token_type_ids += mm_types
+        self.loss_mask += [mask] * len(ids)
+        self.behaviour_logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+
+    def tensors(self) -> dict[str, "torch.Tensor"]:
+        """Model inputs for this sequence, batch dimension 1."""
+        import torch
+
+        out = {
+            "input_ids": torch.tensor([self.input_ids]),  # (1, T)
+            "attention_mask": torch.ones(1, len(self.input_ids), dtype=torch.long),
+            "mm_token_type_ids": torch.tensor([self.mm_token_type_ids], dtype=torch.int),
+        }
+        if self.pixel_values:
+            out["pixel_values"] = torch.cat(self.pixel_values)
+            out["image_grid_thw"] = torch.stack(self.image_grid_thw)
+        return out
+
+    def token_data(self) -> dict[str, Any]:
+        """What is saved to disk (tokens.pt): everything but the pixels, which step_N.png reproduce."""
+        return {
+            "input_ids": self.input_ids, "mm_token_type_ids": self.mm_token_type_ids,
+            "loss_mask": self.loss_mask, "behaviour_logprobs": self.behaviour_logprobs,
+            "screenshot_steps": self.screenshot_steps,
+        }
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one `Policy.generate` call samples: every policy reads its options from here, so a new
+    sampling option is a field of this class (and its use where it is implemented)."""
+
+    temperature: float = 1.0
+    """0 = greedy; otherwise softmax(logits / temperature)."""
+    top_p: float = 1.0
+    """Nucleus sampling: the smallest set of tokens whose probability reaches top_p (1 = all)."""
+    max_new_tokens: int | None = None
+    """Longest response in tokens; None = the policy's own cap (`model.max_new_tokens`)."""
+    frequency_penalty: float = 0.0
+    """OpenAI's meaning: each token's logit lowered by this times its count in the response so far
+    (an evaluation protocol's); behaviour log-probs are of the penalised distribution."""
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1 or None, got {self.max_new_tokens}")
+
+
+@dataclass
 class Generation:
     """One sampled response."""
 
@@ -122,7 +198,7 @@ class Trajectory:
     """task_score + format_coef x format reward."""
     status: EpisodeStatus = EpisodeStatus.OK
     error: str | None = None
-    segments: list["Segment"] = field(default_factory=list)
+    segments: list[Segment] = field(default_factory=list)
     directory: str | None = None
     replayed: bool = False
     """True when this trajectory came from the replay buffer instead of a fresh rollout."""
@@ -195,14 +271,15 @@ class Policy(Protocol):
         """A token-exact conversation for a new episode."""
         ...
 
-    def generate(self, segments: Sequence["Segment"], *, temperature: float = 1.0, top_p: float = 1.0,
-                 max_new_tokens: int | None = None, contexts: Sequence[PolicyContext] | None = None,
-                 seeds: Sequence[int] | None = None, cache_keys: Sequence[Any] | None = None,
-                 frequency_penalty: float = 0.0) -> list[Generation]:
-        """One response per segment (the episode's tokens so far), each sampled with its own seed."""
+    def generate(self, segments: Sequence[Segment], *, sampling: SamplingParams = SamplingParams(),
+                 contexts: Sequence[PolicyContext] | None = None, seeds: Sequence[int] | None = None,
+                 cache_keys: Sequence[Any] | None = None) -> list[Generation]:
+        """One response per segment (the episode's tokens so far), all sampled as `sampling` says,
+        each with its own seed; `contexts` (what the episode looks like) and `cache_keys` (which
+        episode's cache to extend) are per episode."""
         ...
 
-    def parse(self, text: str, image_size: tuple[int, int], rules: str = "workbench") -> ParsedResponse:
+    def parse(self, text: str, image_size: tuple[int, int], rules: str = "workbench") -> "ParsedResponse":
         """A response's actions in screen pixels under the named action rules
         (`arpo_lib.actions.ACTION_RULES`); raises `ActionParseError`."""
         ...
@@ -232,5 +309,121 @@ class WorkerPool(Protocol):
     def close(self) -> None: ...
 
     def __enter__(self) -> "WorkerPool": ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
+# -- the trainer's contracts ---------------------------------------------------------------------
+# What training asks of the policy it updates and of the servers that follow its weights, and what
+# a notebook asks of a trainer. Torch, transformers and the upper layers appear in annotations only.
+
+if TYPE_CHECKING:
+    from pathlib import Path
+    from typing import Callable
+
+    import torch
+    from transformers import ProcessorMixin
+
+    from arpo_lib.algo import ReplayBuffer
+    from arpo_lib.run.config import RunConfig
+    from arpo_lib.run.layout import RunDir
+
+
+@runtime_checkable
+class TrainablePolicy(Policy, Protocol):
+    """A policy the trainer updates (`HFPolicy`): it acts in rollouts (`Policy`) and exposes its
+    model and the training forward."""
+
+    model: "torch.nn.Module"
+    """The whole model: generation, the old log-probs, what a checkpoint saves."""
+    processor: "ProcessorMixin"
+    """Tokenizer and image processor (a replayed trajectory's tokens are reloaded with it)."""
+    compute_dtype: "torch.dtype"
+    device: "torch.device"
+    path: "str | Path"
+    """Where the model was loaded from (what a server without weight sync serves)."""
+
+    def trainable_parameters(self) -> list["torch.nn.Parameter"]:
+        """What the optimizer updates: all weights, or only the LoRA adapters."""
+        ...
+
+    def sequence_logprobs(self, segments: Sequence["Segment"], temperature: float = 1.0, pack: bool = False,
+                          model: "torch.nn.Module | None" = None) -> list["torch.Tensor"]:
+        """Log-probs (with grad) of every loss-masked token of each segment, (n_i,) each; `model`:
+        another network of the same architecture (the KL reference, the FSDP2-sharded copy)."""
+        ...
+
+    def forward_logprobs(self, model: "torch.nn.Module", batch: dict[str, "torch.Tensor"], targets: "torch.Tensor",
+                         temperature: float) -> "torch.Tensor":
+        """The training forward of `model` over a padded or packed batch: the `targets` tokens'
+        log-probs, (N,) (what the sharded copy runs)."""
+        ...
+
+    def save(self, directory: "str | Path") -> None:
+        """The weights and processor in the Hugging Face layout."""
+        ...
+
+
+@runtime_checkable
+class ServedWeights(Protocol):
+    """Model servers generating a trainer's rollouts on its weights (`serving.weight_sync`:
+    `ServedPolicy`, which starts or connects to them and pushes each new weight version)."""
+
+    @property
+    def urls(self) -> list[str] | None:
+        """The servers' base URLs (None before the first `policy`)."""
+        ...
+
+    def policy(self, version: int) -> Policy:
+        """The servers' client policy, the servers holding the trainer's weight version `version`."""
+        ...
+
+    def metrics(self) -> dict[str, Any]:
+        """Counters for the step's metrics (requests, prompt mismatches, time spent syncing)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class FollowingWeights(ServedWeights, Protocol):
+    """The servers of a distributed run seen from a rank other than 0 (`FollowingServed`): rank 0
+    keeps them current and announces their URLs; this rank follows."""
+
+    def follow(self, urls: Sequence[str]) -> Policy:
+        """The client of the servers at `urls` (rank 0's announcement)."""
+        ...
+
+
+@runtime_checkable
+class RunTrainer(Protocol):
+    """What a notebook holds to train a run (`workflows.open_trainer`): `training.trainer.Trainer`
+    in this process, or `training.launch.LaunchedTrainer` (torchrun's processes, watched from here)."""
+
+    cfg: "RunConfig"
+    run: "RunDir"
+    run_dir: "Path"
+
+    @property
+    def step(self) -> int:
+        """Rollout batches done."""
+        ...
+
+    @property
+    def replay(self) -> "ReplayBuffer":
+        """The replay buffer (a launched run's: its newest checkpoint's)."""
+        ...
+
+    def train(self, *, on_step: "Callable[[dict[str, Any]], None] | None" = None) -> list[dict[str, Any]]:
+        """Train to `train.steps` (resuming where the run is); `on_step(metrics)` after each step."""
+        ...
+
+    def warm_start(self) -> list[float]:
+        """The supervised warm start's losses (none where it is done elsewhere or already)."""
+        ...
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> "RunTrainer": ...
 
     def __exit__(self, *exc: object) -> None: ...

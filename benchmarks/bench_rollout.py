@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import (build_policy, device_name, peak_gib, reset_peak, screenshot, sync,  # noqa: E402
                                table, write_result)
+from arpo_lib.types import SamplingParams  # noqa: E402
 
 
 def generate_rows(policy, segments, seeds, max_new_tokens, keys, rows_per_call: int):
@@ -31,8 +32,8 @@ def generate_rows(policy, segments, seeds, max_new_tokens, keys, rows_per_call: 
     step = rows_per_call or len(segments)
     out = []
     for i in range(0, len(segments), step):
-        out += policy.generate(segments[i:i + step], temperature=1.0, seeds=seeds[i:i + step],
-                               max_new_tokens=max_new_tokens, cache_keys=keys[i:i + step] if keys else None)
+        out += policy.generate(segments[i:i + step], sampling=SamplingParams(max_new_tokens=max_new_tokens),
+                               seeds=seeds[i:i + step], cache_keys=keys[i:i + step] if keys else None)
     return out
 
 

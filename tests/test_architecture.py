@@ -1,12 +1,17 @@
-"""The layout holds: no import cycle inside arpo_lib, and every package imports only the layers below.
+"""The layout holds: no import cycle inside arpo_lib, and every package imports only what the
+table of docs/architecture.md allows it (`MAY_IMPORT`, the table as data, with no exceptions).
 
 Imports are read with `ast`, including those inside functions (a lazy import still ties two
 modules together); imports under `if TYPE_CHECKING:` are annotations only and do not count.
-See docs/architecture.md for the layers.
+A module name given to `importlib` as a string is no import statement and is not seen: the
+registries (`run/registry.py`) load the home modules of their entries that way, on purpose, so
+that the ground floor can hold them (docs/architecture.md says so).
 """
 from __future__ import annotations
 
 import ast
+import functools
+import re
 from pathlib import Path
 
 import pytest
@@ -14,21 +19,35 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "arpo_lib"
 
-LAYERS = [
-    ("run",),
-    ("actions",),
-    ("types",),
-    ("envs",),
-    ("algo",),
-    ("agent",),
-    ("serving",),
-    ("viz",),
-    ("training",),
-    ("evaluation",),
-    ("build",),
-    ("cli", "workflows", "experiments", "__main__", "plots", "trainer"),
-]
-"""Bottom to top. `plots` and `trainer` at the top are the old names kept for users' notebooks."""
+MAY_IMPORT: dict[str, set[str]] = {
+    "__main__": {"cli"},
+    "cli": {"experiments", "workflows", "build", "evaluation", "training", "viz", "rollout", "serving", "agent", "algo",
+            "envs", "types", "actions", "run"},
+    "experiments": {"workflows", "build", "evaluation", "training", "viz", "rollout", "serving", "agent", "algo", "envs",
+                    "types", "actions", "run"},
+    "workflows": {"build", "evaluation", "training", "viz", "rollout", "serving", "agent", "algo", "envs", "types",
+                  "actions", "run"},
+    "build": {"evaluation", "training", "rollout", "serving", "agent", "algo", "envs", "types", "actions", "run"},
+    "evaluation": {"rollout", "agent", "algo", "envs", "types", "actions", "run"},
+    "training": {"rollout", "agent", "algo", "envs", "types", "actions", "run"},
+    "viz": {"evaluation", "rollout", "envs", "actions", "run"},
+    "rollout": {"agent", "algo", "envs", "types", "actions", "run"},
+    "serving": {"agent", "algo", "envs", "types", "actions", "run"},
+    "agent": {"algo", "envs", "types", "actions", "run"},
+    "algo": {"run"},
+    "envs": {"types", "actions", "run"},
+    "types": {"run"},
+    "actions": set(),
+    "run": set(),
+    "__init__": {"run"},
+    "plots": {"viz"},
+    "trainer": {"build"},
+}
+"""Each package or top-level module of arpo_lib -> the ones it may import: the table of
+docs/architecture.md (`test_the_allow_map_is_the_documented_table` holds them together). `__init__`
+is the package itself; `plots` and `trainer` are the old names kept for users' notebooks."""
+
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
 
 
 def module_name(path: Path) -> str:
@@ -86,7 +105,9 @@ def imports_of(path: Path, modules: set[str], me: str) -> set[str]:
     return {m for m in found if m in modules}
 
 
+@functools.cache
 def import_graph() -> dict[str, set[str]]:
+    """Every arpo_lib module -> the arpo_lib modules it imports (read once per test session)."""
     modules = all_modules()
     names = set(modules)
     return {name: imports_of(path, names, name) for name, path in modules.items()}
@@ -136,12 +157,56 @@ def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
     return components
 
 
-def layer_of(module: str) -> int:
-    top = module.split(".")[1] if "." in module else ""
-    for rank, names in enumerate(LAYERS):
-        if top in names:
-            return rank
-    raise AssertionError(f"{module} belongs to no layer: add its package to LAYERS and docs/architecture.md")
+def component(module: str) -> str:
+    """The row of `MAY_IMPORT` a module belongs to: its package or top-level module under arpo_lib."""
+    return module.split(".")[1] if "." in module else "__init__"
+
+
+def forbidden_imports(graph: dict[str, set[str]], may_import: dict[str, set[str]]) -> list[str]:
+    """The imports of `graph` (module -> the modules it imports) that `may_import` does not allow,
+    as "module -> target" lines. Free: a module's own package, and the packages that contain it
+    (Python runs them before the module anyway: importing one adds no dependency)."""
+    bad = []
+    for module, targets in sorted(graph.items()):
+        mine = component(module)
+        if mine not in may_import:
+            bad.append(f"{module} belongs to no row of the table (add its package to MAY_IMPORT and the docs)")
+            continue
+        for target in sorted(targets):
+            theirs = component(target)
+            if theirs == mine or module.startswith(target + "."):
+                continue
+            if theirs not in may_import[mine]:
+                bad.append(f"{module} -> {target}")
+    return bad
+
+
+def documented_table(text: str) -> dict[str, set[str]]:
+    """The layer table of docs/architecture.md as {row -> what it may import}: a row's first cell
+    names its packages or modules (`envs/`, `cli.py`); its last cell the ones it may import, where
+    "`x`, `y` and what they may import" means x, y and their own rows' entries."""
+    section = text.split("## The layers", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("| `") or len(cells) < 3:
+            continue
+        names = [n.removesuffix(".py").rstrip("/") for n in re.findall(r"`([^`]+)`", cells[0])]
+        allowed = cells[-1]
+        for name in names:
+            rows[name] = (set(re.findall(r"`([^`]+)`", allowed)), "what they may import" in allowed
+                          or "what it may import" in allowed)
+    resolved: dict[str, set[str]] = {}
+
+    def resolve(name: str, seen: tuple[str, ...] = ()) -> set[str]:
+        assert name in rows, f"the table's 'may import' names `{name}`, which has no row"
+        assert name not in seen, f"the table's rows refer to each other in a circle: {seen + (name,)}"
+        if name not in resolved:
+            direct, inherits = rows[name]
+            resolved[name] = set(direct).union(*(resolve(d, seen + (name,)) for d in direct)) if inherits else direct
+        return resolved[name]
+
+    return {name: resolve(name) for name in rows}
 
 
 def test_the_cycle_finder_finds_cycles():
@@ -157,17 +222,56 @@ def test_no_import_cycles():
     assert not cycles, "import cycles inside arpo_lib:\n" + "\n".join(" <-> ".join(c) for c in cycles)
 
 
-def test_packages_import_only_lower_layers():
-    bad = []
-    for module, targets in import_graph().items():
-        if module == "arpo_lib":
-            continue
-        for target in targets:
-            if target == "arpo_lib" or target.split(".")[1] == module.split(".")[1]:
-                continue  # the package itself, or a sibling inside the same package
-            if layer_of(target) > layer_of(module):  # same rank: the top layer's modules
-                bad.append(f"{module} -> {target}")
-    assert not bad, "imports that go up between layers:\n" + "\n".join(sorted(bad))
+def test_packages_import_only_what_the_table_allows():
+    graph = import_graph()
+    assert {component(m) for m in graph} == set(MAY_IMPORT), "a row of MAY_IMPORT names nothing in arpo_lib, or back"
+    bad = forbidden_imports(graph, MAY_IMPORT)
+    assert not bad, "imports the table of docs/architecture.md does not allow:\n" + "\n".join(bad)
+
+
+def test_the_allow_map_catches_what_a_ranking_let_through():
+    """A single ranking allowed every import downwards; the table forbids some of those: the data
+    between packages importing the action space, evaluation importing training, a viewer importing
+    the model, the algorithm importing environments."""
+    graph = {
+        "arpo_lib.types": {"arpo_lib.actions", "arpo_lib.run.config"},
+        "arpo_lib.evaluation.evaluate": {"arpo_lib.training.trainer", "arpo_lib.rollout.engine"},
+        "arpo_lib.viz.draw": {"arpo_lib.agent.hf_policy", "arpo_lib.rollout.store"},
+        "arpo_lib.viz.report": {"arpo_lib.evaluation.stats"},
+        "arpo_lib.algo.loss": {"arpo_lib.envs.base", "arpo_lib.run.registry"},
+        "arpo_lib.training.trainer": {"arpo_lib.viz.plots", "arpo_lib.serving.launch", "arpo_lib.training.backend"},
+        "arpo_lib.build": {"arpo_lib.viz", "arpo_lib.training.trainer"},
+        "arpo_lib.envs.worker": {"arpo_lib", "arpo_lib.envs.base"},
+        "arpo_lib.workflows.prepare": {"arpo_lib.build"},
+        "arpo_lib.newpkg.thing": {"arpo_lib.run"},
+    }
+    assert forbidden_imports(graph, MAY_IMPORT) == [
+        "arpo_lib.algo.loss -> arpo_lib.envs.base",
+        "arpo_lib.build -> arpo_lib.viz",
+        "arpo_lib.evaluation.evaluate -> arpo_lib.training.trainer",
+        "arpo_lib.newpkg.thing belongs to no row of the table (add its package to MAY_IMPORT and the docs)",
+        "arpo_lib.training.trainer -> arpo_lib.serving.launch",
+        "arpo_lib.training.trainer -> arpo_lib.viz.plots",
+        "arpo_lib.types -> arpo_lib.actions",
+        "arpo_lib.viz.draw -> arpo_lib.agent.hf_policy",
+    ]
+
+
+def test_the_allow_map_is_the_documented_table():
+    documented = documented_table(ARCHITECTURE.read_text())
+    differ = {name: (documented.get(name), MAY_IMPORT.get(name)) for name in documented.keys() | MAY_IMPORT.keys()
+              if documented.get(name) != MAY_IMPORT.get(name)}
+    assert not differ, f"docs/architecture.md's table (first) and MAY_IMPORT (second) differ: {differ}"
+    # the notation is read as meant: a row that inherits, and one that does not
+    rows = documented_table("## The layers\n| `a/` | x | `b` and what it may import |\n| `b.py` | y | `c` |\n"
+                            "| `c/`, `d.py` | z | nothing |\n## next")
+    assert rows == {"a": {"b", "c"}, "b": {"c"}, "c": set(), "d": set()}
+
+
+def test_the_allowed_imports_have_no_cycle():
+    """The table is layered: no package may import, through the table, one that may import it."""
+    cycles = [c for c in strongly_connected(MAY_IMPORT) if len(c) > 1]
+    assert not cycles, f"the table allows import cycles: {cycles}"
 
 
 @pytest.mark.parametrize("module", ["arpo_lib.run.config", "arpo_lib.run.layout", "arpo_lib.run.records",
@@ -175,6 +279,13 @@ def test_packages_import_only_lower_layers():
 def test_the_ground_floor_imports_nothing_of_ours(module):
     others = {t for t in import_graph()[module] if not t.startswith("arpo_lib.run")}
     assert not others, f"{module} imports {others}"
+
+
+def test_types_imports_only_the_ground_floor():
+    """The data between the packages is read by environment workers in OSWorld's own interpreter:
+    it may lean on run/ only (never actions, agent or torch)."""
+    others = {t for t in import_graph()["arpo_lib.types"] if not t.startswith("arpo_lib.run")}
+    assert not others, f"arpo_lib.types imports {others}"
 
 
 def test_public_names_keep_working():
@@ -204,3 +315,18 @@ def test_the_old_names_users_notebooks_hold_still_work(tmp_path, tiny_qwen2vl):
         trainer = Trainer(cfg)
     trainer.close()
     assert trainer.step == 0 and (tmp_path / "old" / "config.yaml").is_file()
+
+
+def test_the_trainer_reads_as_the_algorithm_and_reads_only_its_own_config_sections():
+    """Issue 34's target: `training/trainer.py` under ~250 lines, `train_step` about 40, and the
+    trainer and its update read `train.*` and `algo.*` only (the rest is read by the components
+    `build.trainer` hands them)."""
+    trainer = PACKAGE / "training" / "trainer.py"
+    source = trainer.read_text()
+    assert len(source.splitlines()) <= 250, len(source.splitlines())
+    tree = ast.parse(source)
+    step = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "train_step")
+    assert step.end_lineno - step.lineno + 1 <= 45
+    for path in (trainer, PACKAGE / "training" / "update.py"):
+        sections = set(re.findall(r"\bcfg\.(\w+)", path.read_text()))
+        assert sections <= {"train", "algo", "to_dict"}, (path.name, sections)

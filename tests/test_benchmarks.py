@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from benchmarks import bench_rollout, bench_update
-from benchmarks.common import REAL_SHAPES, _spans, train_flops
+from benchmarks.common import _spans, train_flops
 from tests.conftest import LONG
 
 REPO = Path(__file__).resolve().parents[1]

@@ -5,6 +5,7 @@ import pytest
 
 from arpo_lib import build
 from arpo_lib.run.config import ConfigError, config_from_dict, load_config
+from arpo_lib.serving.weight_sync import ServedPolicy
 
 
 @pytest.mark.parametrize("override, key", [
@@ -54,8 +55,9 @@ def test_the_trainer_receives_what_build_makes(tmp_path, tiny_qwen2vl):
                                              "rollout.backend=server", "rollout.weight_sync=restart",
                                              "logging.progress=false"])
     with build.trainer(cfg) as trainer:
-        assert trainer.served is not None and trainer.served.server is None  # started at the first rollout
-        assert trainer.evaluator is not None and trainer._pool is None  # the pool starts when first used
+        served = trainer.rollouts.served
+        assert isinstance(served, ServedPolicy) and served.server is None  # started at the first rollout
+        assert trainer.evaluator is not None and trainer.rollouts._pool is None  # the pool starts when first used
         assert trainer.reference is None and (tmp_path / "b" / "config.yaml").is_file()
     with pytest.raises(FileExistsError):
         (tmp_path / "b" / "metrics.jsonl").write_text("")

@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
+from arpo_lib.experiments import comparison_report
 from arpo_lib.run.config import ConfigError, load_config
-from arpo_lib.experiments import comparison_report, report_digest, report_markdown
+from arpo_lib.viz.report import report_digest, report_markdown
 
 
 def _run(algo, seed, final, train, failed, injected, **extra):

@@ -39,6 +39,31 @@ def test_notebook_is_a_thin_parameterised_protocol(path):
     assert "widgets" not in nb.get("metadata", {}), "widget state is not stored (static figures carry the pictures)"
 
 
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_thin_notebooks_call_names_the_library_has(path):
+    """Every `module.name` a notebook calls on an arpo_lib module it imports exists: a name moved
+    inside the library stays where the notebooks (and users' copies of them) look for it."""
+    import ast
+    import importlib
+
+    code = "\n".join("".join(c["source"]) for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code")
+    tree = ast.parse("\n".join(line for line in code.splitlines() if not line.lstrip().startswith(("%", "!"))))
+    modules = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("arpo_lib"):
+            for alias in node.names:
+                modules[alias.asname or alias.name] = importlib.import_module(f"{node.module}.{alias.name}")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("arpo_lib"):
+                    modules[alias.asname or alias.name] = importlib.import_module(alias.name)
+    calls = {(node.value.id, node.attr) for node in ast.walk(tree)
+             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules}
+    assert calls, "the notebook calls no arpo_lib module: is the parsing right?"
+    missing = sorted(f"{m}.{name}" for m, name in calls if not hasattr(modules[m], name))
+    assert not missing, f"{path.name} calls names arpo_lib no longer has: {missing}"
+
+
 FAST = ["train.steps=1", "warm_start.steps=20", "warm_start.demos_per_task=2", "eval.samples_per_task=1",
         "logging.progress=false", "env.tasks=[miniwob/click-test, miniwob/click-button]", "train.eval_every=1"]
 

@@ -24,4 +24,4 @@ def test_a_leaked_process_fails_the_session_and_is_killed(tmp_path):
     assert "1 passed" in run.stdout and "outlived them" in run.stdout and "sleep 300" in run.stdout
     assert "test_leaky.py::test_leaks" in run.stdout
     leftover = subprocess.run(["pgrep", "-f", "^sleep 300$"], capture_output=True, text=True).stdout.split()
-    assert not [p for p in leftover if f"ARPO_TEST_SESSION" in Path(f"/proc/{p}/environ").read_text(errors="ignore")]
+    assert not [p for p in leftover if "ARPO_TEST_SESSION" in Path(f"/proc/{p}/environ").read_text(errors="ignore")]

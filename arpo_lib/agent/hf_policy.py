@@ -22,10 +22,10 @@ from arpo_lib.agent.model.lora import (adapter_state_dict, apply_lora, cast_froz
                                        merged_state_dict)
 from arpo_lib.agent.model.packing import pack_segments
 from arpo_lib.agent.model.vision_attention import use_batched_vision_attention
-from arpo_lib.agent.prompt import (Segment, UITarsConversations, coord_mode_for, image_processor_limits,
-                                   DEFAULT_PROMPT, get_prompt, load_processor, response_text, special_token_ids)
+from arpo_lib.agent.prompt import (UITarsConversations, coord_mode_for, image_processor_limits, DEFAULT_PROMPT,
+                                   get_prompt, load_processor, response_text, special_token_ids)
 from arpo_lib.agent.sampling import SeededGumbelSampler
-from arpo_lib.types import Generation
+from arpo_lib.types import Generation, SamplingParams, Segment
 
 log = logging.getLogger(__name__)
 
@@ -196,17 +196,14 @@ class HFPolicy(UITarsConversations):
         self,
         segments: Sequence[Segment],
         *,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        max_new_tokens: int | None = None,
+        sampling: SamplingParams = SamplingParams(),
         contexts: Sequence[Any] | None = None,
         seeds: Sequence[int] | None = None,
         cache_keys: Sequence[Any] | None = None,
-        frequency_penalty: float = 0.0,
     ) -> list[Generation]:
         """Sample one response for each context (batched, left-padded).
 
-        temperature 0 = greedy. Otherwise each row samples from softmax(logits / T) (nucleus-
+        Temperature 0 = greedy. Otherwise each row samples from softmax(logits / T) (nucleus-
         truncated when top_p < 1) with ITS OWN random generator seeded by `seeds[row]` (drawn
         from torch's global generator when not given): a row's sample does not depend on which
         other episodes share the batch, so runs and resumes are reproducible whatever order the
@@ -220,15 +217,16 @@ class HFPolicy(UITarsConversations):
         values are kept between calls and only its new tokens are prefilled. Without keys, or with
         `kv_cache=False`, the whole sequence is prefilled (the naive path).
 
-        `frequency_penalty` (an evaluation protocol's, OpenAI's meaning): each token's logit is
-        lowered by this times its count in the response so far; the behaviour log-probs are of
-        the penalised distribution.
+        `sampling.frequency_penalty` (an evaluation protocol's, OpenAI's meaning): each token's
+        logit is lowered by this times its count in the response so far; the behaviour log-probs
+        are of the penalised distribution.
         """
         from transformers import GenerationConfig, LogitsProcessorList
 
         if not segments:
             return []
-        max_new_tokens = max_new_tokens or self.max_new_tokens
+        temperature, top_p, frequency_penalty = sampling.temperature, sampling.top_p, sampling.frequency_penalty
+        max_new_tokens = sampling.max_new_tokens or self.max_new_tokens
         if self.kv_cache and cache_keys is not None:
             out = self.cached.generate(segments, cache_keys, temperature=temperature, top_p=top_p,
                                        max_new_tokens=max_new_tokens, seeds=seeds, frequency_penalty=frequency_penalty)

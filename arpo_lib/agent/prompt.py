@@ -17,7 +17,6 @@ history_images >= max_steps (ARPO's 15/15) a trajectory is one segment.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ from PIL import Image
 
 from arpo_lib.actions import MAX_PIXELS, MIN_PIXELS, ParsedResponse, parse_response
 from arpo_lib.agent.prompt_library import PROMPTS, Prompt
+from arpo_lib.types import Segment  # lives in types; `arpo_lib.agent.prompt.Segment` keeps working
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +37,7 @@ def get_prompt(name: str | Prompt) -> Prompt:
     """A prompt by name; ValueError naming the known ones."""
     if isinstance(name, Prompt):
         return name
-    if name not in PROMPTS:
-        raise ValueError(f"unknown prompt {name!r}; known: {', '.join(PROMPTS)}")
-    return PROMPTS[name]
+    return PROMPTS[name]  # an unknown name: ValueError naming the registered prompts
 
 
 def initial_messages(instruction: str, prompt: str | Prompt = DEFAULT_PROMPT) -> list[dict[str, Any]]:
@@ -64,54 +62,6 @@ def build_messages(instruction: str, n_screenshots: int, responses: list[str], h
         if i < len(responses):
             messages.append({"role": "assistant", "content": [{"type": "text", "text": responses[i]}]})
     return messages
-
-
-@dataclass
-class Segment:
-    """One training sequence. ids/mask/logprobs are aligned 1-D lists over tokens."""
-
-    input_ids: list[int] = field(default_factory=list)
-    mm_token_type_ids: list[int] = field(default_factory=list)
-    """1 at image tokens (Qwen-VL's M-RoPE needs it), 0 elsewhere."""
-    loss_mask: list[int] = field(default_factory=list)
-    """1 at sampled assistant tokens (the only tokens trained on)."""
-    behaviour_logprobs: list[float] = field(default_factory=list)
-    """Log-prob of each token under the sampling policy (0 where loss_mask is 0)."""
-    pixel_values: list[torch.Tensor] = field(default_factory=list)
-    """Per image: (patches, C*T*P*P), straight from the image processor."""
-    image_grid_thw: list[torch.Tensor] = field(default_factory=list)
-    """Per image: (3,)."""
-    screenshot_steps: list[int] = field(default_factory=list)
-    """Episode step index of each image in this segment (to reload it from step_N.png)."""
-
-    def __len__(self) -> int:
-        return len(self.input_ids)
-
-    def extend(self, ids: list[int], mm_types: list[int], mask: int, logprobs: list[float] | None = None) -> None:
-        self.input_ids += ids
-        self.mm_token_type_ids += mm_types
-        self.loss_mask += [mask] * len(ids)
-        self.behaviour_logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """Model inputs for this sequence, batch dimension 1."""
-        out = {
-            "input_ids": torch.tensor([self.input_ids]),  # (1, T)
-            "attention_mask": torch.ones(1, len(self.input_ids), dtype=torch.long),
-            "mm_token_type_ids": torch.tensor([self.mm_token_type_ids], dtype=torch.int),
-        }
-        if self.pixel_values:
-            out["pixel_values"] = torch.cat(self.pixel_values)
-            out["image_grid_thw"] = torch.stack(self.image_grid_thw)
-        return out
-
-    def token_data(self) -> dict[str, Any]:
-        """What is saved to disk (tokens.pt): everything but the pixels, which step_N.png reproduce."""
-        return {
-            "input_ids": self.input_ids, "mm_token_type_ids": self.mm_token_type_ids,
-            "loss_mask": self.loss_mask, "behaviour_logprobs": self.behaviour_logprobs,
-            "screenshot_steps": self.screenshot_steps,
-        }
 
 
 class TokenConversation:

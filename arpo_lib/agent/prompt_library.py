@@ -10,10 +10,15 @@ They differ in ways that matter to what a policy can earn and how comparable num
   repository's COMPUTER_USE prompt with language English: the same text. No `call_user()` line.
 - `uitars10`: UI-TARS 1.0's prompt (for UI-TARS-2B-SFT): box-style coordinates, a different
   `type()` line, `finished()` without content, and a `call_user()` line.
+
+Each is registered in `PROMPTS` (`agent.prompt` names one); a plug-in registers its own with
+`PROMPTS.register(name, Prompt(...))`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from arpo_lib.run.registry import PROMPTS
 
 
 @dataclass(frozen=True)
@@ -170,5 +175,5 @@ UITARS10 = Prompt(
     source='bytedance/UI-TARS infer/prompts.py multi_step_prompt_1229 with Call_User_Reflection_Action_Space and language English: UI-TARS 1.0 (UI-TARS-2B/7B-SFT, relative 0..1000 boxes)',
 )
 
-PROMPTS: dict[str, Prompt] = {'arpo': ARPO, 'osworld_uitars15': OSWORLD_UITARS15, 'uitars_official': UITARS_OFFICIAL, 'uitars10': UITARS10}
-"""Every prompt by name (`agent.prompt`)."""
+for _prompt in (ARPO, OSWORLD_UITARS15, UITARS_OFFICIAL, UITARS10):
+    PROMPTS.register(_prompt.name, _prompt)

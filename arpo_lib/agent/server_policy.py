@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from arpo_lib.agent.client import ServerError, chat_completion, ui_tars_messages
-from arpo_lib.agent.prompt import (Segment, UITarsConversations, coord_mode_for, image_processor_limits,
-                                   DEFAULT_PROMPT, get_prompt, load_processor, response_text, special_token_ids)
-from arpo_lib.types import Generation
+from arpo_lib.agent.prompt import (UITarsConversations, coord_mode_for, image_processor_limits, DEFAULT_PROMPT,
+                                   get_prompt, load_processor, response_text, special_token_ids)
+from arpo_lib.types import Generation, SamplingParams, Segment
 
 # The UI-TARS action grammar as a regular expression, for constrained decoding (vLLM's
 # `structured_outputs.regex`): an optional Thought, then one Action line whose call is one of
@@ -104,13 +104,10 @@ class ServerPolicy(UITarsConversations):
         self,
         segments: Sequence[Segment],
         *,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        max_new_tokens: int | None = None,
+        sampling: SamplingParams = SamplingParams(),
         contexts: Sequence[Any] | None = None,
         seeds: Sequence[int] | None = None,
         cache_keys: Sequence[Any] | None = None,
-        frequency_penalty: float = 0.0,
     ) -> list[Generation]:
         """One response per episode, all requested concurrently. `contexts` (the engine's
         PolicyContext, with `screenshots` and `responses` so far) are required: the server gets
@@ -120,8 +117,7 @@ class ServerPolicy(UITarsConversations):
             return []
         if contexts is None or len(contexts) != len(segments):
             raise ValueError("ServerPolicy.generate needs one context (instruction, screenshots, responses) per segment")
-        jobs = [self._pool.submit(self._one, seg, ctx, temperature, top_p, max_new_tokens or self.max_new_tokens,
-                                  None if seeds is None else int(seeds[i]) % 2**31, frequency_penalty)
+        jobs = [self._pool.submit(self._one, seg, ctx, sampling, None if seeds is None else int(seeds[i]) % 2**31)
                 for i, (seg, ctx) in enumerate(zip(segments, contexts))]
         return [job.result() for job in jobs]
 
@@ -153,19 +149,19 @@ class ServerPolicy(UITarsConversations):
         except Exception as exc:
             raise ServerError(f"could not list the models at {self.base_url}/models: {exc}") from exc
 
-    def _one(self, segment: Segment, ctx: Any, temperature: float, top_p: float, max_tokens: int,
-             seed: int | None, frequency_penalty: float = 0.0) -> Generation:
+    def _one(self, segment: Segment, ctx: Any, sampling: SamplingParams, seed: int | None) -> Generation:
         messages = ui_tars_messages(ctx.instruction, ctx.screenshots, ctx.responses, self.history_images, self.prompt)
         extra: dict[str, Any] = {"logit_bias": {str(i): -100 for i in self.suppress_ids}, **NEUTRAL_SAMPLING,
                                  # the box markers are special tokens: keep them in the text
                                  "skip_special_tokens": False, "spaces_between_special_tokens": False}
-        extra["frequency_penalty"] = frequency_penalty
+        extra["frequency_penalty"] = sampling.frequency_penalty
         if self.constrained:
             extra["structured_outputs"] = {"regex": ACTION_REGEX}
-        reply = chat_completion(self.base_url, messages, model=self.served_model, temperature=temperature,
-                                top_p=top_p, max_tokens=max_tokens, seed=seed, logprobs=True, return_token_ids=True,
-                                extra_body=extra, api_key=self._api_key, timeout_s=self.timeout_s,
-                                retries=self.retries, backoff_s=self.backoff_s)
+        reply = chat_completion(self.base_url, messages, model=self.served_model, temperature=sampling.temperature,
+                                top_p=sampling.top_p, max_tokens=sampling.max_new_tokens or self.max_new_tokens,
+                                seed=seed, logprobs=True, return_token_ids=True, extra_body=extra,
+                                api_key=self._api_key, timeout_s=self.timeout_s, retries=self.retries,
+                                backoff_s=self.backoff_s)
         choice = reply["choices"][0]
         text = choice["message"]["content"] or ""
         ids = choice.get("token_ids")
@@ -234,9 +230,9 @@ class FleetPolicy:
         self._server_of.pop(key, None)
         self.clients[0].release(key)
 
-    def generate(self, segments: Sequence[Segment], *, contexts: Sequence[Any] | None = None,
-                 seeds: Sequence[int] | None = None, cache_keys: Sequence[Any] | None = None,
-                 **options: Any) -> list[Generation]:
+    def generate(self, segments: Sequence[Segment], *, sampling: SamplingParams = SamplingParams(),
+                 contexts: Sequence[Any] | None = None, seeds: Sequence[int] | None = None,
+                 cache_keys: Sequence[Any] | None = None) -> list[Generation]:
         """`ServerPolicy.generate` over the fleet: each segment to its episode's server."""
         if not segments:
             return []
@@ -252,7 +248,7 @@ class FleetPolicy:
             return None if values is None else [values[i] for i in idx]
 
         jobs = {s: self._pool.submit(self.clients[s].generate, [segments[i] for i in idx],
-                                     contexts=pick(contexts, idx), seeds=pick(seeds, idx), **options)
+                                     sampling=sampling, contexts=pick(contexts, idx), seeds=pick(seeds, idx))
                 for s, idx in by_server.items()}
         out: list[Generation | None] = [None] * len(segments)
         for s, idx in by_server.items():

@@ -3,6 +3,9 @@
 Each task is rolled out G times (G = 8 in ARPO); a trajectory's advantage is its reward
 standardised within its group, and every assistant token of the trajectory gets that value
 (the loss broadcasts it). No value function, no discounting: the reward is given once per episode.
+
+The trainer calls the estimator that `algo.adv_estimator` names in `ADV_ESTIMATORS` (one signature:
+`estimator(rewards, cfg) -> advantages`); `grpo`, the one below, is GRPO's and ARPO's.
 """
 from __future__ import annotations
 
@@ -10,6 +13,9 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+
+from arpo_lib.run.config import AlgoConfig
+from arpo_lib.run.registry import ADV_ESTIMATORS
 
 
 def group_advantages(rewards: torch.Tensor | Sequence[float], eps: float = 1e-6,
@@ -45,6 +51,13 @@ def group_advantages(rewards: torch.Tensor | Sequence[float], eps: float = 1e-6,
         return r - mean
     std = r.std(dim=-1, keepdim=True, unbiased=True)
     return (r - mean) / (std + eps)
+
+
+@ADV_ESTIMATORS.register("grpo")
+def grpo_advantages(rewards: torch.Tensor, cfg: AlgoConfig) -> torch.Tensor:
+    """GRPO's estimator: `group_advantages` with `algo.adv_eps` and `algo.norm_adv_by_std`.
+    rewards: (G,) of one group -> (G,) advantages."""
+    return group_advantages(rewards, eps=cfg.adv_eps, norm_by_std=cfg.norm_adv_by_std)
 
 
 def is_all_failed(

@@ -14,10 +14,17 @@ micro-batch size decides it); here it is the explicit `aggregation` argument:
 - "seq-mean-token-mean": mean over the tokens of each trajectory, then mean over trajectories
   (what ARPO gets with micro-batches of one trajectory): every trajectory weighs the same.
 - "token-mean": mean over all tokens of the batch: long trajectories weigh more.
+
+The trainer calls the loss that `algo.policy_loss` names in `POLICY_LOSSES` (one signature:
+`loss(logprobs, old_logprobs, advantages, mask, cfg, *, ref_logprobs=None, is_weights=None)
+-> (loss, metrics)`); `ppo_clip` is the one above, its knobs read from the run's `algo.*`.
 """
 from __future__ import annotations
 
 import torch
+
+from arpo_lib.run.config import AlgoConfig
+from arpo_lib.run.registry import POLICY_LOSSES
 
 AGGREGATIONS = ("seq-mean-token-mean", "token-mean")
 
@@ -192,3 +199,21 @@ def policy_loss(
         if kl_value is not None:
             metrics["kl"] = float(kl_value.item())
     return loss, metrics
+
+
+@POLICY_LOSSES.register("ppo_clip")
+def ppo_clip_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: AlgoConfig,
+    *,
+    ref_logprobs: torch.Tensor | None = None,
+    is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GRPO's and ARPO's loss: `policy_loss` with `algo.clip_low`, `clip_high`, `dual_clip`,
+    `aggregation` and `kl_coef`. Shapes as `policy_loss`: (B, T) tokens, (B,) advantages."""
+    return policy_loss(logprobs, old_logprobs, advantages, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                       dual_clip=cfg.dual_clip, aggregation=cfg.aggregation, ref_logprobs=ref_logprobs,
+                       kl_coef=cfg.kl_coef, is_weights=is_weights)

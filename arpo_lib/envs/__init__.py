@@ -1,25 +1,37 @@
 """Environments by name: `make_env("miniwob/click-button", scale=3)` -> a `GUIEnv`.
 
-Families register a prefix and a factory; a name is `<prefix>/<task>`. Factories import their
-heavy dependencies (selenium, miniwob, OSWorld) when called, so importing this package is cheap
-and works on a machine without a browser.
+A name is `<family>/<task>`. Each family is one `EnvFamily` object in the registry
+`ENV_FAMILIES` (arpo_lib/run/registry.py): how to make its environments, its task list, whether
+`<task>@<seed>` names a fixed instance, its domains and task sets, its scripted demonstrator and
+the interpreter its workers need. The functions below ask the family, never test its name; a
+plug-in adds a family with `register_family(EnvFamily(...))`. Families import their heavy
+dependencies (selenium, miniwob, OSWorld) when an environment is made, so importing this
+package is cheap and works on a machine without a browser.
 """
 from __future__ import annotations
 
 import difflib
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from arpo_lib.envs.base import EnvError, EnvSpec, GUIEnv, Observation
+from arpo_lib.envs.base import EnvError, EnvFamily, GUIEnv, Observation, Plan
+from arpo_lib.run.registry import ENV_FAMILIES
 
-__all__ = ["EnvError", "EnvSpec", "GUIEnv", "Observation", "check_env_name", "domain_of", "expand_instances",
-           "expand_task_names", "is_task_set_name", "list_envs", "make_env", "register_env", "split_instance"]
+__all__ = ["ENV_FAMILIES", "EnvError", "EnvFamily", "GUIEnv", "Observation", "check_env_name", "domain_of",
+           "expand_instances", "expand_task_names", "family_of", "is_task_set_name", "list_envs", "make_env",
+           "register_env", "register_family", "split_instance"]
 
-_REGISTRY: dict[str, EnvSpec] = {}
-_TASK_LISTERS: dict[str, Callable[[], Sequence[str]]] = {}
-_DYNAMIC: set[str] = set()
-PLANNED_FAMILIES: dict[str, str] = {}
-"""Families that configs may name already but that cannot be built yet: prefix -> why not."""
+
+def register_family(family: EnvFamily) -> EnvFamily:
+    """Register a family: `make_env(f"{family.name}/{task}", **options)` calls `family.make(task, **options)`."""
+    return _register(family, sys._getframe(1).f_globals.get("__name__", "?"))
+
+
+def _register(family: EnvFamily, origin: str) -> EnvFamily:
+    if not family.name or "/" in family.name:
+        raise ValueError(f"a family's name must be non-empty and without '/', got {family.name!r}")
+    return ENV_FAMILIES.register(family.name, family, origin=origin)
 
 
 def register_env(
@@ -28,52 +40,28 @@ def register_env(
     description: str = "",
     tasks: Sequence[str] | Callable[[], Sequence[str]] = (),
     cache_tasks: bool = True,
-) -> EnvSpec:
-    """Register a family: `make_env(f"{prefix}/{task}", **options)` calls `factory(task, **options)`.
-
-    `tasks` lists the valid task names, or is a function returning them (called lazily, so a
-    family can discover its tasks without importing its backend at registration). An empty list
-    means any task name is passed to the factory, which validates it. `cache_tasks=False` asks
-    the lister again every time (for task lists that change while a process runs: fetched data).
-    """
-    if not prefix or "/" in prefix:
-        raise ValueError(f"prefix must be a non-empty name without '/', got {prefix!r}")
-    if prefix in _REGISTRY:
-        raise ValueError(f"environment family {prefix!r} is already registered")
-    spec = EnvSpec(prefix=prefix, factory=factory, description=description,
-                   tasks=[] if callable(tasks) else list(tasks))
-    _REGISTRY[prefix] = spec
-    if callable(tasks):
-        _TASK_LISTERS[prefix] = tasks
-        if not cache_tasks:
-            _DYNAMIC.add(prefix)
-    return spec
-
-
-def _tasks(spec: EnvSpec) -> list[str]:
-    """The family's task names, resolving a lazy lister once."""
-    if spec.prefix in _DYNAMIC:
-        return list(_TASK_LISTERS[spec.prefix]())
-    lister = _TASK_LISTERS.pop(spec.prefix, None)
-    if lister is not None:
-        spec.tasks = list(lister())
-    return spec.tasks
+) -> EnvFamily:
+    """A family from a factory and its tasks only (`register_family` takes the rest too):
+    `make_env(f"{prefix}/{task}", **options)` calls `factory(task, **options)`. `tasks` lists the
+    valid task names, or is a function returning them (called lazily); empty means any task name is
+    passed to the factory, which validates it. `cache_tasks=False` asks the lister again every time."""
+    return _register(EnvFamily(prefix, factory, description, tasks, cache_tasks),
+                     sys._getframe(1).f_globals.get("__name__", "?"))
 
 
 def list_envs(prefix: str | None = None) -> list[str]:
     """All registered names (`miniwob/click-button`, ...); a family without a task list shows as
     `<prefix>/*`. With `prefix`, only that family."""
     names = []
-    for spec in _REGISTRY.values():
-        if prefix is None or spec.prefix == prefix:
-            tasks = _tasks(spec)
-            names += [f"{spec.prefix}/{t}" for t in tasks] if tasks else [f"{spec.prefix}/*"]
+    for family in ENV_FAMILIES.values():
+        if prefix is None or family.name == prefix:
+            tasks = family.task_names()
+            names += [f"{family.name}/{t}" for t in tasks] if tasks else [f"{family.name}/*"]
     return names
 
 
-INSTANCE_FAMILIES = ("miniwob",)
-"""Families whose tasks draw a new layout from the episode seed, so that `<task>@<seed>` names
-one fixed instance of them. OSWorld's tasks are fixed configurations already."""
+def _seeded_families() -> list[str]:
+    return [f.name for f in ENV_FAMILIES.values() if f.seeded_layouts]
 
 
 def split_instance(name: str) -> tuple[str, int | None]:
@@ -86,8 +74,10 @@ def split_instance(name: str) -> tuple[str, int | None]:
         return name, None
     if not seed.isdigit():
         raise ValueError(f"{name!r}: an instance is `<task>@<seed>` with a seed >= 0, e.g. 'miniwob/click-test@3'")
-    if base.partition("/")[0] not in INSTANCE_FAMILIES:
-        raise ValueError(f"{name!r}: fixed instances (`@<seed>`) exist for {', '.join(INSTANCE_FAMILIES)} tasks only")
+    family = ENV_FAMILIES.get(base.partition("/")[0])
+    if family is None or not family.seeded_layouts:
+        raise ValueError(f"{name!r}: fixed instances (`@<seed>`) exist for {', '.join(_seeded_families())} "
+                         "tasks only")
     return base, int(seed)
 
 
@@ -98,9 +88,10 @@ def expand_instances(names: Sequence[str], per_task: int) -> list[str]:
         raise ValueError(f"instances per task must be >= 0, got {per_task}")
     if per_task == 0:
         return list(names)
+    seeded = _seeded_families()
     out: list[str] = []
     for name in names:
-        if name.partition("/")[0] in INSTANCE_FAMILIES and split_instance(name)[1] is None:
+        if name.partition("/")[0] in seeded and split_instance(name)[1] is None:
             out += [f"{name}@{i}" for i in range(per_task)]
         else:
             out.append(name)
@@ -108,48 +99,92 @@ def expand_instances(names: Sequence[str], per_task: int) -> list[str]:
 
 
 def make_env(name: str, **options: Any) -> GUIEnv:
-    """Build the environment `<prefix>/<task>`; options go to the family's factory. An instance
+    """Build the environment `<prefix>/<task>`; options go to the family's `make`. An instance
     name (`<task>@<seed>`) builds its task's environment: the seed is given at reset.
 
     Raises ValueError for an unknown family or task, naming what exists.
     """
-    name = split_instance(name)[0]
-    prefix = name.partition("/")[0] if isinstance(name, str) else ""
-    if prefix in PLANNED_FAMILIES and prefix not in _REGISTRY:
-        raise ValueError(f"{name!r}: {PLANNED_FAMILIES[prefix]}")
     # A task given whole (`task_config`, e.g. a task file of one's own) need not be in the family's list.
-    spec, task = check_env_name(name, listed=options.get("task_config") is None)
-    return spec.factory(task, **options)
+    family, task = check_env_name(name, listed=options.get("task_config") is None)
+    return family.make(task, **options)
 
 
-def check_env_name(name: str, listed: bool = True) -> tuple[EnvSpec, str]:
+def family_of(name: str) -> EnvFamily:
+    """The family of a task name; ValueError naming the registered ones."""
+    return check_env_name(name, listed=False)[0]
+
+
+def check_env_name(name: str, listed: bool = True) -> tuple[EnvFamily, str]:
     """(family, task) of a name, without building anything; ValueError naming what exists.
     `listed=False`: the task need not be in the family's task list."""
     if not isinstance(name, str):
         raise ValueError(f"an environment name must be a string, got {name!r}")
     name = split_instance(name)[0]
     prefix, _, task = name.partition("/")
-    spec = _REGISTRY.get(prefix)
-    if spec is None:
-        close = difflib.get_close_matches(prefix, list(_REGISTRY), n=3)
+    family = ENV_FAMILIES.get(prefix)
+    if family is None:
+        close = difflib.get_close_matches(prefix, list(ENV_FAMILIES), n=3)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ValueError(f"Unknown environment family {prefix!r} in {name!r}.{hint} "
-                         f"Registered: {', '.join(sorted(_REGISTRY)) or 'none'}.")
+                         f"Registered: {', '.join(sorted(ENV_FAMILIES)) or 'none'}.")
     if not task:
         raise ValueError(f"{name!r} names no task: use '{prefix}/<task>', e.g. "
                          f"{', '.join(list_envs(prefix)[:3])}")
-    tasks = _tasks(spec) if listed else []
-    if tasks and task not in tasks and not _is_alias(prefix, task, tasks):
+    tasks = family.task_names() if listed else []
+    if tasks and task not in tasks and not (family.alias and family.alias(task) in tasks):
         close = difflib.get_close_matches(task, tasks, n=5, cutoff=0.5)
         hint = f" Did you mean: {', '.join(f'{prefix}/{t}' for t in close)}?" if close else ""
         raise ValueError(f"Unknown {prefix} task {task!r}.{hint} {len(tasks)} tasks exist: "
                          f"see arpo_lib.envs.list_envs({prefix!r}).")
-    return spec, task
+    return family, task
 
 
-def _is_alias(prefix: str, task: str, tasks: Sequence[str]) -> bool:
-    """Gymnasium-style ids (`miniwob/click-button-v1`) name the same task."""
-    return prefix == "miniwob" and task.removesuffix("-v1") in tasks
+# ---- names beyond one task: domains and task sets ------------------------------------------
+
+def domain_of(task: str) -> str:
+    """The domain results are grouped under: the family's (`osworld/<id>` -> `chrome`, `gimp`, ...
+    once the task data is fetched), else the family's name; a name without a prefix -> `default`."""
+    prefix, _, rest = task.partition("/")
+    if not rest:
+        return "default"
+    family = ENV_FAMILIES.get(prefix)
+    return family.domain(rest) if family is not None and family.domain is not None else prefix
+
+
+def is_task_set_name(name: Any) -> bool:
+    """`<family>/<set>` names one of the family's task sets (`osworld/subset32`), not one task."""
+    if not isinstance(name, str) or "/" not in name:
+        return False
+    prefix, _, rest = name.partition("/")
+    family = ENV_FAMILIES.get(prefix)
+    return family is not None and family.task_sets is not None and rest in family.task_sets()
+
+
+def expand_task_names(names: Sequence[str]) -> list[str]:
+    """Task names with task sets (`osworld/subset32`) replaced by their tasks (that may need the
+    task data: FileNotFoundError says how to fetch it)."""
+    out: list[str] = []
+    for name in names:
+        if is_task_set_name(name):
+            prefix, _, rest = name.partition("/")
+            out += ENV_FAMILIES[prefix].expand_task_set(rest)
+        else:
+            out.append(name)
+    return out
+
+
+def _solution_plan(texts: Sequence[str] | None, task: str, step: int, screen_size: tuple[int, int]) -> Plan:
+    """Step `step` of a task's scripted solution, then finished(). Solutions are UI-TARS action
+    texts in Qwen2.5-VL's model space (for the default resize), read so into screenshot pixels."""
+    from arpo_lib.actions import parse_response
+
+    if texts is None:
+        raise ValueError(f"no scripted solution for task {task!r}")
+    if step < len(texts):
+        thought, text = f"Step {step + 1} of {len(texts)} of the task.", texts[step]
+    else:
+        thought, text = "The task is done.", "finished(content='')"
+    return thought, parse_response(f"Thought: {thought}\nAction: {text}", screen_size, "qwen25vl").actions
 
 
 # ---- built-in families ----------------------------------------------------------------------
@@ -166,13 +201,26 @@ def _miniwob_tasks() -> Sequence[str]:
     return miniwob_tasks()
 
 
-register_env(
-    "miniwob",
-    _make_miniwob,
+def _miniwob_demonstrates(task: str) -> bool:
+    from arpo_lib.envs import miniwob_scripted
+
+    return miniwob_scripted.supports(task)
+
+
+def _miniwob_demonstrate(task: str, instruction: str, info: dict[str, Any], step: int,
+                         screen_size: tuple[int, int]) -> Plan:
+    from arpo_lib.envs import miniwob_scripted
+
+    return miniwob_scripted.plan(task, instruction, info, step, screen_size)
+
+
+register_family(EnvFamily(
+    "miniwob", _make_miniwob,
     "MiniWoB++ web tasks in headless Chromium (options: scale, reward, max_steps, "
     "wait_seconds, episode_max_time_s, headless)",
-    tasks=_miniwob_tasks,
-)
+    tasks=_miniwob_tasks, seeded_layouts=True, alias=lambda task: task.removesuffix("-v1"),
+    demonstrates=_miniwob_demonstrates, demonstrate=_miniwob_demonstrate,
+))
 
 
 def _make_osworld(task: str, **options: Any) -> GUIEnv:
@@ -198,15 +246,57 @@ def _osworld_tasks() -> Sequence[str]:
     return ids + [t for t in FAKE_TASKS if t not in ids] if ids else []
 
 
-register_env(
-    "osworld",
-    _make_osworld,
+def _osworld_domain(task: str) -> str:
+    from arpo_lib.envs.osworld.tasks import cached_domain
+
+    return cached_domain(task)
+
+
+def _osworld_task_sets() -> Sequence[str]:
+    from arpo_lib.envs.osworld.tasks import TASK_SETS
+
+    return list(TASK_SETS)
+
+
+def _osworld_task_set(name: str) -> list[str]:
+    from arpo_lib.envs.osworld.tasks import task_set
+
+    return task_set(name)
+
+
+def _osworld_demonstrates(task: str) -> bool:
+    from arpo_lib.envs.osworld.sandbox_check import osworld_solution_texts
+
+    return osworld_solution_texts(task) is not None
+
+
+def _osworld_demonstrate(task: str, instruction: str, info: dict[str, Any], step: int,
+                         screen_size: tuple[int, int]) -> Plan:
+    from arpo_lib.envs.osworld.sandbox_check import osworld_solution_texts
+
+    return _solution_plan(osworld_solution_texts(task), f"osworld/{task}", step, screen_size)
+
+
+def _osworld_python() -> str:
+    from arpo_lib.envs.osworld.env import find_osworld_python
+
+    python = find_osworld_python()
+    if python is None:
+        raise RuntimeError("env.python=auto: no interpreter with desktop_env found "
+                           "(run scripts/setup_osworld.sh or set $ARPO_OSWORLD_PYTHON)")
+    return python
+
+
+register_family(EnvFamily(
+    "osworld", _make_osworld,
     "OSWorld desktop tasks in desktop_env VMs (options: provider, screen_size, max_steps, path_to_vm, "
     "cache_root, pause_s, boot_retries, backoff_s, allow_no_kvm, desktop_env_class, task_loader, "
     "task_config)",
     tasks=_osworld_tasks,
     cache_tasks=False,  # `osworld-tasks fetch` may run while a notebook kernel lives
-)
+    domain=_osworld_domain, task_sets=_osworld_task_sets, expand_task_set=_osworld_task_set,
+    demonstrates=_osworld_demonstrates, demonstrate=_osworld_demonstrate, python=_osworld_python,
+))
 
 
 def _make_desktop(task: str, **options: Any) -> GUIEnv:
@@ -221,44 +311,17 @@ def _desktop_tasks() -> Sequence[str]:
     return desktop_tasks()
 
 
-register_env(
-    "desktop",
-    _make_desktop,
+def _desktop_demonstrate(task: str, instruction: str, info: dict[str, Any], step: int,
+                         screen_size: tuple[int, int]) -> Plan:
+    from arpo_lib.envs.desktop.scripted import solution_texts  # every task file holds its solution
+
+    return _solution_plan(solution_texts(task), f"desktop/{task}", step, screen_size)
+
+
+register_family(EnvFamily(
+    "desktop", _make_desktop,
     "Real desktop applications (text editor, terminal, file manager, Chromium) in a sandboxed X "
     "desktop, checked like OSWorld (options: screen, max_steps, settle_s, wait_s, reward, limits, isolation)",
     tasks=_desktop_tasks,
-)
-
-
-# ---- names beyond one task: domains and task sets ------------------------------------------
-
-def domain_of(task: str) -> str:
-    """`miniwob/click-test` -> `miniwob`; `osworld/<id>` -> its OSWorld domain (`chrome`, `gimp`,
-    ...) when the task data is fetched, else `osworld`; a name without a prefix -> `default`."""
-    family, _, rest = task.partition("/")
-    if not rest:
-        return "default"
-    if family == "osworld":
-        from arpo_lib.envs.osworld.tasks import cached_domain
-
-        return cached_domain(rest)
-    return family
-
-
-def is_task_set_name(name: Any) -> bool:
-    """`osworld/<set>` names a task set (train128, subset32, ...), not one task."""
-    if not isinstance(name, str) or not name.startswith("osworld/"):
-        return False
-    from arpo_lib.envs.osworld.tasks import TASK_SETS
-
-    return name.split("/", 1)[1] in TASK_SETS
-
-
-def expand_task_names(names: Sequence[str]) -> list[str]:
-    """Task names with task sets (`osworld/subset32`) replaced by their tasks (needs the task
-    data: FileNotFoundError says how to fetch it)."""
-    if not any(is_task_set_name(n) for n in names):
-        return list(names)
-    from arpo_lib.envs.osworld.tasks import expand_task_names as expand_osworld
-
-    return expand_osworld(names)
+    demonstrates=lambda task: task in _desktop_tasks(), demonstrate=_desktop_demonstrate,
+))

@@ -2,11 +2,13 @@
 
 An environment shows a screen and an instruction, takes one UI-TARS action per step, and ends
 with the task's own score. Every backend (MiniWoB++ in Chromium, OSWorld VMs, test doubles)
-implements `GUIEnv`; the rollout engine and the notebooks only ever see this interface.
+implements `GUIEnv`; the rollout engine and the notebooks only ever see this interface. An
+`EnvFamily` says how to make a family's environments and what else differs between families.
 """
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,11 +65,54 @@ class GUIEnv(abc.ABC):
         self.close()
 
 
-@dataclass
-class EnvSpec:
-    """A registered environment family: names `<prefix>/<task>` are built by `factory(task, **options)`."""
+Plan = tuple[str, list[Action]]
+"""(thought, actions): one turn of a scripted demonstrator, points in screenshot pixels."""
 
-    prefix: str
-    factory: Any
+
+@dataclass
+class EnvFamily:
+    """One environment family and everything the workbench knows about it: task names are
+    `<name>/<task>`, built by `make(task, **options)`. Registered in `arpo_lib.envs` (the registry
+    `ENV_FAMILIES`); whatever differs between families is a field here, not a test of its name."""
+
+    name: str
+    """The prefix of its task names (no `/`)."""
+    make: Callable[..., GUIEnv]
+    """`make(task, **options)` -> a new environment. Heavy dependencies are imported in here, so
+    that registering a family (and importing `arpo_lib.envs`) stays cheap."""
     description: str = ""
-    tasks: list[str] = field(default_factory=list)
+    """One line for listings: what the environments are and their options."""
+    tasks: Sequence[str] | Callable[[], Sequence[str]] = ()
+    """Its task names, or a function listing them (called when first needed). Empty: any task
+    name is handed to `make`, which checks it."""
+    cache_tasks: bool = True
+    """False: list the tasks anew every time (a list that grows while a process runs: fetched data)."""
+    seeded_layouts: bool = False
+    """Each episode draws its layout from its seed, so `<task>@<seed>` names one fixed instance
+    (MiniWoB); without, a task is one fixed configuration already (OSWorld)."""
+    alias: Callable[[str], str] | None = None
+    """Another spelling of a task -> its listed name (MiniWoB's gymnasium ids `click-test-v1`)."""
+    domain: Callable[[str], str] | None = None
+    """task -> the domain results are grouped under (OSWorld's `chrome`, `gimp`, ...); None: the
+    family's name."""
+    task_sets: Callable[[], Collection[str]] | None = None
+    """Names of task sets: `<name>/<set>` stands for many tasks (OSWorld's `subset32`)."""
+    expand_task_set: Callable[[str], list[str]] | None = None
+    """A set's name -> the full names of its tasks (may need fetched data: FileNotFoundError)."""
+    demonstrates: Callable[[str], bool] | None = None
+    """Whether the scripted demonstrator can show a task."""
+    demonstrate: Callable[[str, str, dict[str, Any], int, tuple[int, int]], Plan] | None = None
+    """The scripted demonstrator: (task, instruction, info, step, screenshot size) -> its next
+    turn (ValueError for a task or page it cannot handle). None: the family has none."""
+    python: Callable[[], str] | None = None
+    """With env.python=auto: the interpreter its environment workers need (raising when there is
+    none, saying how to make one). None: this one."""
+    _listed: list[str] | None = field(default=None, init=False, repr=False, compare=False)
+
+    def task_names(self) -> list[str]:
+        """Its task names ([]: any), listed once unless `cache_tasks` is False."""
+        if not callable(self.tasks):
+            return list(self.tasks)
+        if self._listed is None or not self.cache_tasks:
+            self._listed = list(self.tasks())
+        return self._listed

@@ -5,6 +5,7 @@ per environment on any node of a cluster (`arpo_lib.envs.ray_pool.RayEnvPool`).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from arpo_lib.envs.worker import EnvWorker
@@ -14,14 +15,15 @@ if TYPE_CHECKING:
 
 
 class EnvPool:
-    """`n` worker processes sharing the same make_env options (and interpreter, see EnvWorker)."""
+    """`n` worker processes sharing the same make_env options (and interpreter and plug-ins, see EnvWorker)."""
 
     def __init__(self, n: int, env_options: dict[str, Any] | None = None, timeout_s: float = 120.0,
-                 cache_size: int = 1, *, python: str | None = None):
+                 cache_size: int = 1, *, python: str | None = None, plugins: Sequence[str] = ()):
         self.workers: list[EnvWorker] = []
         try:
             for _ in range(n):
-                self.workers.append(EnvWorker(dict(env_options or {}), timeout_s, cache_size, python=python))
+                self.workers.append(EnvWorker(dict(env_options or {}), timeout_s, cache_size, python=python,
+                                              plugins=plugins))
         except BaseException:
             self.close()
             raise
@@ -45,25 +47,26 @@ class EnvPool:
 
 
 def make_pool(n: int, env_options: dict[str, Any] | None = None, timeout_s: float = 120.0, cache_size: int = 1, *,
-              backend: str = "local", python: str | None = None, ray_address: str | None = None,
-              ray_resource: str | None = None, ray_num_cpus: float | None = None) -> EnvPool | RayEnvPool:
+              backend: str = "local", python: str | None = None, plugins: Sequence[str] = (),
+              ray_address: str | None = None, ray_resource: str | None = None,
+              ray_num_cpus: float | None = None) -> EnvPool | RayEnvPool:
     """The environment pool a run's config asks for.
 
     backend="local": worker processes on this machine (`EnvPool`); "ray": one Ray actor per
     environment (`RayEnvPool`), placed on nodes that advertise `ray_resource` when given, on the
     cluster at `ray_address` ("auto", "ray://host:10001") or a private local Ray when None.
-    `python` is the workers' interpreter in both (see EnvWorker).
+    `python` is the workers' interpreter in both, `plugins` the modules they import (see EnvWorker).
     """
     if backend == "local":
         given = [k for k, v in (("ray_address", ray_address), ("ray_resource", ray_resource),
                                 ("ray_num_cpus", ray_num_cpus)) if v is not None]
         if given:
             raise ValueError(f"{', '.join(given)} only apply to backend='ray' (backend is 'local')")
-        return EnvPool(n, env_options, timeout_s, cache_size, python=python)
+        return EnvPool(n, env_options, timeout_s, cache_size, python=python, plugins=plugins)
     if backend == "ray":
         from arpo_lib.envs.ray_pool import RayEnvPool
 
         extra = {} if ray_num_cpus is None else {"num_cpus": ray_num_cpus}
         return RayEnvPool(n, env_options, timeout_s, cache_size, address=ray_address, resource=ray_resource,
-                          python=python, **extra)
+                          python=python, plugins=plugins, **extra)
     raise ValueError(f"unknown environment backend {backend!r}: use 'local' or 'ray'")

@@ -30,10 +30,13 @@ import logging
 import os
 import re
 import socket
+import sys
+from collections.abc import Sequence
 from typing import Any
 
 from arpo_lib.envs.base import EnvError
 from arpo_lib.envs.worker import EnvSetupError, EnvWorker, answer
+from arpo_lib.run.registry import plugin_path
 
 DEFAULT_NUM_CPUS = 0.5
 """CPUs an environment actor reserves. The actor itself only forwards calls; the browser or VM
@@ -47,11 +50,15 @@ class _EnvActor:
     Every answer is (status, value, worker restarts): errors travel as values, so the driver
     maps them exactly as EnvWorker does instead of unwrapping Ray's task errors."""
 
-    def __init__(self, env_options: dict[str, Any], timeout_s: float, cache_size: int, python: str | None):
+    def __init__(self, env_options: dict[str, Any], timeout_s: float, cache_size: int, python: str | None,
+                 plugins: Sequence[str] = (), plugin_dirs: Sequence[str] = ()):
         self.worker: EnvWorker | None = None
         self.setup_error: str | None = None
+        # The driver's plug-in directories, so that the worker finds the plug-ins (same image on every node).
+        sys.path[:0] = [d for d in plugin_dirs if d not in sys.path]
         try:
-            self.worker = EnvWorker(env_options, timeout_s, cache_size, python=python, fresh_interpreter=True)
+            self.worker = EnvWorker(env_options, timeout_s, cache_size, python=python, fresh_interpreter=True,
+                                    plugins=plugins)
         except EnvSetupError as exc:  # told to the driver by ping, in EnvWorker's words
             self.setup_error = str(exc)
 
@@ -105,7 +112,8 @@ class RayEnvWorker:
 
     def _create(self) -> Any:
         p = self.pool
-        return _actor_class().options(**p.actor_options).remote(p.env_options, p.timeout_s, p.cache_size, p.python)
+        return _actor_class().options(**p.actor_options).remote(p.env_options, p.timeout_s, p.cache_size, p.python,
+                                                                p.plugins, p.plugin_dirs)
 
     def send(self, cmd: str, payload: Any = None) -> None:
         import ray
@@ -183,7 +191,8 @@ class RayEnvPool:
     "ray://head:10001" joins a cluster, whose nodes must have arpo_lib importable (the same image,
     or `init_kwargs={"runtime_env": {...}}`). When Ray is already initialised, the pool uses it as
     it is. `resource`: a custom resource each actor takes one unit of; `num_cpus`: what each
-    reserves. `python`: the workers' interpreter on their nodes (see EnvWorker).
+    reserves. `python`: the workers' interpreter on their nodes, `plugins` the modules they import
+    (see EnvWorker; the nodes must have them at the driver's paths, as arpo_lib).
     `placement_timeout_s` bounds the wait for the actors to be placed and started;
     `call_margin_s` is what an actor call may take beyond the worker's own timeout.
 
@@ -195,7 +204,7 @@ class RayEnvPool:
                  cache_size: int = 1, *, address: str | None = None, resource: str | None = None,
                  python: str | None = None, num_cpus: float = DEFAULT_NUM_CPUS,
                  placement_timeout_s: float = 60.0, call_margin_s: float = 30.0,
-                 init_kwargs: dict[str, Any] | None = None):
+                 init_kwargs: dict[str, Any] | None = None, plugins: Sequence[str] = ()):
         if n < 1:
             raise ValueError(f"a pool needs at least one environment, got n={n}")
         if num_cpus < 0:
@@ -204,6 +213,8 @@ class RayEnvPool:
         self.timeout_s = timeout_s
         self.cache_size = cache_size
         self.python = python
+        self.plugins = list(plugins)
+        self.plugin_dirs = plugin_path(self.plugins)
         self.resource = resource
         self.placement_timeout_s = placement_timeout_s
         self.call_margin_s = call_margin_s

@@ -16,6 +16,10 @@ Two ways to start a worker, one protocol:
   random key it reads from stdin. Everything after the connection (the command loop, timeouts,
   restarts, killing the process group) is the same code for both.
 
+A run's plug-ins (`plugins:` in its config) are imported by the worker before its first
+environment is made, so a family a plug-in registers exists here too; a worker in another
+interpreter gets the plug-ins' directories on its path.
+
 `arpo_lib.envs.pool` groups workers into pools: these local processes, or Ray actors
 (`arpo_lib.envs.ray_pool`) that each hold one local worker on a cluster node.
 
@@ -37,6 +41,7 @@ import threading
 import time
 import traceback
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import asdict
 from multiprocessing.connection import Client, Listener
 from typing import Any
@@ -44,13 +49,14 @@ from typing import Any
 import arpo_lib
 from arpo_lib.actions import Action
 from arpo_lib.envs.base import EnvError
+from arpo_lib.run.registry import import_plugins, plugin_path
 
 
 CONNECT_TIMEOUT_S = 60.0
 """Longest a worker in another interpreter may take to start and connect back."""
 
 
-def _worker_main(conn: Any, env_options: dict[str, Any], cache_size: int = 1) -> None:
+def _worker_main(conn: Any, env_options: dict[str, Any], cache_size: int = 1, plugins: Sequence[str] = ()) -> None:
     # Own process group: the browser and its driver join it, so killing the group cleans up all.
     os.setsid()
     _group_watchdog()
@@ -61,6 +67,7 @@ def _worker_main(conn: Any, env_options: dict[str, Any], cache_size: int = 1) ->
     # reuses its browser instead of starting a new one (~1 s).
     envs: OrderedDict[str, Any] = OrderedDict()
     env = None
+    plugins_imported = False
 
     def close_quietly(e: Any) -> None:
         try:
@@ -78,6 +85,9 @@ def _worker_main(conn: Any, env_options: dict[str, Any], cache_size: int = 1) ->
                 if cmd == "close":
                     break
                 if cmd == "reset":
+                    if not plugins_imported:  # here, so that a plug-in that fails is a setup error
+                        import_plugins(plugins)
+                        plugins_imported = True
                     name, seed = payload
                     # A fixed instance (`task@7`) is its task's environment reset with its own seed.
                     name, fixed = split_instance(name)
@@ -231,8 +241,9 @@ def _resolve_interpreter(python: str | None) -> str | None:
     return None if path == os.path.abspath(sys.executable) else path
 
 
-def _interpreter_env() -> dict[str, str]:
-    """Our environment, but with only this package on the path: none of our venv's packages."""
+def _interpreter_env(extra_path: Sequence[str] = ()) -> dict[str, str]:
+    """Our environment, but with only this package (and `extra_path`: the plug-ins' directories)
+    on the path: none of our venv's packages."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONHOME", "PYTHONPATH", "VIRTUAL_ENV")}
     package = os.path.dirname(os.path.abspath(arpo_lib.__file__))
     root = os.path.dirname(package)
@@ -248,7 +259,7 @@ def _interpreter_env() -> dict[str, str]:
             staging = f"{link}.{os.getpid()}"
             os.symlink(package, staging)
             os.replace(staging, link)
-    env["PYTHONPATH"] = root
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([root, *extra_path]))
     return env
 
 
@@ -274,16 +285,18 @@ class EnvWorker:
 
     `python`: run the worker with this interpreter (another venv's python) instead of a spawn
     child of ours; None, or our own `sys.executable`, keeps the spawn path.
+    `plugins`: modules the worker imports before it makes an environment (the run's plug-ins).
     `fresh_interpreter`: start `python -m arpo_lib.envs.worker` even with our own interpreter.
     For hosts whose main module is not ours: a spawn child re-imports the parent's `__main__`,
     which in a Ray actor is Ray's worker script (+65 MB and a Ray import per worker).
     """
 
     def __init__(self, env_options: dict[str, Any], timeout_s: float, cache_size: int = 1, *,
-                 python: str | None = None, fresh_interpreter: bool = False):
+                 python: str | None = None, fresh_interpreter: bool = False, plugins: Sequence[str] = ()):
         self.env_options = env_options
         self.timeout_s = timeout_s
         self.cache_size = cache_size
+        self.plugins = list(plugins)
         self.python = _resolve_interpreter(python)
         if self.python is None and fresh_interpreter:
             self.python = os.path.abspath(sys.executable)
@@ -294,7 +307,8 @@ class EnvWorker:
     def _start(self) -> None:
         if self.python is None:
             self.conn, child = self._ctx.Pipe()
-            self.process = self._ctx.Process(target=_worker_main, args=(child, self.env_options, self.cache_size),
+            self.process = self._ctx.Process(target=_worker_main,
+                                             args=(child, self.env_options, self.cache_size, self.plugins),
                                              daemon=True)
             self.process.start()
             child.close()
@@ -310,7 +324,7 @@ class EnvWorker:
         address = os.path.join(private_dir, "worker.sock")
         startup_log = os.path.join(private_dir, "startup.log")
         authkey = secrets.token_bytes(32)
-        env = _interpreter_env()
+        env = _interpreter_env(plugin_path(self.plugins))
         # Once connected, the worker writes to our stdout/stderr, as a spawn child does.
         console = (_dup_or_devnull(1), _dup_or_devnull(2))
         try:
@@ -334,7 +348,7 @@ class EnvWorker:
             for fd in console:
                 os.close(fd)
             shutil.rmtree(private_dir, ignore_errors=True)
-        self.conn.send((self.env_options, self.cache_size))
+        self.conn.send((self.env_options, self.cache_size, self.plugins))
 
     def _accept(self, listener: Listener, address: str, authkey: bytes, startup_log: str, pythonpath: str) -> Any:
         """The worker's connection, waiting while it lives and at most CONNECT_TIMEOUT_S."""
@@ -456,8 +470,8 @@ def _serve(address: str, stdout_fd: int, stderr_fd: int) -> None:
     os.dup2(stderr_fd, 2)
     os.close(stdout_fd)
     os.close(stderr_fd)
-    env_options, cache_size = conn.recv()
-    _worker_main(conn, env_options, cache_size)
+    env_options, cache_size, plugins = conn.recv()
+    _worker_main(conn, env_options, cache_size, plugins)
 
 
 if __name__ == "__main__":

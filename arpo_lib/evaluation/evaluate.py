@@ -17,10 +17,10 @@ import torch
 
 from arpo_lib.envs import domain_of
 from arpo_lib.evaluation.protocols import PROTOCOLS
+from arpo_lib.rollout.engine import RolloutEngine
 from arpo_lib.run import layout
 from arpo_lib.run.config import RunConfig
 from arpo_lib.run.seeding import stable_seed
-from arpo_lib.training.rollout import RolloutEngine
 from arpo_lib.types import EpisodeRequest, EpisodeStatus, Trajectory, episode_requests
 
 

@@ -1,7 +1,8 @@
 """Evaluation protocols: numbers are comparable only when measured the same way.
 
-`eval.protocol` names one; every report names the protocol it used, and a baseline is measured
-with the same one.
+`eval.protocol` names one of `PROTOCOLS` (the registry `EVAL_PROTOCOLS`: a plug-in registers
+its own with `EVAL_PROTOCOLS.register(name, EvalProtocol(name, ...))`); every report names the
+protocol it used, and a baseline is measured with the same one.
 
 - `run`: the run's own settings: `agent.prompt`, `eval.temperature`, the environment options as
   configured, our action rules (`arpo_lib.actions`, rules "workbench"). What MiniWoB experiments use.
@@ -31,7 +32,10 @@ with the same one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+
+from arpo_lib.evaluation.rules import ProtocolRules
+
+from arpo_lib.run.registry import EVAL_PROTOCOLS
 
 
 @dataclass(frozen=True)
@@ -69,25 +73,31 @@ class EvalProtocol:
     """The report leads with pass_at_n.py's "Acc" (the fork's headline) before our rates."""
     description: str = ""
 
-    def engine_options(self) -> dict[str, Any]:
-        """The `RolloutEngine` arguments that carry this protocol's rules."""
-        return {"frequency_penalty": self.frequency_penalty, "fail_at_last_step": self.fail_at_last_step,
-                "call_user_waits": self.call_user_waits, "action_rules": self.action_rules,
-                "max_new_tokens": self.max_new_tokens, "parse_attempts": self.parse_attempts,
-                "retry_temperature": self.retry_temperature, "unfinished_on_error": self.unfinished_on_error}
+    def rollout_rules(self, max_new_tokens: int | None = None) -> ProtocolRules:
+        """The rules this protocol gives the rollout engine; `max_new_tokens` replaces its response
+        cap (`build.response_cap`: a run may shorten it)."""
+        return ProtocolRules(frequency_penalty=self.frequency_penalty,
+                             max_new_tokens=self.max_new_tokens if max_new_tokens is None else max_new_tokens,
+                             fail_at_last_step=self.fail_at_last_step, call_user_waits=self.call_user_waits,
+                             action_rules=self.action_rules, parse_attempts=self.parse_attempts,
+                             retry_temperature=self.retry_temperature, unfinished_on_error=self.unfinished_on_error)
 
 
-PROTOCOLS: dict[str, EvalProtocol] = {
-    "run": EvalProtocol("run", description="the run's own prompt, temperature, environment options and action rules"),
-    "arpo_train": EvalProtocol("arpo_train", prompt="arpo", osworld_pause_s=0.5, action_rules="arpo",
-                               description="ARPO's validation: its training prompt, eval.temperature, pause 0.5 s, "
-                                           "its action rules"),
-    "osworld_uitars": EvalProtocol("osworld_uitars", prompt="osworld_uitars15", temperature=0.0, frequency_penalty=1.0,
-                                   max_new_tokens=4096, fail_at_last_step=True, call_user_waits=3, osworld_pause_s=1.0,
-                                   action_rules="arpo", parse_attempts=3, retry_temperature=1.0,
-                                   unfinished_on_error=True, rerun_passes=2, report_fork_acc_first=True,
-                                   description="the OSWorld fork's UI-TARS agent: T=0, frequency_penalty 1, 4096 tokens, "
-                                               "ARPO's action rules, unparsable responses sampled again at T=1 (3 in all), "
-                                               "15th action FAIL, call_user -> WAIT x3, pause 1 s, exceptions leave "
-                                               "the episode unfinished, run again on up to 2 more passes"),
-}
+PROTOCOLS = EVAL_PROTOCOLS
+"""Every protocol by name (`eval.protocol`)."""
+
+for _protocol in (
+    EvalProtocol("run", description="the run's own prompt, temperature, environment options and action rules"),
+    EvalProtocol("arpo_train", prompt="arpo", osworld_pause_s=0.5, action_rules="arpo",
+                 description="ARPO's validation: its training prompt, eval.temperature, pause 0.5 s, "
+                             "its action rules"),
+    EvalProtocol("osworld_uitars", prompt="osworld_uitars15", temperature=0.0, frequency_penalty=1.0,
+                 max_new_tokens=4096, fail_at_last_step=True, call_user_waits=3, osworld_pause_s=1.0,
+                 action_rules="arpo", parse_attempts=3, retry_temperature=1.0,
+                 unfinished_on_error=True, rerun_passes=2, report_fork_acc_first=True,
+                 description="the OSWorld fork's UI-TARS agent: T=0, frequency_penalty 1, 4096 tokens, "
+                             "ARPO's action rules, unparsable responses sampled again at T=1 (3 in all), "
+                             "15th action FAIL, call_user -> WAIT x3, pause 1 s, exceptions leave "
+                             "the episode unfinished, run again on up to 2 more passes"),
+):
+    EVAL_PROTOCOLS.register(_protocol.name, _protocol)

@@ -1,6 +1,7 @@
-"""Statistics for comparing training arms over seeds: bootstrap intervals and paired tests.
+"""Statistics for comparing training arms over seeds: bootstrap intervals, paired tests, and the
+measures of a comparison's runs.
 
-Pure functions on plain lists (no torch, no I/O), seeded so that a report is reproducible.
+Pure functions (no torch, no I/O), seeded so that a report is reproducible.
 
 - `bootstrap_ci(values)`: the mean and a percentile bootstrap 95% interval of the mean over
   seeds (resampling seeds with replacement).
@@ -9,6 +10,21 @@ Pure functions on plain lists (no torch, no I/O), seeded so that a report is rep
   Under the null each paired difference is as likely positive as negative, so the test flips
   signs: exactly over all 2^n sign patterns up to 16 pairs, by seeded Monte Carlo beyond.
 - `sign_test(a, b)`: the exact two-sided sign test, a cruder companion.
+- `band(curves)`, `moving(values)`: a curve's interval per step over seeds, and its smoothing.
+
+The rest read the record of one run of a comparison (`experiments.run_arm` writes it to
+`<arm>-s<seed>/final.json`): `eval` (its final evaluation's summary), `train_success` and
+`train_success_by_task` (per step; the latter {task: [successes, episodes]}), `all_failed_groups`,
+`replay_injections`, the importance-weight and replay-age series, and `final_train_t` where the
+final policy was also run at the training temperature. A baseline is an evaluation result (its
+`success_rate` and per-task `tasks`).
+
+- `train_quarter`, `train_gain`, `final_gain`: a run's training success and its gains over the
+  warm start, task by task;
+- `arm_statistics(runs, warm, warm_train)`: every measure of one arm over its seeds (`describe`:
+  mean, std, range and bootstrap interval);
+- `paired_comparison(runs, a, b, seeds)`: arm a minus arm b seed by seed, on each measure of
+  `PAIRED_MEASURES` both have.
 """
 from __future__ import annotations
 
@@ -16,7 +32,7 @@ import itertools
 import math
 import random
 import statistics
-from typing import Sequence
+from typing import Any, Sequence
 
 EXACT_LIMIT = 16
 """Up to this many pairs the permutation test enumerates every sign pattern (65,536)."""
@@ -81,3 +97,137 @@ def band(curves: Sequence[Sequence[float]], *, confidence: float = 0.95, resampl
     length = min(len(c) for c in curves)
     return [bootstrap_ci([c[i] for c in curves], confidence=confidence, resamples=resamples, seed=seed + i)
             for i in range(length)]
+
+
+def moving(values: list[float], window: int = 3) -> list[float]:
+    """Trailing moving average (the curves' smoothing)."""
+    return [statistics.fmean(values[max(0, i - window + 1):i + 1]) for i in range(len(values))]
+
+
+def describe(values: list[float], seed: int = 0) -> dict[str, float]:
+    """Mean, Bessel std, range and the bootstrap 95% interval of the mean over seeds."""
+    ci = bootstrap_ci(values, seed=seed)
+    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "min": min(values), "max": max(values), "n": len(values), "lo": ci["lo"], "hi": ci["hi"]}
+
+
+def quarter_mean(curve: list[float], last: bool) -> float:
+    """The mean of a curve's first or last quarter (at least one point)."""
+    tail = max(1, len(curve) // 4)
+    return statistics.fmean(curve[-tail:] if last else curve[:tail])
+
+
+def quarter_by_task(run: dict[str, Any], last: bool) -> dict[str, float]:
+    """Training-rollout success per task over the first or last quarter of a run's steps
+    (successes / episodes of that task in those steps); {} for a run recorded without it."""
+    per_step = run.get("train_success_by_task") or []
+    if not per_step or not any(per_step):
+        return {}
+    tail = max(1, len(per_step) // 4)
+    counts: dict[str, list[int]] = {}
+    for step in (per_step[-tail:] if last else per_step[:tail]):
+        for task, (successes, episodes) in step.items():
+            c = counts.setdefault(task, [0, 0])
+            c[0] += successes
+            c[1] += episodes
+    return {task: s / n for task, (s, n) in sorted(counts.items()) if n}
+
+
+def train_quarter(run: dict[str, Any], last: bool) -> float:
+    """Training success over a quarter, every task weighted equally (the batches draw a few tasks
+    per step, so a quarter's raw rate weighs them by chance); the raw rate for old records."""
+    by_task = quarter_by_task(run, last)
+    return statistics.fmean(by_task.values()) if by_task else quarter_mean(run["train_success"], last)
+
+
+def train_gain(run: dict[str, Any], baseline: dict[str, Any]) -> float:
+    """Last-quarter training success minus the warm start's at the training temperature, task by
+    task, averaged over the tasks the last quarter trained on: a gain that no task mix can fake.
+    `baseline`: an evaluation result (its per-task `tasks`); the overall rates when either side
+    has no per-task numbers."""
+    by_task = quarter_by_task(run, last=True)
+    warm = {t["task"]: t["success_rate"] for t in baseline.get("tasks") or []}
+    if by_task and all(task in warm for task in by_task):
+        return statistics.fmean(rate - warm[task] for task, rate in by_task.items())
+    return quarter_mean(run["train_success"], True) - baseline["success_rate"]
+
+
+def final_gain(run: dict[str, Any], baseline: dict[str, Any]) -> float | None:
+    """The final policy's success at the training temperature minus the warm start's, task by
+    task (same episodes), averaged over tasks; None for a run measured without it."""
+    final = run.get("final_train_t")
+    if not final:
+        return None
+    warm = {t["task"]: t["success_rate"] for t in baseline.get("tasks") or []}
+    by_task = final.get("by_task") or {}
+    if by_task and all(task in warm for task in by_task):
+        return statistics.fmean(rate - warm[task] for task, rate in by_task.items())
+    return final["success_rate"] - baseline["success_rate"]
+
+
+def arm_statistics(runs: list[dict[str, Any]], warm: dict[str, Any], warm_train: dict[str, Any]) -> dict[str, Any]:
+    """One arm over its seeds (`runs`: its records in seed order): final evaluation success and its
+    gain over the warm start (`warm`: the warm start's evaluation); training-rollout success in the
+    first and last quarter and the last quarter's gain over the warm start at the training
+    temperature (`warm_train`), seed by seed; the final policy's gain where every run measured it;
+    the share of all-failed groups; replay injections; importance weights and replay age where
+    they apply; the curves (moving average 3) with their bands."""
+    gains = [train_gain(r, warm_train) for r in runs]
+    arm = {
+        "seeds": [r["seed"] for r in runs],
+        "eval_success": describe([r["eval"]["success_rate"] for r in runs]),
+        "eval_gain_over_warm_start": describe([r["eval"]["success_rate"] - warm["success_rate"] for r in runs]),
+        "train_success_last_quarter": describe([train_quarter(r, True) for r in runs]),
+        "train_success_first_quarter": describe([train_quarter(r, False) for r in runs]),
+        "train_gain_over_warm_start": describe(gains),
+        "every_seed_gained_15_points": all(g >= 0.15 for g in gains),
+        "gains_by_seed": gains,
+        "all_failed_share": describe([statistics.fmean(r["all_failed_groups"]) for r in runs]),
+        "replay_injections": describe([float(sum(r["replay_injections"])) for r in runs]),
+        "seconds": describe([float(r["seconds"]) for r in runs]),
+    }
+    finals = [final_gain(r, warm_train) for r in runs]
+    if finals and all(f is not None for f in finals):
+        arm["final_gain_over_warm_start"] = describe(finals)  # type: ignore[arg-type]
+        arm["final_gains_by_seed"] = finals
+        arm["every_seed_final_gained_15_points"] = all(f >= 0.15 for f in finals)  # type: ignore[operator]
+    by_task = [quarter_by_task(r, True) for r in runs]
+    arm["train_last_quarter_by_task"] = {
+        task: statistics.fmean(b[task] for b in by_task if task in b)
+        for task in sorted({t for b in by_task for t in b})}
+    arm["curves"] = {key: band([moving(r[key]) for r in runs]) for key in ("train_success", "all_failed_groups")}
+    for key in ("is_weight_mean", "is_capped_share", "replay_age_mean"):
+        per_run = [statistics.fmean(r[key]) for r in runs if r.get(key)]
+        if per_run:
+            arm[key] = describe(per_run)
+    return arm
+
+
+PAIRED_MEASURES = ("eval", "train", "final_t")
+"""What arms are compared on, seed by seed: final evaluation success (`eval`), last-quarter
+training success (`train`), the final policy's success on the training tasks at the training
+temperature (`final_t`, where every run of both arms has it)."""
+
+
+def paired_difference(runs: list[dict[str, Any]], a: str, b: str, seeds: list[int], measure: str) -> dict[str, Any]:
+    """Per-seed differences a - b of one of `PAIRED_MEASURES`, their mean with a bootstrap
+    interval, and two-sided p-values."""
+    def value(algo: str, seed: int) -> float:
+        r = next(r for r in runs if r["algo"] == algo and r["seed"] == seed)
+        if measure == "eval":
+            return r["eval"]["success_rate"]
+        return r["final_train_t"]["success_rate"] if measure == "final_t" else train_quarter(r, True)
+
+    xa, xb = [value(a, s) for s in seeds], [value(b, s) for s in seeds]
+    diffs = [x - y for x, y in zip(xa, xb)]
+    return {"seeds": seeds, "differences": diffs, **describe(diffs),
+            "p_permutation": paired_permutation_test(xa, xb), "p_sign": sign_test(xa, xb)}
+
+
+def paired_comparison(runs: list[dict[str, Any]], a: str, b: str, seeds: list[int]) -> dict[str, dict[str, Any]]:
+    """Arm `a` minus arm `b` on the `seeds` both ran: {measure: `paired_difference`} for each of
+    `PAIRED_MEASURES` that every one of their runs has."""
+    measures = ["eval", "train"]
+    if all(r.get("final_train_t") for r in runs if r["algo"] in (a, b) and r["seed"] in seeds):
+        measures.append("final_t")
+    return {m: paired_difference(runs, a, b, seeds, m) for m in measures}

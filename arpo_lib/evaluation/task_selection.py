@@ -26,10 +26,10 @@ from typing import Any, Sequence
 import yaml
 
 from arpo_lib.envs import domain_of
+from arpo_lib.rollout.engine import RolloutEngine
 from arpo_lib.run import layout
 from arpo_lib.run.records import append_jsonl, atomic_write_text, read_jsonl
 from arpo_lib.run.seeding import stable_seed
-from arpo_lib.training.rollout import RolloutEngine
 from arpo_lib.types import EpisodeRequest, Trajectory
 
 

@@ -3,8 +3,11 @@
     cfg = load_config("configs/smoke.yaml", ["train.steps=5", "algo.replay.enabled=false"])
 
 Unknown keys and impossible combinations fail at load with a `ConfigError` naming the key.
-Task names are checked against the environment registry one floor up, in
-`arpo_lib.build.load_config` (this module imports nothing of the rest of the library).
+Names of registered things (prompts, protocols, losses, advantage estimators, arms, lr schedules)
+are checked against their registries (arpo_lib/run/registry.py), after the config's `plugins`
+are imported; task names are checked against the environment families one floor up, in
+`arpo_lib.build.load_config`, since that reads task lists (this module imports nothing of the
+rest of the library: a registry imports its owner by name when first read).
 The papermill `parameters` cells of the notebooks map 1:1 onto this tree: a config path plus a
 list of dotted overrides.
 """
@@ -23,9 +26,8 @@ import yaml
 
 from arpo_lib.run.net import is_loopback
 from arpo_lib.run.records import safe_name
-
-LR_SCHEDULES = ("constant", "cosine", "linear")
-"""train.lr_schedule's choices (arpo_lib/training/optim.py: lr_factor)."""
+from arpo_lib.run.registry import (ADV_ESTIMATORS, COMPARISON_ARMS, EVAL_PROTOCOLS, LR_SCHEDULES, POLICY_LOSSES,
+                                   PROMPTS, PluginError, import_plugins)
 
 
 class ConfigError(ValueError):
@@ -116,10 +118,10 @@ class ModelConfig:
 @dataclass
 class AgentConfig:
     prompt: str = "uitars_official"
-    """The UI-TARS prompt, character-exact to its source (arpo_lib/agent/prompt_library.py):
+    """A registered prompt (arpo_lib/agent/prompt_library.py, each character-exact to its source):
     `arpo` (ARPO's training prompt), `osworld_uitars15` (the OSWorld fork's UI-TARS-1.5 evaluation
-    prompt), `uitars_official` (UI-TARS's COMPUTER_USE; the same text as osworld_uitars15) or
-    `uitars10` (UI-TARS 1.0, for UI-TARS-2B-SFT)."""
+    prompt), `uitars_official` (UI-TARS's COMPUTER_USE; the same text as osworld_uitars15),
+    `uitars10` (UI-TARS 1.0, for UI-TARS-2B-SFT), or one a plug-in registers."""
 
 
 @dataclass
@@ -180,11 +182,17 @@ class AlgoConfig:
     """Weight of the format reward in the trajectory reward."""
     format_penalty: float = -1.0
     """Format reward when a response cannot be parsed (the episode ends there)."""
+    adv_estimator: str = "grpo"
+    """A registered advantage estimator (arpo_lib/algo/advantages.py): `grpo` (each group's
+    rewards standardised, as GRPO and ARPO), or one a plug-in registers."""
     adv_eps: float = 1e-6
     """Added to the group std in the advantage."""
     norm_adv_by_std: bool = True
     """Divide each group's centred rewards by their std (GRPO and ARPO). False: centred rewards
     only (verl's `norm_adv_by_std_in_grpo=False`, "Dr. GRPO"), so nearly-solved groups push less."""
+    policy_loss: str = "ppo_clip"
+    """A registered policy loss (arpo_lib/algo/loss.py): `ppo_clip` (PPO's clipped objective with
+    clip-higher and dual clip, as GRPO and ARPO), or one a plug-in registers."""
     clip_low: float = 0.2
     """PPO ratio lower clip: 1 - clip_low."""
     clip_high: float = 0.3
@@ -238,8 +246,8 @@ class TrainConfig:
     warmup_ratio: float = 0.05
     """Share of total optimizer steps with linear warm-up."""
     lr_schedule: str = "constant"
-    """After the warm-up: `constant` (ARPO), `cosine` or `linear` decay to lr x `min_lr_ratio` at
-    the last optimizer step (arpo_lib/training/optim.py)."""
+    """A registered schedule after the warm-up (arpo_lib/training/optim.py): `constant` (ARPO),
+    `cosine` or `linear` decay to lr x `min_lr_ratio` at the last optimizer step."""
     min_lr_ratio: float = 0.0
     """Where a decaying schedule ends, as a share of `lr`."""
     seed: int = 0
@@ -329,8 +337,9 @@ class CompareConfig:
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     """Training seeds of the comparison (experiments.run_comparison); every arm runs every seed."""
     algos: list[str] = field(default_factory=lambda: ["grpo", "arpo", "arpo_tis"])
-    """Arms: `grpo` (replay off), `arpo` (replay on, as published) and/or `arpo_tis` (replay on,
-    replayed tokens weighted by truncated importance ratios: algo.replay.correction=tis)."""
+    """Registered arms (arpo_lib/algo/arms.py): `grpo` (replay off), `arpo` (replay on, as
+    published), `arpo_tis` (replay on, replayed tokens weighted by truncated importance ratios:
+    algo.replay.correction=tis), or ones a plug-in registers."""
     baseline_samples_per_task: int = 24
     """Episodes per task of the warm start at the training temperature: the baseline each task's
     training-rollout success is compared with (more than eval.samples_per_task: the gain is one
@@ -406,6 +415,10 @@ class RunConfig:
     """Run name; the run directory is `<out_dir>/<name>`."""
     out_dir: str = "runs"
     """Parent directory of run directories."""
+    plugins: list[str] = field(default_factory=list)
+    """Modules (dotted names, importable here and by the environment workers) imported before this
+    config is checked: they register environment families, losses, advantage estimators, prompts,
+    protocols, arms or lr schedules of their own (arpo_lib/run/registry.py)."""
     env: EnvConfig = field(default_factory=EnvConfig)
     """Environments and task set."""
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -432,6 +445,10 @@ class RunConfig:
     """Experiment tracking and progress display."""
 
     def __post_init__(self) -> None:
+        try:
+            import_plugins(self.plugins)
+        except PluginError as exc:
+            _fail("plugins", str(exc))
         validate(self)
 
     @property
@@ -470,12 +487,16 @@ def validate(cfg: RunConfig) -> None:
         "train.optimizer": (cfg.train.optimizer, ("adamw", "adafactor")),
         "model.frozen_weights_dtype": (cfg.model.frozen_weights_dtype, ("auto", "float32")),
         "algo.replay.correction": (cfg.algo.replay.correction, ("none", "tis")),
-        "agent.prompt": (cfg.agent.prompt, ("arpo", "osworld_uitars15", "uitars_official", "uitars10")),
-        "eval.protocol": (cfg.eval.protocol, ("run", "arpo_train", "osworld_uitars")),
     }
     for key, (value, allowed) in choices.items():
         if value not in allowed:
             _fail(key, f"{value!r} is not one of {list(allowed)}")
+    registered = [(PROMPTS, cfg.agent.prompt), (EVAL_PROTOCOLS, cfg.eval.protocol),
+                  (LR_SCHEDULES, cfg.train.lr_schedule), (ADV_ESTIMATORS, cfg.algo.adv_estimator),
+                  (POLICY_LOSSES, cfg.algo.policy_loss), *((COMPARISON_ARMS, arm) for arm in cfg.compare.algos)]
+    for registry, value in registered:
+        if value not in registry:
+            _fail(registry.key, registry.unknown(value))
     positive = {
         "env.max_steps": cfg.env.max_steps, "env.workers": cfg.env.workers,
         "env.envs_per_worker": cfg.env.envs_per_worker,
@@ -516,8 +537,6 @@ def validate(cfg: RunConfig) -> None:
         _fail("train.lr", f"must be > 0, got {cfg.train.lr}")
     if not 0 <= cfg.train.warmup_ratio < 1:
         _fail("train.warmup_ratio", f"must be in [0, 1), got {cfg.train.warmup_ratio}")
-    if cfg.train.lr_schedule not in LR_SCHEDULES:
-        _fail("train.lr_schedule", f"{cfg.train.lr_schedule!r} is not one of {', '.join(LR_SCHEDULES)}")
     if not 0 <= cfg.train.min_lr_ratio <= 1:
         _fail("train.min_lr_ratio", f"must be in [0, 1], got {cfg.train.min_lr_ratio}")
     batch = cfg.train.tasks_per_batch * cfg.rollout.group_size
@@ -590,9 +609,8 @@ def validate(cfg: RunConfig) -> None:
         _fail("select.min_successes", f"{cfg.select.min_successes} successes cannot come from k={cfg.select.k} rollouts")
     if not cfg.compare.seeds or len(set(cfg.compare.seeds)) != len(cfg.compare.seeds):
         _fail("compare.seeds", f"need distinct seeds, got {cfg.compare.seeds}")
-    if not cfg.compare.algos or not set(cfg.compare.algos) <= {"grpo", "arpo", "arpo_tis"} \
-            or len(set(cfg.compare.algos)) != len(cfg.compare.algos):
-        _fail("compare.algos", f"arms are distinct ones of 'grpo', 'arpo', 'arpo_tis', got {cfg.compare.algos}")
+    if not cfg.compare.algos or len(set(cfg.compare.algos)) != len(cfg.compare.algos):
+        _fail("compare.algos", f"need distinct arms, got {cfg.compare.algos}")
     if cfg.select.max_env_retries < 0:
         _fail("select.max_env_retries", "must be >= 0")
     if cfg.compare.baseline_samples_per_task < 1:

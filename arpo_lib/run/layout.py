@@ -14,7 +14,8 @@
         server.json, server.log         a model server the run started
         summary.json                    the smoke run's summary
 
-    <trajectory directory>/             OSWorld's result layout plus our token data
+    <trajectory directory>/             OSWorld's result layout plus our token data (the records'
+                                        schema, writer and reader: `arpo_lib.rollout.store`)
         step_0.png ... step_N.png       the screenshots the model saw
         traj.jsonl                      one line per step
         result.txt                      the task score (absent: an unfinished episode)

@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 from PIL import Image
 
-from arpo_lib.agent.prompt import Segment
+from arpo_lib.types import SamplingParams, Segment
 
 MAX_BODY_BYTES = 256 * 1024 * 1024
 
@@ -196,10 +196,11 @@ class HFChatBackend:
         with self.lock:
             # A seeded request samples with its own generator (HFPolicy's per-row seeds), so its
             # answer does not depend on what other requests drew before it.
-            gen = self.policy.generate([segment], temperature=request.temperature, top_p=request.top_p,
-                                       max_new_tokens=request.max_tokens or self.max_new_tokens,
-                                       seeds=None if request.seed is None else [request.seed],
-                                       frequency_penalty=request.frequency_penalty)[0]
+            sampling = SamplingParams(temperature=request.temperature, top_p=request.top_p,
+                                      max_new_tokens=request.max_tokens or self.max_new_tokens,
+                                      frequency_penalty=request.frequency_penalty)
+            gen = self.policy.generate([segment], sampling=sampling,
+                                       seeds=None if request.seed is None else [request.seed])[0]
         finished = bool(gen.token_ids) and gen.token_ids[-1] in self.policy.eos_ids
         text = gen.text if not request.skip_special_tokens else \
             self.policy.tokenizer.decode(gen.token_ids, skip_special_tokens=True)

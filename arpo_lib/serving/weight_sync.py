@@ -13,7 +13,8 @@ Two ways, chosen with `rollout.weight_sync` (see docs/serving.md for the measure
 
 `ServedPolicy` is the trainer's side of it: it starts the server on the weights the trainer holds
 (or connects to one), keeps track of which weight version the server generates with, and pushes
-new weights before the next rollout.
+new weights before the next rollout. It is the trainer's `types.ServedWeights`; `FollowingServed`
+(the other ranks of a distributed run) its `types.FollowingWeights`.
 
 LoRA adapters loaded by name (`/v1/load_lora_adapter`) would move only the adapter, but the
 trainer trains full weights; see docs/serving.md for how LoRA serving works on these servers.
@@ -132,6 +133,12 @@ class ServedPolicy:
         """The first server's handle (None: not started here)."""
         return self.servers[0] if self.servers else None
 
+    @property
+    def urls(self) -> list[str] | None:
+        """The base URLs of the servers generating now (None before the first `policy`); rank 0
+        of a distributed run announces them to the other ranks."""
+        return None if self.client is None else list(self.client.base_urls)
+
     def policy(self, version: int) -> Any:
         """The client policy, its servers holding weight version `version` (unless sync is none)."""
         if self.client is None:
@@ -215,8 +222,8 @@ def connect_all(connect: Callable[[str], Any], urls: Sequence[str]) -> Any:
 
 class FollowingServed:
     """The servers of a distributed run, seen from a training process other than rank 0: it
-    connects to the URLs rank 0 announces before each rollout batch (`Trainer.engine`) and never
-    pushes weights (rank 0 has, before announcing). Rank 0 records the servers' metrics."""
+    connects to the URLs rank 0 announces before each rollout batch (`RolloutSource.acting`) and
+    never pushes weights (rank 0 has, before announcing). Rank 0 records the servers' metrics."""
 
     def __init__(self, connect: Callable[[str], Any]):
         self._connect = connect
@@ -233,7 +240,7 @@ class FollowingServed:
 
     def policy(self, version: int) -> Any:
         if self.client is None:
-            raise RuntimeError("no server announced yet: rank 0 announces its servers in Trainer.engine")
+            raise RuntimeError("no server announced yet: rank 0 announces its servers in RolloutSource.acting")
         return self.client
 
     def metrics(self) -> dict[str, Any]:

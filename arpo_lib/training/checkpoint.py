@@ -13,7 +13,9 @@
 
 A checkpoint is written into `.tmp_step_N/`, fsynced, then renamed into place, so a crash
 leaves the previous checkpoint intact. `resume_point` picks the newest intact one and says why
-it skipped any other.
+it skipped any other. `Checkpointer` is the trainer's side: when a checkpoint is due, written by
+one process or by every rank of a distributed run, and the one a run resumes from restored.
+An optimizer state loads whichever number of processes wrote it (`load_optimizer_state`).
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
@@ -31,6 +33,13 @@ from arpo_lib.algo import ReplayBuffer
 from arpo_lib.run import layout
 from arpo_lib.run.layout import RunDir
 from arpo_lib.run.records import atomic_write_text, fsync_dir, read_jsonl
+from arpo_lib.training.distributed import load_full_optimizer_state
+
+if TYPE_CHECKING:
+    from torch.optim.lr_scheduler import LRScheduler
+
+    from arpo_lib.training.backend import TrainingBackend
+    from arpo_lib.types import TrainablePolicy
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +82,9 @@ def load_optimizer_shards(shards: Path, model: torch.nn.Module, optimizer: torch
     set_optimizer_state_dict(model, optimizer, optim_state_dict=state)
 
 
-def save_checkpoint(ckpt_dir: Path, step: int, *, policy: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
-                    replay: ReplayBuffer, config: dict[str, Any], keep: int, state: dict[str, Any] | None = None,
-                    sharded: bool = False) -> Path:
+def save_checkpoint(ckpt_dir: Path, step: int, *, policy: "TrainablePolicy", optimizer: torch.optim.Optimizer,
+                    scheduler: "LRScheduler", replay: ReplayBuffer, config: dict[str, Any], keep: int,
+                    state: dict[str, Any] | None = None, sharded: bool = False) -> Path:
     """Write model, optimizer, scheduler, replay buffer, RNG, step and the trainer's own `state`
     (JSON) atomically; keep the newest `keep` checkpoints. Returns the checkpoint directory.
     `sharded`: the optimizer state is already in the temporary directory's `optimizer_shards/`
@@ -113,8 +122,9 @@ def save_checkpoint(ckpt_dir: Path, step: int, *, policy: Any, optimizer: torch.
     return final
 
 
-def load_checkpoint(checkpoint: Path, *, optimizer: torch.optim.Optimizer, scheduler: Any,
-                    load_optimizer: Any = None) -> tuple[int, ReplayBuffer, dict[str, Any]]:
+def load_checkpoint(checkpoint: Path, *, optimizer: torch.optim.Optimizer, scheduler: "LRScheduler",
+                    load_optimizer: Callable[[dict[str, Any] | Path], None] | None = None
+                    ) -> tuple[int, ReplayBuffer, dict[str, Any]]:
     """Restore optimizer, scheduler and torch's RNG from a checkpoint; returns (step, replay buffer,
     the trainer's own state). The model is loaded by whoever builds the policy (`arpo_lib.build`).
     `load_optimizer(state)` replaces `optimizer.load_state_dict`; it receives the path of the
@@ -133,6 +143,95 @@ def load_checkpoint(checkpoint: Path, *, optimizer: torch.optim.Optimizer, sched
     return int(state["step"]), replay, dict(state.get("trainer", {}))
 
 
+class Checkpointer:
+    """A run's checkpoints as the trainer sees them: due every `every` steps and at `last_step`;
+    written by one process, or (a sharded optimizer) every rank writing its optimizer shard in
+    parallel before rank 0 writes the rest (the full model every rank holds, the schedule, the
+    replay buffer) and moves the checkpoint into place; `resume_from` restored at the start."""
+
+    def __init__(self, run: RunDir, backend: "TrainingBackend", *, every: int, keep: int, last_step: int,
+                 resume_from: Path | None = None):
+        self.run, self.backend, self.every, self.keep, self.last_step = run, backend, every, keep, last_step
+        self.resume_from = resume_from
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0 or step == self.last_step
+
+    def restore(self, optimizer: torch.optim.Optimizer, scheduler: "LRScheduler"
+                ) -> tuple[int, ReplayBuffer, dict[str, Any]] | None:
+        """The step, replay buffer and trainer state of `resume_from` (None: a run from step 0);
+        the optimizer, schedule and torch's RNG are restored in place."""
+        if self.resume_from is None:
+            return None
+        restored = load_checkpoint(self.resume_from, optimizer=optimizer, scheduler=scheduler,
+                                   load_optimizer=lambda state: self.backend.load_optimizer_state(optimizer, state))
+        log.info("resumed %s at step %d from %s", self.run.root, restored[0], self.resume_from.name)
+        return restored
+
+    def save(self, step: int, *, policy: "TrainablePolicy", optimizer: torch.optim.Optimizer, scheduler: "LRScheduler",
+             replay: ReplayBuffer, config: dict[str, Any], state: dict[str, Any]) -> Path:
+        """Write step `step`'s checkpoint (all ranks call this together); returns its directory."""
+        ckpt_dir, backend = self.run.checkpoints, self.backend
+        if backend.sharded_optimizer:
+            if backend.is_main:
+                begin_checkpoint(ckpt_dir, step)
+            backend.barrier()
+            backend.save_optimizer_shards(tmp_checkpoint_dir(ckpt_dir, step), optimizer)
+        path = ckpt_dir / layout.step_name(step)
+        if backend.is_main:
+            path = save_checkpoint(ckpt_dir, step, policy=policy, optimizer=optimizer, scheduler=scheduler,
+                                   replay=replay, config=config, keep=self.keep, sharded=backend.sharded_optimizer,
+                                   state=state)
+        backend.barrier()
+        return path
+
+
+# -- optimizer states written by another number of processes -------------------------------------
+def load_optimizer_state(state: dict[str, Any] | Path, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
+                         sharded: torch.nn.Module | None) -> None:
+    """Load a checkpoint's optimizer state into `optimizer` (of `model`'s trainable parameters,
+    or of their FSDP2 shards in `sharded`), whichever number of processes wrote it: by position
+    (one process), by parameter name (gathered from FSDP shards by earlier versions), or the
+    directory of torch.distributed.checkpoint shards a distributed run writes (re-sharded for
+    this number of processes)."""
+    if isinstance(state, Path):
+        load_optimizer_shards(state, sharded if sharded is not None else _named_as_sharded(model), optimizer)
+        return
+    names = [f"net.{n}" for n, p in model.named_parameters() if p.requires_grad]
+    by_name = any(isinstance(k, str) for k in state["state"]) or any(
+        isinstance(p, str) for g in state["param_groups"] for p in g["params"])
+    if sharded is not None:
+        load_full_optimizer_state(sharded, optimizer, state if by_name else optimizer_state_by_name(state, names))
+    else:
+        optimizer.load_state_dict(optimizer_state_by_position(state, names) if by_name else state)
+
+
+def _named_as_sharded(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` under the name the sharded copy gives it (`net.`), so one process can read the
+    optimizer shards a distributed run wrote (same parameter names)."""
+    holder = torch.nn.Module()
+    holder.net = model
+    return holder
+
+
+def optimizer_state_by_name(state: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
+    """A one-process `optimizer.state_dict()` (parameters by position in `names`, the trainable
+    parameters' names in order) in the by-name form torch.distributed's state-dict helpers use."""
+    return {"state": {names[i]: v for i, v in state["state"].items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
+
+
+def optimizer_state_by_position(state: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
+    """The inverse of `optimizer_state_by_name`: a by-name state for one process."""
+    index = {n: i for i, n in enumerate(names)}
+    unknown = sorted(set(state["state"]) - set(index))
+    if unknown:
+        raise ValueError(f"the checkpoint's optimizer holds state of parameters this model lacks: {unknown[:3]}")
+    return {"state": {index[n]: v for n, v in state["state"].items()},
+            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]]}
+
+
+# -- finding a checkpoint to resume from ---------------------------------------------------------
 def latest_checkpoint(ckpt_dir: Path) -> Path | None:
     """The newest checkpoint with its `.complete` marker; partial ones are skipped."""
     if not ckpt_dir.is_dir():

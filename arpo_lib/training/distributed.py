@@ -22,6 +22,8 @@ What each rank holds and does (rollout.backend=hf, the in-process mode):
 FSDP2 all-gathers inside every forward, so all ranks must run the same number of forwards: a rank
 with fewer micro-batches than the busiest runs the shortest sequence with its loss times 0.
 
+This module holds the low-level pieces; the trainer reaches them through `training.backend.FSDP2`.
+
 Multi-node: the run directory must be on storage every node sees (ranks read each other's
 trajectory directories for replay).
 """
@@ -199,7 +201,7 @@ def load_full_into_sharded(full: torch.nn.Module, sharded: LogprobNet) -> None:
 
 def load_full_optimizer_state(sharded: LogprobNet, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
     """Shard a whole optimizer state keyed by parameter name (a one-process checkpoint's, via
-    `optimizer_state_by_name`, or one gathered by earlier versions) onto this group's ranks."""
+    `checkpoint.optimizer_state_by_name`, or one gathered by earlier versions) onto this group's ranks."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     set_optimizer_state_dict(sharded, optimizer, optim_state_dict=state,
@@ -226,23 +228,6 @@ def broadcast_model(model: torch.nn.Module, ranks: Ranks) -> None:
     with torch.no_grad():
         for tensor in model.state_dict().values():
             dist.broadcast(tensor, src=0)
-
-
-def optimizer_state_by_name(state: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
-    """A one-process `optimizer.state_dict()` (parameters by position in `names`, the trainable
-    parameters' names in order) in the by-name form torch.distributed's state-dict helpers use."""
-    return {"state": {names[i]: v for i, v in state["state"].items()},
-            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
-
-
-def optimizer_state_by_position(state: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
-    """The inverse of `optimizer_state_by_name`: a by-name state for one process."""
-    index = {n: i for i, n in enumerate(names)}
-    unknown = sorted(set(state["state"]) - set(index))
-    if unknown:
-        raise ValueError(f"the checkpoint's optimizer holds state of parameters this model lacks: {unknown[:3]}")
-    return {"state": {index[n]: v for n, v in state["state"].items()},
-            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]]}
 
 
 def close_process_group(ranks: Ranks) -> None:

@@ -5,9 +5,10 @@ output and per-step metrics streamed into the notebook.
     trainer = workflows.open_trainer(cfg, nproc_per_node=2)   # a LaunchedTrainer
     history = trainer.train(on_step=workflows.print_step)      # blocks; interrupt = stop the run
 
-A `LaunchedTrainer` stands in for the in-process `Trainer` where a notebook uses one (`train`,
-`warm_start`, `step`, `replay`, `run`, `close`): the processes do the work, this object watches
-`metrics.jsonl` and the checkpoints. A stopped or interrupted run resumes on the next `train`.
+A `LaunchedTrainer` stands in for the in-process `Trainer` where a notebook uses one: both are a
+`types.RunTrainer` (`train`, `warm_start`, `step`, `replay`, `run`, `close`). The processes do the
+work, this object watches `metrics.jsonl` and the checkpoints. A stopped or interrupted run
+resumes on the next `train`.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import sys
 import threading
 import time
 from collections import deque
+from pathlib import Path
 from typing import Any, Callable
 
 from arpo_lib.algo import ReplayBuffer
@@ -43,7 +45,7 @@ class LaunchedTrainer:
         self.process: subprocess.Popen | None = None
         self.output: deque[str] = deque(maxlen=200)
         """The processes' last lines of output (for the error message of a failed run)."""
-        self._replay: tuple[Any, ReplayBuffer] | None = None
+        self._replay: tuple[Path, ReplayBuffer] | None = None
 
     # -- what a notebook reads ---------------------------------------------------------------------
     @property

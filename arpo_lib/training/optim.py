@@ -20,12 +20,13 @@ from typing import Any, Sequence, TypeVar
 
 import torch
 
-from arpo_lib.run.config import LR_SCHEDULES
+from arpo_lib.run.registry import LR_SCHEDULES
 
 T = TypeVar("T")
 
 
-def make_optimizer(name: str, params: list[torch.nn.Parameter], lr: float, weight_decay: float) -> torch.optim.Optimizer:
+def make_optimizer(name: str, params: list[torch.nn.Parameter], lr: float,
+                   weight_decay: float) -> torch.optim.Optimizer:
     """`adamw` (fused on CUDA: one kernel for all parameters) or `adafactor` (low memory)."""
     if name == "adamw":
         fused = bool(params) and all(p.is_cuda for p in params)
@@ -170,23 +171,37 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
                for v in state.values() if torch.is_tensor(v))
 
 
+@LR_SCHEDULES.register("constant")
+def constant_schedule(progress: float, min_lr_ratio: float) -> float:
+    """The peak rate to the end (ARPO)."""
+    return 1.0
+
+
+@LR_SCHEDULES.register("cosine")
+def cosine_schedule(progress: float, min_lr_ratio: float) -> float:
+    """Half a cosine from the peak to `min_lr_ratio` (verl's cosine schedule with its min_lr_ratio)."""
+    return min_lr_ratio + (1.0 - min_lr_ratio) * (0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+@LR_SCHEDULES.register("linear")
+def linear_schedule(progress: float, min_lr_ratio: float) -> float:
+    """A straight line from the peak to `min_lr_ratio`."""
+    return min_lr_ratio + (1.0 - min_lr_ratio) * (1.0 - progress)
+
+
 def lr_factor(update: int, total_updates: int, warmup_ratio: float, schedule: str = "constant",
               min_lr_ratio: float = 0.0) -> float:
     """The learning rate of optimizer step `update` (0-based) as a share of the peak: linear
     warm-up over the first `warmup_ratio` of `total_updates` (ARPO's subset run: 5%; the first step
-    already uses lr / warmup, not 0), then `constant` (ARPO), or a `cosine` or `linear` decay that
-    reaches `min_lr_ratio` at the last step (verl's cosine schedule with its min_lr_ratio)."""
-    if schedule not in LR_SCHEDULES:
-        raise ValueError(f"unknown lr schedule {schedule!r} ({', '.join(LR_SCHEDULES)})")
+    already uses lr / warmup, not 0), then the registered `schedule` (`LR_SCHEDULES`: `constant`,
+    as ARPO, or a `cosine` or `linear` decay) of the progress through the rest, which reaches 1
+    at the last step."""
+    shape = LR_SCHEDULES[schedule]  # an unknown name fails here, at step 0 too
     total = max(1, total_updates)
     warmup = math.ceil(warmup_ratio * total)
     if update < warmup:
         return (update + 1) / warmup
-    if schedule == "constant":
-        return 1.0
-    progress = min(1.0, (update - warmup) / max(1, total - warmup - 1))
-    shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
-    return min_lr_ratio + (1.0 - min_lr_ratio) * shape
+    return shape(min(1.0, (update - warmup) / max(1, total - warmup - 1)), min_lr_ratio)
 
 
 def warmup_schedule(optimizer: torch.optim.Optimizer, total_updates: int, warmup_ratio: float,

@@ -3,28 +3,33 @@
 The demonstrations are real trajectories from `ScriptedPolicy` through the normal rollout path,
 so their tokens are exactly what the policy would have to sample. The loss is the mean negative
 log-likelihood of the assistant tokens, computed with the same `sequence_logprobs` the RL
-update uses.
+update uses. `WarmStart` is what a trainer does with them before its first step: collect them
+once, warm-start on them, seed the replay buffer with them (`warm_start.*`, `train.demo_replay`).
 """
 from __future__ import annotations
 
 import logging
 import random
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
 from arpo_lib.agent.scripted import SCRIPTED_TASKS, ScriptedPolicy, supports
 from arpo_lib.algo import ReplayBuffer
+from arpo_lib.rollout.engine import RolloutEngine
+from arpo_lib.run.layout import RunDir
 from arpo_lib.run.records import append_jsonl
-from arpo_lib.training.rollout import RolloutEngine
-from arpo_lib.types import Trajectory, episode_requests
+from arpo_lib.types import TrainablePolicy, Trajectory, WorkerPool, episode_requests
+
+if TYPE_CHECKING:
+    from arpo_lib.training.backend import TrainingBackend
 
 log = logging.getLogger(__name__)
 
 
-def collect_demonstrations(policy: Any, pool: Any, tasks: Sequence[str], per_task: int, *, seed: int,
-                           out_dir: Any = None, max_steps: int = 15, progress: bool = True) -> list[Trajectory]:
+def collect_demonstrations(policy: TrainablePolicy, pool: WorkerPool, tasks: Sequence[str], per_task: int, *, seed: int,
+                           out_dir: Path | None = None, max_steps: int = 15, progress: bool = True) -> list[Trajectory]:
     """Run the scripted demonstrator `per_task` times per supported task; returns the successes.
 
     Demonstrations are drawn on fresh layouts of a task's family, never on the fixed instances
@@ -54,7 +59,7 @@ def first_per_task(trajs: Sequence[Trajectory], n: int) -> list[Trajectory]:
     return chosen
 
 
-def supervised_warm_start(policy: Any, demos: Sequence[Trajectory], *, steps: int, lr: float = 1e-3,
+def supervised_warm_start(policy: TrainablePolicy, demos: Sequence[Trajectory], *, steps: int, lr: float = 1e-3,
                           batch_size: int = 4, seed: int = 0, progress: bool = True) -> list[float]:
     """AdamW on the demonstrations' assistant tokens for `steps` steps; returns the loss per step."""
     from tqdm.auto import tqdm
@@ -80,8 +85,8 @@ def supervised_warm_start(policy: Any, demos: Sequence[Trajectory], *, steps: in
     return losses
 
 
-def warm_start(policy: Any, demos: Sequence[Trajectory], *, per_task: int, steps: int, lr: float, batch_size: int,
-               seed: int, record: Path | None, progress: bool = True) -> list[float]:
+def warm_start(policy: TrainablePolicy, demos: Sequence[Trajectory], *, per_task: int, steps: int, lr: float,
+               batch_size: int, seed: int, record: Path | None, progress: bool = True) -> list[float]:
     """The run's warm start: `supervised_warm_start` on the first `per_task` demonstrations of
     each task, recorded in `record` (warm_start.jsonl) and logged."""
     chosen = first_per_task(demos, per_task)
@@ -103,3 +108,55 @@ def seed_replay(replay: ReplayBuffer, demos: Sequence[Trajectory], per_task: int
         log.info("no demonstrations for %s; their replay starts empty", missing)
     log.info("replay buffer seeded with %d scripted demonstrations", stored)
     return stored
+
+
+class WarmStart:
+    """A trainer's demonstrations: collected once (`max(demos_per_task, demo_replay)` successes per
+    supported task, into <run>/demos), the supervised warm start on the first `demos_per_task` of
+    each task, and the replay buffer seeded with the first `demo_replay`, each once (`done`: a run
+    resumed from a checkpoint has both). Distributed: rank 0 collects and trains, every rank gets
+    the demonstrations and the weights (`backend`)."""
+
+    def __init__(self, policy: TrainablePolicy, backend: "TrainingBackend", pool: Callable[[], WorkerPool], *,
+                 run: RunDir, tasks: Sequence[str], demos_per_task: int, steps: int, lr: float, batch_size: int,
+                 demo_replay: int, seed: int, max_steps: int, progress: bool, done: bool = False):
+        self.policy, self.backend, self.pool, self.run = policy, backend, pool, run
+        self.tasks, self.demos_per_task, self.steps = tasks, demos_per_task, steps
+        self.lr, self.batch_size = lr, batch_size
+        self.demo_replay, self.seed, self.max_steps, self.progress = demo_replay, seed, max_steps, progress
+        self.warm_started = self.replay_seeded = done
+        self._demos: list[Trajectory] | None = None
+
+    def demonstrations(self) -> list[Trajectory]:
+        """The successful scripted demonstrations (collected on the first call)."""
+        if self._demos is None:
+            n = max(self.demos_per_task, self.demo_replay)
+            demos = None
+            if self.backend.is_main:
+                demos = collect_demonstrations(self.policy, self.pool(), self.tasks, n, seed=self.seed,
+                                               out_dir=self.run.demos, max_steps=self.max_steps,
+                                               progress=self.progress) if n > 0 else []
+            self._demos = self.backend.broadcast(demos)
+        return self._demos
+
+    def warm_start(self) -> list[float] | None:
+        """The warm start (rank 0 trains the full model, then every rank gets it); its losses (none
+        on the other ranks). None when there is none (warm_start.steps=0) or it was done."""
+        if self.steps <= 0 or self.warm_started:
+            return None
+        demos = self.demonstrations()
+        losses = []
+        if self.backend.is_main:
+            losses = warm_start(self.policy, demos, per_task=self.demos_per_task, steps=self.steps, lr=self.lr,
+                                batch_size=self.batch_size, seed=self.seed, record=self.run.warm_start_log,
+                                progress=self.progress)
+        self.backend.after_warm_start()
+        self.warm_started = True
+        return losses
+
+    def seed_replay(self, replay: ReplayBuffer) -> int:
+        """Store `demo_replay` demonstrations per task in `replay` (once); returns how many."""
+        if self.demo_replay <= 0 or self.replay_seeded:
+            return 0
+        self.replay_seeded = True
+        return seed_replay(replay, self.demonstrations(), self.demo_replay, self.tasks)

@@ -5,223 +5,100 @@
         trajs   = rollouts(tasks x G)                   # parallel browsers, batched generation
         groups  = per task: replay.maybe_inject(...)    # ARPO: rescue all-failed groups
                   then replay.add(fresh trajectories)
-        adv     = group_advantages(rewards)             # per group, Bessel std
-        update  = PPO clipped loss, one epoch, `updates_per_batch` optimizer steps
-        metrics -> metrics.jsonl; checkpoint (model, optimizer, replay buffer, RNG, data order)
+        adv     = estimator(rewards)                    # per group: GRPO's, Bessel std (algo.adv_estimator)
+        update  = ARPO's clipped loss (algo.policy_loss), one epoch, `updates_per_batch`
+                  optimizer steps (training/update.py)
+        metrics -> metrics.jsonl; evaluation and checkpoint (model, optimizer, replay, RNG) when due
 
-The trainer holds the algorithm only. `arpo_lib.build.trainer(cfg)` makes what it works with
-(the policy, the environment pool, a rollout server, the periodic evaluation, the checkpoint to
-resume from); checkpoints are written by `training.checkpoint`, server weights kept current by
-`serving.weight_sync.ServedPolicy`.
+The trainer holds the algorithm and reads `train.*` and `algo.*` only; `arpo_lib.build.trainer(cfg)`
+gives it the rest: the rollouts (`rollout_source`: this process's model or servers following its
+weights), where the update runs (`backend`: one process or FSDP2), the demonstrations (`sft`), the
+records (`metrics`), the checkpoints and the evaluation, each deciding its own details and cadence;
+the policy update (`update.PolicyUpdate`) holds the optimizer.
 
 Departures from the original, on purpose:
 - Infrastructure failures (a crashed browser/VM) are dropped from their group, not scored 0.
-- Sequences with advantage exactly 0 are counted in the loss normaliser but not run through the
-  model (their loss and gradient are exactly zero), unless a KL term (algo.kl_coef) needs them.
+- Sequences with advantage exactly 0 are not run through the model (see training/update.py).
 - A lone success of a task whose other rollouts hit infrastructure failures is stored for replay
   though its group is too small to train on. A non-finite gradient skips its optimizer step, as
   ARPO; `train.max_skipped_steps` in a row stop the run.
-- `algo.old_logprobs=recompute` (default, as ARPO) recomputes old log-probs with the current
-  policy before the update; `behaviour` uses the log-probs stored at sampling time instead.
 - Checkpoints include the replay buffer and the data order; `resume` continues exactly.
-
-Distributed (torchrun, `ranks.world_size` > 1): each rank runs its share of the episodes and of
-every mini-batch on an FSDP2-sharded copy of the model; see arpo_lib/training/distributed.py.
 """
 from __future__ import annotations
 
-import copy
 import logging
-import math
-import random
-import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
 
-from arpo_lib.algo import ReplayBuffer, group_advantages, policy_loss, truncated_is_weights
+from arpo_lib.algo import ADV_ESTIMATORS, ReplayBuffer
+from arpo_lib.rollout.engine import RolloutEngine
+from arpo_lib.rollout.store import load_trajectory
 from arpo_lib.run import layout
-from arpo_lib.run.config import RunConfig, config_changes, read_saved_config, save_config
-from arpo_lib.run.layout import RunDir
-from arpo_lib.run.records import append_jsonl
+from arpo_lib.run.config import RunConfig
 from arpo_lib.run.seeding import stable_seed
-from arpo_lib.run.tracking import Tracker
-from arpo_lib.training import distributed as dist_
-from arpo_lib.training.checkpoint import (begin_checkpoint, drop_records_after, load_checkpoint,
-                                          load_optimizer_shards, save_checkpoint, save_optimizer_shards,
-                                          tmp_checkpoint_dir)
-from arpo_lib.training.distributed import SINGLE, Ranks
-from arpo_lib.training.optim import make_optimizer, micro_batches, warmup_schedule
-from arpo_lib.training.rollout import RolloutEngine, load_trajectory
-from arpo_lib.training.sft import collect_demonstrations, seed_replay, warm_start
-from arpo_lib.types import Group, Trajectory, WorkerPool, episode_requests
+from arpo_lib.training.backend import TrainingBackend
+from arpo_lib.training.checkpoint import Checkpointer
+from arpo_lib.training.metrics import RunRecords, step_metrics
+from arpo_lib.training.rollout_source import RolloutSource, task_batch
+from arpo_lib.training.sft import WarmStart
+from arpo_lib.training.update import NonFiniteGradientError, PolicyUpdate  # noqa: F401 (its old home)
+from arpo_lib.types import Group, TrainablePolicy, Trajectory
+
+if TYPE_CHECKING:  # annotations only: evaluation sits above training
+    from arpo_lib.evaluation.evaluate import EvalResult
 
 log = logging.getLogger(__name__)
 
 
-class NonFiniteGradientError(RuntimeError):
-    """Too many optimizer steps in a row had a NaN or infinite gradient (train.max_skipped_steps)."""
-
-
-def task_batch(tasks: list[str], step: int, tasks_per_batch: int, seed: int) -> list[str]:
-    """Tasks of rollout batch `step`: distinct tasks, slices of a seeded per-epoch permutation.
-
-    An epoch has len(tasks) // tasks_per_batch batches; the remainder of a permutation is left
-    out of that epoch (the next epoch's permutation differs), so a batch never holds a task twice.
-    Depends only on its arguments, so a resumed run continues the same order.
-    """
-    per_epoch = len(tasks) // tasks_per_batch
-    if per_epoch == 0:
-        raise ValueError(f"tasks_per_batch={tasks_per_batch} > {len(tasks)} tasks")
-    epoch, index = divmod(step, per_epoch)
-    order = list(tasks)
-    random.Random(stable_seed(seed, "epoch", epoch)).shuffle(order)
-    return order[index * tasks_per_batch:(index + 1) * tasks_per_batch]
+class Evaluator(Protocol):
+    """The run's periodic evaluation (`build.evaluator`): when it is due, and an engine's policy
+    evaluated with the run's protocol into <run>/eval/<label> (tasks None: the protocol's)."""
+    def due(self, step: int) -> bool: ...
+    def __call__(self, engine: RolloutEngine, label: str, tasks: list[str] | None = None) -> EvalResult: ...
 
 
 class Trainer:
-    """Runs ARPO (or GRPO with `algo.replay.enabled=false`) for a `RunConfig`.
+    """Runs ARPO (or GRPO with `algo.replay.enabled=false`) for a `RunConfig`; its collaborators
+    come from `arpo_lib.build.trainer` (see the module docstring). `checkpoints` restores the
+    checkpoint the run resumes from (its model is already in `policy`); `reference` is the frozen
+    model of the KL term (algo.kl_coef > 0); `resume` drops the records after that checkpoint."""
 
-    Args (given by `arpo_lib.build.trainer`):
-        policy: the `HFPolicy` being trained.
-        make_pool: builds the environment pool when first needed.
-        served: a `ServedPolicy` when rollouts are generated by a server (rollout.backend=server).
-        evaluator: (engine, label, tasks) -> an `EvalResult` of the run's evaluation protocol in
-            <run>/eval/<label> (tasks None: the protocol's own).
-        checkpoint: the checkpoint to continue from (its model is already in `policy`).
-        resume: continue the run in `cfg.run_dir` (records after the checkpoint are dropped).
-        reference: a frozen model for the KL term (algo.kl_coef > 0).
-        ranks: this process's place among torchrun's processes (default: the only one).
-    """
-
-    # -- set-up ------------------------------------------------------------------------------------
-    def __init__(self, cfg: RunConfig, policy: Any, *, make_pool: Callable[[], WorkerPool], served: Any = None,
-                 evaluator: Callable[[RolloutEngine, str, list[str] | None], Any] | None = None, checkpoint: Path | None = None,
-                 resume: bool = False, reference: Any = None, ranks: Ranks = SINGLE):
-        self.cfg, self.policy, self.served, self.evaluator, self.reference = cfg, policy, served, evaluator, reference
-        self.ranks = ranks
-        self.run = RunDir(cfg.run_dir)
-        self.run_dir, self.ckpt_dir, self.metrics_path = self.run.root, self.run.checkpoints, self.run.metrics
-        self.run.root.mkdir(parents=True, exist_ok=True)
+    def __init__(self, cfg: RunConfig, policy: TrainablePolicy, *, rollouts: RolloutSource, backend: TrainingBackend,
+                 sft: WarmStart, records: RunRecords, checkpoints: Checkpointer, evaluator: Evaluator,
+                 reference: torch.nn.Module | None = None, resume: bool = False):
+        self.cfg, self.policy, self.rollouts, self.backend, self.sft = cfg, policy, rollouts, backend, sft
+        self.records, self.checkpoints, self.evaluator, self.reference = records, checkpoints, evaluator, reference
+        self.run = records.run
+        self.run_dir = self.run.root
         t, rp = cfg.train, cfg.algo.replay
-        self.train_net = None
-        """The FSDP2-sharded copy the update trains when distributed (`policy.model` stays whole
-        for generation and old log-probs, and is refreshed from it after every update)."""
-        params = policy.trainable_parameters()
-        if ranks.distributed:
-            self.train_net = dist_.shard_for_training(policy.model, policy.forward_logprobs,
-                                                      compute_dtype=policy.compute_dtype)
-            params = [p for p in self.train_net.parameters() if p.requires_grad]
-        self.optimizer = make_optimizer(t.optimizer, params, t.lr, t.weight_decay)
-        self.scheduler = warmup_schedule(self.optimizer, t.steps * t.updates_per_batch, t.warmup_ratio,
-                                         t.lr_schedule, t.min_lr_ratio)
+        self.updater = PolicyUpdate(cfg, policy, backend, temperature=rollouts.temperature, reference=reference,
+                                    checkpoints_dir=self.run.checkpoints)
+        self.optimizer, self.scheduler = self.updater.optimizer, self.updater.scheduler
         self.replay: ReplayBuffer[dict[str, Any]] = ReplayBuffer(
             capacity_per_task=rp.capacity_per_task, success_threshold=rp.success_threshold, enabled=rp.enabled,
             seed=stable_seed(t.seed, "replay"), std_threshold=rp.std_threshold, mean_threshold=rp.mean_threshold)
-        self.step = 0
-        if checkpoint is not None:
-            self.step, self.replay, state = load_checkpoint(checkpoint, optimizer=self.optimizer,
-                                                            scheduler=self.scheduler,
-                                                            load_optimizer=self._load_optimizer_state)
-            log.info("resumed %s at step %d from %s", self.run.root, self.step, checkpoint.name)
-        if resume and ranks.is_main:
-            drop_records_after(self.run, self.step)
-        if ranks.is_main:
-            self._record_config(resume)
-        dist_.barrier(ranks)
-        self.tracker = Tracker(cfg if ranks.is_main else _without_tracking(cfg))
-        self._make_pool = make_pool
-        self._pool: WorkerPool | None = None
-        self.weights_version = int(state.get("weights_version", 0)) if checkpoint is not None else 0
+        self.step, self.replay, state = checkpoints.restore(self.optimizer, self.scheduler) or (0, self.replay, {})
+        self.weights_version = int(state.get("weights_version", 0))
         """Counts weight changes (warm start, optimizer steps): what a rollout server must hold,
         and how old a replayed trajectory is (checkpointed)."""
-        self.consecutive_skips = int(state.get("consecutive_skips", 0)) if checkpoint is not None else 0
-        """Optimizer steps skipped in a row for a non-finite gradient (train.max_skipped_steps)."""
-        self._demos: list[Trajectory] | None = None
-        self._warm_started = self._demos_seeded = checkpoint is not None
+        self.updater.consecutive_skips = int(state.get("consecutive_skips", 0))
         self.seconds_warm_start = 0.0
-
-    def _record_config(self, resume: bool) -> None:
-        """Write the run's config.yaml. A resume with a changed config keeps the one the run had
-        until now as config.until_step_<N>.yaml and logs the changed keys, so the record of how
-        steps 1..N were made is not overwritten."""
-        path = self.run.config
-        if resume and path.is_file():
-            changes = config_changes(read_saved_config(path), self.cfg)
-            if changes:
-                kept = self.run.config_until(self.step)
-                path.replace(kept)
-                log.warning("resuming %s at step %d with a changed config (%s); the config until now is kept in %s",
-                            self.run.root, self.step,
-                            ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items()), kept.name)
-        save_config(self.cfg, path)
-
-    def _load_optimizer_state(self, state: dict[str, Any] | Path) -> None:
-        """A checkpoint's optimizer state, whichever number of processes wrote it: by position
-        (one process), by parameter name (gathered from FSDP shards by earlier versions), or the
-        directory of torch.distributed.checkpoint shards a distributed run writes (re-sharded for
-        this number of processes)."""
-        if isinstance(state, Path):
-            holder = self.train_net if self.train_net is not None else _named_as_sharded(self.policy.model)
-            load_optimizer_shards(state, holder, self.optimizer)
-            return
-        names = [f"net.{n}" for n, p in self.policy.model.named_parameters() if p.requires_grad]
-        by_name = any(isinstance(k, str) for k in state["state"]) or any(
-            isinstance(p, str) for g in state["param_groups"] for p in g["params"])
-        if self.train_net is not None:
-            dist_.load_full_optimizer_state(self.train_net, self.optimizer,
-                                            state if by_name else dist_.optimizer_state_by_name(state, names))
-        else:
-            self.optimizer.load_state_dict(dist_.optimizer_state_by_position(state, names) if by_name else state)
-
-    @property
-    def progress(self) -> bool:
-        """Progress bars: logging.progress, on rank 0 only."""
-        return self.cfg.logging.progress and self.ranks.is_main
-
-    @property
-    def pool(self) -> WorkerPool:
-        if self._pool is None:
-            self._pool = self._make_pool()
-        return self._pool
-
-    def engine(self, alone: bool = False) -> RolloutEngine:
-        """The rollout engine with the generating policy: this process's model, or the servers
-        (holding the current weights). Distributed, rank 0 brings the servers up to date and
-        announces their URLs to the other ranks, which all call this together (`alone`: rank 0
-        only, e.g. for its evaluation)."""
-        if self.served is None:
-            policy = self.policy
-        elif self.ranks.is_main:
-            policy = self.served.policy(self.weights_version)
-            if self.ranks.distributed and not alone:
-                dist_.broadcast_object(policy.base_urls, self.ranks)
-        else:
-            policy = self.served.follow(dist_.broadcast_object(None, self.ranks))
-        return RolloutEngine(policy, self.pool, max_steps=self.cfg.env.max_steps,
-                             format_coef=self.cfg.algo.format_coef, format_penalty=self.cfg.algo.format_penalty)
+        records.start(self.step, resume)
 
     def close(self, failed: bool = False) -> None:
-        """Close the environments, the server, the tracker and (distributed) the process group;
-        `failed`: leave the group without waiting for the other ranks (they may be stuck in a
-        collective this rank will never join; torchrun stops them when this process exits)."""
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
-        if self.served is not None:
-            self.served.close()
-        self.tracker.finish()
-        if not failed:
-            if self.ranks.distributed:
-                self.train_net = None  # the FSDP2 copy is freed before the group ends (close_process_group)
-            dist_.close_process_group(self.ranks)
+        """Close the environments, the servers, the tracker and (distributed) the process group;
+        `failed`: leave the group without waiting for the other ranks."""
+        self.rollouts.close()
+        self.records.close()
+        self.backend.close(failed)
 
     def __enter__(self) -> "Trainer":
         return self
 
-    def __exit__(self, exc_type: object, *exc: object) -> None:
+    def __exit__(self, exc_type: object = None, *exc: object) -> None:
         self.close(failed=exc_type is not None)
 
     # -- the loop ----------------------------------------------------------------------------------
@@ -229,90 +106,42 @@ class Trainer:
               ) -> list[dict[str, Any]]:
         """Run until `cfg.train.steps` rollout batches are done (or `steps` more); returns their
         metrics. `on_step(metrics)` is called after each step (e.g. `workflows.print_step`)."""
-        from tqdm.auto import tqdm
-
         end = self.cfg.train.steps if steps is None else min(self.cfg.train.steps, self.step + steps)
         if self.step == 0:
             self.warm_start()
             self.seed_replay_with_demos()
-        history = []
-        bar = tqdm(total=end, initial=self.step, desc="ARPO" if self.replay.enabled else "GRPO",
-                   disable=not self.progress)
-        while self.step < end:
-            metrics = self.train_step()
-            history.append(metrics)
-            if on_step is not None:
-                on_step(metrics)
-            bar.update(1)
-            bar.set_postfix(success=f"{metrics['success_rate']:.2f}", loss=f"{metrics['loss']:.4f}",
-                            injected=metrics["replay_injections"])
-        bar.close()
+        history: list[dict[str, Any]] = []
+        with self.records.progress_bar(end, self.step, "ARPO" if self.replay.enabled else "GRPO") as shown:
+            while self.step < end:
+                history.append(metrics := self.train_step())
+                if on_step is not None:
+                    on_step(metrics)
+                shown(metrics)
         return history
 
     def train_step(self) -> dict[str, Any]:
-        """One rollout batch: roll out, group with replay, update, record, checkpoint."""
-        cfg, step = self.cfg, self.step
+        """One rollout batch: roll out, group with replay, update, record; evaluate and checkpoint when due."""
         t0 = time.monotonic()
-        tasks = task_batch(cfg.env.tasks, step, cfg.train.tasks_per_batch, cfg.train.seed)
-        requests = episode_requests(tasks, cfg.rollout.group_size, cfg.train.seed, step)
-        rollout_dir = self.run.rollouts(step)
-        if rollout_dir.exists() and self.ranks.is_main:  # a step being redone after a crash
-            shutil.rmtree(rollout_dir)
-        dist_.barrier(self.ranks)
-        torch.manual_seed(stable_seed(cfg.train.seed, "sample", step))
-        engine = self.engine()
-        # Each rank runs its share of the episodes; every rank then holds the whole batch, in order.
-        mine = engine.run(requests[self.ranks.rank::self.ranks.world_size], temperature=cfg.rollout.temperature,
-                          top_p=cfg.rollout.top_p, out_dir=rollout_dir, progress=self.progress,
-                          description=f"rollout {step}", policy_version=self.weights_version)
-        trajs = dist_.interleave(dist_.gather_objects(mine, self.ranks))
-        env_steps = int(dist_.all_reduce_sum([engine.env_steps], self.ranks)[0])
+        tasks = task_batch(self.rollouts.tasks, self.step, self.cfg.train.tasks_per_batch, self.cfg.train.seed)
+        trajs, env_steps = self.rollouts.sample(tasks, self.step, self.weights_version)
         t_rollout = time.monotonic() - t0
 
         groups = self.make_groups(tasks, trajs)
-        if self.ranks.is_main:
-            layout.write_groups(self.run.groups(step), [g.record() for g in groups])
+        self.records.groups(self.step, groups)
         t1 = time.monotonic()
         update = self.update(groups)
-        if self.served is not None:
-            self.served.policy(self.weights_version)  # the server generates with the new weights from now on
+        self.rollouts.weights_changed(self.weights_version)
         t_update = time.monotonic() - t1
-
-        fresh = [t for t in trajs if t.ok]
         self.step += 1
+
         evaluation = {}
-        if cfg.train.eval_every and (self.step % cfg.train.eval_every == 0 or self.step == cfg.train.steps):
-            if self.ranks.is_main:  # the others wait: the evaluation is rank 0's
-                evaluation = self.evaluate(layout.step_name(self.step)).metrics()
-            dist_.barrier(self.ranks)
-        metrics = {
-            "step": self.step,
-            "tasks": tasks,
-            "success_rate": _mean([float(t.success) for t in fresh]),
-            "success_by_task": {task: [sum(t.success for t in fresh if t.task == task),
-                                       sum(t.task == task for t in fresh)] for task in dict.fromkeys(tasks)},
-            "mean_task_score": _mean([t.task_score for t in fresh]),
-            "mean_reward": _mean([t.reward for t in fresh]),
-            "format_error_rate": _mean([float(not t.format_ok) for t in fresh]),
-            "mean_steps": _mean([t.num_steps for t in fresh]),
-            "env_errors": sum(not t.ok for t in trajs),
-            "checker_errors": sum(t.checker_error is not None for t in fresh),
-            "all_failed_groups": _mean([float(g.all_failed) for g in groups]),
-            "replay_injections": sum(g.injected for g in groups),
-            "replay_size": len(self.replay),
-            "env_steps": env_steps,
-            "env_steps_per_s": env_steps / max(t_rollout, 1e-9),
-            "lr": self.scheduler.get_last_lr()[0],
-            **update,
-            "seconds_rollout": round(t_rollout, 3),
-            "seconds_update": round(t_update, 3),
-            **(self.served.metrics() if self.served is not None else {}),
-            **evaluation,
-        }
-        if self.ranks.is_main:
-            append_jsonl(self.run.metrics, metrics)
-            self.tracker.log(metrics, step=self.step)
-        if self.step % cfg.train.checkpoint_every == 0 or self.step == cfg.train.steps:
+        if self.evaluator.due(self.step):  # rank 0's, the others wait
+            evaluation = self.backend.on_main(lambda: self.evaluate(layout.step_name(self.step)).metrics()) or {}
+        metrics = step_metrics(self.step, tasks, trajs, groups, replay_size=len(self.replay), env_steps=env_steps,
+                               lr=self.scheduler.get_last_lr()[0], update=update, seconds_rollout=t_rollout,
+                               seconds_update=t_update, extra={**self.rollouts.metrics(), **evaluation})
+        self.records.log(metrics)
+        if self.checkpoints.due(self.step):
             self.save_checkpoint()
         return metrics
 
@@ -336,200 +165,29 @@ class Trainer:
                 group[result.replaced] = replayed
             for t in fresh:  # after injection, with the fresh (pre-replacement) group
                 self.replay.add(task, t.replay_item(), t.task_score)
-            adv = group_advantages(torch.tensor([t.reward for t in group], dtype=torch.float64),
-                                   eps=self.cfg.algo.adv_eps,
-                                   norm_by_std=self.cfg.algo.norm_adv_by_std).tolist()
+            adv = ADV_ESTIMATORS[self.cfg.algo.adv_estimator](
+                torch.tensor([t.reward for t in group], dtype=torch.float64), self.cfg.algo).tolist()
             groups.append(Group(task, group, adv, result.injected, result.all_failed))
         return groups
 
-    # -- the policy update -------------------------------------------------------------------------
     def update(self, groups: list[Group]) -> dict[str, Any]:
-        """One PPO epoch over the batch, split into `updates_per_batch` optimizer steps."""
-        cfg = self.cfg
-        items = [(seg, adv, t) for g in groups for t, adv in zip(g.trajectories, g.advantages)
-                 for seg in t.segments if any(seg.loss_mask)]
-        stats = {"loss": 0.0, "clip_fraction": 0.0, "grad_norm": 0.0, "tokens": 0, "sequences": len(items),
-                 "optimizer_steps": 0, "skipped_steps": 0, "approx_kl": 0.0, "kl": 0.0, **self._replay_ages(groups)}
-        if not items:
-            return stats
-        random.Random(stable_seed(cfg.train.seed, "shuffle", self.step)).shuffle(items)
-        temperature = cfg.rollout.temperature
-        # A sequence with advantage 0 has zero policy loss and gradient, so it is not run through
-        # the model -- unless a KL term to the reference depends on it too.
-        with_kl = self.reference is not None and cfg.algo.kl_coef > 0
-
-        def runs(adv: float) -> bool:
-            return adv != 0.0 or with_kl
-
-        minibatches = [items[i::cfg.train.updates_per_batch] for i in range(cfg.train.updates_per_batch)]
-        # Which micro-batches this process runs in each mini-batch: all of them, or its share.
-        plans = [self._micro_plan([(seg, adv) for seg, adv, _ in mb if runs(adv)]) for mb in minibatches]
-        mine = {id(seg) for plan in plans for micro, _ in plan for seg, _ in micro}
-
-        # Old log-probs before any update (ratio starts at 1, as ARPO), and with
-        # algo.replay.correction=tis the truncated importance weights of replayed members.
-        old: dict[int, torch.Tensor] = {}
-        is_weights: dict[int, torch.Tensor] = {}
-        for seg, adv, traj in items:
-            if id(seg) not in mine:
-                continue
-            behaviour = torch.tensor([lp for lp, m in zip(seg.behaviour_logprobs, seg.loss_mask) if m])
-            if cfg.algo.old_logprobs == "behaviour":
-                old[id(seg)] = behaviour
-            else:
-                with torch.no_grad():
-                    old[id(seg)] = self.policy.sequence_logprobs([seg], temperature)[0].detach().cpu()
-            if cfg.algo.replay.correction == "tis" and traj.replayed:
-                is_weights[id(seg)] = truncated_is_weights(old[id(seg)].double(), behaviour.double(),
-                                                           cfg.algo.replay.tis_cap).float()
-        live_segs = {id(seg) for plan in plans for micro, live in plan if live for seg, _ in micro}
-        counted = [is_weights[id(seg)] for seg, _, _ in items if id(seg) in is_weights and id(seg) in live_segs]
-        stats.update(_weight_stats([w for ws in dist_.gather_objects(counted, self.ranks) for w in ws],
-                                   cfg.algo.replay.tis_cap))
-        train_model = self.train_net  # None: the policy's own model
-        self.policy.model.train()
-        if train_model is not None:
-            train_model.train()
-        losses, clips, norms, kls, ref_kls = [], [], [], [], []
-        for mb, plan in zip(minibatches, plans):
-            if not mb:
-                continue
-            n_seq = len(mb)
-            n_tok = sum(sum(seg.loss_mask) for seg, _, _ in mb)
-            self.optimizer.zero_grad(set_to_none=True)
-            mb_loss = mb_clip = mb_kl = mb_ref_kl = 0.0
-            for micro, live in plan:
-                segs = [s for s, _ in micro]
-                new = self.policy.sequence_logprobs(segs, temperature, pack=cfg.train.pack, model=train_model)
-                logprobs = _pad(new)
-                old_lp = _pad([old[id(s)].to(logprobs.device) for s in segs])
-                mask = _pad([torch.ones_like(t) for t in new])
-                advs = torch.tensor([a for _, a in micro], dtype=logprobs.dtype, device=logprobs.device)
-                ref_lp = weights = None
-                if self.reference is not None:
-                    with torch.no_grad():
-                        ref_lp = _pad(self.policy.sequence_logprobs(segs, temperature, model=self.reference))
-                if is_weights:
-                    weights = _pad([is_weights.get(id(s), torch.ones(len(o))).to(logprobs.device)
-                                    for s, o in zip(segs, new)])
-                loss, m = policy_loss(logprobs, old_lp, advs, mask, clip_low=cfg.algo.clip_low,
-                                      clip_high=cfg.algo.clip_high, dual_clip=cfg.algo.dual_clip,
-                                      aggregation=cfg.algo.aggregation, ref_logprobs=ref_lp,
-                                      kl_coef=cfg.algo.kl_coef, is_weights=weights)
-                # Exact aggregation across micro-batches (and ranks): weight by this micro-batch's
-                # share of the whole mini-batch. FSDP averages gradients over ranks, hence x world size;
-                # a padding micro-batch (a rank with less work keeping FSDP's collectives in step) counts 0.
-                share = float(mask.sum()) / n_tok if cfg.algo.aggregation == "token-mean" else len(micro) / n_seq
-                (loss * (share * self.ranks.world_size if live else 0.0)).backward()
-                if live:  # the metrics: token means over the mini-batch, whatever its partition
-                    mb_loss += loss.item() * share
-                    tokens_share = float(mask.sum()) / n_tok
-                    mb_clip += m.get("clip_fraction", 0.0) * tokens_share
-                    mb_kl += m.get("approx_kl", 0.0) * tokens_share
-                    mb_ref_kl += m.get("kl", 0.0) * tokens_share
-            if self.ranks.distributed:
-                mb_loss, mb_clip, mb_kl, mb_ref_kl = dist_.all_reduce_sum([mb_loss, mb_clip, mb_kl, mb_ref_kl],
-                                                                          self.ranks)
-            if plan:
-                clips.append(mb_clip)
-                kls.append(mb_kl)
-                ref_kls.append(mb_ref_kl)
-            norm = _grad_norm(torch.nn.utils.clip_grad_norm_(self._params(), cfg.train.grad_clip))
-            if math.isfinite(norm):
-                self.optimizer.step()
-                self.consecutive_skips = 0
-                losses.append(mb_loss)
-                norms.append(norm)
-                stats["optimizer_steps"] += 1
-                self.weights_version += 1
-                stats["tokens"] += n_tok
-                self.scheduler.step()  # the schedule counts the optimizer steps taken
-            else:
-                self._skip_step(norm)
-                stats["skipped_steps"] += 1
-        self.policy.model.eval()
-        if train_model is not None:
-            train_model.eval()
-            if stats["optimizer_steps"]:
-                dist_.sync_full_model(train_model, self.policy.model)
-        stats.update(loss=_mean(losses), clip_fraction=_mean(clips), grad_norm=_mean(norms), approx_kl=_mean(kls),
-                     kl=_mean(ref_kls))
+        """The policy update (`training/update.py`): one PPO epoch, `updates_per_batch` optimizer steps."""
+        stats = self.updater(groups, self.step, self.weights_version)
+        self.weights_version += stats["optimizer_steps"]
         return stats
 
-    def _params(self) -> list[torch.nn.Parameter]:
-        """The parameters the optimizer updates (the shards when distributed)."""
-        return [p for g in self.optimizer.param_groups for p in g["params"]]
+    @property
+    def consecutive_skips(self) -> int:
+        """Optimizer steps skipped in a row for a non-finite gradient (train.max_skipped_steps)."""
+        return self.updater.consecutive_skips
 
-    def _micro_plan(self, active: list[tuple[Any, float]]) -> list[tuple[list[tuple[Any, float]], bool]]:
-        """This process's micro-batches of a mini-batch's sequences, each with `live`: all of them
-        in one process; with N ranks, its token-balanced share, padded to the busiest rank's count
-        with the shortest sequence, not live (FSDP needs every rank in every forward)."""
-        t = self.cfg.train
-
-        def micros(part: list[tuple[Any, float]]) -> list[list[tuple[Any, float]]]:
-            return micro_batches(part, [len(s) for s, _ in part], t.token_budget, t.micro_batch_size, packed=t.pack)
-
-        if not self.ranks.distributed:
-            return [(m, True) for m in micros(active)]
-        shares = dist_.split_by_tokens([len(s) for s, _ in active], self.ranks.world_size)
-        per_rank = [micros([active[i] for i in share]) for share in shares]
-        busiest = max(len(p) for p in per_rank)
-        plan = [(m, True) for m in per_rank[self.ranks.rank]]
-        if len(plan) < busiest:
-            shortest = min(active, key=lambda a: len(a[0]))
-            plan += [([shortest], False)] * (busiest - len(plan))
-        return plan
-
-    def _replay_ages(self, groups: list[Group]) -> dict[str, Any]:
-        """How stale the replayed trajectories of this batch are, in weight versions."""
-        ages = [self.weights_version - t.policy_version for g in groups for t in g.trajectories if t.replayed]
-        return {"replay_age_mean": _mean(ages), "replay_age_max": max(ages, default=0)}
-
-    def _skip_step(self, norm: float) -> None:
-        """A non-finite gradient: drop it instead of letting one NaN poison every weight (and
-        every checkpoint after it), as ARPO does; stop after `train.max_skipped_steps` in a row."""
-        self.optimizer.zero_grad(set_to_none=True)
-        self.consecutive_skips += 1
-        log.warning("step %d: the gradient norm is %s: optimizer step skipped (%d in a row)",
-                    self.step, norm, self.consecutive_skips)
-        limit = self.cfg.train.max_skipped_steps
-        if limit and self.consecutive_skips >= limit:
-            raise NonFiniteGradientError(
-                f"{self.consecutive_skips} optimizer steps in a row had a non-finite gradient norm ({norm}): "
-                f"the run is stopped before it trains on garbage. The last checkpoint in {self.run.checkpoints} "
-                "is intact; look for NaN/inf in the log-probs or rewards, lower train.lr, or raise "
-                "train.max_skipped_steps to tolerate more.")
-
-    # -- before the first step: demonstrations, warm start, replay seeding -------------------------
-    def demonstrations(self) -> list[Trajectory]:
-        """Successful scripted demonstrations for the warm start and replay seeding, collected once
-        (`max(warm_start.demos_per_task, train.demo_replay)` per supported task) into <run>/demos."""
-        if self._demos is None:
-            n = max(self.cfg.warm_start.demos_per_task, self.cfg.train.demo_replay)
-            demos = None
-            if self.ranks.is_main:  # distributed: rank 0 collects, every rank gets them
-                demos = collect_demonstrations(
-                    self.policy, self.pool, self.cfg.env.tasks, n, seed=self.cfg.train.seed, out_dir=self.run.demos,
-                    max_steps=self.cfg.env.max_steps, progress=self.progress) if n > 0 else []
-            self._demos = dist_.broadcast_object(demos, self.ranks)
-        return self._demos
-
+    # -- before the first step, evaluation and checkpoints -----------------------------------------
     def warm_start(self) -> list[float]:
         """Supervised warm start before the first step (once; a resumed run has it in its weights)."""
-        ws = self.cfg.warm_start
-        if ws.steps <= 0 or self.step > 0 or self._warm_started:
-            return []
         t0 = time.monotonic()
-        demos = self.demonstrations()
-        losses = []
-        if self.ranks.is_main:  # distributed: rank 0 trains the full model, then every rank gets it
-            losses = warm_start(self.policy, demos, per_task=ws.demos_per_task, steps=ws.steps, lr=ws.lr,
-                                batch_size=ws.batch_size, seed=self.cfg.train.seed, record=self.run.warm_start_log,
-                                progress=self.progress)
-        if self.train_net is not None:
-            dist_.broadcast_model(self.policy.model, self.ranks)
-            dist_.load_full_into_sharded(self.policy.model, self.train_net)
-        self._warm_started = True
+        losses = self.sft.warm_start() if self.step == 0 else None
+        if losses is None:  # not asked for, or done
+            return []
         self.weights_version += 1
         self.seconds_warm_start = time.monotonic() - t0
         return losses
@@ -537,74 +195,16 @@ class Trainer:
     def seed_replay_with_demos(self) -> int:
         """Put `train.demo_replay` scripted demonstrations per task into the replay buffer (once,
         before the first step; they are saved with the buffer). Returns how many were stored."""
-        n = self.cfg.train.demo_replay
-        if n <= 0 or self.step > 0 or self._demos_seeded or not self.replay.enabled:
-            return 0
-        self._demos_seeded = True
-        return seed_replay(self.replay, self.demonstrations(), n, self.cfg.env.tasks)
+        return self.sft.seed_replay(self.replay) if self.step == 0 and self.replay.enabled else 0
 
-    # -- evaluation and checkpoints ----------------------------------------------------------------
-    def evaluate(self, label: str, tasks: list[str] | None = None) -> Any:
-        """Evaluate the current policy with the run's protocol into <run>/eval/<label> (the
-        `evaluator` that `build.trainer` gave); returns its `EvalResult`."""
-        if self.evaluator is None:
-            raise RuntimeError("this trainer was built without an evaluator (use arpo_lib.build.trainer)")
-        return self.evaluator(self.engine(alone=True), label, tasks)
+    def evaluate(self, label: str, tasks: list[str] | None = None) -> "EvalResult":
+        """Evaluate the current policy with the run's protocol into <run>/eval/<label>."""
+        return self.evaluator(self.rollouts.engine(self.weights_version, announce=False), label, tasks)
 
     def save_checkpoint(self) -> Path:
-        """Write this step's checkpoint. Distributed: every rank writes its optimizer shard in
-        parallel (torch.distributed.checkpoint; re-sharded on resume, so another number of ranks
-        may continue), then rank 0 writes the rest (the full model every rank holds, the schedule,
-        the replay buffer) and moves the checkpoint into place."""
-        sharded = self.train_net is not None
-        if sharded:
-            if self.ranks.is_main:
-                begin_checkpoint(self.run.checkpoints, self.step)
-            dist_.barrier(self.ranks)
-            save_optimizer_shards(tmp_checkpoint_dir(self.run.checkpoints, self.step), self.train_net, self.optimizer)
-        path = self.run.checkpoints / layout.step_name(self.step)
-        if self.ranks.is_main:
-            path = save_checkpoint(self.run.checkpoints, self.step, policy=self.policy, optimizer=self.optimizer,
-                                   scheduler=self.scheduler, replay=self.replay, config=self.cfg.to_dict(),
-                                   keep=self.cfg.train.keep_checkpoints, sharded=sharded,
-                                   state={"consecutive_skips": self.consecutive_skips,
-                                          "weights_version": self.weights_version})
-        dist_.barrier(self.ranks)
-        return path
+        """Write this step's checkpoint (distributed: every rank calls this)."""
+        return self.checkpoints.save(self.step, policy=self.policy, optimizer=self.optimizer, scheduler=self.scheduler,
+                                     replay=self.replay, config=self.cfg.to_dict(),
+                                     state={"consecutive_skips": self.consecutive_skips,
+                                            "weights_version": self.weights_version})
 
-
-def _named_as_sharded(model: torch.nn.Module) -> torch.nn.Module:
-    """`model` under the name the sharded copy gives it (`net.`), so one process can read the
-    optimizer shards a distributed run wrote (same parameter names)."""
-    holder = torch.nn.Module()
-    holder.net = model
-    return holder
-
-
-def _without_tracking(cfg: RunConfig) -> RunConfig:
-    """The config for a rank other than 0: rank 0 alone logs to wandb."""
-    quiet = copy.deepcopy(cfg)
-    quiet.logging.wandb = "disabled"
-    return quiet
-
-
-def _weight_stats(weights: list[torch.Tensor], cap: float) -> dict[str, Any]:
-    """Truncated importance weights of the replayed tokens: mean, max, share at the cap."""
-    if not weights:
-        return {}
-    w = torch.cat(weights)
-    return {"is_weight_mean": float(w.mean()), "is_weight_max": float(w.max()),
-            "is_capped_share": float((w >= cap).float().mean())}
-
-
-def _grad_norm(norm: torch.Tensor) -> float:
-    """The global gradient norm as a float (a DTensor's full value when sharded)."""
-    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-
-
-def _pad(seqs: list[torch.Tensor]) -> torch.Tensor:
-    return torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True)
-
-
-def _mean(xs: list[float]) -> float:
-    return float(sum(xs) / len(xs)) if xs else 0.0

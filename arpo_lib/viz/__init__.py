@@ -1,5 +1,6 @@
-"""Looking at runs: pure renderers (`draw`), notebook widgets over them (`widgets`), and plots of
-metrics, evaluations, selections and comparisons (`plots`).
+"""Looking at runs: pure renderers (`draw`), notebook widgets over them (`widgets`), plots of
+metrics, evaluations, selections and comparisons (`plots`), and a comparison's report as text
+(`report`: report.md and the digest nbval compares).
 
     from arpo_lib import viz
     viz.show_trajectory(traj_dir)         # step viewer + static filmstrip

@@ -4,9 +4,9 @@ Pure renderers (no widgets, no display; `arpo_lib.viz.widgets` wraps them for no
 
 1. Pure drawing: :func:`draw_actions` returns a new image with a UI-TARS action drawn on it
    (click rings, drag arrows, scroll arrows, typed-text and hotkey labels, corner badges).
-2. Loading: :func:`load_frames` turns a trajectory directory (OSWorld layout, see
-   :mod:`arpo_lib.run.layout`) into one :class:`Frame` per step plus a final result frame;
-   :func:`load_group` / :func:`list_groups` read the trainer's ``groups.json``.
+2. Loading: :func:`load_frames` turns a trajectory directory (OSWorld layout, read by the
+   trajectory store :mod:`arpo_lib.rollout.store`) into one :class:`Frame` per step plus a final
+   result frame; :func:`load_group` / :func:`list_groups` read the trainer's ``groups.json``.
 3. Static matplotlib figures (:func:`filmstrip`, :func:`group_figure`) that survive in a saved
    or papermill-executed notebook.
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import io
-import json
 import math
 import os
 import re
@@ -32,6 +31,7 @@ from typing import Any, Sequence
 from PIL import Image, ImageDraw, ImageFont
 
 from arpo_lib.actions import Action
+from arpo_lib.rollout.store import TrajectoryFormatError, read_trajectory
 from arpo_lib.run import layout
 from arpo_lib.run.layout import RunDir
 
@@ -59,7 +59,6 @@ WIDGET_MAX_WIDTH = 480
 
 _ACTION_LABEL = re.compile(r"^[ \t]*Action[ \t]*:", re.MULTILINE)
 _THOUGHT_LABEL = re.compile(r"(?:Thought|Reflection|Action_Summary)[ \t]*:")
-_STEP_PNG = re.compile(r"step_(\d+)\.png$")
 
 
 # =========================================================================== pure drawing
@@ -388,7 +387,7 @@ class Frame:
     final: bool = False
     """The last screenshot, after the last action, with the task score."""
     task_score: float | None = None
-    """On the final frame: the task score (result.txt / meta.json)."""
+    """On the final frame: the task score (meta.json)."""
     screenshot_file: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
     """The meta.json of the trajectory (task, instruction, ...), shared by its frames."""
@@ -436,13 +435,6 @@ def _open_png(path: Path) -> Image.Image | None:
         return None
 
 
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def float_or_none(value: Any) -> float | None:
     try:
         return float(value)
@@ -456,79 +448,52 @@ def load_frames(traj_dir: str | Path, *, replayed: bool | None = None, draw_thou
     Step k is drawn on ``step_{k-1}.png`` (the screen the model acted on). A format-failure step
     (no actions) gets a "format error" badge. ``replayed`` overrides meta.json's flag (the
     trainer's groups.json knows which members came from the replay buffer). Missing or
-    unreadable screenshots become grey stand-ins; a directory without traj.jsonl raises
-    FileNotFoundError.
+    unreadable screenshots become grey stand-ins. The trajectory store reads the records: a
+    directory that is not a complete trajectory raises FileNotFoundError, a malformed record
+    :class:`~arpo_lib.rollout.store.TrajectoryFormatError`.
     """
-    directory = Path(traj_dir)
-    traj_path = directory / "traj.jsonl"
-    if not traj_path.is_file():
-        raise FileNotFoundError(f"{directory} has no traj.jsonl: not a trajectory directory")
-    meta = _read_json(directory / "meta.json")
-    meta = meta if isinstance(meta, dict) else {}
-    is_replayed = bool(meta.get("replayed", False)) if replayed is None else bool(replayed)
-
-    records = []
-    for line in traj_path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue  # a torn last line of an interrupted run
-        if isinstance(rec, dict):
-            records.append(rec)
-
-    shots: dict[int, Path] = {}
-    for p in directory.glob("step_*.png"):
-        m = _STEP_PNG.search(p.name)
-        if m:
-            shots[int(m.group(1))] = p
+    stored = read_trajectory(traj_dir)
+    traj = stored.trajectory
+    meta = traj.summary()
+    is_replayed = traj.replayed if replayed is None else bool(replayed)
     size: tuple[int, int] | None = None
 
     def screenshot(index: int) -> Image.Image:
         nonlocal size
-        img = _open_png(shots[index]) if index in shots else None
+        path = stored.screenshot(index)
+        img = _open_png(path) if path is not None else None
         if img is None:
             return blank_like(size)
         size = img.size
         return img
 
     frames: list[Frame] = []
-    for i, rec in enumerate(records):
-        step = int(rec.get("step_num", i + 1)) if isinstance(rec.get("step_num"), (int, float)) else i + 1
-        base = screenshot(step - 1)
-        actions = rec.get("action") if isinstance(rec.get("action"), list) else []
-        parse_error = rec.get("parse_error")
-        thought, action_text = split_response(rec.get("response"))
-        is_format_error = bool(parse_error) or not actions
+    for rec in traj.steps:
+        base = screenshot(rec.step - 1)
+        thought, action_text = split_response(rec.response)
+        is_format_error = bool(rec.parse_error) or not rec.actions
         if is_format_error:
-            action_text = f"format error: {parse_error or 'no action'}"
-        image = draw_actions(base, actions, thought=thought if draw_thought else None,
-                             format_error=str(parse_error) if parse_error else None)
+            action_text = f"format error: {rec.parse_error or 'no action'}"
+        image = draw_actions(base, rec.actions, thought=thought if draw_thought else None,
+                             format_error=str(rec.parse_error) if rec.parse_error else None)
         frames.append(Frame(
-            step=step, image=image, thought=thought, action_text=action_text,
-            reward=float_or_none(rec.get("reward")), done=bool(rec.get("done", False)),
-            truncated=bool(rec.get("truncated", False)), replayed=is_replayed,
-            format_error=is_format_error, screenshot_file=f"step_{step - 1}.png", extra=meta,
+            step=rec.step, image=image, thought=thought, action_text=action_text,
+            reward=float(rec.reward), done=rec.terminated or rec.truncated, truncated=rec.truncated,
+            replayed=is_replayed, format_error=is_format_error, screenshot_file=layout.screenshot_name(rec.step - 1),
+            extra=meta,
         ))
 
-    score = float_or_none(meta.get("task_score"))
-    if score is None:
-        try:
-            score = float_or_none((directory / "result.txt").read_text().strip())
-        except OSError:
-            score = None
-    last = max(shots) if shots else None
+    last = max(stored.screenshots) if stored.screenshots else None
     final_image = screenshot(last) if last is not None else blank_like(size)
     last_step = frames[-1].step if frames else 0
-    status = meta.get("status", "ok")
-    result = f"result: task score {'?' if score is None else f'{score:g}'}"
-    if meta.get("reward") is not None:
-        result += f", reward {float_or_none(meta['reward']) or 0:g}"
-    if status != "ok":
-        result += f" ({status}: {meta.get('error') or ''})"
+    result = f"result: task score {traj.task_score:g}, reward {traj.reward:g}"
+    if not traj.ok:
+        result += f" ({traj.status}: {traj.error or ''})"
     frames.append(Frame(
         step=last_step + 1, image=final_image, thought="", action_text=result, reward=None,
         done=True, truncated=bool(frames and frames[-1].truncated), replayed=is_replayed, final=True,
-        task_score=score, screenshot_file=f"step_{last}.png" if last is not None else "", extra=meta,
+        task_score=float(traj.task_score), screenshot_file=layout.screenshot_name(last) if last is not None else "",
+        extra=meta,
     ))
     return frames
 
@@ -557,8 +522,8 @@ def resolve_member_dir(member_dir: str | Path, run_dir: str | Path) -> Path:
 def load_group(run_dir: str | Path, step: int, task: str) -> list[tuple[list[Frame], dict[str, Any]]]:
     """The frames and groups.json entry of every member of one group (training step, task).
 
-    A member whose directory is missing gets a single grey frame saying so, so one lost
-    trajectory does not hide the rest of its group.
+    A member whose directory is missing or unreadable gets a single grey frame saying so, so one
+    lost trajectory does not hide the rest of its group.
     """
     run_dir = Path(run_dir)
     path = RunDir(run_dir).groups(int(step))
@@ -574,9 +539,10 @@ def load_group(run_dir: str | Path, step: int, task: str) -> list[tuple[list[Fra
         directory = resolve_member_dir(member.get("dir") or "", run_dir)
         try:
             frames = load_frames(directory, replayed=bool(member.get("replayed", False)))
-        except FileNotFoundError:
-            frames = [Frame(step=0, image=blank_like(None), action_text=f"missing: {directory}",
-                            final=True, replayed=bool(member.get("replayed", False)))]
+        except (FileNotFoundError, TrajectoryFormatError) as exc:
+            what = f"missing: {directory}" if isinstance(exc, FileNotFoundError) else f"unreadable: {exc}"
+            frames = [Frame(step=0, image=blank_like(None), action_text=what, final=True,
+                            replayed=bool(member.get("replayed", False)))]
         out.append((frames, member))
     return out
 

@@ -8,6 +8,7 @@ import torch
 from arpo_lib.agent.hf_policy import HFPolicy, ModelNotFoundError
 from arpo_lib.agent.prompt import build_messages
 from arpo_lib.agent.prompt_library import PROMPTS
+from arpo_lib.types import SamplingParams
 from benchmarks.common import screenshot as _shot
 
 
@@ -45,7 +46,7 @@ def _run_conversation(policy, n_steps, history_images):
     conv.history_images = history_images
     for step in range(n_steps):
         conv.add_observation(_shot(step))
-        gen = policy.generate([conv.current], temperature=1.0)[0]
+        gen = policy.generate([conv.current], sampling=SamplingParams(temperature=1.0))[0]
         conv.add_response(gen.text, gen.token_ids, gen.logprobs)
     return conv
 
@@ -110,9 +111,9 @@ def test_batched_generation_matches_single(policy):
         conv = policy.new_conversation(f"Task number {i}" + " word" * i)
         conv.add_observation(_shot(10 + i, size=(320 + 56 * i, 420)))
         convs.append(conv)
-    batch = policy.generate([c.current for c in convs], temperature=0)
+    batch = policy.generate([c.current for c in convs], sampling=SamplingParams(temperature=0))
     for conv, gen in zip(convs, batch):
-        single = policy.generate([conv.current], temperature=0)[0]
+        single = policy.generate([conv.current], sampling=SamplingParams(temperature=0))[0]
         assert single.token_ids == gen.token_ids
         assert np.allclose(single.logprobs, gen.logprobs, atol=1e-4)
 
@@ -146,11 +147,11 @@ def test_seeded_sampling_does_not_depend_on_the_batch(policy):
         conv = policy.new_conversation(f"Task {i}")
         conv.add_observation(_shot(20 + i))
         convs.append(conv)
-    batch = policy.generate([c.current for c in convs], temperature=1.0, seeds=[7, 8, 9])
-    alone = policy.generate([convs[1].current], temperature=1.0, seeds=[8])[0]
+    batch = policy.generate([c.current for c in convs], sampling=SamplingParams(temperature=1.0), seeds=[7, 8, 9])
+    alone = policy.generate([convs[1].current], sampling=SamplingParams(temperature=1.0), seeds=[8])[0]
     assert alone.token_ids == batch[1].token_ids
     assert np.allclose(alone.logprobs, batch[1].logprobs, atol=1e-4)
-    other = policy.generate([convs[1].current], temperature=1.0, seeds=[123])[0]
+    other = policy.generate([convs[1].current], sampling=SamplingParams(temperature=1.0), seeds=[123])[0]
     assert other.token_ids != alone.token_ids  # a different seed samples something else
 
 

@@ -17,7 +17,9 @@ from arpo_lib.agent.model.kv_generation import GenerationResult
 from arpo_lib.agent.prompt import TokenConversation, load_processor, response_text
 from arpo_lib.agent.server_policy import ServerPolicy
 from arpo_lib.agent.tiny_model import SPECIAL_TOKENS
-from arpo_lib.types import PolicyContext
+from arpo_lib.types import PolicyContext, SamplingParams
+
+SAMPLE = SamplingParams(temperature=1.0)
 
 BOXED = "Thought: go\nAction: click(start_box='<|box_start|>(5,6)<|box_end|>')"
 
@@ -60,7 +62,7 @@ def test_generated_text_keeps_the_box_markers(policy, monkeypatch):
     monkeypatch.setattr(policy.cached, "generate", lambda *a, **k: [GenerationResult(ids, [0.0] * len(ids))])
     conv = policy.new_conversation("click")
     conv.add_observation(_shot())
-    (gen,) = policy.generate([conv.current], temperature=1.0, seeds=[0], cache_keys=["e"])
+    (gen,) = policy.generate([conv.current], sampling=SAMPLE, seeds=[0], cache_keys=["e"])
     assert gen.text == BOXED
 
 
@@ -97,7 +99,7 @@ def test_the_server_policy_sends_the_history_the_model_sampled(tiny_qwen2vl, tmp
             conv.add_response(response_text(tokenizer, ids, client.eos_ids), ids, [0.0] * len(ids))
             conv.add_observation(shots[1])
             ctx = PolicyContext("click the box", shots[1], {}, 1, screenshots=shots, responses=list(conv.responses))
-            (gen,) = client.generate([conv.current], temperature=1.0, contexts=[ctx], seeds=[3])
+            (gen,) = client.generate([conv.current], sampling=SAMPLE, contexts=[ctx], seeds=[3])
             assert client.requests == 1 and client.prompt_mismatches == 0 and client.inexact == 0
             assert gen.text == response_text(tokenizer, gen.token_ids, client.eos_ids)
         finally:
@@ -141,7 +143,8 @@ def test_server_answers_are_read_from_their_token_ids_with_neutral_sampling(tiny
         conv = client.new_conversation("click")
         conv.add_observation(_shot())
         ctx = PolicyContext("click", _shot(), {}, 0, screenshots=[_shot()], responses=[])
-        (gen,) = client.generate([conv.current], temperature=1.0, top_p=0.9, contexts=[ctx], seeds=[1])
+        (gen,) = client.generate([conv.current], sampling=SamplingParams(temperature=1.0, top_p=0.9),
+                                 contexts=[ctx], seeds=[1])
         client.close()
     finally:
         httpd.shutdown()
@@ -175,8 +178,8 @@ def test_checkpoint_sampling_defaults_change_nothing_and_are_reported(penalised_
         conv.add_observation(_shot(i))
         segs.append(conv.current)
     seeds = list(range(4))
-    naive = policy.generate(segs, temperature=1.0, seeds=seeds)  # transformers' generate
-    cached = policy.generate(segs, temperature=1.0, seeds=seeds, cache_keys=list(range(4)))  # ours
+    naive = policy.generate(segs, sampling=SAMPLE, seeds=seeds)  # transformers' generate
+    cached = policy.generate(segs, sampling=SAMPLE, seeds=seeds, cache_keys=list(range(4)))  # ours
     for a, b, seg in zip(naive, cached, segs):
         assert a.token_ids == b.token_ids
         scored = seg.__class__(input_ids=seg.input_ids + a.token_ids,

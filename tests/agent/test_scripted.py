@@ -10,6 +10,7 @@ from PIL import Image
 
 from arpo_lib.actions import MAX_PIXELS, MIN_PIXELS, parse_response
 from arpo_lib.agent.scripted import SCRIPTED_TASKS, ScriptedPolicy, infer_task, scripted_response, task_name
+from arpo_lib.types import SamplingParams
 
 SCALE = 2
 SIZE = (160 * SCALE, 210 * SCALE)
@@ -99,8 +100,8 @@ def test_scripted_policy_delegates_and_scores_its_tokens(tiny_policy):
     shot = Image.new("RGB", SIZE, "white")
     conv.add_observation(shot)
     ctx = PolicyContext("Click the button.", shot, CLICK_TEST_INFO, 0)
-    (greedy,) = policy.generate([conv.current], temperature=0.0, contexts=[ctx])
-    (hot,) = policy.generate([conv.current], temperature=2.0, contexts=[ctx])
+    (greedy,) = policy.generate([conv.current], sampling=SamplingParams(temperature=0.0), contexts=[ctx])
+    (hot,) = policy.generate([conv.current], sampling=SamplingParams(temperature=2.0), contexts=[ctx])
     eos = tiny_policy.tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert greedy.token_ids == hot.token_ids and greedy.token_ids[-1] == eos
     assert tiny_policy.tokenizer.decode(greedy.token_ids[:-1]) == greedy.text
@@ -148,7 +149,7 @@ def test_scripted_policy_rollouts_are_trainable(tiny_policy, tmp_path):
     import torch
 
     from arpo_lib.envs.pool import EnvPool
-    from arpo_lib.training.rollout import RolloutEngine
+    from arpo_lib.rollout.engine import RolloutEngine
     from arpo_lib.types import EpisodeRequest
 
     policy = ScriptedPolicy(tiny_policy)

@@ -8,7 +8,7 @@ import torch
 
 from arpo_lib.envs.pool import EnvPool
 from arpo_lib.agent.hf_policy import HFPolicy
-from arpo_lib.training.rollout import RolloutEngine
+from arpo_lib.rollout.engine import RolloutEngine
 from arpo_lib.types import EpisodeRequest
 from arpo_lib.agent.server_policy import ACTION_REGEX, ServerPolicy
 from arpo_lib.agent.client import ServerError
@@ -85,7 +85,7 @@ def test_training_through_the_hf_server_with_restart_sync(warm_tiny_qwen2vl, tmp
         "rollout.weight_sync=restart", "serve.backend=hf", "logging.progress=false"])
     with build.trainer(cfg) as trainer:
         history = trainer.train()
-        server = trainer.served.server
+        server = trainer.rollouts.served.server
         assert server is not None and server.running()
         served = HFPolicy(tmp_path / "restart" / "server_weights", device="cpu")
         for name, tensor in trainer.policy.model.state_dict().items():

@@ -17,7 +17,7 @@ import pytest
 from arpo_lib.envs.base import EnvError
 from arpo_lib.envs.pool import EnvPool, make_pool
 from arpo_lib.envs.worker import EnvSetupError
-from arpo_lib.training.rollout import RolloutEngine
+from arpo_lib.rollout.engine import RolloutEngine
 from arpo_lib.types import EpisodeRequest
 
 OPTIONS = {"scale": 2, "max_steps": 3}
@@ -200,3 +200,14 @@ def test_config_env_backend_ray_builds_actors_through_the_trainer_factory(ray_po
         obs, info = pool.workers[0].call("reset", ("miniwob/click-test", 3))
         assert obs.screenshot.size == (320, 420) and obs.instruction
     assert ray.is_initialized()
+
+
+@pytest.mark.slow
+def test_ray_actors_import_the_runs_plugins(ray_pool):
+    """An actor's worker makes a family that only a plug-in registers (the pool joins the running Ray)."""
+    from arpo_lib.envs.ray_pool import RayEnvPool
+
+    with RayEnvPool(1, {"max_steps": 2}, timeout_s=60, num_cpus=0, plugins=["tests.plugins.example_plugin"]) as pool:
+        assert not pool.started_ray
+        obs, info = pool.workers[0].call("reset", ("example/click-box@3", 0))
+        assert obs.instruction == "Click the red box." and info["box"]

@@ -81,6 +81,59 @@ def test_our_own_interpreter_keeps_the_spawn_path():
         worker.close()
 
 
+# ---- plug-ins ----------------------------------------------------------------------------------
+
+PLUGIN = "tests.plugins.example_plugin"
+
+
+def test_local_workers_import_the_runs_plugins_before_making_an_environment():
+    """The worker process starts with nothing imported: the plug-in's family exists there only
+    because the worker imported the plug-in."""
+    with EnvPool(1, {"max_steps": 2}, timeout_s=60, plugins=[PLUGIN]) as pool:
+        worker = pool.workers[0]
+        obs, info = worker.call("reset", ("example/click-box@3", 0))  # an instance: its own seed, 3
+        x1, y1, x2, y2 = info["box"]
+        _, reward, terminated, _, _ = worker.call("step", action_payload([Action("click", point=((x1 + x2) / 2,
+                                                                                                 (y1 + y2) / 2))]))
+        assert obs.instruction == "Click the red box." and reward == 1.0 and terminated
+    with EnvPool(1, {}, timeout_s=60) as pool, pytest.raises(EnvSetupError, match="environment family 'example'"):
+        pool.workers[0].call("reset", ("example/click-box", 0))
+
+
+def test_a_plugin_the_worker_cannot_import_is_a_setup_error_naming_it():
+    with EnvPool(1, {}, timeout_s=60, plugins=["tests.plugins.nope"]) as pool:
+        with pytest.raises(EnvSetupError, match=r"plug-in 'tests\.plugins\.nope' cannot be imported"):
+            pool.workers[0].call("reset", ("miniwob/click-test", 0))
+
+
+TMP_PLUGIN = """
+from PIL import Image
+from arpo_lib.envs import EnvFamily, GUIEnv, Observation, register_family
+
+class Blank(GUIEnv):
+    def reset(self, seed=None):
+        return Observation(Image.new("RGB", (28, 28)), "nothing to do"), {}
+    def step(self, action):
+        return Observation(Image.new("RGB", (28, 28)), "nothing to do", 1), 0.0, True, False, {}
+
+register_family(EnvFamily("blank", lambda task, **options: Blank(), tasks=["nothing"]))
+"""
+
+
+def test_a_worker_in_another_interpreter_finds_a_plugin_from_outside_the_repository(tmp_path, monkeypatch):
+    """That interpreter's path holds only arpo_lib's directory, plus the plug-ins' own."""
+    (tmp_path / "arpo_test_blank_plugin.py").write_text(TMP_PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    worker = EnvWorker({}, timeout_s=60, fresh_interpreter=True, plugins=["arpo_test_blank_plugin"])
+    try:
+        assert worker.python is not None  # the other-interpreter path
+        assert str(tmp_path) in worker.call("ping")["sys_path"]
+        obs, _ = worker.call("reset", ("blank/nothing", 0))
+        assert obs.instruction == "nothing to do"
+    finally:
+        worker.close()
+
+
 # ---- the torch-free venv ----------------------------------------------------------------------
 
 def test_worker_runs_in_the_other_interpreter_without_our_packages(other_python):

@@ -22,8 +22,9 @@ from arpo_lib.envs.osworld.env import OSWorldEnv
 from arpo_lib.envs.osworld.fake import FakeDesktopEnv, load_fake_task
 from arpo_lib.envs.worker import step_actions
 from arpo_lib.evaluation.protocols import PROTOCOLS
-from arpo_lib.training.rollout import RolloutEngine, load_trajectory
-from arpo_lib.types import EpisodeRequest, Generation
+from arpo_lib.rollout.engine import RolloutEngine
+from arpo_lib.rollout.store import read_trajectory
+from arpo_lib.types import EpisodeRequest, Generation, SamplingParams
 
 TRANSCRIPT = yaml.safe_load((Path(__file__).resolve().parents[2] / "test_data" / "protocols"
                              / "fork_runner_transcript.yaml").read_text())
@@ -64,12 +65,11 @@ class TextPolicy:
         self.conversations.append(_Conversation())
         return self.conversations[-1]
 
-    def generate(self, segments, *, temperature=1.0, top_p=1.0, max_new_tokens=None, contexts=None, seeds=None,
-                 cache_keys=None, frequency_penalty=0.0):
+    def generate(self, segments, *, sampling=SamplingParams(), contexts=None, seeds=None, cache_keys=None):
         out = []
         for _ in segments:
-            self.sampled.append({"temperature": temperature, "max_tokens": max_new_tokens,
-                                 "frequency_penalty": frequency_penalty})
+            self.sampled.append({"temperature": sampling.temperature, "max_tokens": sampling.max_new_tokens,
+                                 "frequency_penalty": sampling.frequency_penalty})
             out.append(Generation(self.responses.pop(0), [1], [0.0]))
         return out
 
@@ -150,7 +150,7 @@ def run_row(row: dict[str, Any], tmp_path: Path) -> tuple[Any, TextPolicy]:
                                          cache_root=tmp_path / "cache", download_cache=None, pause_s=0,
                                          backoff_s=0, max_steps=15))
     policy = TextPolicy(row["responses"])
-    engine = RolloutEngine(policy, pool, max_steps=15, **protocol.engine_options())
+    engine = RolloutEngine(policy, pool, max_steps=15, rules=protocol.rollout_rules())
     temperature = EVAL_TEMPERATURE if protocol.temperature is None else protocol.temperature
     try:
         (traj,) = engine.run([EpisodeRequest(f"osworld/{row['task']}", 1, 0)], temperature=temperature,
@@ -184,7 +184,7 @@ def test_responses_sampled_again_are_recorded_but_never_shown_to_the_model(tmp_p
     traj, policy = run_row(row, tmp_path)
     assert traj.steps[0].discarded == row["responses"][:2] and traj.steps[0].response == row["responses"][2]
     assert policy.conversations[0].responses == row["responses"][2:]
-    back = load_trajectory(traj.directory, processor=None)
+    back = read_trajectory(traj.directory).trajectory
     assert back.steps[0].discarded == row["responses"][:2] and back.steps[1].discarded == []
 
 
@@ -224,7 +224,7 @@ def _evaluate_fake(tmp_path: Path, faults: dict[str, Any], samples: int, **kwarg
                                          cache_root=tmp_path / "cache", download_cache=None, pause_s=0,
                                          backoff_s=0, max_steps=15))
     policy = TextPolicy(["Action: click(start_box='(966,546)')", "Action: finished(content='')"] * 8)
-    engine = RolloutEngine(policy, pool, max_steps=15, **PROTOCOLS["osworld_uitars"].engine_options())
+    engine = RolloutEngine(policy, pool, max_steps=15, rules=PROTOCOLS["osworld_uitars"].rollout_rules())
     try:
         return evaluate(engine, ["osworld/fake-click"], samples_per_task=samples, temperature=0.0,
                         out_dir=tmp_path / "eval", progress=False, protocol="osworld_uitars", **kwargs)

@@ -21,6 +21,7 @@ from arpo_lib.agent.hf_policy import FrequencyPenalty, HFPolicy
 from arpo_lib.agent.prompt import get_prompt
 from arpo_lib.evaluation.protocols import PROTOCOLS
 from arpo_lib.run.config import load_config
+from arpo_lib.types import SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -69,9 +70,10 @@ def _segments(policy, n=3):
 def test_penalised_greedy_decoding_agrees_across_paths_and_changes_the_answer(policies):
     naive, cached = policies
     segs = _segments(naive)
-    plain = naive.generate(segs, temperature=0)
-    a = naive.generate(segs, temperature=0, frequency_penalty=1.0)
-    b = cached.generate(_segments(cached), temperature=0, frequency_penalty=1.0, cache_keys=["x", "y", "z"])
+    greedy, penalised = SamplingParams(temperature=0), SamplingParams(temperature=0, frequency_penalty=1.0)
+    plain = naive.generate(segs, sampling=greedy)
+    a = naive.generate(segs, sampling=penalised)
+    b = cached.generate(_segments(cached), sampling=penalised, cache_keys=["x", "y", "z"])
     assert [g.token_ids for g in a] == [g.token_ids for g in b]  # two implementations, one answer
     for ga, gb in zip(a, b):
         assert np.allclose(ga.logprobs, gb.logprobs, atol=1e-4)
@@ -83,9 +85,9 @@ def test_penalised_greedy_decoding_agrees_across_paths_and_changes_the_answer(po
 
 def test_penalised_sampling_logprobs_are_of_the_penalised_distribution(policies):
     naive, cached = policies
-    a = naive.generate(_segments(naive), temperature=1.0, frequency_penalty=0.7, seeds=[1, 2, 3])
-    b = cached.generate(_segments(cached), temperature=1.0, frequency_penalty=0.7, seeds=[1, 2, 3],
-                        cache_keys=["p", "q", "r"])
+    sampling = SamplingParams(temperature=1.0, frequency_penalty=0.7)
+    a = naive.generate(_segments(naive), sampling=sampling, seeds=[1, 2, 3])
+    b = cached.generate(_segments(cached), sampling=sampling, seeds=[1, 2, 3], cache_keys=["p", "q", "r"])
     assert [g.token_ids for g in a] == [g.token_ids for g in b]
     for ga, gb in zip(a, b):
         assert np.allclose(ga.logprobs, gb.logprobs, atol=1e-4)
@@ -104,7 +106,7 @@ def test_our_server_applies_the_penalty_as_the_in_process_policy(tiny_qwen2vl, p
                                                                   prompt=naive.prompt),
                                 model="tiny", temperature=0, max_tokens=24, logprobs=True,
                                 extra_body={"frequency_penalty": 1.0, "skip_special_tokens": False})
-    (ours,) = naive.generate(_segments(naive, 1), temperature=0, frequency_penalty=1.0)
+    (ours,) = naive.generate(_segments(naive, 1), sampling=SamplingParams(temperature=0, frequency_penalty=1.0))
     assert reply["choices"][0]["token_ids"] == ours.token_ids
 
 
@@ -125,13 +127,14 @@ def test_build_engine_wires_each_protocol(tiny_qwen2vl, tmp_path, monkeypatch):
     for name, prompt, pause, penalty in (("osworld_uitars", "osworld_uitars15", 1.0, 1.0), ("arpo_train", "arpo", 0.5, 0.0),
                                          ("run", "arpo", 0, 0.0)):
         with build.engine(cfg, protocol=name) as engine:
+            rules = engine.rules
             assert engine.policy.prompt == get_prompt(prompt)
-            assert engine.frequency_penalty == penalty
-            assert (engine.fail_at_last_step, engine.call_user_waits) == ((True, 3) if name == "osworld_uitars" else (False, 0))
-            assert (engine.action_rules, engine.max_new_tokens, engine.parse_attempts, engine.unfinished_on_error) == \
+            assert rules.frequency_penalty == penalty
+            assert (rules.fail_at_last_step, rules.call_user_waits) == ((True, 3) if name == "osworld_uitars" else (False, 0))
+            assert (rules.action_rules, rules.max_new_tokens, rules.parse_attempts, rules.unfinished_on_error) == \
                 {"osworld_uitars": ("arpo", 4096, 3, True), "arpo_train": ("arpo", None, 1, False),
                  "run": ("workbench", None, 1, False)}[name]
-            assert all(getattr(engine, k) == v for k, v in PROTOCOLS[name].engine_options().items())
+            assert rules == PROTOCOLS[name].rollout_rules()
             assert all(w.env_options["pause_s"] == pause for w in engine.pool.workers)
     assert cfg.env.options["pause_s"] == 0  # the caller's config is not changed
     # eval.max_new_tokens shortens a protocol's own cap (a tiny model on the CPU), and only that
@@ -148,7 +151,8 @@ def test_the_forks_action_rules_on_the_fake_vm(tmp_path, monkeypatch, tiny_qwen2
     from arpo_lib.agent import scripted
     from arpo_lib.envs.osworld import tasks as ot
     from arpo_lib.envs.pool import EnvPool
-    from arpo_lib.training.rollout import RolloutEngine
+    from arpo_lib.evaluation.rules import ProtocolRules
+    from arpo_lib.rollout.engine import RolloutEngine
     from arpo_lib.types import EpisodeRequest
     from tests.test_osworld_pipeline import FIXTURE, FIXTURE_EXPECT
 
@@ -168,7 +172,7 @@ def test_the_forks_action_rules_on_the_fake_vm(tmp_path, monkeypatch, tiny_qwen2
         return [[a["kind"] for a in s.actions] for s in traj.steps]
 
     with EnvPool(1, opts, timeout_s=60) as pool:
-        fork = RolloutEngine(policy, pool, max_steps=5, fail_at_last_step=True, call_user_waits=3)
+        fork = RolloutEngine(policy, pool, max_steps=5, rules=ProtocolRules(fail_at_last_step=True, call_user_waits=3))
         assert kinds(fork, "Thought: I need help.\nAction: call_user()") == [["wait"]] * 3 + [["call_user"]]
         assert kinds(fork, "Thought: go.\nAction: click(start_box='(100,100)')") == [["click"]] * 4 + [["call_user"]]
         assert kinds(fork, "Thought: hold on.\nAction: wait()") == [["wait"]] * 5  # WAIT stays WAIT

@@ -1,9 +1,11 @@
-"""Bootstrap intervals and paired tests on hand-computed cases."""
+"""Bootstrap intervals, paired tests and the measures of a comparison's runs, on hand-computed cases."""
 from __future__ import annotations
 
 import pytest
 
-from arpo_lib.evaluation.stats import band, bootstrap_ci, paired_permutation_test, sign_test
+from arpo_lib.evaluation.stats import (band, bootstrap_ci, describe, final_gain, moving, paired_comparison,
+                                      paired_permutation_test, quarter_by_task, quarter_mean, sign_test, train_gain,
+                                      train_quarter)
 
 
 def test_bootstrap_interval_contains_the_mean_and_shrinks_with_agreement():
@@ -47,3 +49,44 @@ def test_errors_and_bands():
     rows = band([[0.0, 0.5, 1.0], [0.2, 0.5, 0.8]])
     assert [r["mean"] for r in rows] == pytest.approx([0.1, 0.5, 0.9])
     assert rows[1]["lo"] == rows[1]["hi"] == 0.5
+
+
+def test_describe_and_moving_average():
+    d = describe([0.25, 0.75])
+    assert (d["mean"], d["min"], d["max"], d["n"], d["lo"], d["hi"]) == (0.5, 0.25, 0.75, 2, 0.25, 0.75)
+    assert d["std"] == pytest.approx(0.3535534, rel=1e-6)  # Bessel's correction
+    assert describe([0.4])["std"] == 0.0
+    assert moving([0.0, 0.3, 0.6, 0.9]) == pytest.approx([0.0, 0.15, 0.3, 0.6])  # trailing window of 3
+
+
+def _record(algo, seed, final, by_task=None, final_t=None):
+    return {"algo": algo, "seed": seed, "eval": {"success_rate": final}, "train_success": [0.0, 0.2, 0.4, 0.6, 0.8],
+            "train_success_by_task": by_task or [], "final_train_t": final_t}
+
+
+def test_quarters_weigh_tasks_equally_and_fall_back_to_the_raw_curve():
+    assert quarter_mean([0.0, 0.2, 0.4, 0.6, 0.8], last=True) == 0.8  # 5 // 4 = 1 step
+    assert quarter_mean([0.0, 0.2, 0.4, 0.6, 0.8, 1.0, 1.0, 1.0], last=False) == pytest.approx(0.1)
+    # the last quarter (1 of 4 steps) drew "a" 9 times (all solved) and "b" once (failed)
+    steps = [{"a": [0, 2], "b": [0, 2]}] * 3 + [{"a": [9, 9], "b": [0, 1]}]
+    run = _record("arpo", 0, 0.5, by_task=steps)
+    assert quarter_by_task(run, last=True) == {"a": 1.0, "b": 0.0}
+    assert train_quarter(run, last=True) == 0.5  # not 9 / 10
+    assert train_quarter(_record("arpo", 0, 0.5), last=False) == 0.0  # no per-task numbers: the raw rate
+    warm = {"success_rate": 0.3, "tasks": [{"task": "a", "success_rate": 0.5}, {"task": "b", "success_rate": 0.1}]}
+    assert train_gain(run, warm) == pytest.approx(((1.0 - 0.5) + (0.0 - 0.1)) / 2)
+    assert train_gain(_record("arpo", 0, 0.5), warm) == pytest.approx(0.8 - 0.3)
+    assert final_gain(run, warm) is None
+    final_t = {"success_rate": 0.6, "by_task": {"a": 0.9, "b": 0.3}}
+    assert final_gain(_record("arpo", 0, 0.5, final_t=final_t), warm) == pytest.approx((0.4 + 0.2) / 2)
+
+
+def test_paired_comparison_measures_only_what_both_arms_have():
+    final_t = {"success_rate": 0.5, "by_task": {}}
+    runs = [_record("arpo", 0, 0.5, final_t=final_t), _record("grpo", 0, 0.25, final_t=final_t),
+            _record("arpo", 1, 0.75, final_t=final_t), _record("grpo", 1, 0.25)]
+    both = paired_comparison(runs, "arpo", "grpo", [0, 1])
+    assert set(both) == {"eval", "train"}  # grpo-s1 has no final policy at the training temperature
+    assert both["eval"]["differences"] == [0.25, 0.5] and both["eval"]["p_sign"] == 0.5
+    assert both["train"]["differences"] == [0.0, 0.0] and both["train"]["p_permutation"] == 1.0
+    assert set(paired_comparison(runs, "arpo", "grpo", [0])) == {"eval", "train", "final_t"}

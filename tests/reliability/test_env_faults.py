@@ -19,7 +19,7 @@ import pytest
 from arpo_lib.envs.pool import EnvPool
 from arpo_lib.evaluation.evaluate import summarize
 from arpo_lib.agent.hf_policy import HFPolicy
-from arpo_lib.training.rollout import RolloutEngine
+from arpo_lib.rollout.engine import RolloutEngine
 from arpo_lib.types import EpisodeRequest
 from arpo_lib.agent.scripted import ScriptedPolicy
 

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from arpo_lib.actions import (
-    ACTION_KINDS, DETACH_OUTPUT, GENERATED_CALLS, PYAUTOGUI_FUNCTIONS, VALID_KEYS, ActionParseError, parse_response, to_pyautogui,
+    ACTION_KINDS, DETACH_OUTPUT, GENERATED_CALLS, VALID_KEYS, ActionParseError, parse_response, to_pyautogui,
 )
 
 LONG = os.environ.get("ARPO_LONG_TESTS", "") not in ("", "0")

@@ -108,3 +108,23 @@ def test_server_url_takes_one_url_or_a_list():
     assert server_urls(two) == ["http://a:1/v1", "http://b:2/v1"]
     assert config_from_dict(two.to_dict()) == two  # and back from a run directory
     assert server_urls(load_config("configs/smoke.yaml", [])) == []
+
+
+@pytest.mark.parametrize("key, override", [
+    ("agent.prompt", "agent.prompt=arpoo"),
+    ("eval.protocol", "eval.protocol=osworld"),
+    ("train.lr_schedule", "train.lr_schedule=cosin"),
+    ("algo.adv_estimator", "algo.adv_estimator=rloo"),
+    ("algo.policy_loss", "algo.policy_loss=gspo"),
+    ("compare.algos", "compare.algos=[grpo, dapo]"),
+])
+def test_registered_names_are_checked_naming_the_key_and_the_registered_choices(key, override):
+    from arpo_lib.run import registry
+
+    known = next(r for r in (registry.PROMPTS, registry.EVAL_PROTOCOLS, registry.LR_SCHEDULES, registry.ADV_ESTIMATORS,
+                             registry.POLICY_LOSSES, registry.COMPARISON_ARMS) if r.key == key)
+    with pytest.raises(ConfigError) as info:
+        load_config("configs/smoke.yaml", [override])
+    message = str(info.value)
+    assert message.startswith(f"{key}: unknown {known.kind} ")
+    assert message.endswith(f"registered: {', '.join(known)}") and len(known) >= 1

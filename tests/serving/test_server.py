@@ -24,6 +24,7 @@ from arpo_lib.agent.hf_policy import HFPolicy
 from arpo_lib.agent.client import ServerError, ServerRequestError, chat_completion, encode_image, ui_tars_messages
 from arpo_lib.serving.launch import PortInUseError, ServerSpec, VLLMNotInstalledError, start_server, stop_server
 from arpo_lib.serving.server import RequestError, decode_data_url, parse_chat_request
+from arpo_lib.types import SamplingParams
 
 INSTRUCTION = "Click the OK button"
 PREVIOUS = "Thought: The OK button is at the bottom.\nAction: click(start_box='(120,340)')"
@@ -209,7 +210,7 @@ def test_greedy_completion_matches_the_in_process_policy(server, tiny_qwen2vl):
     previous_ids = policy.tokenizer.encode(PREVIOUS) + [conv.eos_id]
     conv.add_response(PREVIOUS, previous_ids, [0.0] * len(previous_ids))
     conv.add_observation(shots[1])
-    expected = policy.generate([conv.current], temperature=0, max_new_tokens=12)[0]
+    expected = policy.generate([conv.current], sampling=SamplingParams(temperature=0, max_new_tokens=12))[0]
 
     assert choice["message"]["content"] == expected.text
     assert choice["token_ids"] == expected.token_ids

@@ -20,11 +20,13 @@ import torch
 
 from arpo_lib.envs.pool import EnvPool
 from arpo_lib.agent.hf_policy import HFPolicy
-from arpo_lib.training.rollout import RolloutEngine
-from arpo_lib.types import EpisodeRequest, PolicyContext
+from arpo_lib.rollout.engine import RolloutEngine
+from arpo_lib.types import EpisodeRequest, PolicyContext, SamplingParams
 from arpo_lib.agent.server_policy import ACTION_REGEX, ServerPolicy
 from arpo_lib.agent.client import chat_completion, ui_tars_messages
 from arpo_lib.serving.launch import start_server
+
+SAMPLE, GREEDY = SamplingParams(temperature=1.0), SamplingParams(temperature=0.0)
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -129,8 +131,8 @@ def test_multi_turn_request_with_screenshots_sees_our_exact_prompt(server, hf, o
 
 def test_greedy_actions_match_the_in_process_policy(client, hf, observations):
     segs, ctxs = _contexts(hf, observations)
-    ours = hf.generate(segs, temperature=0.0, contexts=ctxs)
-    theirs = client.generate(segs, temperature=0.0, contexts=ctxs)
+    ours = hf.generate(segs, sampling=GREEDY, contexts=ctxs)
+    theirs = client.generate(segs, sampling=GREEDY, contexts=ctxs)
     for (task, obs, _), a, b in zip(observations, ours, theirs):
         assert a.token_ids == b.token_ids, (task, a.text, b.text)
         assert _actions(hf, a.text, obs) == _actions(client, b.text, obs)
@@ -150,8 +152,8 @@ def _actions(policy, text, obs):
 
 def test_sampled_log_probs_are_the_behaviour_distribution(client, hf, observations):
     segs, ctxs = _contexts(hf, observations)
-    gens = client.generate(segs, temperature=1.0, contexts=ctxs, seeds=list(range(len(segs))))
-    again = client.generate(segs, temperature=1.0, contexts=ctxs, seeds=list(range(len(segs))))
+    gens = client.generate(segs, sampling=SAMPLE, contexts=ctxs, seeds=list(range(len(segs))))
+    again = client.generate(segs, sampling=SAMPLE, contexts=ctxs, seeds=list(range(len(segs))))
     assert [g.token_ids for g in gens] == [g.token_ids for g in again]  # per-request seeds
     for seg, gen in zip(segs, gens):
         with torch.no_grad():
@@ -188,7 +190,7 @@ def test_constrained_decoding_only_produces_actions(server, served_model, observ
     policy = ServerPolicy(server.base_url, served_model, max_new_tokens=512, history_images=5, constrained=True)
     try:
         segs, ctxs = _contexts(policy, observations)
-        for gen, (_, obs, _) in zip(policy.generate(segs, temperature=1.0, contexts=ctxs, seeds=[1] * len(segs)),
+        for gen, (_, obs, _) in zip(policy.generate(segs, sampling=SAMPLE, contexts=ctxs, seeds=[1] * len(segs)),
                                     observations):
             assert re.fullmatch(ACTION_REGEX, gen.text), gen.text
             assert policy.parse(gen.text, obs.screenshot.size).actions
@@ -217,8 +219,8 @@ def test_training_step_pushes_its_weights_to_the_server(server, served_model, hf
         assert metrics["server_requests"] > 0 and metrics["server_prompt_mismatches"] == 0
         assert metrics["optimizer_steps"] == 1 and metrics["seconds_sync_total"] > 0
         updated = trainer.policy
-        ours = updated.generate(segs, temperature=1.0, contexts=ctxs, seeds=list(range(len(segs))))
-        theirs = trainer.served.client.generate(segs, temperature=1.0, contexts=ctxs, seeds=list(range(len(segs))))
+        ours = updated.generate(segs, sampling=SAMPLE, contexts=ctxs, seeds=list(range(len(segs))))
+        theirs = trainer.rollouts.served.client.generate(segs, sampling=SAMPLE, contexts=ctxs, seeds=list(range(len(segs))))
         for a, b, seg in zip(ours, theirs, segs):
             with torch.no_grad():
                 (lp,) = updated.sequence_logprobs([_with_response(seg, b)], 1.0)
@@ -280,11 +282,11 @@ def test_a_training_run_keeps_a_fleet_of_two_vllm_servers_on_its_weights(served_
         (metrics,) = trainer.train()
         assert metrics["optimizer_steps"] == 1 and metrics["server_prompt_mismatches"] == 0
         assert len(metrics["server_requests_by_replica"]) == 2 and min(metrics["server_requests_by_replica"]) > 0
-        fleet = trainer.served.client
-        pids = [server.pid for server in trainer.served.servers]
+        fleet = trainer.rollouts.served.client
+        pids = [server.pid for server in trainer.rollouts.served.servers]
         assert len(set(fleet.base_urls)) == 2
         for replica in fleet.clients:
-            answers = replica.generate(segs, temperature=1.0, contexts=ctxs, seeds=list(range(len(segs))))
+            answers = replica.generate(segs, sampling=SAMPLE, contexts=ctxs, seeds=list(range(len(segs))))
             for seg, answer in zip(segs, answers):
                 with torch.no_grad():
                     (new,) = trainer.policy.sequence_logprobs([_with_response(seg, answer)], 1.0)

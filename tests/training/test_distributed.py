@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from arpo_lib.training import distributed
+from arpo_lib.training import checkpoint, distributed
 from tests.conftest import LONG
 
 COMMON = ["train.steps=2", "warm_start.steps=10", "warm_start.demos_per_task=2", "env.workers=1",
@@ -55,13 +55,13 @@ def test_optimizer_state_converts_between_positions_and_names(tiny_qwen2vl):
     sum((p * p).sum() for p in params).backward()
     opt.step()
     state = opt.state_dict()
-    by_name = distributed.optimizer_state_by_name(state, names)
+    by_name = checkpoint.optimizer_state_by_name(state, names)
     assert set(by_name["state"]) == set(names)
-    back = distributed.optimizer_state_by_position(by_name, names)
+    back = checkpoint.optimizer_state_by_position(by_name, names)
     assert back["param_groups"] == state["param_groups"]
     assert all(torch.equal(back["state"][i]["exp_avg"], state["state"][i]["exp_avg"]) for i in state["state"])
     with pytest.raises(ValueError, match="lacks"):
-        distributed.optimizer_state_by_position(by_name, names[1:])
+        checkpoint.optimizer_state_by_position(by_name, names[1:])
 
 
 def test_every_decoder_layer_and_vision_block_is_a_unit(tiny_model):

@@ -3,7 +3,6 @@ non-finite gradients, the KL term of zero-advantage sequences, lone successes, a
 response scored by the environment's checker."""
 from __future__ import annotations
 
-import logging
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from arpo_lib.algo import policy_loss
 from arpo_lib.envs.osworld.fake import FAKE_DESKTOP_ENV, FAKE_TASK_LOADER
 from arpo_lib.envs.pool import EnvPool
 from arpo_lib.run.config import load_config
-from arpo_lib.training.rollout import RolloutEngine
+from arpo_lib.rollout.engine import RolloutEngine
 from arpo_lib.training.trainer import NonFiniteGradientError
 from arpo_lib.types import EpisodeRequest, EpisodeStatus, Group, Trajectory
 

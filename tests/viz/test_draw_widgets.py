@@ -1,7 +1,7 @@
 """Tests for arpo_lib.viz: pixels of the drawn actions, frame loading, figures and widgets.
 
-Every trajectory here is written by hand in the rollout layout (step_N.png, traj.jsonl,
-meta.json, result.txt), so the tests need no browser, model or GPU.
+Every trajectory here is made of hand-written step records and written by the trajectory store's
+writer (step_N.png, traj.jsonl, meta.json, result.txt), so the tests need no browser, model or GPU.
 """
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ from PIL import Image
 
 from arpo_lib.viz import draw, widgets
 from arpo_lib.actions import Action
+from arpo_lib.rollout import store
+from arpo_lib.types import StepRecord, Trajectory
 
 W, H = 320, 240
 BACKGROUND = (250, 250, 250)
@@ -58,28 +60,20 @@ STEPS = [
 
 def write_trajectory(directory: Path, *, steps: list = STEPS, replayed: bool = False,
                      task_score: float = 0.0, shade: int = 0) -> Path:
-    """A hand-made trajectory directory. Screenshot k is tinted so frames can be told apart."""
-    directory.mkdir(parents=True, exist_ok=True)
+    """A trajectory directory of `steps`. Screenshot k is tinted so frames can be told apart."""
     # One screenshot after reset plus one per step that ran (the format failure adds none).
     executed = sum(1 for _, actions in steps if actions)
-    for k in range(executed + 1):
-        Image.new("RGB", (W, H), (200 - 10 * k, 220, 200 + shade)).save(directory / f"step_{k}.png")
-    lines = []
+    shots = [Image.new("RGB", (W, H), (200 - 10 * k, 220, 200 + shade)) for k in range(executed + 1)]
+    traj = Trajectory(task="miniwob/test-task", seed=1, sample=0, instruction="Do the thing.", task_score=task_score,
+                      format_ok=all(a for _, a in steps), reward=task_score, replayed=replayed)
     for i, (response, actions) in enumerate(steps, start=1):
         failed = not actions
         last = i == len(steps)
-        lines.append(json.dumps({
-            "step_num": i, "response": response, "action": actions,
-            "parse_error": "no 'Action:' found" if failed else None,
-            "reward": task_score if last and not failed else 0.0, "done": last, "truncated": False,
-            "screenshot_file": f"step_{i}.png",
-        }))
-    (directory / "traj.jsonl").write_text("\n".join(lines) + "\n")
-    (directory / "result.txt").write_text(f"{task_score}\n")
-    meta = {"task": "miniwob/test-task", "seed": 1, "sample": 0, "instruction": "Do the thing.",
-            "task_score": task_score, "format_ok": all(a for _, a in steps),
-            "reward": task_score, "status": "ok", "error": None, "num_steps": len(steps), "replayed": replayed}
-    (directory / "meta.json").write_text(json.dumps(meta))
+        traj.steps.append(StepRecord(step=i, response=response, actions=actions,
+                                     parse_error="no 'Action:' found" if failed else None,
+                                     reward=task_score if last and not failed else 0.0, terminated=last,
+                                     truncated=False, seconds=0.0))
+    store.write_trajectory(traj, directory, shots)
     return directory
 
 
@@ -257,6 +251,9 @@ def test_load_frames_replayed_flag_and_missing(tmp_path: Path):
     assert len(draw.load_frames(directory)) == len(STEPS) + 1
     with pytest.raises(FileNotFoundError):
         draw.load_frames(tmp_path / "nowhere")
+    (directory / "traj.jsonl").write_text("not a record\n")  # the store's reader refuses it, saying where
+    with pytest.raises(store.TrajectoryFormatError, match="traj.jsonl:1"):
+        draw.load_frames(directory)
 
 
 def test_list_and_load_group(run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
@@ -270,6 +267,11 @@ def test_list_and_load_group(run_dir: Path, tmp_path: Path, monkeypatch: pytest.
     assert [len(frames) for frames, _ in members] == [7, 3, 7, 3]
     with pytest.raises(KeyError):
         draw.load_group(run_dir, 3, "nope")
+    # A member the store's reader refuses shows why, the rest of the group still shows.
+    (draw.resolve_member_dir(members[1][1]["dir"], run_dir) / "meta.json").write_text("{}")
+    members = draw.load_group(run_dir, 3, "miniwob/test-task")
+    assert [len(frames) for frames, _ in members] == [7, 1, 7, 3]
+    assert members[1][0][0].action_text.startswith("unreadable:") and "lacks 'task'" in members[1][0][0].action_text
 
 
 # --------------------------------------------------------------------------- figures

@@ -8,7 +8,7 @@ chunk's logits exist, in forward and in backward. Same numbers; the LM head runs
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch.utils.checkpoint import checkpoint

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from arpo_lib.agent.model.kv_generation import SlabLayer
+from arpo_lib.types import SamplingParams
 from benchmarks.common import screenshot as _shot
 
 
@@ -21,8 +22,8 @@ def _episodes(policy, n_envs, n_steps, *, cached, temperature, history_images=15
             c.add_observation(_shot(100 * i + step))
         keys = [("ep", i) for i in range(n_envs)] if cached else None
         seeds = [1000 * i + step for i in range(n_envs)]
-        gens = policy.generate([c.current for c in convs], temperature=temperature, seeds=seeds, cache_keys=keys,
-                               max_new_tokens=max_new_tokens)
+        gens = policy.generate([c.current for c in convs], seeds=seeds, cache_keys=keys,
+                               sampling=SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens))
         for c, g in zip(convs, gens):
             c.add_response(g.text, g.token_ids, g.logprobs)
         out.append(gens)

@@ -12,6 +12,7 @@ from arpo_lib.training.optim import make_optimizer, optimizer_state_bytes
 from arpo_lib.agent.model.vision_attention import use_batched_vision_attention, use_looped_vision_attention
 from benchmarks.common import screenshot as _shot
 from arpo_lib.agent.hf_policy import HFPolicy, enable_activation_checkpointing
+from arpo_lib.types import SamplingParams
 
 
 def _segments(policy, n=2, steps=3):
@@ -20,7 +21,7 @@ def _segments(policy, n=2, steps=3):
         conv = policy.new_conversation(f"Click button {i}")
         for step in range(steps):
             conv.add_observation(_shot(10 * i + step, size=(320 + 56 * i, 420)))  # images of two sizes
-            g = policy.generate([conv.current], temperature=1.0, seeds=[i * 100 + step], max_new_tokens=12)[0]
+            g = policy.generate([conv.current], sampling=SamplingParams(max_new_tokens=12), seeds=[i * 100 + step])[0]
             conv.add_response(g.text, g.token_ids, g.logprobs)
         segs.append(conv.current)
     return segs

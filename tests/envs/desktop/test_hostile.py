@@ -31,7 +31,7 @@ from arpo_lib.actions import Action
 from arpo_lib.envs import make_env
 from arpo_lib.envs.base import EnvError
 from arpo_lib.envs.desktop.scripted import solution_actions
-from arpo_lib.envs.desktop.sandbox import Sandbox, _UnixConnection, desktop_unavailable
+from arpo_lib.envs.desktop.sandbox import Sandbox, desktop_unavailable
 
 REASON = desktop_unavailable()
 pytestmark = [pytest.mark.skipif(REASON is not None, reason=REASON or ""), pytest.mark.slow]

@@ -7,7 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 from arpo_lib.envs.osworld import build_info
 from arpo_lib.envs.osworld.build_info import desktop_env_build, same_build

@@ -19,7 +19,6 @@ import pytest
 
 from arpo_lib.actions import Action
 from arpo_lib.envs.desktop import a11y
-from arpo_lib.envs.desktop.sandbox import desktop_unavailable
 from arpo_lib.envs.osworld import env as osworld
 from arpo_lib.envs.osworld.sandbox_check import solution_actions
 from arpo_lib.envs.pool import EnvPool

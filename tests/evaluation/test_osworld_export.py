@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from arpo_lib.envs.osworld.export import export_osworld_results, pass_at_n, trial_scores, trials, unfinished
-from arpo_lib.training.rollout import save_trajectory
+from arpo_lib.evaluation.osworld_export import export_osworld_results, pass_at_n, trial_scores, trials, unfinished
+from arpo_lib.rollout.store import write_trajectory
 from arpo_lib.types import StepRecord, Trajectory
 
 
@@ -24,7 +24,7 @@ def _traj(root: Path, task: str, sample: int, score: float, status: str = "ok", 
                                   reward=score if last else 0.0, terminated=last, truncated=False, seconds=0.1))
     shots = [Image.new("RGB", (64, 48), (i * 40, 0, 0)) for i in range(steps + 1)]
     domain, _, name = task.rpartition("/")
-    save_trajectory(t, root / domain / name / str(sample), shots)
+    write_trajectory(t, root / domain / name / str(sample), shots)
 
 
 def test_one_sample_per_task_gives_the_forks_trial_layout(tmp_path):

@@ -2,103 +2,38 @@
 
 Each tick sends every waiting environment its command (reset or step) so the browsers work in
 parallel, collects the answers, then asks the policy for the next action of every live episode
-in ONE batched generate call. Episodes are written in OSWorld's result layout:
+in ONE batched generate call. Finished episodes are written by the trajectory store
+(`arpo_lib.rollout.store`: OSWorld's result layout plus the token data training needs), so a
+trajectory can be reloaded for training from its directory alone (the replay buffer keeps only
+the path).
 
-    <dir>/step_0.png ... step_N.png   screenshots the model saw (step_0 = after reset)
-    <dir>/traj.jsonl                  one line per step: response, parsed actions, reward, done,
-                                      the environment's action error, responses resampled away
-    <dir>/result.txt                  the task score (none for an unfinished episode: OSWorld's
-                                      mark of an example still to run)
-    <dir>/meta.json                   task, seed, instruction, scores, status
-    <dir>/tokens.pt                   token ids, loss mask and behaviour log-probs per segment
-
-A trajectory can be reloaded for training from that directory alone (the replay buffer keeps
-only the path).
+What differs between training and an evaluation protocol (how a response is sampled, which
+action rules parse it, what replaces it, what an exception costs) the engine asks its
+`RolloutRules` (`arpo_lib.rollout.rules`); it knows no protocol.
 """
 from __future__ import annotations
 
-import io
-import json
 import time
 import zlib
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-import torch
-from PIL import Image
-
-from arpo_lib.actions import FINAL_KINDS, Action, ActionParseError, ConverterError
-from arpo_lib.agent.prompt import Segment, TokenConversation
+from arpo_lib.actions import Action, ActionParseError, ConverterError
 from arpo_lib.algo import trajectory_reward
 from arpo_lib.envs.base import EnvError
 from arpo_lib.envs.worker import action_payload
-from arpo_lib.run import layout
-from arpo_lib.run.records import atomic_write_bytes, safe_join
-from arpo_lib.types import (EpisodeRequest, EpisodeStatus, Policy, PolicyContext, StepRecord, Trajectory,
-                            WorkerPool)
+from arpo_lib.rollout.rules import TRAINING_RULES, RolloutRules
+from arpo_lib.rollout.store import write_trajectory
+from arpo_lib.run.records import safe_join
+from arpo_lib.types import (EpisodeRequest, EpisodeStatus, Policy, PolicyContext, SamplingParams, StepRecord,
+                            Trajectory, WorkerPool)
 
+if TYPE_CHECKING:
+    from PIL import Image
 
-# ----------------------------------------------------------------------------- storage
-
-def save_trajectory(traj: Trajectory, directory: Path, screenshots: Sequence[Image.Image]) -> None:
-    """Write a trajectory in the OSWorld layout plus tokens.pt and meta.json."""
-    directory.mkdir(parents=True, exist_ok=True)
-    for i, shot in enumerate(screenshots):
-        shot.save(directory / layout.screenshot_name(i))
-    lines = []
-    for rec in traj.steps:
-        lines.append(json.dumps({
-            "step_num": rec.step, "response": rec.response, "action": rec.actions,
-            "parse_error": rec.parse_error, "reward": rec.reward, "done": rec.terminated or rec.truncated,
-            "truncated": rec.truncated, "screenshot_file": layout.screenshot_name(rec.step), "seconds": round(rec.seconds, 3),
-            "action_error": rec.action_error, "discarded_responses": rec.discarded,
-        }))
-    (directory / layout.STEPS).write_text("\n".join(lines) + ("\n" if lines else ""))
-    result = directory / layout.RESULT
-    if traj.status == EpisodeStatus.UNFINISHED:
-        result.unlink(missing_ok=True)  # no score: the example is still to run
-    else:
-        result.write_text(f"{traj.task_score}\n")
-    buf = io.BytesIO()
-    torch.save([s.token_data() for s in traj.segments], buf)
-    atomic_write_bytes(directory / layout.TOKENS, buf.getvalue())
-    # meta.json last: its presence marks a complete trajectory directory.
-    atomic_write_bytes(directory / layout.META, json.dumps(traj.summary(), indent=1).encode())
-    traj.directory = str(directory)
-
-
-def load_trajectory(directory: str | Path, processor: Any) -> Trajectory:
-    """Rebuild a trajectory (with model-ready segments) from its directory."""
-    directory = Path(directory)
-    meta_path = directory / layout.META
-    if not meta_path.is_file():
-        raise FileNotFoundError(f"{directory} is not a complete trajectory directory (no meta.json)")
-    meta = json.loads(meta_path.read_text())
-    traj = Trajectory(task=meta["task"], seed=meta["seed"], sample=meta["sample"], instruction=meta["instruction"],
-                      task_score=meta["task_score"], format_ok=meta["format_ok"], reward=meta["reward"],
-                      status=EpisodeStatus(meta["status"]), error=meta.get("error"), directory=str(directory),
-                      policy_version=int(meta.get("policy_version", 0)), checker_error=meta.get("checker_error"))
-    for line in (directory / layout.STEPS).read_text().splitlines():
-        rec = json.loads(line)
-        traj.steps.append(StepRecord(step=rec["step_num"], response=rec["response"], actions=rec["action"],
-                                     parse_error=rec["parse_error"], reward=rec["reward"],
-                                     terminated=rec["done"] and not rec.get("truncated", False),
-                                     truncated=rec.get("truncated", False), seconds=rec.get("seconds", 0.0),
-                                     action_error=rec.get("action_error"), discarded=rec.get("discarded_responses", [])))
-    for data in torch.load(directory / layout.TOKENS):
-        seg = Segment(input_ids=data["input_ids"], mm_token_type_ids=data["mm_token_type_ids"],
-                      loss_mask=data["loss_mask"], behaviour_logprobs=data["behaviour_logprobs"],
-                      screenshot_steps=data["screenshot_steps"])
-        if seg.screenshot_steps:
-            images = [Image.open(directory / layout.screenshot_name(i)).convert("RGB") for i in seg.screenshot_steps]
-            enc = processor.image_processor(images=images, return_tensors="pt")
-            sizes = [int(torch.prod(g)) for g in enc["image_grid_thw"]]
-            seg.pixel_values = list(torch.split(enc["pixel_values"], sizes))
-            seg.image_grid_thw = list(enc["image_grid_thw"])
-        traj.segments.append(seg)
-    return traj
+    from arpo_lib.agent.prompt import TokenConversation
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -122,8 +57,8 @@ class _Episode:
     started: float = 0.0
     step_started: float = 0.0
     done: bool = False
-    call_user_waits: int = 0
-    """call_user actions answered with WAIT so far (an evaluation protocol's rule)."""
+    rule_memory: dict[str, Any] = field(default_factory=dict)
+    """What the rules keep about this episode between its steps (`RolloutRules.actions`)."""
     discarded: list[str] = field(default_factory=list)
     """This step's responses sampled again because they could not be parsed."""
 
@@ -132,28 +67,17 @@ class RolloutEngine:
     """Runs episodes of a policy over an `EnvPool`."""
 
     def __init__(self, policy: Policy, pool: WorkerPool, *, max_steps: int = 15, format_coef: float = 0.5,
-                 format_penalty: float = -1.0, frequency_penalty: float = 0.0, fail_at_last_step: bool = False,
-                 call_user_waits: int = 0, action_rules: str = "workbench", max_new_tokens: int | None = None,
-                 parse_attempts: int = 1, retry_temperature: float = 1.0, unfinished_on_error: bool = False):
-        """`frequency_penalty`, `fail_at_last_step`, `call_user_waits`, `action_rules`,
-        `max_new_tokens`, `parse_attempts`, `retry_temperature`, `unfinished_on_error`: an evaluation
-        protocol's rules (`evaluation.protocols.EvalProtocol` says what each does); training uses
-        none of them."""
-        if parse_attempts < 1:
-            raise ValueError(f"parse_attempts must be >= 1, got {parse_attempts}")
+                 format_penalty: float = -1.0, rules: RolloutRules = TRAINING_RULES):
+        """`rules`: training's unless an evaluation protocol gives its own
+        (`evaluation.protocols.EvalProtocol.rollout_rules`)."""
+        if rules.parse_attempts < 1:
+            raise ValueError(f"parse_attempts must be >= 1, got {rules.parse_attempts}")
         self.policy = policy
         self.pool = pool
         self.max_steps = max_steps
         self.format_coef = format_coef
         self.format_penalty = format_penalty
-        self.frequency_penalty = frequency_penalty
-        self.fail_at_last_step = fail_at_last_step
-        self.call_user_waits = call_user_waits
-        self.action_rules = action_rules
-        self.max_new_tokens = max_new_tokens
-        self.parse_attempts = parse_attempts
-        self.retry_temperature = retry_temperature
-        self.unfinished_on_error = unfinished_on_error
+        self.rules = rules
         self.env_steps = 0
         self._last_task: dict[int, str] = {}
 
@@ -265,10 +189,8 @@ class RolloutEngine:
             # whatever ended the episode (as OSWorld and ARPO do); MiniWoB gives 0 there.
             ep.traj.task_score = float(reward)
             ep.traj.checker_error = (ep.info or {}).get("checker_error")
-            if ep.traj.checker_error and self.unfinished_on_error:
-                # The fork's runner: evaluate() raised, so no result is written and its next pass
-                # runs the example again. (ARPO's training, and ours: a score of 0.)
-                self._unfinished(ep, f"the checker raised: {ep.traj.checker_error}")
+            if ep.traj.checker_error:  # training scores it 0; a protocol may leave it to run again
+                self._unfinished(ep, self.rules.unfinished(f"the checker raised: {ep.traj.checker_error}"))
             ep.done = True
             ep.screenshots.append(obs.screenshot)  # the last real screen (the env keeps it)
         else:
@@ -280,15 +202,17 @@ class RolloutEngine:
 
     def _act(self, live: list[_Episode], temperature: float, top_p: float) -> None:
         """Every live episode's next response, parsed and sent to its environment. A response that
-        cannot be parsed is sampled again (up to `parse_attempts` samples, the later ones at
-        `retry_temperature`, as the OSWorld fork's agent does) before it ends the episode."""
+        cannot be parsed is sampled again (up to the rules' `parse_attempts` samples, each sampled
+        as the rules say) before it ends the episode."""
+        run_sampling = SamplingParams(temperature=temperature, top_p=top_p)
         todo, attempt = live, 0
         while todo:
-            gens = self._generate(todo, temperature if attempt == 0 else self.retry_temperature, top_p, attempt)
-            todo = [ep for ep, gen in zip(todo, gens) if not self._take(ep, gen, last_try=attempt + 1 >= self.parse_attempts)]
+            gens = self._generate(todo, self.rules.sampling(run_sampling, attempt), attempt)
+            last_try = attempt + 1 >= self.rules.parse_attempts
+            todo = [ep for ep, gen in zip(todo, gens) if not self._take(ep, gen, last_try=last_try)]
             attempt += 1
 
-    def _generate(self, eps: list[_Episode], temperature: float, top_p: float, attempt: int) -> list[Any]:
+    def _generate(self, eps: list[_Episode], sampling: SamplingParams, attempt: int) -> list[Any]:
         contexts = [PolicyContext(ep.traj.instruction, ep.screenshots[-1], ep.info, len(ep.traj.steps),
                                   ep.request.task, list(ep.screenshots), [r.response for r in ep.traj.steps])
                     for ep in eps]
@@ -296,29 +220,27 @@ class RolloutEngine:
         keys = [(ep.request.seed, ep.request.sample, len(ep.traj.steps)) + ((attempt,) if attempt else ()) for ep in eps]
         seeds = [zlib.crc32(repr(key).encode()) for key in keys]
         # An in-process policy keeps each episode's KV cache between steps under these keys.
-        extra: dict[str, Any] = {"frequency_penalty": self.frequency_penalty} if self.frequency_penalty else {}
-        if self.max_new_tokens:
-            extra["max_new_tokens"] = self.max_new_tokens
-        return self.policy.generate([ep.conv.current for ep in eps], temperature=temperature, top_p=top_p,
-                                    contexts=contexts, seeds=seeds, cache_keys=[id(ep) for ep in eps], **extra)
+        return self.policy.generate([ep.conv.current for ep in eps], sampling=sampling, contexts=contexts,
+                                    seeds=seeds, cache_keys=[id(ep) for ep in eps])
 
     def _take(self, ep: _Episode, gen: Any, last_try: bool) -> bool:
         """Parse one response and step its environment; False when it is to be sampled again."""
         step = len(ep.traj.steps) + 1
         try:
-            parsed = self.policy.parse(gen.text, ep.screenshots[-1].size, rules=self.action_rules)
+            parsed = self.policy.parse(gen.text, ep.screenshots[-1].size, rules=self.rules.action_rules)
             actions = action_payload(parsed.actions)
             if not actions:
                 raise ActionParseError("no action in the response")
         except ConverterError as exc:
-            if not self.unfinished_on_error:
+            why = self.rules.unfinished(f"the agent raised on the response of step {step}: {exc}")
+            if why is None:
                 return self._format_failure(ep, gen, step, exc)
-            # The fork's agent raises outside its resample loop; its runner writes no result.
+            # Lost to the exception: the response is recorded, the environment never stepped.
             ep.conv.add_response(gen.text, gen.token_ids, gen.logprobs)
             ep.traj.steps.append(StepRecord(step, gen.text, [], str(exc)[:500], 0.0, False, False, 0.0,
                                             discarded=ep.discarded))
             ep.discarded = []
-            self._unfinished(ep, f"the agent raised on the response of step {step}: {exc}")
+            self._unfinished(ep, why)
             ep.done = True
             return True
         except ActionParseError as exc:
@@ -327,7 +249,7 @@ class RolloutEngine:
                 return False
             return self._format_failure(ep, gen, step, exc)
         ep.conv.add_response(gen.text, gen.token_ids, gen.logprobs)
-        actions = self._protocol_rules(ep, step, actions)
+        actions = self.rules.actions(actions, step=step, max_steps=self.max_steps, memory=ep.rule_memory)
         ep.pending_record = StepRecord(step, gen.text, actions, None, 0.0, False, False, 0.0, discarded=ep.discarded)
         ep.discarded = []
         self._send(ep, "step", actions)
@@ -345,22 +267,11 @@ class RolloutEngine:
         return True
 
     @staticmethod
-    def _unfinished(ep: _Episode, why: str) -> None:
-        ep.traj.status = EpisodeStatus.UNFINISHED
-        ep.traj.error = (why + " (the OSWorld fork's runner writes no result for it and runs it again "
-                         "on its next pass)")[:2000]
-
-    def _protocol_rules(self, ep: _Episode, step: int, actions: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """An evaluation protocol's replacements (the OSWorld fork's UI-TARS agent): call_user
-        answered with WAIT a few times, and a non-final last action turned into FAIL."""
-        kinds = [a["kind"] for a in actions]
-        if self.call_user_waits and "call_user" in kinds and ep.call_user_waits < self.call_user_waits:
-            ep.call_user_waits += 1
-            return action_payload([Action("wait", rules=self.action_rules)])
-        final = any(k in FINAL_KINDS for k in kinds)
-        if self.fail_at_last_step and step >= self.max_steps and not final:
-            return action_payload([Action("call_user", rules=self.action_rules)])  # OSWorld's FAIL
-        return actions
+    def _unfinished(ep: _Episode, why: str | None) -> None:
+        """Leave the episode without a result when the rules say why (None: they keep it)."""
+        if why is not None:
+            ep.traj.status = EpisodeStatus.UNFINISHED
+            ep.traj.error = why[:2000]
 
     def _finish(self, ep: _Episode, out_dir: str | Path | None) -> None:
         traj = ep.traj
@@ -371,4 +282,4 @@ class RolloutEngine:
         if out_dir is not None:
             domain, _, name = traj.task.rpartition("/")
             directory = safe_join(out_dir, domain or "default", name, str(traj.sample))
-            save_trajectory(traj, directory, ep.screenshots)
+            write_trajectory(traj, directory, ep.screenshots)

@@ -20,12 +20,16 @@ of the model directory with int()). Its readers, whose behaviour `trial_scores`,
 get_unfinished (examples of a meta list without result.txt), pass_at_n.py (a task is solved when
 any trial scores > 0.5; --filter_fail zeroes an episode whose last action is FAIL after 15 calls).
 
-`export_osworld_results` mirrors our evaluation (`<eval>/<family>/<task>/<sample>/`, with tokens and
-meta) into that layout: sample i is trial i. Lines carry `prediction` and our `response` (the same
-text) plus our parse and action errors in `info`. Episodes lost to infrastructure failures, and those
-left unfinished (a checker that raised under the `osworld_uitars` protocol), get no result.txt and
-the fork's error line, as its runner writes them: unfinished, not failures. A per-domain
-summary goes to `<root>/summary-<model>.json|md`, outside the trees the fork's tools walk.
+`export_osworld_results` mirrors our evaluation (`<eval>/<family>/<task>/<sample>/`, trajectory
+directories read through `arpo_lib.rollout.store`) into that layout: sample i is trial i. Lines
+carry `prediction` and our `response` (the same text) plus our parse and action errors in `info`.
+Episodes lost to infrastructure failures, and those left unfinished (a checker that raised under
+the `osworld_uitars` protocol), get no result.txt and the fork's error line, as its runner writes
+them: unfinished, not failures. A per-domain summary goes to `<root>/summary-<model>.json|md`,
+outside the trees the fork's tools walk.
+
+It lives in `evaluation/` (it was `envs/osworld/export.py`): it reads our trajectories through the
+rollout store, which sits above the environments, and it is about results, not the environment.
 """
 from __future__ import annotations
 
@@ -40,7 +44,9 @@ from typing import Any
 
 from arpo_lib.actions import Action, ActionParseError, to_pyautogui
 from arpo_lib.envs import domain_of
+from arpo_lib.rollout.store import read_trajectory, trajectory_dirs
 from arpo_lib.run.records import atomic_write_text, safe_join, safe_name
+from arpo_lib.types import EpisodeStatus
 
 
 def osworld_domain(task: str) -> str:
@@ -69,11 +75,6 @@ def _codes(actions: list[dict[str, Any]], screen_size: tuple[int, int]) -> list[
     return codes
 
 
-def _trajectory_dirs(eval_dir: Path) -> list[Path]:
-    """Complete trajectory directories (meta.json marks them complete) under our eval layout."""
-    return sorted(p.parent for p in eval_dir.glob("*/*/*/meta.json"))
-
-
 def export_osworld_results(eval_dir: str | Path, root: str | Path, model: str, *,
                            action_space: str = "pyautogui", observation_type: str = "screenshot") -> Path:
     """Mirror an evaluation directory into the fork's trial layout under `root`; returns the
@@ -82,49 +83,50 @@ def export_osworld_results(eval_dir: str | Path, root: str | Path, model: str, *
     from PIL import Image
 
     eval_dir, root = Path(eval_dir), Path(root)
-    trajs = _trajectory_dirs(eval_dir)
+    trajs = trajectory_dirs(eval_dir)
     if not trajs:
-        raise FileNotFoundError(f"{eval_dir} holds no complete trajectories (no */*/*/meta.json)")
+        raise FileNotFoundError(f"{eval_dir} holds no complete trajectories (no <domain>/<task>/<sample>/ "
+                                f"with a meta.json)")
     model_dir = safe_join(root, action_space, observation_type, model)
     if model_dir.exists():
         shutil.rmtree(model_dir)
     stamp = time.strftime("%Y%m%d@%H%M%S")
     for src in trajs:
-        meta = json.loads((src / "meta.json").read_text())
-        dst = safe_join(model_dir, str(int(meta["sample"])), osworld_domain(meta["task"]), _example_id(meta["task"]))
+        stored = read_trajectory(src)
+        traj = stored.trajectory
+        dst = safe_join(model_dir, str(traj.sample), osworld_domain(traj.task), _example_id(traj.task))
         dst.mkdir(parents=True, exist_ok=True)
-        lines = [{"step_num": 0, "instruction": meta.get("instruction", ""), "action_timestamp": stamp,
+        lines = [{"step_num": 0, "instruction": traj.instruction, "action_timestamp": stamp,
                   "action": "reset", "reward": 0, "done": False, "info": {},
                   "screenshot_file": f"step_reset_{stamp}.png"}]
-        if (src / "step_0.png").is_file():
-            _link_or_copy(src / "step_0.png", dst / f"step_reset_{stamp}.png")
+        if stored.screenshot(0):
+            _link_or_copy(stored.screenshot(0), dst / f"step_reset_{stamp}.png")
         size = (1920, 1080)  # (without screenshots, coordinates are clipped to OSWorld's default screen)
-        for line in (src / "traj.jsonl").read_text().splitlines():
-            rec = json.loads(line)
-            n = rec["step_num"]  # action n was taken on step_{n-1}.png; step_n.png is the screen after it
-            seen = src / f"step_{n - 1}.png"
-            if seen.is_file():
+        for rec in traj.steps:
+            n = rec.step  # action n was taken on step_{n-1}.png; step_n.png is the screen after it
+            seen = stored.screenshot(n - 1)
+            if seen:
                 with Image.open(seen) as im:
                     size = im.size
             name = f"step_{n}_{stamp}.png"
-            if (src / f"step_{n}.png").is_file():
-                _link_or_copy(src / f"step_{n}.png", dst / name)
+            if stored.screenshot(n):
+                _link_or_copy(stored.screenshot(n), dst / name)
             # a malformed response stepped the environment with DONE (ARPO's rule)
-            codes = _codes(rec["action"], size) if rec["action"] else ["DONE"]
+            codes = _codes(rec.actions, size) if rec.actions else ["DONE"]
             for i, code in enumerate(codes):
                 last = i == len(codes) - 1
-                lines.append({"step_num": n, "prediction": rec["response"], "action_timestamp": stamp,
-                              "action": code, "reward": rec["reward"] if last else 0,
-                              "done": bool(rec["done"]) if last else False,
-                              "info": {"parse_error": rec["parse_error"], "truncated": rec.get("truncated", False),
-                                       "action_error": rec.get("action_error")},
-                              "screenshot_file": name, "response": rec["response"]})
-        if meta["status"] != "ok":  # the fork's runner writes this line and no result.txt
-            what = "unfinished" if meta["status"] == "unfinished" else "infrastructure failure"
-            lines.append({"Error": f"{what} in {dst.parent.name}/{dst.name}: {(meta.get('error') or '')[:300]}"})
+                lines.append({"step_num": n, "prediction": rec.response, "action_timestamp": stamp,
+                              "action": code, "reward": rec.reward if last else 0,
+                              "done": (rec.terminated or rec.truncated) if last else False,
+                              "info": {"parse_error": rec.parse_error, "truncated": rec.truncated,
+                                       "action_error": rec.action_error},
+                              "screenshot_file": name, "response": rec.response})
+        if traj.status != EpisodeStatus.OK:  # the fork's runner writes this line and no result.txt
+            what = "unfinished" if traj.status == EpisodeStatus.UNFINISHED else "infrastructure failure"
+            lines.append({"Error": f"{what} in {dst.parent.name}/{dst.name}: {(traj.error or '')[:300]}"})
         (dst / "traj.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-        if meta["status"] == "ok":
-            (dst / "result.txt").write_text(f"{float(meta['task_score'])}\n")
+        if traj.status == EpisodeStatus.OK:
+            (dst / "result.txt").write_text(f"{float(traj.task_score)}\n")
     write_summary(model_dir, root)
     return model_dir
 

@@ -11,7 +11,8 @@ import torch
 from arpo_lib.envs.pool import EnvPool
 from arpo_lib.envs.worker import EnvSetupError
 from arpo_lib.agent.hf_policy import HFPolicy
-from arpo_lib.training.rollout import RolloutEngine, load_trajectory
+from arpo_lib.rollout.engine import RolloutEngine
+from arpo_lib.rollout.store import load_trajectory
 from arpo_lib.types import EpisodeRequest
 
 pytestmark = pytest.mark.slow

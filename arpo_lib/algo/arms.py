@@ -1,0 +1,19 @@
+"""The arms a comparison sets against each other (`compare.algos`, arpo_lib/experiments.py): each
+is a registered set of dotted config overrides applied to every run of that arm.
+
+They live beside the algorithm rather than with the study because they are algorithm variants
+(replay on or off, how replayed tokens are weighed), and because config validation reads this
+registry: it must not import the whole study to check an arm's name. A plug-in adds an arm with
+one line, e.g. `COMPARISON_ARMS.register("dr_grpo", {"algo.replay.enabled": False,
+"algo.norm_adv_by_std": False})`.
+"""
+from __future__ import annotations
+
+from arpo_lib.run.registry import COMPARISON_ARMS
+
+# plain GRPO: no replay buffer
+COMPARISON_ARMS.register("grpo", {"algo.replay.enabled": False, "algo.replay.correction": "none"})
+# ARPO as published: replayed successes treated as on-policy
+COMPARISON_ARMS.register("arpo", {"algo.replay.enabled": True, "algo.replay.correction": "none"})
+# ARPO with replayed trajectories weighted by truncated importance ratios
+COMPARISON_ARMS.register("arpo_tis", {"algo.replay.enabled": True, "algo.replay.correction": "tis"})

@@ -1,0 +1,235 @@
+"""Where the update runs: one process, or N torchrun processes with an FSDP2-sharded copy of the
+model. The trainer's one interface to the distributed details; the algorithm never asks which.
+
+    backend = training_backend(policy, ranks, ...)   # SingleProcess, or FSDP2 under torchrun
+    plan    = backend.plan(sequences)                # this process's micro-batches, each (micro, live)
+    backend.backward(loss, share, live)              # the mini-batch's gradient, exactly as one process
+    sums    = backend.all_reduce_sum(values)         # metrics summed over ranks
+    backend.after_update(stepped)                    # FSDP2: the shards' weights into the full model
+
+What the trainer leaves to it: the module the update trains and its parameters, the split of each
+mini-batch into micro-batches (`train.micro_batch_size`, `train.token_budget`, `train.pack`) and
+over ranks (with padding micro-batches: FSDP2 needs every rank in every forward), the
+gradient scale and norm, moving weights between the sharded and the full model (after an update,
+after the warm start), the episodes' split and gather, and the optimizer state in and out of a
+checkpoint. The collectives themselves are `training.distributed`'s (identities on one process).
+"""
+from __future__ import annotations
+
+import abc
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
+
+import torch
+
+from arpo_lib.training import distributed as dist_
+from arpo_lib.training.checkpoint import load_optimizer_state, save_optimizer_shards
+from arpo_lib.training.distributed import SINGLE, Ranks
+from arpo_lib.training.optim import micro_batches
+
+if TYPE_CHECKING:
+    from arpo_lib.agent.model.logprobs import LogprobNet
+    from arpo_lib.agent.prompt import Segment
+    from arpo_lib.types import TrainablePolicy
+
+T = TypeVar("T")
+Sequences = list[tuple["Segment", float]]
+"""A mini-batch's sequences to run, each with its advantage."""
+Plan = list[tuple[Sequences, bool]]
+"""This process's micro-batches of one mini-batch, each with `live` (False: padding, loss times 0)."""
+
+
+class TrainingBackend(abc.ABC):
+    """What both backends share: this process's place among the ranks and the collectives over
+    them (identities for one process), micro-batches of at most `micro_batch_size` sequences or
+    (`token_budget` > 0) of padded tokens, run packed (`pack`). Subclasses own the trained model."""
+
+    sharded_optimizer = False
+    """The optimizer state is sharded over the ranks (checkpointed as torch.distributed.checkpoint shards)."""
+
+    def __init__(self, policy: "TrainablePolicy", ranks: Ranks, *, micro_batch_size: int = 1, token_budget: int = 0,
+                 pack: bool = False):
+        self.policy, self.ranks = policy, ranks
+        self.micro_batch_size, self.token_budget, self.pack = micro_batch_size, token_budget, pack
+
+    @property
+    def is_main(self) -> bool:
+        return self.ranks.is_main
+
+    # -- the update --------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """What the optimizer updates."""
+
+    @abc.abstractmethod
+    def logprobs(self, segments: Sequence["Segment"], temperature: float) -> list[torch.Tensor]:
+        """The training forward of a micro-batch: log-probs (with grad) of each segment's trained tokens."""
+
+    @abc.abstractmethod
+    def plan(self, sequences: Sequences) -> Plan:
+        """This process's micro-batches of a mini-batch's sequences."""
+
+    def split(self, sequences: Sequences) -> list[Sequences]:
+        """`sequences` in micro-batches, in order or (token budget) sorted by length."""
+        return micro_batches(sequences, [len(s) for s, _ in sequences], self.token_budget, self.micro_batch_size,
+                             packed=self.pack)
+
+    def backward(self, loss: torch.Tensor, share: float, live: bool) -> None:
+        """Add `loss` times its `share` of the mini-batch to the gradient. FSDP averages gradients
+        over ranks, hence times the world size; a padding micro-batch counts 0."""
+        (loss * (share * self.ranks.world_size if live else 0.0)).backward()
+
+    def clip_grad_norm(self, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
+        """Clip the optimizer's gradients to `max_norm`; returns the global norm before clipping."""
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor when sharded
+
+    def train_mode(self) -> None:
+        self.policy.model.train()
+
+    def after_update(self, stepped: bool) -> None:
+        """Back to evaluation mode after an update (`stepped`: an optimizer step was taken)."""
+        self.policy.model.eval()
+
+    def after_warm_start(self) -> None:
+        """The full model was trained outside the update (on rank 0): every rank gets it."""
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any] | Path) -> None:
+        """A checkpoint's optimizer state, whichever number of processes wrote it."""
+
+    def save_optimizer_shards(self, directory: Path, optimizer: torch.optim.Optimizer) -> None:
+        raise NotImplementedError(f"{type(self).__name__} keeps the optimizer state whole")
+
+    # -- the work split and the collectives --------------------------------------------------------
+    def share(self, items: Sequence[T]) -> list[T]:
+        """This process's share of `items` (the episodes of a rollout batch)."""
+        return list(items[self.ranks.rank::self.ranks.world_size])
+
+    def gather(self, mine: list[T]) -> list[T]:
+        """Every process's `share`, back in the original order, on every process."""
+        return dist_.interleave(dist_.gather_objects(mine, self.ranks))
+
+    def gather_lists(self, mine: list[T]) -> list[list[T]]:
+        """Every process's list, on every process."""
+        return dist_.gather_objects(mine, self.ranks)
+
+    def all_reduce_sum(self, values: Sequence[float]) -> list[float]:
+        return dist_.all_reduce_sum(values, self.ranks)
+
+    def broadcast(self, obj: T) -> T:
+        """Rank 0's `obj` on every process."""
+        return dist_.broadcast_object(obj, self.ranks)
+
+    def barrier(self) -> None:
+        dist_.barrier(self.ranks)
+
+    def on_main(self, work: Callable[[], T]) -> T | None:
+        """`work()` on rank 0 while the other ranks wait for it (they get None)."""
+        result = work() if self.is_main else None
+        self.barrier()
+        return result
+
+    def close(self, failed: bool = False) -> None:
+        """Leave the process group; `failed`: without waiting for the others (they may be stuck in
+        a collective this rank will never join; torchrun stops them when this process exits)."""
+        if not failed:
+            dist_.close_process_group(self.ranks)
+
+
+class SingleProcess(TrainingBackend):
+    """One process trains the policy's own model."""
+
+    def __init__(self, policy: "TrainablePolicy", **micro_batching: Any):
+        super().__init__(policy, SINGLE, **micro_batching)
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return self.policy.trainable_parameters()
+
+    def logprobs(self, segments: Sequence["Segment"], temperature: float) -> list[torch.Tensor]:
+        return self.policy.sequence_logprobs(segments, temperature, pack=self.pack, model=None)
+
+    def plan(self, sequences: Sequences) -> Plan:
+        return [(m, True) for m in self.split(sequences)]
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any] | Path) -> None:
+        load_optimizer_state(state, optimizer, self.policy.model, sharded=None)
+
+
+class FSDP2(TrainingBackend):
+    """N processes (torchrun): each trains its share of every mini-batch on an FSDP2-sharded copy
+    of the model (`distributed.shard_for_training`), whose weights go back into the full model,
+    which generates and computes the old log-probs, after every update."""
+
+    sharded_optimizer = True
+
+    def __init__(self, policy: "TrainablePolicy", ranks: Ranks, **micro_batching: Any):
+        super().__init__(policy, ranks, **micro_batching)
+        self.net: LogprobNet | None = dist_.shard_for_training(policy.model, policy.forward_logprobs,
+                                                               compute_dtype=policy.compute_dtype)
+        """The sharded copy the update trains (None once closed: freed before the group ends)."""
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self._net.parameters() if p.requires_grad]
+
+    def logprobs(self, segments: Sequence["Segment"], temperature: float) -> list[torch.Tensor]:
+        return self.policy.sequence_logprobs(segments, temperature, pack=self.pack, model=self._net)
+
+    def plan(self, sequences: Sequences) -> Plan:
+        return rank_plan(sequences, self.split, self.ranks.rank, self.ranks.world_size)
+
+    def train_mode(self) -> None:
+        super().train_mode()
+        self._net.train()
+
+    def after_update(self, stepped: bool) -> None:
+        super().after_update(stepped)
+        self._net.eval()
+        if stepped:
+            dist_.sync_full_model(self._net, self.policy.model)
+
+    def after_warm_start(self) -> None:
+        dist_.broadcast_model(self.policy.model, self.ranks)
+        dist_.load_full_into_sharded(self.policy.model, self._net)
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any] | Path) -> None:
+        load_optimizer_state(state, optimizer, self.policy.model, sharded=self._net)
+
+    def save_optimizer_shards(self, directory: Path, optimizer: torch.optim.Optimizer) -> None:
+        save_optimizer_shards(directory, self._net, optimizer)
+
+    def close(self, failed: bool = False) -> None:
+        if not failed:
+            self.net = None  # the FSDP2 copy is freed before the group ends (close_process_group)
+        super().close(failed)
+
+    @property
+    def _net(self) -> "LogprobNet":
+        if self.net is None:
+            raise RuntimeError("the FSDP2 backend is closed")
+        return self.net
+
+
+def rank_plan(sequences: Sequences, split: Callable[[Sequences], list[Sequences]], rank: int,
+              world_size: int) -> Plan:
+    """Rank `rank`'s micro-batches of a mini-batch: its token-balanced share (`split_by_tokens`;
+    every rank computes every share) in micro-batches (`split`), padded to the busiest rank's
+    count with the shortest sequence, not live: FSDP2 all-gathers in every forward, so every rank
+    must run as many."""
+    shares = dist_.split_by_tokens([len(s) for s, _ in sequences], world_size)
+    per_rank = [split([sequences[i] for i in share]) for share in shares]
+    busiest = max(len(p) for p in per_rank)
+    plan = [(m, True) for m in per_rank[rank]]
+    if len(plan) < busiest:
+        shortest = min(sequences, key=lambda a: len(a[0]))
+        plan += [([shortest], False)] * (busiest - len(plan))
+    return plan
+
+
+def training_backend(policy: "TrainablePolicy", ranks: Ranks, *, micro_batch_size: int, token_budget: int,
+                     pack: bool) -> TrainingBackend:
+    """FSDP2 for torchrun's processes (`ranks.world_size` > 1), else one process."""
+    micro_batching = {"micro_batch_size": micro_batch_size, "token_budget": token_budget, "pack": pack}
+    return FSDP2(policy, ranks, **micro_batching) if ranks.distributed else SingleProcess(policy, **micro_batching)

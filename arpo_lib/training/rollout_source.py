@@ -1,0 +1,132 @@
+"""Where a trainer's rollouts come from: which tasks a batch holds (`task_batch`: the data order),
+who generates (the trained model in this process, or model servers kept on its weights), on which
+environments, with which sampling settings, and which share of the episodes each process runs.
+
+    tasks = task_batch(rollouts.tasks, step, tasks_per_batch, seed)
+    trajs, env_steps = rollouts.sample(tasks, step, version)   # tasks x G seeded episodes, every rank
+    rollouts.weights_changed(version)                          # servers: the new weights from now on
+    engine = rollouts.engine(version, announce=False)          # rank 0's evaluation
+
+`build.trainer` makes it from `rollout.*`, `env.*` and the reward shaping of `algo.*`, so the
+trainer never reads those keys. Distributed (torchrun), each rank plays its share of a batch's
+episodes in its own environments and every rank gets the whole batch; with servers, rank 0 keeps
+them current and announces their URLs, the other ranks follow (`types.FollowingWeights`).
+"""
+from __future__ import annotations
+
+import random
+import shutil
+from typing import Any, Callable
+
+import torch
+
+from arpo_lib.rollout.engine import RolloutEngine
+from arpo_lib.run.layout import RunDir
+from arpo_lib.run.seeding import stable_seed
+from arpo_lib.training.backend import TrainingBackend
+from arpo_lib.types import (FollowingWeights, Policy, ServedWeights, TrainablePolicy, Trajectory, WorkerPool,
+                            episode_requests)
+
+
+def task_batch(tasks: list[str], step: int, tasks_per_batch: int, seed: int) -> list[str]:
+    """Tasks of rollout batch `step`: distinct tasks, slices of a seeded per-epoch permutation.
+
+    An epoch has len(tasks) // tasks_per_batch batches; the remainder of a permutation is left
+    out of that epoch (the next epoch's permutation differs), so a batch never holds a task twice.
+    Depends only on its arguments, so a resumed run continues the same order.
+    """
+    per_epoch = len(tasks) // tasks_per_batch
+    if per_epoch == 0:
+        raise ValueError(f"tasks_per_batch={tasks_per_batch} > {len(tasks)} tasks")
+    epoch, index = divmod(step, per_epoch)
+    order = list(tasks)
+    random.Random(stable_seed(seed, "epoch", epoch)).shuffle(order)
+    return order[index * tasks_per_batch:(index + 1) * tasks_per_batch]
+
+
+class RolloutSource:
+    """A trainer's rollouts (see the module docstring).
+
+    Args:
+        policy: the trained policy (it generates when `served` is None).
+        tasks: the tasks trained on (env.tasks, task sets expanded).
+        make_pool: builds the environment pool when first needed.
+        backend: the training processes (this one's share of the episodes, the gather).
+        served: model servers following the trained weights (rollout.backend=server); on ranks
+            other than 0, a follower of rank 0's servers.
+        run: the run directory (<run>/rollouts/step_N).
+        group_size: G, the rollouts of each task in a batch (rollout.group_size).
+        temperature, top_p: sampling (rollout.*); the update's log-probs use the same temperature.
+        max_steps: the episode length limit (env.max_steps).
+        format_coef, format_penalty: the reward's format term (algo.*).
+        seed: the run's seed (train.seed): episodes and sampling are seeded by (seed, step).
+        progress: progress bars.
+    """
+
+    def __init__(self, policy: TrainablePolicy, tasks: list[str], make_pool: Callable[[], WorkerPool],
+                 backend: TrainingBackend, *, served: ServedWeights | None, run: RunDir, group_size: int,
+                 temperature: float, top_p: float, max_steps: int, format_coef: float, format_penalty: float, seed: int,
+                 progress: bool):
+        self.policy, self.tasks, self.backend, self.served, self.run = policy, tasks, backend, served, run
+        self.group_size, self.temperature, self.top_p, self.seed = group_size, temperature, top_p, seed
+        self.max_steps, self.format_coef, self.format_penalty, self.progress = (max_steps, format_coef,
+                                                                                format_penalty, progress)
+        self._make_pool = make_pool
+        self._pool: WorkerPool | None = None
+
+    @property
+    def pool(self) -> WorkerPool:
+        if self._pool is None:
+            self._pool = self._make_pool()
+        return self._pool
+
+    def acting(self, version: int, announce: bool = True) -> Policy:
+        """Who generates: this process's model, or the servers holding weight version `version`.
+        Distributed, rank 0 brings the servers up to date and (`announce`) tells the other ranks
+        their URLs, which all call this together; `announce=False`: rank 0 alone (its evaluation)."""
+        if self.served is None:
+            return self.policy
+        if isinstance(self.served, FollowingWeights):
+            return self.served.follow(self.backend.broadcast(None))
+        policy = self.served.policy(version)
+        if announce:
+            self.backend.broadcast(self.served.urls)
+        return policy
+
+    def engine(self, version: int, announce: bool = True) -> RolloutEngine:
+        """A rollout engine over this process's environments (see `acting`)."""
+        return RolloutEngine(self.acting(version, announce), self.pool, max_steps=self.max_steps,
+                             format_coef=self.format_coef, format_penalty=self.format_penalty)
+
+    def sample(self, tasks: list[str], step: int, version: int) -> tuple[list[Trajectory], int]:
+        """Rollout batch `step`: G seeded episodes of every task, played by weight version
+        `version` into <run>/rollouts/step_N; returns every trajectory in request order (on every
+        rank) and the environment steps taken (over all ranks)."""
+        requests = episode_requests(tasks, self.group_size, self.seed, step)
+        out_dir = self.run.rollouts(step)
+        if out_dir.exists() and self.backend.is_main:  # a step being redone after a crash
+            shutil.rmtree(out_dir)
+        self.backend.barrier()
+        torch.manual_seed(stable_seed(self.seed, "sample", step))
+        engine = self.engine(version)
+        mine = engine.run(self.backend.share(requests), temperature=self.temperature, top_p=self.top_p,
+                          out_dir=out_dir, progress=self.progress, description=f"rollout {step}",
+                          policy_version=version)
+        trajs = self.backend.gather(mine)
+        return trajs, int(self.backend.all_reduce_sum([engine.env_steps])[0])
+
+    def weights_changed(self, version: int) -> None:
+        """The trained weights are now version `version`: the servers generate with them from now on."""
+        if self.served is not None:
+            self.served.policy(version)
+
+    def metrics(self) -> dict[str, Any]:
+        """The servers' counters (requests, mismatches, sync time), for the step's metrics."""
+        return self.served.metrics() if self.served is not None else {}
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+        if self.served is not None:
+            self.served.close()
