@@ -12,8 +12,10 @@ export MINIWOB_CHROMEDRIVER="${MINIWOB_CHROMEDRIVER:-$(command -v chromedriver)}
 "$MINIWOB_CHROME_BINARY" --version > notebooks/RECORDED_WITH
 for nb in notebooks/*.ipynb; do
   echo "executing $nb"
+  start=$SECONDS
   # Widget state is not stored: it would embed every progress bar and viewer frame (hundreds of
   # KB); the static figures next to the widgets carry the pictures.
   jupyter nbconvert --to notebook --execute --inplace --ExecutePreprocessor.timeout=1800 \
     --ExecutePreprocessor.store_widget_state=False "$nb"
+  echo "  $nb: $((SECONDS - start)) s"
 done
