@@ -298,7 +298,7 @@ def trainer(cfg: RunConfig, *, resume: bool = False, policy: HFPolicy | None = N
     served: ServedWeights | None = None
     if r.backend == "server":  # distributed: rank 0 keeps the server current, the others follow
         served = (served_policy(cfg, trained) if ranks.is_main
-                  else FollowingServed(connect=lambda url: server_policy(cfg, url)))
+                  else FollowingServed(connect=lambda url: server_policy(cfg, url), rank=ranks.rank))
     records = RunRecords(cfg, backend)
     rollouts = RolloutSource(trained, cfg.env.tasks, lambda: env_pool(cfg, ranks.world_size), backend, served=served,
                              run=run, group_size=r.group_size, temperature=r.temperature, top_p=r.top_p,

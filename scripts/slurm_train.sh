@@ -20,6 +20,10 @@ master="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
 port="${ARPO_MASTER_PORT:-29500}"
 gpus="${SLURM_GPUS_PER_NODE:-8}"
 gpus="${gpus##*:}"   # "h100:8" -> 8
+# NCCL: a collective that times out (30 min, training/distributed.py) aborts the process instead of
+# hanging it, and --kill-on-bad-exit then ends every node's processes; NCCL_DEBUG=INFO to debug.
+export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
+export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 # srun starts one copy per node; each learns its rank from SLURM_NODEID. A re-queued job resumes.
 srun --kill-on-bad-exit=1 bash -c "./workbench train --config '$config' --resume \
   --nproc-per-node $gpus --nnodes $SLURM_NNODES --node-rank \$SLURM_NODEID \

@@ -191,14 +191,18 @@ class FleetPolicy:
     it starts, ties in turn; its conversation's growing prefix then stays in that server's prefix
     cache), the servers answer
     concurrently. Sampling does not depend on the server: every request carries its episode's
-    seed. Conversations and parsing are the first client's (every client has the same processor)."""
+    seed. Conversations and parsing are the first client's (every client has the same processor).
 
-    def __init__(self, clients: Sequence[ServerPolicy]):
+    `first`: the server the first tie-break picks. Every training process holds its own fleet of
+    the same servers, so each starts at `rank % replicas` (`connect_all`): started at 0 everywhere,
+    8 ranks with 2 episodes each would leave the third of 3 servers idle."""
+
+    def __init__(self, clients: Sequence[ServerPolicy], first: int = 0):
         if not clients:
             raise ValueError("a fleet needs at least one server")
         self.clients = list(clients)
         self._server_of: dict[Any, int] = {}
-        self._turn = 0  # where the next tie-break starts: episodes one after another still rotate
+        self._turn = first % len(self.clients)  # where the next tie-break starts: episodes in turn rotate
         self._pool = ThreadPoolExecutor(max_workers=len(self.clients), thread_name_prefix="arpo-fleet")
 
     def __getattr__(self, name: str) -> Any:  # processor, parse, new_conversation, history_images, ...

@@ -24,6 +24,7 @@ read trajectories without loading torch.
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 from dataclasses import dataclass, field
@@ -238,24 +239,42 @@ def read_trajectory(directory: str | Path, *, tokens: bool = False) -> StoredTra
 def load_trajectory(directory: str | Path, processor: Any) -> Trajectory:
     """A stored trajectory ready for the model: its segments with the pixels of their screenshots,
     run through `processor`'s image processor as when it was sampled."""
+    stored = read_trajectory(directory, tokens=True)
+    for seg in stored.trajectory.segments:
+        _encode_screenshots(seg, stored, processor)
+    return stored.trajectory
+
+
+def without_pixels(traj: Trajectory) -> Trajectory:
+    """A copy of `traj` with tokens and metadata only, no pixels: what a training process sends
+    the others of its episodes (a 1080p screenshot is ~50 MB of fp32 pixels, 15 per episode);
+    `load_pixels` re-encodes them where a segment is trained on."""
+    return dataclasses.replace(traj, segments=[dataclasses.replace(s, pixel_values=[]) for s in traj.segments])
+
+
+def load_pixels(segment: Segment, directory: str | Path, processor: Any) -> None:
+    """`segment`'s pixels, re-encoded from the screenshots of the trajectory stored in
+    `directory` (a segment that came through `without_pixels`), in place."""
+    _encode_screenshots(segment, read_trajectory(directory), processor)
+
+
+def _encode_screenshots(seg: Segment, stored: StoredTrajectory, processor: Any) -> None:
     import torch
     from PIL import Image
 
-    stored = read_trajectory(directory, tokens=True)
-    for seg in stored.trajectory.segments:
-        if seg.screenshot_steps:
-            images = []
-            for i in seg.screenshot_steps:
-                path = stored.screenshot(i)
-                if path is None:
-                    raise FileNotFoundError(f"{stored.directory} lacks {layout.screenshot_name(i)}, an image of "
-                                            f"its token data")
-                images.append(Image.open(path).convert("RGB"))
-            enc = processor.image_processor(images=images, return_tensors="pt")
-            sizes = [int(torch.prod(g)) for g in enc["image_grid_thw"]]
-            seg.pixel_values = list(torch.split(enc["pixel_values"], sizes))
-            seg.image_grid_thw = list(enc["image_grid_thw"])
-    return stored.trajectory
+    if not seg.screenshot_steps:
+        return
+    images = []
+    for i in seg.screenshot_steps:
+        path = stored.screenshot(i)
+        if path is None:
+            raise FileNotFoundError(f"{stored.directory} lacks {layout.screenshot_name(i)}, an image of "
+                                    f"its token data")
+        images.append(Image.open(path).convert("RGB"))
+    enc = processor.image_processor(images=images, return_tensors="pt")
+    sizes = [int(torch.prod(g)) for g in enc["image_grid_thw"]]
+    seg.pixel_values = list(torch.split(enc["pixel_values"], sizes))
+    seg.image_grid_thw = list(enc["image_grid_thw"])
 
 
 def trajectory_dirs(root: str | Path, depth: int = 3) -> list[Path]:

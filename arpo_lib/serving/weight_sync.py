@@ -212,12 +212,13 @@ def _requests_by_replica(client: Any) -> list[int]:
     return [c.requests for c in getattr(client, "clients", [client])]
 
 
-def connect_all(connect: Callable[[str], Any], urls: Sequence[str]) -> Any:
-    """One client for the servers at `urls`: a `ServerPolicy`, or a `FleetPolicy` over several."""
+def connect_all(connect: Callable[[str], Any], urls: Sequence[str], rank: int = 0) -> Any:
+    """One client for the servers at `urls`: a `ServerPolicy`, or a `FleetPolicy` over several
+    whose first choice is server `rank % len(urls)` (training process `rank`'s)."""
     from arpo_lib.agent.server_policy import FleetPolicy
 
     clients = [connect(url) for url in urls]
-    return clients[0] if len(clients) == 1 else FleetPolicy(clients)
+    return clients[0] if len(clients) == 1 else FleetPolicy(clients, first=rank)
 
 
 class FollowingServed:
@@ -225,8 +226,8 @@ class FollowingServed:
     connects to the URLs rank 0 announces before each rollout batch (`RolloutSource.acting`) and
     never pushes weights (rank 0 has, before announcing). Rank 0 records the servers' metrics."""
 
-    def __init__(self, connect: Callable[[str], Any]):
-        self._connect = connect
+    def __init__(self, connect: Callable[[str], Any], rank: int = 0):
+        self._connect, self.rank = connect, rank
         self.client: Any = None
         self.urls: list[str] | None = None
 
@@ -235,7 +236,7 @@ class FollowingServed:
         if list(urls) != self.urls:
             if self.client is not None:
                 self.client.close()
-            self.client, self.urls = connect_all(self._connect, urls), list(urls)
+            self.client, self.urls = connect_all(self._connect, urls, self.rank), list(urls)
         return self.client
 
     def policy(self, version: int) -> Any:

@@ -6,7 +6,8 @@ bookkeeping that makes N ranks compute the update one process would.
 What each rank holds and does (rollout.backend=hf, the in-process mode):
 - the policy's full model (`HFPolicy.model`), used for generation and the "old" log-probs: no
   collective inside generation, so episodes of different lengths never have to run in lockstep;
-- a sharded copy for the update (`shard_for_training`: every text decoder layer and vision block
+- a sharded copy for the update (`shard_for_training`, built on the meta device and filled from the
+  full model, so no second whole copy is ever made: every text decoder layer and vision block
   its own FSDP2 unit, the rest in the root unit; bf16 compute with fp32 reduction on CUDA), whose
   optimizer state is sharded too; after each update its full weights are gathered back into the
   full model (`sync_full_model`);
@@ -72,18 +73,34 @@ class Ranks:
 SINGLE = Ranks()
 
 
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
+"""NCCL's collectives (FSDP2's all-gathers and gradient reductions, all in lockstep): a rank that
+died or hung is noticed within this."""
+CONTROL_TIMEOUT = datetime.timedelta(hours=2)
+"""Objects, sums of metrics and barriers (the control traffic): rank 0 alone runs the periodic
+evaluation, and a slow OSWorld episode keeps the others waiting at the gather, for this long."""
+
+_control_group: Any = None
+"""The gloo side group of the control traffic on GPUs (None: the default group, gloo on the CPU)."""
+
+
 def init_process_group(ranks: Ranks, device: torch.device) -> None:
-    """Join the process group (NCCL on CUDA, gloo on the CPU) unless already in one. The timeout is
-    long: rank 0 alone runs the periodic evaluation while the others wait."""
+    """Join the process group unless already in one. On GPUs: NCCL for the training collectives
+    (`COLLECTIVE_TIMEOUT`) and a gloo side group for objects, sums and barriers (`CONTROL_TIMEOUT`;
+    CPU tensors and pickles never go through NCCL and GPU memory). On the CPU one gloo group
+    carries both, with the long timeout."""
     import torch.distributed as dist
 
+    global _control_group
     if not ranks.distributed or dist.is_initialized():
         return
-    backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(ranks.local_rank)
-    dist.init_process_group(backend, rank=ranks.rank, world_size=ranks.world_size,
-                            timeout=datetime.timedelta(hours=2))
+        dist.init_process_group("nccl", rank=ranks.rank, world_size=ranks.world_size, timeout=COLLECTIVE_TIMEOUT)
+        _control_group = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    else:
+        dist.init_process_group("gloo", rank=ranks.rank, world_size=ranks.world_size, timeout=CONTROL_TIMEOUT)
+        _control_group = None
 
 
 def device_for(ranks: Ranks, device: str) -> str:
@@ -95,15 +112,21 @@ def device_for(ranks: Ranks, device: str) -> str:
 
 # -- the sharded model ---------------------------------------------------------------------------
 def shard_for_training(model: torch.nn.Module, forward_fn: Any, *, compute_dtype: torch.dtype) -> LogprobNet:
-    """A sharded copy of `model` for the update: each text decoder layer and each vision block its
-    own FSDP2 unit, the rest in the root. Parameters stay fp32 (the master weights); on CUDA with a
-    16-bit `compute_dtype` the forward runs in it and gradients are reduced in fp32."""
+    """A sharded copy of `model` for the update: each text decoder layer and each vision block
+    its own FSDP2 unit, the rest in the root. Parameters stay fp32 (the master weights); on CUDA
+    with a 16-bit `compute_dtype` the forward runs in it and gradients are reduced in fp32.
+
+    No second copy of the model is made: the copy's structure is built with its parameters on the
+    meta device, sharded there, and only this rank's shards are allocated and filled from
+    `model` (`load_full_into_sharded`: every rank slices its own part, nothing is sent)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    net = LogprobNet(copy.deepcopy(model), forward_fn)
     device = next(model.parameters()).device
+    on_meta = {id(p): torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+               for p in model.parameters()}
+    net = LogprobNet(copy.deepcopy(model, memo=on_meta), forward_fn)  # buffers are copied: they are small
     mp = MixedPrecisionPolicy()
     if device.type == "cuda" and compute_dtype != torch.float32:
         mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
@@ -113,6 +136,8 @@ def shard_for_training(model: torch.nn.Module, forward_fn: Any, *, compute_dtype
     for unit in shard_units(net.net):
         fully_shard(unit, mesh=mesh, mp_policy=mp)
     fully_shard(net, mesh=mesh, mp_policy=mp)
+    net.to_empty(device=device)  # this rank's shards (and the buffers, refilled below)
+    load_full_into_sharded(model, net)
     return net
 
 
@@ -129,16 +154,29 @@ def shard_units(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def sync_full_model(sharded: LogprobNet, full: torch.nn.Module) -> None:
-    """Gather the sharded weights (every rank takes part) into each rank's full model."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    """The sharded trainable weights (every rank takes part) into each rank's full model, one
+    parameter at a time: each is gathered (`DTensor.full_tensor`), copied into the full model's
+    and freed before the next, so the sync needs one parameter's memory above the shards, not a
+    whole second model (a full state dict: 31 GB more per rank at 7B). Frozen parameters never
+    change and are not gathered."""
+    from torch.distributed.tensor import DTensor
 
-    state = get_model_state_dict(sharded, options=StateDictOptions(full_state_dict=True))
-    prefix = "net."
+    targets = dict(full.named_parameters())
+    trainable = {n for n, p in targets.items() if p.requires_grad}
+    seen = set()
     with torch.no_grad():
-        missing, unexpected = full.load_state_dict({k[len(prefix):]: v for k, v in state.items()}, strict=False)
-    trainable = {n for n, p in full.named_parameters() if p.requires_grad}
-    if unexpected or trainable & set(missing):
-        raise RuntimeError(f"sharded and full model differ: missing {sorted(missing)[:3]}, unexpected {unexpected[:3]}")
+        for name, param in sharded.named_parameters():
+            if not param.requires_grad:
+                continue
+            key = _full_name(name)
+            if key not in targets:
+                raise RuntimeError(f"sharded and full model differ: the full model has no parameter {key}")
+            whole = param.full_tensor() if isinstance(param, DTensor) else param
+            targets[key].copy_(whole)
+            del whole
+            seen.add(key)
+    if trainable - seen:
+        raise RuntimeError(f"sharded and full model differ: not trained in the shards: {sorted(trainable - seen)[:3]}")
 
 
 # -- splitting the work --------------------------------------------------------------------------
@@ -161,7 +199,7 @@ def gather_objects(mine: list[T], ranks: Ranks) -> list[list[T]]:
     if not ranks.distributed:
         return [mine]
     out: list[Any] = [None] * ranks.world_size
-    dist.all_gather_object(out, mine)
+    dist.all_gather_object(out, mine, group=_control_group)
     return out
 
 
@@ -179,7 +217,7 @@ def all_reduce_sum(values: Sequence[float], ranks: Ranks) -> list[float]:
     if not ranks.distributed:
         return list(values)
     t = torch.tensor(list(values), dtype=torch.float64)
-    dist.all_reduce(t)
+    dist.all_reduce(t, group=_control_group)
     return t.tolist()
 
 
@@ -187,16 +225,31 @@ def barrier(ranks: Ranks) -> None:
     import torch.distributed as dist
 
     if ranks.distributed:
-        dist.barrier()
+        dist.barrier(group=_control_group)
 
 
 def load_full_into_sharded(full: torch.nn.Module, sharded: LogprobNet) -> None:
-    """Copy the full model's weights into the shards (after the warm start, which rank 0 trained
-    and `broadcast_model` handed to every rank)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    """Copy the full model's weights and buffers into the shards (at start-up, and after the warm
+    start, which rank 0 trained and `broadcast_model` handed to every rank). Every rank holds the
+    same full model, so each slices its own shard of each parameter: nothing is sent, and no
+    full state dict is made."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
-    state = {f"net.{k}": v for k, v in full.state_dict().items()}
-    set_model_state_dict(sharded, state, options=StateDictOptions(full_state_dict=True, strict=False))
+    params, buffers = dict(full.named_parameters()), dict(full.named_buffers())
+    with torch.no_grad():
+        for name, param in sharded.named_parameters():
+            source = params[_full_name(name)].detach()
+            if isinstance(param, DTensor):
+                source = distribute_tensor(source.to(param.device), param.device_mesh, param.placements,
+                                           src_data_rank=None)
+            param.copy_(source)
+        for name, buffer in sharded.named_buffers():
+            buffer.copy_(buffers[_full_name(name)])
+
+
+def _full_name(sharded_name: str) -> str:
+    """A parameter's name in the full model, from its name in the `LogprobNet` wrapper."""
+    return sharded_name[len("net."):] if sharded_name.startswith("net.") else sharded_name
 
 
 def load_full_optimizer_state(sharded: LogprobNet, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
@@ -215,7 +268,7 @@ def broadcast_object(obj: T, ranks: Ranks) -> T:
     if not ranks.distributed:
         return obj
     box = [obj if ranks.is_main else None]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=_control_group)
     return box[0]
 
 
@@ -239,7 +292,9 @@ def close_process_group(ranks: Ranks) -> None:
 
     import torch.distributed as dist
 
+    global _control_group
     if ranks.distributed and dist.is_initialized():
         gc.collect()
-        dist.barrier()
-        dist.destroy_process_group()
+        dist.barrier(group=_control_group)
+        dist.destroy_process_group()  # every group, the side group too
+        _control_group = None

@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 
 from arpo_lib.rollout.engine import RolloutEngine
+from arpo_lib.rollout.store import without_pixels
 from arpo_lib.run.layout import RunDir
 from arpo_lib.run.seeding import stable_seed
 from arpo_lib.training.backend import TrainingBackend
@@ -112,8 +113,17 @@ class RolloutSource:
         mine = engine.run(self.backend.share(requests), temperature=self.temperature, top_p=self.top_p,
                           out_dir=out_dir, progress=self.progress, description=f"rollout {step}",
                           policy_version=version)
-        trajs = self.backend.gather(mine)
-        return trajs, int(self.backend.all_reduce_sum([engine.env_steps])[0])
+        return self.gather(mine), int(self.backend.all_reduce_sum([engine.env_steps])[0])
+
+    def gather(self, mine: list[Trajectory]) -> list[Trajectory]:
+        """Every rank's episodes in request order: the others' as tokens and metadata only, never
+        pixels (`store.without_pixels`; the update re-encodes the screenshots of the sequences this
+        rank trains on from the shared run directory); this rank's own keep theirs."""
+        if not self.backend.ranks.distributed:
+            return self.backend.gather(mine)
+        trajs = self.backend.gather([without_pixels(t) for t in mine])
+        trajs[self.backend.ranks.rank::self.backend.ranks.world_size] = mine
+        return trajs
 
     def weights_changed(self, version: int) -> None:
         """The trained weights are now version `version`: the servers generate with them from now on."""

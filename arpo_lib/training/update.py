@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from arpo_lib.algo import POLICY_LOSSES, truncated_is_weights
+from arpo_lib.rollout.store import load_pixels
 from arpo_lib.run.config import RunConfig
 from arpo_lib.run.seeding import stable_seed
 from arpo_lib.training.backend import Plan, TrainingBackend
@@ -78,6 +79,8 @@ class PolicyUpdate:
         old: dict[int, torch.Tensor] = {}
         is_weights: dict[int, torch.Tensor] = {}
         for seg, _, traj in (item for item in items if id(item[0]) in mine):
+            if seg.screenshot_steps and not seg.pixel_values:  # another rank's episode: its tokens only
+                load_pixels(seg, traj.directory, self.policy.processor)
             behaviour = torch.tensor([lp for lp, m in zip(seg.behaviour_logprobs, seg.loss_mask) if m])
             with torch.no_grad():
                 old[id(seg)] = (behaviour if a.old_logprobs == "behaviour" else

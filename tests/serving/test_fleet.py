@@ -70,3 +70,21 @@ def test_one_off_requests_are_balanced_and_not_remembered():
 def test_an_empty_fleet_is_refused():
     with pytest.raises(ValueError, match="at least one"):
         FleetPolicy([])
+
+
+def test_eight_ranks_spread_their_episodes_over_three_replicas():
+    """Every training process holds its own fleet of the same servers (issue 35): 8 ranks with 2
+    episodes each over 3 replicas. Each fleet's first tie-break is at `rank % replicas`, so the
+    16 episodes land 6/5/5, not 8/8/0 (each rank starting at server 0)."""
+    from arpo_lib.serving.weight_sync import FollowingServed, connect_all
+
+    servers = [_Recording(n) for n in "abc"]
+    fleets = [connect_all(lambda url: servers["abc".index(url)], list("abc"), rank) for rank in range(1)]
+    followers = [FollowingServed(lambda url: servers["abc".index(url)], rank=rank) for rank in range(1, 8)]
+    fleets += [f.follow(list("abc")) for f in followers]
+    for rank, fleet in enumerate(fleets):
+        fleet.generate(["s", "s"], contexts=[0, 1], seeds=[0, 1], cache_keys=[(rank, 0), (rank, 1)])
+    assert sorted(s.requests for s in servers) == [5, 5, 6]
+    started_at_zero = [FleetPolicy(servers) for _ in range(8)]
+    picks = [f.server_for(("e", i)) for f in started_at_zero for i in range(2)]
+    assert sorted(picks.count(s) for s in range(3)) == [0, 8, 8]  # what every rank starting at 0 did

@@ -183,12 +183,19 @@ def test_two_nodes_rendezvous_and_train_like_one_process(runs, tiny_qwen2vl):
     _assert_sharded_checkpoint(out / "two-nodes" / "checkpoints" / "step_000002", ranks=2)
 
 
-def test_lora_with_activation_checkpointing_and_a_token_budget_too(tiny_qwen2vl, chromium_available, tmp_path):
+def test_lora_with_activation_checkpointing_a_token_budget_token_mean_and_clipping_too(tiny_qwen2vl,
+                                                                                       chromium_available, tmp_path):
+    """Also the loss aggregated as one token mean over the mini-batch across ranks, and gradient
+    clipping that fires (issue 35: neither had run on two ranks); the sync after each update
+    gathers only the adapters (the frozen base is never gathered)."""
     if not chromium_available:
         pytest.skip("needs chromium")
-    extra = ["model.lora_rank=4", "model.gradient_checkpointing=true", "train.token_budget=4000", "train.lr=1e-3"]
+    clip = 1e-3
+    extra = ["model.lora_rank=4", "model.gradient_checkpointing=true", "train.token_budget=4000", "train.lr=1e-3",
+             "algo.aggregation=token-mean", f"train.grad_clip={clip}"]
     one, two = (_train(tmp_path, tiny_qwen2vl, f"lora{n}", n, *extra) for n in (1, 2))
     _assert_same(one, two)
+    assert all(m["grad_norm"] > 10 * clip and m["optimizer_steps"] > 0 for m in _metrics(two))  # it clipped
 
 
 @pytest.mark.parametrize("written_by, resumed_by", [(2, 1), (1, 2)])
@@ -293,3 +300,38 @@ def test_interrupting_a_launched_run_stops_its_processes(tmp_path):
         trainer.train(on_step=interrupt, echo=False, poll_s=0.05)
     assert trainer.process.poll() is not None and time.monotonic() - start < 30
     assert trainer.step == 1
+
+
+def test_on_gpus_the_control_traffic_goes_on_a_gloo_side_group(monkeypatch):
+    """Issue 35: NCCL carries FSDP2's collectives with a 30-minute timeout; objects, sums and
+    barriers go on a gloo side group with the long one (pickles never touch GPU memory; CPU
+    tensors cannot go through NCCL). The calls are recorded: this machine has no GPU."""
+    import torch.distributed as dist
+
+    from arpo_lib.training import distributed as dist_
+
+    calls: list[tuple] = []
+    side = object()
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: calls.append(("set_device", i)))
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append(("init", backend, kw["timeout"])))
+    monkeypatch.setattr(dist, "new_group", lambda **kw: calls.append(("new_group", kw["backend"], kw["timeout"])) or side)
+    for name in ("all_gather_object", "barrier", "broadcast_object_list", "all_reduce"):
+        monkeypatch.setattr(dist, name, lambda *a, _name=name, **kw: calls.append((_name, kw.get("group"))))
+    ranks = dist_.Ranks(rank=1, world_size=8, local_rank=1)
+    dist_.init_process_group(ranks, torch.device("cuda"))
+    try:
+        dist_.gather_objects(["episode"], ranks)
+        dist_.barrier(ranks)
+        dist_.all_reduce_sum([1.0], ranks)
+        monkeypatch.setattr(dist, "broadcast_object_list", lambda box, **kw: calls.append(("broadcast", kw["group"])))
+        dist_.broadcast_object("urls", ranks)
+    finally:
+        cuda_group, dist_._control_group = dist_._control_group, None
+    assert calls[:3] == [("set_device", 1), ("init", "nccl", dist_.COLLECTIVE_TIMEOUT),
+                         ("new_group", "gloo", dist_.CONTROL_TIMEOUT)]
+    assert cuda_group is side and [c[1] for c in calls[3:]] == [side] * 4
+    assert dist_.COLLECTIVE_TIMEOUT.total_seconds() == 1800 and dist_.CONTROL_TIMEOUT > dist_.COLLECTIVE_TIMEOUT
+    calls.clear()
+    dist_.init_process_group(ranks, torch.device("cpu"))  # the CPU: one gloo group, the long timeout
+    assert calls == [("init", "gloo", dist_.CONTROL_TIMEOUT)] and dist_._control_group is None

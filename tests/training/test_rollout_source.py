@@ -73,3 +73,64 @@ def test_the_other_ranks_follow_the_announced_servers(tmp_path):
     assert following.urls == URLS
     source.weights_changed(4)  # followers never push
     assert source.metrics() == {}
+
+
+class _SecondOfTwo(SingleProcess):
+    """One process standing in for rank 1 of 2: `gather` records the pickled bytes it would
+    send and returns rank 0's episodes (what rank 0 sent) around its own."""
+
+    def __init__(self, from_rank_0: list[Any]) -> None:
+        super().__init__(policy=None)
+        from arpo_lib.training.distributed import Ranks
+
+        self.ranks = Ranks(rank=1, world_size=2)
+        self.from_rank_0, self.sent_bytes = from_rank_0, 0
+
+    def gather(self, mine: list[Any]) -> list[Any]:
+        import pickle
+
+        self.sent_bytes += len(pickle.dumps(mine))
+        return [t for pair in zip(self.from_rank_0, mine) for t in pair]
+
+
+def _episode(tmp_path: Path, processor: Any, sample: int) -> Any:
+    """A stored episode with one 640x480 screenshot in its segment, pixels encoded as at sampling."""
+    from PIL import Image
+
+    from arpo_lib.rollout.store import write_trajectory
+    from arpo_lib.types import Segment, Trajectory
+
+    shot = Image.new("RGB", (640, 480), (30 * sample, 90, 200))
+    shot.paste((255, 255, 255), (40, 40, 200, 120))
+    enc = processor.image_processor(images=[shot], return_tensors="pt")
+    seg = Segment(input_ids=[1, 2, 3], mm_token_type_ids=[0, 1, 0], loss_mask=[0, 0, 1],
+                  behaviour_logprobs=[0.0, 0.0, -1.0], pixel_values=[enc["pixel_values"]],
+                  image_grid_thw=list(enc["image_grid_thw"]), screenshot_steps=[0])
+    traj = Trajectory("miniwob/click-test", seed=sample, sample=sample, segments=[seg])
+    write_trajectory(traj, tmp_path / "rollouts" / str(sample), [shot])
+    return traj
+
+
+def test_ranks_exchange_tokens_not_pixels_and_re_encode_the_pixels_exactly(tmp_path, tiny_qwen2vl):
+    """Issue 35: an episode's screenshots went to every rank as fp32 pixels (~50 MB per 1080p
+    screenshot, over NCCL). Now a rank sends tokens and metadata, keeps its own episodes' pixels,
+    and `load_pixels` re-encodes another rank's from the run directory bit for bit."""
+    import pickle
+
+    import torch
+    from transformers import AutoProcessor
+
+    from arpo_lib.rollout.store import load_pixels, without_pixels
+
+    processor = AutoProcessor.from_pretrained(tiny_qwen2vl)
+    theirs, mine = _episode(tmp_path, processor, 0), _episode(tmp_path, processor, 1)
+    pixels_bytes = len(pickle.dumps(mine))
+    backend = _SecondOfTwo([without_pixels(theirs)])
+    got = _source(None, backend, tmp_path).gather([mine])
+    assert pixels_bytes > 1_000_000 and backend.sent_bytes < 8_000  # the cap: tokens and metadata only
+    assert got[1] is mine and got[1].segments[0].pixel_values  # its own keep their pixels
+    other = got[0].segments[0]
+    assert other.pixel_values == [] and other.input_ids == [1, 2, 3] and other.screenshot_steps == [0]
+    load_pixels(other, got[0].directory, processor)
+    assert torch.equal(other.pixel_values[0], theirs.segments[0].pixel_values[0])
+    assert torch.equal(other.image_grid_thw[0], theirs.segments[0].image_grid_thw[0])
