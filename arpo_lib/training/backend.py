@@ -69,6 +69,18 @@ class TrainingBackend(abc.ABC):
     def plan(self, sequences: Sequences) -> Plan:
         """This process's micro-batches of a mini-batch's sequences."""
 
+    def old_logprobs(self, plans: Sequence[Plan], temperature: float) -> dict[int, torch.Tensor]:
+        """The log-probs before the update (the PPO ratio's denominator) of every sequence in
+        `plans`, by `id`, on the CPU: one sequence at a time through the policy's model."""
+        out: dict[int, torch.Tensor] = {}
+        with torch.no_grad():
+            for plan in plans:
+                for micro, _ in plan:
+                    for seg, _ in micro:
+                        if id(seg) not in out:
+                            out[id(seg)] = self.policy.sequence_logprobs([seg], temperature)[0].detach().cpu()
+        return out
+
     def split(self, sequences: Sequences) -> list[Sequences]:
         """`sequences` in micro-batches, in order or (token budget) sorted by length."""
         return micro_batches(sequences, [len(s) for s, _ in sequences], self.token_budget, self.micro_batch_size,
@@ -179,6 +191,20 @@ class FSDP2(TrainingBackend):
 
     def plan(self, sequences: Sequences) -> Plan:
         return rank_plan(sequences, self.split, self.ranks.rank, self.ranks.world_size)
+
+    def old_logprobs(self, plans: Sequence[Plan], temperature: float) -> dict[int, torch.Tensor]:
+        """From the shards, micro-batch by micro-batch on the update's own plan (padding ones too:
+        every rank runs as many forwards), so the first micro-batch's ratio is exactly 1 on any
+        number of ranks and in any precision (the full model under autocast and the bf16 shards
+        differ by up to 0.1 in log-prob)."""
+        out: dict[int, torch.Tensor] = {}
+        with torch.no_grad():
+            for plan in plans:
+                for micro, _ in plan:
+                    segs = [s for s, _ in micro]
+                    for seg, lp in zip(segs, self.logprobs(segs, temperature)):
+                        out.setdefault(id(seg), lp.detach().cpu())
+        return out
 
     def train_mode(self) -> None:
         super().train_mode()

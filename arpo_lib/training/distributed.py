@@ -113,8 +113,9 @@ def device_for(ranks: Ranks, device: str) -> str:
 # -- the sharded model ---------------------------------------------------------------------------
 def shard_for_training(model: torch.nn.Module, forward_fn: Any, *, compute_dtype: torch.dtype) -> LogprobNet:
     """A sharded copy of `model` for the update: each text decoder layer and each vision block
-    its own FSDP2 unit, the rest in the root. Parameters stay fp32 (the master weights); on CUDA
-    with a 16-bit `compute_dtype` the forward runs in it and gradients are reduced in fp32.
+    its own FSDP2 unit, the rest in the root. Parameters stay fp32 (the master weights); with a
+    16-bit `compute_dtype` (CUDA's default; `model.compute_dtype` on the CPU) the forward runs in it
+    and gradients are reduced in fp32.
 
     No second copy of the model is made: the copy's structure is built with its parameters on the
     meta device, sharded there, and only this rank's shards are allocated and filled from
@@ -128,7 +129,7 @@ def shard_for_training(model: torch.nn.Module, forward_fn: Any, *, compute_dtype
                for p in model.parameters()}
     net = LogprobNet(copy.deepcopy(model, memo=on_meta), forward_fn)  # buffers are copied: they are small
     mp = MixedPrecisionPolicy()
-    if device.type == "cuda" and compute_dtype != torch.float32:
+    if compute_dtype != torch.float32:  # CUDA's default (bf16); on the CPU only when asked for
         mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     # the mesh names the model's device: FSDP2's default mesh takes the machine's accelerator, so
     # gloo ranks on CPU would each claim cuda:LOCAL_RANK on a machine with fewer GPUs than ranks

@@ -76,15 +76,16 @@ class PolicyUpdate:
         mine = {id(s) for plan in plans for micro, _ in plan for s, _ in micro}
         # Old log-probs before any update (ratio starts at 1, as ARPO), and with
         # algo.replay.correction=tis the truncated importance weights of replayed members.
-        old: dict[int, torch.Tensor] = {}
-        is_weights: dict[int, torch.Tensor] = {}
-        for seg, _, traj in (item for item in items if id(item[0]) in mine):
+        ran = [item for item in items if id(item[0]) in mine]
+        for seg, _, traj in ran:
             if seg.screenshot_steps and not seg.pixel_values:  # another rank's episode: its tokens only
                 load_pixels(seg, traj.directory, self.policy.processor)
+        recomputed = self.backend.old_logprobs(plans, self.temperature) if a.old_logprobs == "recompute" else {}
+        old: dict[int, torch.Tensor] = {}
+        is_weights: dict[int, torch.Tensor] = {}
+        for seg, _, traj in ran:
             behaviour = torch.tensor([lp for lp, m in zip(seg.behaviour_logprobs, seg.loss_mask) if m])
-            with torch.no_grad():
-                old[id(seg)] = (behaviour if a.old_logprobs == "behaviour" else
-                                self.policy.sequence_logprobs([seg], self.temperature)[0].detach().cpu())
+            old[id(seg)] = behaviour if a.old_logprobs == "behaviour" else recomputed[id(seg)]
             if a.replay.correction == "tis" and traj.replayed:
                 is_weights[id(seg)] = truncated_is_weights(old[id(seg)].double(), behaviour.double(),
                                                            a.replay.tis_cap).float()

@@ -32,6 +32,20 @@ def test_two_gloo_ranks_step_like_the_whole_model(tiny_qwen25vl, flags):
     assert gaps["world_size"] == 2 and gaps["compute_dtype"] == "torch.float32"
     assert (gaps["trained_tensors"] < gaps["tensors"]) == bool(flags)  # the vision tensors frozen
     assert gaps["logprob_gap"] < 1e-4 and gaps["grad_gap"] < 1e-3
+    assert gaps["first_ratio_gap"] == 0.0  # old log-probs from the shards on the same plan: ratio exactly 1
+    assert gaps["moved"] > 0.5 * gaps["lr"] and gaps["weight_gap"] <= 2 * gaps["lr"] + 1e-6
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_with_bf16_parameters_and_fp32_reduction_start_at_ratio_1(tiny_qwen25vl):
+    """Issue 35: bf16 shards (FSDP2's mixed precision, fp32 gradient reduction) on two ranks, as on
+    GPUs. The old log-probs come from the shards on the update's own plan, so the first
+    micro-batch's ratio is exactly 1 (from the whole model under autocast they differed by bf16
+    noise); against the whole model the gaps are bf16-sized."""
+    gaps = _run("cpu", 2, tiny_qwen25vl, "bf16")
+    assert gaps["world_size"] == 2 and gaps["compute_dtype"] == "torch.bfloat16"
+    assert gaps["first_ratio_gap"] == 0.0
+    assert 0 < gaps["logprob_gap"] < 0.1 and gaps["grad_gap"] < 0.1
     assert gaps["moved"] > 0.5 * gaps["lr"] and gaps["weight_gap"] <= 2 * gaps["lr"] + 1e-6
 
 
@@ -40,6 +54,6 @@ def test_two_gloo_ranks_step_like_the_whole_model(tiny_qwen25vl, flags):
 def test_nccl_fsdp2_step_on_the_gpu_like_the_whole_model(tiny_qwen25vl):
     """bf16 compute on both sides (FSDP2's param dtype vs autocast): bf16-sized gaps."""
     gaps = _run("cuda", 1, tiny_qwen25vl)
-    assert gaps["compute_dtype"] == "torch.bfloat16"
+    assert gaps["compute_dtype"] == "torch.bfloat16" and gaps["first_ratio_gap"] == 0.0
     assert gaps["logprob_gap"] < 0.1 and gaps["grad_gap"] < 0.1
     assert gaps["moved"] > 0.5 * gaps["lr"] and gaps["weight_gap"] <= 2 * gaps["lr"] + 1e-6
