@@ -4,13 +4,14 @@ bookkeeping that makes N ranks compute the update one process would.
     torchrun --nproc-per-node 2 -m arpo_lib train ...      (./workbench train --nproc-per-node 2)
 
 What each rank holds and does (rollout.backend=hf, the in-process mode):
-- the policy's full model (`HFPolicy.model`), used for generation and the "old" log-probs: no
-  collective inside generation, so episodes of different lengths never have to run in lockstep;
+- the policy's full model (`HFPolicy.model`), used for generation: no collective inside
+  generation, so episodes of different lengths never have to run in lockstep;
 - a sharded copy for the update (`shard_for_training`, built on the meta device and filled from the
   full model, so no second whole copy is ever made: every text decoder layer and vision block
   its own FSDP2 unit, the rest in the root unit; bf16 compute with fp32 reduction on CUDA), whose
-  optimizer state is sharded too; after each update its full weights are gathered back into the
-  full model (`sync_full_model`);
+  optimizer state is sharded too, and which computes the update's "old" log-probs on the update's
+  own micro-batch plan (`backend.FSDP2.old_logprobs`); after each update its trained weights are
+  gathered back into the full model one parameter at a time (`sync_full_model`);
 - its share of the episodes (`requests[rank::world]`), written to the shared run directory and
   gathered to every rank in request order, so every rank forms the same groups with the same
   seeded replay buffer (rank 0 alone writes records; in a checkpoint every rank writes its
