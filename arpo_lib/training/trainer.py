@@ -26,7 +26,6 @@ Departures from the original, on purpose:
 """
 from __future__ import annotations
 
-import logging
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol
@@ -49,8 +48,6 @@ from arpo_lib.types import Group, TrainablePolicy, Trajectory
 
 if TYPE_CHECKING:  # annotations only: evaluation sits above training
     from arpo_lib.evaluation.evaluate import EvalResult
-
-log = logging.getLogger(__name__)
 
 
 class Evaluator(Protocol):

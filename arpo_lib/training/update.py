@@ -11,8 +11,8 @@ through the training backend (one process or FSDP2).
 - A non-finite gradient skips its optimizer step, as ARPO; `train.max_skipped_steps` in a row stop
   the run (NonFiniteGradientError).
 
-It reads `train.*` and `algo.*`; the loss and the advantages come from the registries
-(`algo.policy_loss`, `algo.adv_estimator`).
+It reads `train.*` and `algo.*`; the loss comes from its registry (`algo.policy_loss`); the
+advantages arrive with the groups (the trainer's `make_groups`).
 """
 from __future__ import annotations
 

@@ -79,9 +79,9 @@ def test_eight_ranks_spread_their_episodes_over_three_replicas():
     from arpo_lib.serving.weight_sync import FollowingServed, connect_all
 
     servers = [_Recording(n) for n in "abc"]
-    fleets = [connect_all(lambda url: servers["abc".index(url)], list("abc"), rank) for rank in range(1)]
-    followers = [FollowingServed(lambda url: servers["abc".index(url)], rank=rank) for rank in range(1, 8)]
-    fleets += [f.follow(list("abc")) for f in followers]
+    connect = lambda url: servers["abc".index(url)]  # noqa: E731
+    fleets = [connect_all(connect, list("abc"))]  # rank 0 (ServedPolicy's own connection)
+    fleets += [FollowingServed(connect, rank=rank).follow(list("abc")) for rank in range(1, 8)]
     for rank, fleet in enumerate(fleets):
         fleet.generate(["s", "s"], contexts=[0, 1], seeds=[0, 1], cache_keys=[(rank, 0), (rank, 1)])
     assert sorted(s.requests for s in servers) == [5, 5, 6]
