@@ -238,9 +238,14 @@ def served_policy(cfg: RunConfig, trained: HFPolicy) -> ServedPolicy:
     def save() -> str:
         return str(save_for_server(trained, RunDir(cfg.run_dir).server_weights))
 
+    def weights() -> list[tuple[str, Any]]:  # checkpoint names (vLLM maps them), tied weights once
+        return list(trained.model.named_parameters())
+
+    wire = getattr(torch, cfg.serve.dtype, None) if cfg.serve.dtype in ("float32", "bfloat16", "float16") else None
     return ServedPolicy(connect=lambda url: server_policy(cfg, url), save_weights=save, sync=r.weight_sync,
                         url=r.server_url, start=start if r.server_url is None else None,
-                        initial_model=trained.path, replicas=cfg.serve.replicas)
+                        initial_model=trained.path, replicas=cfg.serve.replicas, weights=weights,
+                        wire_dtype=wire, stream_host=r.stream_host, stream_backend=r.stream_backend)
 
 
 class RunEvaluation:

@@ -2,7 +2,7 @@
 
     build-tiny-model --variant qwen2vl --out models/tiny-uitars-qwen2vl
     train   --config configs/smoke.yaml [key=value ...]     start a run
-            [--nproc-per-node N [--nnodes M --node-rank R --master-addr A]]   on N processes per node (torchrun)
+            [--nproc-per-node N [--nnodes M --master-addr A [--rdzv-id ID]]]   on N processes per node (torchrun)
     resume  --run runs/smoke [--nproc-per-node N ...]       continue a run from its last checkpoint
     eval    --config configs/smoke.yaml [--model DIR] [key=value ...]
     smoke   [--config FILE] [key=value ...]                   execute notebooks/smoke_test.ipynb headlessly
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -38,8 +39,11 @@ def _torchrun(args: argparse.Namespace, nproc: int, command: list[str]) -> int:
 
     launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
     if args.nnodes > 1:
-        launch += [f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}", f"--master-addr={args.master_addr}",
-                   f"--master-port={args.master_port}"]
+        # c10d rendezvous: the nodes meet at the master's address, each gets its rank as it joins
+        # (no node ranks to hand out); the node at that address hosts the store.
+        launch += [f"--nnodes={args.nnodes}", "--rdzv-backend=c10d",
+                   f"--rdzv-endpoint={args.master_addr}:{args.master_port}", f"--rdzv-id={args.rdzv_id}",
+                   "--rdzv-conf=join_timeout=1800"]
     else:
         launch += ["--standalone"]
     print("launching:", " ".join(launch + ["-m", "arpo_lib", *command]), flush=True)
@@ -255,9 +259,11 @@ def _add_launch_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--nproc-per-node", type=int, default=None,
                    help="training processes on this node (default: train.nproc_per_node)")
     g.add_argument("--nnodes", type=int, default=1, help="nodes (run the same command on each)")
-    g.add_argument("--node-rank", type=int, default=0, help="this node's rank (0 .. nnodes-1)")
-    g.add_argument("--master-addr", default="127.0.0.1", help="address of node 0")
-    g.add_argument("--master-port", type=int, default=29500, help="a free port on node 0")
+    g.add_argument("--master-addr", default="127.0.0.1",
+                   help="the rendezvous node's address (c10d rendezvous: every node gives the same one)")
+    g.add_argument("--master-port", type=int, default=29500, help="a free port on that node")
+    g.add_argument("--rdzv-id", default=os.environ.get("SLURM_JOB_ID", "arpo"),
+                   help="the run's rendezvous id, the same on every node (default: $SLURM_JOB_ID, else 'arpo')")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,7 +24,8 @@ gpus="${gpus##*:}"   # "h100:8" -> 8
 # hanging it, and --kill-on-bad-exit then ends every node's processes; NCCL_DEBUG=INFO to debug.
 export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
-# srun starts one copy per node; each learns its rank from SLURM_NODEID. A re-queued job resumes.
+# srun starts one copy per node; they meet by c10d rendezvous at the first node (rendezvous id: the
+# job id, so a re-queued job, which resumes, meets again). --kill-on-bad-exit: one failed node ends all.
 srun --kill-on-bad-exit=1 bash -c "./workbench train --config '$config' --resume \
-  --nproc-per-node $gpus --nnodes $SLURM_NNODES --node-rank \$SLURM_NODEID \
-  --master-addr $master --master-port $port $*"
+  --nproc-per-node $gpus --nnodes $SLURM_NNODES \
+  --master-addr $master --master-port $port --rdzv-id ${SLURM_JOB_ID:-arpo} $*"

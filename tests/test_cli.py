@@ -64,8 +64,9 @@ def test_several_processes_start_torchrun_with_the_same_command(monkeypatch, cap
     run.mkdir()
     save_config(load_config("configs/smoke.yaml", [f"out_dir={tmp_path}", "name=x"]), run / "config.yaml")
     multi = _launched(monkeypatch, ["resume", "--run", str(run), "--nproc-per-node", "8", "--nnodes", "2",
-                                    "--node-rank", "1", "--master-addr", "gpu-a"])
-    assert "--nnodes=2" in multi and "--node-rank=1" in multi and "--master-addr=gpu-a" in multi
+                                    "--master-addr", "gpu-a", "--rdzv-id", "job7"])
+    assert "--nnodes=2" in multi and "--rdzv-backend=c10d" in multi and "--rdzv-endpoint=gpu-a:29500" in multi
+    assert "--rdzv-id=job7" in multi and "--standalone" not in multi
     # torchrun's parser would take `--run` for its own --run-path: a resume goes as `train --resume`
     assert multi[-5:] == ["arpo_lib", "train", "--config", str(run / "config.yaml"), "--resume"]
     # the config's train.nproc_per_node launches too; the flag wins over it
@@ -75,7 +76,7 @@ def test_several_processes_start_torchrun_with_the_same_command(monkeypatch, cap
     assert "--nproc-per-node=2" in _launched(monkeypatch, ["resume", "--run", str(run), "--nproc-per-node", "2"])
 
 
-def test_the_slurm_script_launches_every_node_with_its_rank(tmp_path, monkeypatch):
+def test_the_slurm_script_launches_every_node_into_one_c10d_rendezvous(tmp_path, monkeypatch):
     import os
     import shlex
     import subprocess
@@ -87,13 +88,14 @@ def test_the_slurm_script_launches_every_node_with_its_rank(tmp_path, monkeypatc
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu-[a-b]",
-           "SLURM_NNODES": "2", "SLURM_GPUS_PER_NODE": "h100:8"}
+           "SLURM_NNODES": "2", "SLURM_GPUS_PER_NODE": "h100:8", "SLURM_JOB_ID": "4242"}
     subprocess.run(["bash", "scripts/slurm_train.sh", "configs/osworld_full128.yaml", "train.steps=60"],
                    env=env, check=True)
     cmd = shlex.split((tmp_path / "cmd").read_text().replace("$SLURM_NODEID", "1"))
     assert cmd[:2] == ["./workbench", "train"]
     launch = _launched(monkeypatch, cmd[1:])
-    assert "--nproc-per-node=8" in launch and "--node-rank=1" in launch and "--master-addr=gpu-a" in launch
+    assert "--nproc-per-node=8" in launch and "--rdzv-backend=c10d" in launch
+    assert "--rdzv-endpoint=gpu-a:29500" in launch and "--rdzv-id=4242" in launch
     assert launch[-5:] == ["train", "--config", "configs/osworld_full128.yaml", "--resume", "train.steps=60"]
 
 

@@ -152,8 +152,15 @@ class RolloutConfig:
     """Ask the server (vLLM) to decode only responses matching the UI-TARS action grammar."""
     weight_sync: str = "none"
     """How a training run updates the server's weights after each update: `none` (evaluation, or
-    a frozen server), `reload` (save the weights, the server reloads them in place: vLLM started with
-    serve.weight_sync=true) or `restart` (stop and start the server on the new weights)."""
+    a frozen server), `stream` (send the tensors one at a time over a process group, no disk: vLLM
+    started with serve.weight_sync=true), `reload` (save the weights, the server reloads them in
+    place: the same vLLM) or `restart` (stop and start the server on the new weights)."""
+    stream_host: str = "127.0.0.1"
+    """weight_sync=stream: this machine's address as the servers see it (the trainer hosts the
+    transfer group's store there); the default serves servers on this machine."""
+    stream_backend: str = "gloo"
+    """weight_sync=stream: `gloo` (through host memory; works everywhere) or `nccl` (GPU to GPU;
+    trainer and servers need NCCL builds that talk to each other, not tried here)."""
 
 
 @dataclass
@@ -384,7 +391,8 @@ class ServeConfig:
     enforce_eager: bool = False
     """vLLM without CUDA graphs / compilation: starts faster, generates slower."""
     weight_sync: bool = False
-    """Start vLLM so that a trainer can reload its weights in place (rollout.weight_sync=reload)."""
+    """Start vLLM so that a trainer can update its weights in place (rollout.weight_sync=stream or
+    reload): dev endpoints, our worker extension and weight-transfer engine."""
     replicas: int = 1
     """How many servers a training run starts (rollout.backend=server without server_url): each
     holds the whole model, episodes are spread over them (each episode stays on one), and every
@@ -553,12 +561,14 @@ def validate(cfg: RunConfig) -> None:
         _fail("train.eval_every", "must be >= 0")
     if cfg.rollout.backend not in ("hf", "server"):
         _fail("rollout.backend", f"must be 'hf' or 'server', got {cfg.rollout.backend!r}")
-    if cfg.rollout.weight_sync not in ("none", "reload", "restart"):
-        _fail("rollout.weight_sync", f"must be 'none', 'reload' or 'restart', got {cfg.rollout.weight_sync!r}")
-    if cfg.rollout.weight_sync == "reload" and cfg.rollout.server_url is None and \
+    if cfg.rollout.weight_sync not in ("none", "stream", "reload", "restart"):
+        _fail("rollout.weight_sync", f"must be 'none', 'stream', 'reload' or 'restart', got {cfg.rollout.weight_sync!r}")
+    if cfg.rollout.weight_sync in ("stream", "reload") and cfg.rollout.server_url is None and \
             not (cfg.serve.backend == "vllm" and cfg.serve.weight_sync):
-        _fail("rollout.weight_sync", "reload needs a vLLM server started with serve.weight_sync=true "
+        _fail("rollout.weight_sync", f"{cfg.rollout.weight_sync} needs a vLLM server started with serve.weight_sync=true "
                                      "(serve.backend=vllm); use restart for the hf server")
+    if cfg.rollout.stream_backend not in ("gloo", "nccl"):
+        _fail("rollout.stream_backend", f"must be 'gloo' or 'nccl', got {cfg.rollout.stream_backend!r}")
     urls = server_urls(cfg)
     if cfg.rollout.server_url is not None and (not urls or len(set(urls)) != len(urls) or
                                                not all(re.match(r"https?://[^/\s]+", u) for u in urls)):

@@ -187,7 +187,8 @@ class ServerSpec:
         if o["enforce_eager"]:
             cmd.append("--enforce-eager")
         if o["weight_sync"]:
-            cmd += ["--worker-extension-cls", "arpo_vllm_ext.WeightSyncExtension"]
+            cmd += ["--worker-extension-cls", "arpo_vllm_ext.WeightSyncExtension",
+                    "--weight-transfer-config", '{"backend": "arpo_stream"}']
         if o["enable_lora"]:
             cmd += ["--enable-lora", "--max-lora-rank", str(int(o["max_lora_rank"]))]
         if int(o["tensor_parallel_size"]) > 1:

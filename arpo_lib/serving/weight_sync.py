@@ -1,7 +1,12 @@
-"""Pushing a trainer's updated weights to the server that generates its rollouts.
+"""Pushing a trainer's updated weights to the servers that generate its rollouts.
 
-Two ways, chosen with `rollout.weight_sync` (see docs/serving.md for the measured trade-offs):
+Three ways, chosen with `rollout.weight_sync` (see docs/serving.md for the measured trade-offs):
 
+- `stream`: vLLM's weight-transfer lifecycle with our engine `arpo_stream` (see
+  `vllm_ext/arpo_vllm_ext.py`): the trainer broadcasts one tensor at a time, in the server's
+  dtype, to every replica at once over a process group of its own (gloo on the CPU, NCCL on
+  GPUs); nothing touches the disk and no full state dict is built. Needs `serve.weight_sync=true`
+  and servers that can reach this machine's `rollout.stream_host`.
 - `reload`: the weights are saved as a model directory; the running vLLM server (started with
   `serve.weight_sync=true`: dev endpoints and our worker extension `arpo_vllm_ext`) pauses,
   reloads them in place, drops every cache that holds results of the old weights (prefix KV,
@@ -10,6 +15,10 @@ Two ways, chosen with `rollout.weight_sync` (see docs/serving.md for the measure
 - `restart`: stop the server and start a new one on the saved directory. Works with any backend
   (our `hf` server, a vLLM without dev mode), costs a full start-up per update (vLLM: ~30-60 s on
   CPU, minutes for a 7B model on GPU with compilation).
+
+After `stream` and `reload` every server confirms what it loaded: the version (stream) and a
+checksum of the tensors it received or read, compared with the trainer's own; a mismatch raises
+`WeightSyncError` rather than letting rollouts come from weights nobody chose.
 
 `ServedPolicy` is the trainer's side of it: it starts the server on the weights the trainer holds
 (or connects to one), keeps track of which weight version the server generates with, and pushes
@@ -28,7 +37,10 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import torch
+
 from arpo_lib.agent.client import post_json
+from arpo_lib.serving.vllm_ext.arpo_vllm_ext import WeightsDigest, broadcast, digest_of_directory, open_group
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +51,17 @@ def _root(url: str) -> str:
     return url[:-3] if url.endswith("/v1") else url
 
 
-def reload_weights(server_url: str, model_dir: str | Path, *, timeout_s: float = 600.0) -> dict[str, Any]:
+class WeightSyncError(RuntimeError):
+    """A server did not confirm the weights the trainer pushed."""
+
+
+def reload_weights(server_url: str, model_dir: str | Path, *, timeout_s: float = 600.0,
+                   expect: str | None = None) -> dict[str, Any]:
     """Make a running vLLM server (weight_sync enabled) serve the weights in `model_dir`.
 
     Requests in flight finish first (`/pause?mode=wait`); afterwards no answer can come from a
-    cache filled by the old weights. Returns timings and what the extension reported."""
+    cache filled by the old weights. Returns timings and what the extension reported. `expect`:
+    the checksum of the directory's tensors (`digest_of_directory`); every worker must report it."""
     root = _root(server_url)
     t0 = time.monotonic()
     post_json(root + "/pause?mode=wait", None, timeout_s=timeout_s, retries=0)
@@ -55,7 +73,108 @@ def reload_weights(server_url: str, model_dir: str | Path, *, timeout_s: float =
             post_json(root + cache, None, timeout_s=60, retries=1)
     finally:
         post_json(root + "/resume", None, timeout_s=60, retries=2)
+    if expect is not None:
+        reported = [r.get("checksum") if isinstance(r, dict) else None for r in (result or {}).get("results", [None])]
+        if not reported or any(c != expect for c in reported):
+            raise WeightSyncError(f"the server at {root} read weights with checksum(s) {reported} from {model_dir}, "
+                                  f"not the {expect} the trainer saved there")
     return {"seconds": time.monotonic() - t0, "result": result}
+
+
+class WeightStream:
+    """The trainer's end of a streamed push (`rollout.weight_sync=stream`) to vLLM servers
+    started with `serve.weight_sync=true`: one process group of the trainer (rank 0) and every
+    server's workers (ranks from 1, in URL order, a server's tensor-parallel workers together).
+
+    Args:
+        urls: the servers' base URLs.
+        host: the address the servers reach this process at (it hosts the group's TCPStore).
+        backend: `gloo` (tensors go through host memory; any server) or `nccl` (GPU to GPU).
+        timeout_s: how long a broadcast or the group's start may wait for a server.
+    """
+
+    def __init__(self, urls: Sequence[str], *, host: str = "127.0.0.1", backend: str = "gloo",
+                 timeout_s: float = 1800.0):
+        from arpo_lib.serving.launch import free_port
+
+        self.roots = [_root(u) for u in urls]
+        self.backend, self.timeout_s = backend, timeout_s
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        sizes = [int((_get_json(root + "/get_world_size?include_dp=true") or {}).get("world_size", 1))
+                 for root in self.roots]
+        offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
+        world, port = 1 + sum(sizes), free_port(host)
+        with ThreadPoolExecutor(max_workers=len(self.roots), thread_name_prefix="arpo-stream") as pool:
+            jobs = [pool.submit(post_json, root + "/init_weight_transfer_engine",
+                                {"init_info": {"master_address": host, "master_port": port, "rank_offset": offset,
+                                               "world_size": world, "backend": backend, "timeout_s": timeout_s}},
+                                timeout_s=timeout_s, retries=0)
+                    for root, offset in zip(self.roots, offsets)]
+            self.group = open_group(master_address=host, master_port=port, rank=0, world_size=world,
+                                    backend=backend, timeout_s=timeout_s)
+            for job in jobs:
+                job.result()
+
+    def push(self, params: Sequence[tuple[str, torch.Tensor]], version: int,
+             dtype: torch.dtype | None = None) -> dict[str, Any]:
+        """Send `params` (name, tensor: plain, or a DTensor shard whose `full_tensor()` is
+        gathered here, one at a time) as weight version `version`, cast to `dtype` (None: as they
+        are), and check that every server confirms the version and the checksum."""
+        t0 = time.monotonic()
+        wire = [dtype or p.dtype for _, p in params]
+        info = {"names": [n for n, _ in params], "dtype_names": [str(d).removeprefix("torch.") for d in wire],
+                "shapes": [list(p.shape) for _, p in params], "version": int(version)}
+        digest = WeightsDigest()
+        self._each("/pause?mode=wait", None)
+        try:
+            self._each("/start_weight_update", None)
+            with ThreadPoolExecutor(max_workers=len(self.roots), thread_name_prefix="arpo-stream") as pool:
+                jobs = [pool.submit(post_json, root + "/update_weights", {"update_info": info},
+                                    timeout_s=self.timeout_s, retries=0) for root in self.roots]
+                for (name, param), wire_dtype in zip(params, wire):
+                    full = param.full_tensor() if hasattr(param, "full_tensor") else param
+                    full = full.detach().to(device=self.device, dtype=wire_dtype).contiguous()
+                    digest.add(name, full)
+                    broadcast(self.group, full)
+                    del full
+                for job in jobs:
+                    job.result()
+            self._each("/finish_weight_update", {"weight_version": str(version)})
+            for cache in ("/reset_encoder_cache", "/reset_mm_cache", "/reset_prefix_cache"):
+                self._each(cache, None)
+        finally:
+            self._each("/resume", None, retries=2)
+        expected = digest.hexdigest()
+        for root in self.roots:
+            states = (post_json(root + "/collective_rpc", {"method": "arpo_weight_state"}, timeout_s=60,
+                                retries=1) or {}).get("results", [])
+            served = (_get_json(root + "/weight_info") or {}).get("weight_version")
+            bad = [s for s in states if s.get("version") != int(version) or s.get("checksum") != expected]
+            if not states or bad or served != str(version):
+                raise WeightSyncError(f"the server at {root} did not confirm weight version {version}: its workers "
+                                      f"report {states}, /weight_info {served!r}; expected checksum {expected}")
+        return {"seconds": time.monotonic() - t0, "tensors": digest.count, "checksum": expected}
+
+    def _each(self, path: str, body: Any, retries: int = 0) -> None:
+        for root in self.roots:
+            post_json(root + path, body, timeout_s=self.timeout_s, retries=retries)
+
+    def close(self) -> None:
+        for root in self.roots:
+            try:
+                post_json(root + "/shutdown_weight_transfer_engine", None, timeout_s=30, retries=0)
+            except Exception as exc:  # the server may be gone already
+                log.debug("shutting down the weight stream of %s: %s", root, exc)
+        self.group = None
+
+
+def _get_json(url: str, timeout_s: float = 30.0) -> Any:
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+        raw = resp.read()
+    return json.loads(raw) if raw else None
 
 
 def save_for_server(policy: Any, directory: Path) -> Path:
@@ -77,7 +196,7 @@ def save_for_server(policy: Any, directory: Path) -> Path:
     return directory
 
 
-SYNC_MODES = ("none", "reload", "restart")
+SYNC_MODES = ("none", "stream", "reload", "restart")
 
 
 class ServedPolicy:
@@ -87,12 +206,18 @@ class ServedPolicy:
 
     Versions: the trainer counts its weight changes (warm start, each optimizer step);
     `policy(version)` returns the client policy after making sure the servers hold that version
-    (`sync`: `reload` in place, `restart` the servers, `none` never: off-policy on purpose).
+    (`sync`: `stream` the tensors, `reload` from disk in place, `restart` the servers, `none`
+    never: off-policy on purpose).
 
     Args:
         connect: base URL -> a client policy (`ServerPolicy`).
         save_weights: writes the trainer's current weights as a model directory; returns it.
-        sync: `none`, `reload` or `restart` (rollout.weight_sync).
+        sync: `none`, `stream`, `reload` or `restart` (rollout.weight_sync).
+        weights: for `stream`: () -> the (name, tensor) pairs to send, in checkpoint naming
+            (tensors are materialised one at a time while sending).
+        wire_dtype: for `stream`: the dtype tensors travel in (None: their own), e.g. the server's.
+        stream_host, stream_backend: for `stream`: this machine's address as the servers see it,
+            and `gloo` or `nccl` (see `WeightStream`).
         url: an existing server's base URL, or several (a fleet started elsewhere: episodes spread
             over them, every one reloaded); None = start them with `start`.
         start: (model directory, replica index) -> a started, healthy server handle.
@@ -102,7 +227,9 @@ class ServedPolicy:
 
     def __init__(self, *, connect: Callable[[str], Any], save_weights: Callable[[], str], sync: str,
                  url: str | Sequence[str] | None = None, start: Callable[[str, int], Any] | None = None,
-                 initial_model: str = "", replicas: int = 1):
+                 initial_model: str = "", replicas: int = 1,
+                 weights: Callable[[], Sequence[tuple[str, torch.Tensor]]] | None = None,
+                 wire_dtype: torch.dtype | None = None, stream_host: str = "127.0.0.1", stream_backend: str = "gloo"):
         if sync not in SYNC_MODES:
             raise ValueError(f"sync must be one of {SYNC_MODES}, not {sync!r}")
         if url is None and start is None:
@@ -112,6 +239,8 @@ class ServedPolicy:
         urls = None if url is None else [url] if isinstance(url, str) else list(url)
         if urls is not None and not urls:
             raise ValueError("ServedPolicy got an empty list of server urls")
+        if sync == "stream" and weights is None:
+            raise ValueError("weight sync 'stream' needs the trainer's weights (weights=)")
         if replicas < 1 or (urls is not None and replicas != 1):
             raise ValueError(f"replicas must be >= 1 (and 1 for servers given by url: their number is the "
                              f"urls'), not {replicas}")
@@ -125,6 +254,11 @@ class ServedPolicy:
         self.served_version: int | None = None
         """The trainer's weight version the servers generate with; None = unknown (someone else's server)."""
         self.seconds_sync = 0.0
+        self._weights, self._wire_dtype = weights, wire_dtype
+        self._stream_host, self._stream_backend = stream_host, stream_backend
+        self._stream: WeightStream | None = None
+        self.last_push: dict[str, Any] = {}
+        """What the last push reported (seconds, and the checksum the servers confirmed)."""
         self._carried = dict.fromkeys(_COUNTERS, 0)  # counts of clients replaced by restarts
         self._carried_by_replica = [0] * self.replicas
 
@@ -173,11 +307,19 @@ class ServedPolicy:
 
     def _push(self, version: int) -> None:
         t0 = time.monotonic()
-        model_dir = self._save()
-        if self.sync == "reload":
+        if self.sync == "stream":
+            urls = [_root(u) for u in self.client.base_urls]
+            if self._stream is None or self._stream.roots != urls:
+                self._stream = WeightStream(urls, host=self._stream_host, backend=self._stream_backend)
+            self.last_push = self._stream.push(list(self._weights()), version, self._wire_dtype)
+        elif self.sync == "reload":
+            model_dir = self._save()
+            expect = digest_of_directory(model_dir)["checksum"]
             with ThreadPoolExecutor(max_workers=len(self.client.base_urls), thread_name_prefix="arpo-sync") as pool:
-                list(pool.map(lambda url: reload_weights(url, model_dir), self.client.base_urls))
+                list(pool.map(lambda url: reload_weights(url, model_dir, expect=expect), self.client.base_urls))
+            self.last_push = {"checksum": expect}
         else:  # restart
+            model_dir = self._save()
             for counter in _COUNTERS:  # totals over the run
                 self._carried[counter] += getattr(self.client, counter)
             for i, requests in enumerate(_requests_by_replica(self.client)):
@@ -199,6 +341,9 @@ class ServedPolicy:
         return {**out, "seconds_sync_total": round(self.seconds_sync, 3)}
 
     def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
         if self.client is not None:
             self.client.close()
             self.client = None

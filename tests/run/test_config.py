@@ -59,6 +59,9 @@ def test_suggestion_for_typo():
     (["rollout.backend=server", "rollout.server_url=http://h:1/v1", "rollout.weight_sync=restart"],
      "rollout.weight_sync"),
     (["rollout.backend=server", "rollout.weight_sync=reload"], "rollout.weight_sync"),  # hf server: no reload
+    (["rollout.backend=server", "rollout.weight_sync=stream"], "rollout.weight_sync"),  # ... nor a stream
+    (["rollout.backend=server", "rollout.weight_sync=stream", "serve.backend=vllm", "serve.weight_sync=true",
+      "rollout.stream_backend=mpi"], "rollout.stream_backend"),
     (["rollout.constrained=true"], "rollout.constrained"),
     (["rollout.backend=server", "rollout.constrained=true", "algo.old_logprobs=behaviour"], "algo.old_logprobs"),
     (["rollout.api_key_env=sk-abc123"], "rollout.api_key_env"),

@@ -129,6 +129,7 @@ def test_vllm_cpu_command_and_environment_for_weight_sync_and_lora():
     cmd = spec.command()
     assert "--gpu-memory-utilization" not in cmd
     assert cmd[cmd.index("--worker-extension-cls") + 1] == "arpo_vllm_ext.WeightSyncExtension"
+    assert json.loads(cmd[cmd.index("--weight-transfer-config") + 1]) == {"backend": "arpo_stream"}
     assert cmd[cmd.index("--max-lora-rank") + 1] == "8" and "--enable-lora" in cmd
     env = spec.environment()
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and env["VLLM_HOST_IP"] == "127.0.0.1"

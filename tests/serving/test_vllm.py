@@ -9,8 +9,10 @@ On a machine with vLLM elsewhere, ARPO_VLLM_PYTHON names its interpreter and no 
 """
 from __future__ import annotations
 
+import json
 import os
 import re
+import urllib.request
 import shutil
 import subprocess
 from pathlib import Path
@@ -198,10 +200,13 @@ def test_constrained_decoding_only_produces_actions(server, served_model, observ
         policy.close()
 
 
+@pytest.mark.parametrize("sync", ["stream", "reload"])
 def test_training_step_pushes_its_weights_to_the_server(server, served_model, hf, observations, tmp_path,
-                                                        warm_tiny_qwen2vl):
-    """One ARPO step generating through vLLM, with rollout.weight_sync=reload: afterwards the
-    server answers exactly as the updated in-process policy, not as the model it started with."""
+                                                        warm_tiny_qwen2vl, sync):
+    """One ARPO step generating through vLLM, with rollout.weight_sync=stream (tensors broadcast
+    over a gloo group, no disk) or reload (from a saved directory): afterwards the server confirms
+    the version and checksum and answers exactly as the updated in-process policy, not as the model
+    it started with."""
     from arpo_lib.run.config import load_config
     from arpo_lib import build
     from arpo_lib.serving.weight_sync import reload_weights
@@ -211,13 +216,19 @@ def test_training_step_pushes_its_weights_to_the_server(server, served_model, hf
         "env.workers=2", "env.max_steps=3", "model.max_new_tokens=48", "model.history_images=5",
         "rollout.group_size=2", "train.tasks_per_batch=2", "train.updates_per_batch=1", "train.steps=1",
         "train.lr=3e-3", "warm_start.steps=0", "warm_start.demos_per_task=0", "train.demo_replay=1",
-        "rollout.backend=server", f"rollout.server_url={server.base_url}", "rollout.weight_sync=reload",
+        "rollout.backend=server", f"rollout.server_url={server.base_url}", f"rollout.weight_sync={sync}",
         "logging.progress=false"])
     segs, ctxs = _contexts(hf, observations)
     with build.trainer(cfg) as trainer:
         (metrics,) = trainer.train()
         assert metrics["server_requests"] > 0 and metrics["server_prompt_mismatches"] == 0
         assert metrics["optimizer_steps"] == 1 and metrics["seconds_sync_total"] > 0
+        served = trainer.rollouts.served
+        assert served.served_version == trainer.weights_version and len(served.last_push["checksum"]) == 64
+        if sync == "stream":
+            assert served.last_push["tensors"] == len(list(trainer.policy.model.parameters()))
+            info = json.loads(urllib.request.urlopen(server.url + "/weight_info", timeout=30).read())
+            assert info["weight_version"] == str(trainer.weights_version)
         updated = trainer.policy
         ours = updated.generate(segs, sampling=SAMPLE, contexts=ctxs, seeds=list(range(len(segs))))
         theirs = trainer.rollouts.served.client.generate(segs, sampling=SAMPLE, contexts=ctxs, seeds=list(range(len(segs))))
@@ -264,8 +275,9 @@ def test_inference_server_notebook_starts_vllm_by_parameters(served_model, vllm_
 def test_a_training_run_keeps_a_fleet_of_two_vllm_servers_on_its_weights(served_model, vllm_python, hf,
                                                                          observations, tmp_path):
     """serve.replicas=2: the run starts two vLLM servers, spreads its episodes over both, and after
-    the update reloads the new weights into both (in parallel): each then answers exactly as the
-    updated in-process policy. At the end both are stopped."""
+    the update streams the new weights to both in one broadcast (a gloo group of the trainer and
+    two workers): each confirms them and then answers exactly as the updated in-process policy. At
+    the end both are stopped."""
     from arpo_lib import build
     from arpo_lib.run.config import load_config
 
@@ -274,7 +286,7 @@ def test_a_training_run_keeps_a_fleet_of_two_vllm_servers_on_its_weights(served_
         "env.workers=2", "env.max_steps=3", "model.max_new_tokens=48", "model.history_images=5",
         "rollout.group_size=2", "train.tasks_per_batch=2", "train.updates_per_batch=1", "train.steps=1",
         "train.lr=3e-3", "warm_start.steps=0", "warm_start.demos_per_task=0", "train.demo_replay=1",
-        "rollout.backend=server", "rollout.weight_sync=reload", "serve.backend=vllm", "serve.replicas=2",
+        "rollout.backend=server", "rollout.weight_sync=stream", "serve.backend=vllm", "serve.replicas=2",
         "serve.weight_sync=true", "serve.device=cpu", "serve.dtype=float32", "serve.max_model_len=4096",
         "serve.enforce_eager=true", f"serve.python={vllm_python}", "logging.progress=false"])
     segs, ctxs = _contexts(hf, observations)
@@ -282,6 +294,7 @@ def test_a_training_run_keeps_a_fleet_of_two_vllm_servers_on_its_weights(served_
         (metrics,) = trainer.train()
         assert metrics["optimizer_steps"] == 1 and metrics["server_prompt_mismatches"] == 0
         assert len(metrics["server_requests_by_replica"]) == 2 and min(metrics["server_requests_by_replica"]) > 0
+        assert len(trainer.rollouts.served.last_push["checksum"]) == 64
         fleet = trainer.rollouts.served.client
         pids = [server.pid for server in trainer.rollouts.served.servers]
         assert len(set(fleet.base_urls)) == 2

@@ -1,5 +1,7 @@
 """Keeping a rollout server on the trainer's weights, on the CPU: the version bookkeeping of
-`ServedPolicy`, the reload protocol against a recording HTTP server, and atomic weight saves."""
+`ServedPolicy`, the reload protocol against a recording HTTP server, the streamed push against a
+fake vLLM that receives over a real gloo group (honest, stale and corrupting), the checksum both
+sides compute, and atomic weight saves. tests/serving/test_vllm.py does the same with vLLM."""
 from __future__ import annotations
 
 import json
@@ -10,7 +12,11 @@ from pathlib import Path
 import pytest
 
 from arpo_lib.agent.client import ServerRequestError
-from arpo_lib.serving.weight_sync import ServedPolicy, reload_weights, save_for_server
+import torch
+
+from arpo_lib.serving.vllm_ext import arpo_vllm_ext as ext
+from arpo_lib.serving.weight_sync import (ServedPolicy, WeightStream, WeightSyncError, reload_weights,
+                                          save_for_server)
 
 
 class _Client:
@@ -78,7 +84,7 @@ def test_a_server_started_without_sync_serves_the_initial_model_and_says_so(caps
 
 def test_someone_elses_server_gets_our_weights_before_the_first_rollout(monkeypatch):
     pushed = []
-    monkeypatch.setattr("arpo_lib.serving.weight_sync.reload_weights", lambda url, d: pushed.append((url, d)))
+    monkeypatch.setattr("arpo_lib.serving.weight_sync.reload_weights", lambda url, d, **kw: pushed.append((url, d)))
     served, saves, _ = _served("reload", url="http://remote:8000/v1")
     served.policy(0)
     assert pushed == [("http://remote:8000/v1", "weights-0")] and served.served_version == 0
@@ -91,7 +97,7 @@ def test_servers_started_elsewhere_are_one_fleet_and_each_gets_our_weights(monke
     """rollout.server_url as a list (e.g. one vLLM per node): one client over all, every one
     reloaded with each new version, requests counted per server."""
     pushed = []
-    monkeypatch.setattr("arpo_lib.serving.weight_sync.reload_weights", lambda url, d: pushed.append((url, d)))
+    monkeypatch.setattr("arpo_lib.serving.weight_sync.reload_weights", lambda url, d, **kw: pushed.append((url, d)))
     urls = ["http://node0:8000/v1", "http://node1:8000/v1"]
     served, saves, servers = _served("reload", url=urls)
     fleet = served.policy(0)
@@ -120,7 +126,7 @@ def test_a_fleet_is_started_restarted_and_reloaded_as_a_whole(monkeypatch):
     assert all(s.stopped for s in servers)
 
     pushed = []
-    monkeypatch.setattr("arpo_lib.serving.weight_sync.reload_weights", lambda url, d: pushed.append((url, d)))
+    monkeypatch.setattr("arpo_lib.serving.weight_sync.reload_weights", lambda url, d, **kw: pushed.append((url, d)))
     served, saves, servers = _served("reload", replicas=2)
     served.policy(0)
     served.policy(1)
@@ -147,13 +153,15 @@ def test_impossible_combinations_are_refused():
 class _Recorder(BaseHTTPRequestHandler):
     calls: list = []
     fail_rpc = False
+    rpc_result: object = 1
 
     def do_POST(self):  # noqa: N802
         length = int(self.headers.get("Content-Length") or 0)
         body = json.loads(self.rfile.read(length)) if length else None
         type(self).calls.append((self.path, body))
         status = 500 if (self.path == "/collective_rpc" and type(self).fail_rpc) else 200
-        payload = json.dumps({"results": [1]} if self.path == "/collective_rpc" else {}).encode()
+        answer = {"results": [type(self).rpc_result]} if self.path == "/collective_rpc" else {}
+        payload = json.dumps(answer).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(payload)))
@@ -166,7 +174,7 @@ class _Recorder(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def recorder():
-    _Recorder.calls, _Recorder.fail_rpc = [], False
+    _Recorder.calls, _Recorder.fail_rpc, _Recorder.rpc_result = [], False, 1
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -209,3 +217,196 @@ def test_weights_are_replaced_whole(tmp_path):
     save_for_server(policy, target)
     assert (target / "weights.txt").read_text() == "2"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["server_weights"]
+
+
+def test_the_reload_checks_the_checksum_of_what_the_server_read(recorder, tmp_path):
+    """The extension answers with the checksum of the tensors it read: the trainer's must match."""
+    _Recorder.rpc_result = {"refreshed": 0, "checksum": "a" * 64, "tensors": 3}
+    reload_weights(recorder, tmp_path, expect="a" * 64)
+    with pytest.raises(WeightSyncError, match="not the " + "b" * 64):
+        reload_weights(recorder, tmp_path, expect="b" * 64)
+    _Recorder.rpc_result = 1  # an extension that says nothing about what it read
+    with pytest.raises(WeightSyncError):
+        reload_weights(recorder, tmp_path, expect="a" * 64)
+    assert [p for p, _ in _Recorder.calls][-1] == "/resume"
+
+
+# -- the checksum -------------------------------------------------------------------------------
+
+def test_the_checksum_sees_every_bit_the_name_the_dtype_and_the_shape_but_not_the_order(monkeypatch):
+    torch.manual_seed(0)
+    a, b = torch.randn(3, 5, dtype=torch.bfloat16), torch.randn(7)
+
+    def digest(*named):
+        d = ext.WeightsDigest()
+        for name, t in named:
+            d.add(name, t)
+        return d.hexdigest()
+
+    base = digest(("a", a), ("b", b))
+    assert digest(("b", b), ("a", a)) == base  # order-free: the disk holds them in any order
+    flipped = a.clone()
+    flipped.view(torch.int16)[1, 2] ^= 1  # one bit of one element
+    assert digest(("a", flipped), ("b", b)) != base
+    assert digest(("a", a.float()), ("b", b)) != base  # a cast is a different payload
+    assert digest(("a", a.reshape(5, 3)), ("b", b)) != base
+    assert digest(("x", a), ("b", b)) != base
+    # summed in bounded chunks: the same number as all at once
+    whole = ext.tensor_bitsum(b)
+    monkeypatch.setattr(ext, "_CHUNK", 2)
+    assert ext.tensor_bitsum(b) == whole == int(b.view(torch.int32).to(torch.int64).sum())
+
+
+def test_the_checksum_of_a_saved_directory_is_the_checksum_of_its_tensors(tmp_path):
+    from safetensors.torch import save_file
+
+    tensors = {"w": torch.arange(6.0).reshape(2, 3), "v": torch.ones(4, dtype=torch.bfloat16)}
+    save_file({"w": tensors["w"]}, str(tmp_path / "model-1.safetensors"))
+    save_file({"v": tensors["v"]}, str(tmp_path / "model-2.safetensors"))
+    d = ext.WeightsDigest()
+    for name, t in tensors.items():
+        d.add(name, t)
+    assert ext.digest_of_directory(tmp_path) == {"checksum": d.hexdigest(), "tensors": 2}
+
+
+# -- the streamed push, against a fake vLLM that receives over a real gloo group ---------------------
+
+class _FakeVLLM(BaseHTTPRequestHandler):
+    """vLLM's weight-transfer endpoints as our engine answers them; `mode` misbehaves on purpose:
+    `stale` keeps reporting the version before, `corrupt` loads a tensor with one bit changed."""
+
+    mode = "honest"
+    world = 1
+    state: dict = {}
+
+    def _send(self, payload):
+        raw = json.dumps(payload).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def do_GET(self):  # noqa: N802
+        if self.path.startswith("/get_world_size"):
+            return self._send({"world_size": type(self).world})
+        if self.path == "/weight_info":
+            return self._send({"weight_version": self.state.get("weight_version", "default")})
+        self.send_error(404)
+
+    def do_POST(self):  # noqa: N802
+        length = int(self.headers.get("Content-Length") or 0)
+        body = json.loads(self.rfile.read(length)) if length else None
+        st, path = self.state, self.path
+        st.setdefault("calls", []).append(path)
+        if path == "/init_weight_transfer_engine":
+            info = body["init_info"]
+            st["group"] = ext.open_group(master_address=info["master_address"], master_port=info["master_port"],
+                                         rank=info["rank_offset"], world_size=info["world_size"],
+                                         backend=info["backend"], timeout_s=60)
+            st["rank"] = info["rank_offset"]
+        elif path == "/update_weights":
+            info, digest = body["update_info"], ext.WeightsDigest()
+            for name, dtype, shape in zip(info["names"], info["dtype_names"], info["shapes"]):
+                t = torch.empty(shape, dtype=getattr(torch, dtype))
+                ext.broadcast(st["group"], t)
+                if type(self).mode == "corrupt" and name == info["names"][-1]:
+                    t.view(-1).view(ext._INT_VIEW[t.element_size()])[0] ^= 1
+                st.setdefault("received", {})[name] = t
+                digest.add(name, t)
+            version = info["version"] - (1 if type(self).mode == "stale" else 0)
+            st["loaded"] = {"version": version, "checksum": digest.hexdigest(), "tensors": digest.count}
+        elif path == "/finish_weight_update":
+            st["weight_version"] = body["weight_version"]
+        elif path == "/collective_rpc":
+            assert body["method"] == "arpo_weight_state"
+            return self._send({"results": [st.get("loaded", {})]})
+        self._send({})
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def fake_vllms():
+    """Two fake servers (each with its own handler class and state)."""
+    servers = []
+    for _ in range(2):
+        handler = type("_Fake", (_FakeVLLM,), {"state": {}, "mode": "honest"})
+        server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        servers.append(server)
+    yield [(f"http://127.0.0.1:{s.server_port}/v1", s.RequestHandlerClass) for s in servers]
+    for s in servers:
+        s.shutdown()
+        s.server_close()
+
+
+class _Shard:
+    """Stands in for an FSDP2 DTensor: metadata without gathering, `full_tensor()` gathers; the
+    spy records how many full tensors exist at once."""
+
+    live = peak = 0
+
+    def __init__(self, full):
+        self._full, self.shape, self.dtype = full, full.shape, full.dtype
+
+    def full_tensor(self):
+        _Shard.live += 1
+        _Shard.peak = max(_Shard.peak, _Shard.live)
+        out = self._full.clone()
+        import weakref
+        weakref.finalize(out, lambda: setattr(_Shard, "live", _Shard.live - 1))
+        return out
+
+
+def test_a_streamed_push_reaches_every_server_one_tensor_at_a_time_and_is_confirmed(fake_vllms):
+    torch.manual_seed(0)
+    params = [("model.embed.weight", _Shard(torch.randn(8, 4))), ("model.norm.weight", _Shard(torch.randn(4))),
+              ("lm_head.weight", _Shard(torch.randn(8, 4)))]
+    stream = WeightStream([url for url, _ in fake_vllms])
+    assert [h.state["rank"] for _, h in fake_vllms] == [1, 2]  # one group: trainer 0, servers 1 and 2
+    _Shard.live = _Shard.peak = 0
+    result = stream.push(params, 7, torch.bfloat16)
+    assert _Shard.peak == 1 and _Shard.live == 0  # never two parameters' full tensors at once
+    for _, handler in fake_vllms:
+        st = handler.state
+        for name, shard in params:
+            assert st["received"][name].dtype == torch.bfloat16
+            assert torch.equal(st["received"][name], shard._full.to(torch.bfloat16))
+        assert st["loaded"] == {"version": 7, "checksum": result["checksum"], "tensors": 3}
+        assert st["weight_version"] == "7"
+        calls = st["calls"]
+        assert calls.index("/pause?mode=wait") < calls.index("/start_weight_update") < calls.index("/update_weights") \
+            < calls.index("/finish_weight_update") < calls.index("/reset_prefix_cache") < calls.index("/resume")
+    stream.close()
+
+
+@pytest.mark.parametrize("mode", ["stale", "corrupt"])
+def test_a_server_that_does_not_confirm_the_push_stops_the_run(fake_vllms, mode):
+    (url, handler), _ = fake_vllms
+    handler.mode = mode
+    stream = WeightStream([url])
+    with pytest.raises(WeightSyncError, match="did not confirm weight version 3"):
+        stream.push([("w", torch.randn(5, 3))], 3)
+    assert handler.state["calls"][-1] == "/collective_rpc" and "/resume" in handler.state["calls"]
+
+
+def test_served_policy_streams_each_new_version_and_records_the_checksum(fake_vllms):
+    (url, handler), _ = fake_vllms
+    weights = {"w": torch.zeros(2, 2)}
+    served = ServedPolicy(connect=_Client, save_weights=str, sync="stream", url=url,
+                          weights=lambda: list(weights.items()))
+    served.policy(0)
+    assert handler.state["loaded"]["version"] == 0
+    weights["w"] += 1
+    served.policy(0)  # nothing changed: nothing sent
+    assert handler.state["calls"].count("/update_weights") == 1
+    served.policy(1)
+    assert torch.equal(handler.state["received"]["w"], torch.ones(2, 2))
+    assert served.served_version == 1 and served.last_push["checksum"] == handler.state["loaded"]["checksum"]
+    served.close()
+    assert handler.state["calls"][-1] == "/shutdown_weight_transfer_engine"
+    with pytest.raises(ValueError, match="stream"):
+        ServedPolicy(connect=_Client, save_weights=str, sync="stream", url=url)

@@ -159,18 +159,17 @@ def test_two_processes_take_the_same_arpo_steps_as_one(runs):
 
 
 def test_two_nodes_rendezvous_and_train_like_one_process(runs, tiny_qwen2vl):
-    """`--nnodes 2 --node-rank R --master-addr A` as on two machines (here both on this one, one
-    process each, rendezvous over TCP at the master address, one shared run directory): the same
-    two ARPO steps as one process."""
+    """`--nnodes 2 --master-addr A` as on two machines (here both on this one, one process each,
+    c10d rendezvous at the master address, one shared run directory): the same two ARPO steps as
+    one process."""
     from arpo_lib.serving.launch import free_port
 
     out, run, _, _ = runs
     port = free_port()
     command = [sys.executable, "-m", "arpo_lib", "train", "--config", "configs/smoke.yaml", "--nproc-per-node=1",
-               "--nnodes=2", "--master-addr=127.0.0.1", f"--master-port={port}", f"model.path={tiny_qwen2vl}",
-               f"out_dir={out}", "name=two-nodes", *COMMON]
-    nodes = [subprocess.Popen([*command, f"--node-rank={r}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for r in (0, 1)]
+               "--nnodes=2", "--master-addr=127.0.0.1", f"--master-port={port}", f"--rdzv-id=test-{port}",
+               f"model.path={tiny_qwen2vl}", f"out_dir={out}", "name=two-nodes", *COMMON]
+    nodes = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in (0, 1)]
     try:
         logs = [node.communicate(timeout=900)[0] for node in nodes]
     finally:
@@ -178,7 +177,7 @@ def test_two_nodes_rendezvous_and_train_like_one_process(runs, tiny_qwen2vl):
             if node.poll() is None:
                 node.kill()
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(log[-3000:] for log in logs)
-    assert all("--nnodes=2" in log for log in logs) and "--node-rank=1" in logs[1]
+    assert all("--nnodes=2" in log and "--rdzv-backend=c10d" in log for log in logs)
     _assert_same(run[1], out / "two-nodes")
     _assert_sharded_checkpoint(out / "two-nodes" / "checkpoints" / "step_000002", ranks=2)
 
