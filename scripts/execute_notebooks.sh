@@ -5,8 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source .venv/bin/activate
-export MINIWOB_CHROME_BINARY="${MINIWOB_CHROME_BINARY:-$(command -v chromium)}"
-export MINIWOB_CHROMEDRIVER="${MINIWOB_CHROMEDRIVER:-$(command -v chromedriver)}"
+[ -n "${MINIWOB_CHROME_BINARY:-}" ] || eval "$(python -m arpo_lib.envs.browser)"  # the browser and its driver
 # The seed-determined numbers depend on the browser's rendering (the tiny model sees screenshots):
 # name the browser they were recorded with, so a failing nbval comparison says so.
 "$MINIWOB_CHROME_BINARY" --version > notebooks/RECORDED_WITH

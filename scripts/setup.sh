@@ -7,13 +7,42 @@ cd "$(dirname "$0")/.."
 say() { printf '[setup] %s\n' "$*" >&2; }
 sudo_if_needed() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 
-# 1. The browser (Debian's Chromium and its matching ChromeDriver), and for the test that runs
-#    generated pyautogui code against a real window: a virtual X server and a clipboard tool.
-if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null \
-    || ! command -v Xvfb >/dev/null || ! command -v xclip >/dev/null; then
-  say "installing chromium, chromium-driver, xvfb and xclip with apt"
+# 1. The browser and its matching ChromeDriver, and for the test that runs generated pyautogui code
+#    against a real window: a virtual X server and a clipboard tool.
+#    - Debian: Debian's Chromium and chromium-driver (apt).
+#    - Ubuntu (Colab's runtime is one): apt's chromium-browser is only a wrapper for a snap, and
+#      snaps cannot run in a container; Google Chrome's own .deb instead (dl.google.com), and the
+#      chromedriver of its version through Selenium Manager (step 2b, once the venv exists).
+#    Picked by /etc/os-release (ID or ID_LIKE ubuntu) or by chromium being the snap wrapper;
+#    ARPO_BROWSER=debian|google overrides. arpo_lib/envs/browser.py finds whichever is installed.
+. /etc/os-release 2>/dev/null || true
+browser="${ARPO_BROWSER:-}"
+if [ -z "$browser" ]; then
+  browser=debian
+  case " ${ID:-} ${ID_LIKE:-} " in *" ubuntu "*) browser=google ;; esac
+  for name in chromium chromium-browser; do
+    if command -v "$name" >/dev/null && head -c 4096 "$(command -v "$name")" | grep -qs snap; then browser=google; fi
+  done
+fi
+case "$browser" in debian|google) ;; *) say "ERROR: ARPO_BROWSER must be debian or google, not $browser"; exit 1 ;; esac
+CHROME_DEB_URL="https://dl.google.com/linux/direct/google-chrome-stable_current_amd64.deb"
+if [ "$browser" = debian ]; then
+  if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null \
+      || ! command -v Xvfb >/dev/null || ! command -v xclip >/dev/null; then
+    say "installing chromium, chromium-driver, xvfb and xclip with apt"
+    sudo_if_needed apt-get update -qq
+    sudo_if_needed env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver xvfb xclip >/dev/null
+  fi
+elif [ ! -x /opt/google/chrome/chrome ] || ! command -v Xvfb >/dev/null || ! command -v xclip >/dev/null; then
+  say "installing Google Chrome (.deb from dl.google.com: apt's chromium here is a snap wrapper), xvfb and xclip"
   sudo_if_needed apt-get update -qq
-  sudo_if_needed env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver xvfb xclip >/dev/null
+  sudo_if_needed env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq xvfb xclip wget >/dev/null
+  if [ ! -x /opt/google/chrome/chrome ]; then
+    deb="$(mktemp -d)/google-chrome-stable_current_amd64.deb"
+    wget -q -O "$deb" "$CHROME_DEB_URL" || { say "ERROR: could not download $CHROME_DEB_URL"; exit 1; }
+    sudo_if_needed env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$deb" >/dev/null
+    rm -f "$deb"
+  fi
 fi
 #    The desktop environments (desktop/<task>): a sandbox (bubblewrap), a window manager, the tool
 #    their set-up steps use (xdotool) and the suite's applications; without recommends (those
@@ -53,6 +82,12 @@ if [ ! -f "$stamp" ]; then
   .venv/bin/python -m ipykernel install --sys-prefix --name python3 >/dev/null
   rm -f .venv/.setup-*
   touch "$stamp"
+fi
+
+# 2b. With Google Chrome: the chromedriver of its version, from Chrome for Testing through Selenium
+#     Manager (into ~/.cache/selenium, where arpo_lib/envs/browser.py looks), unless one is found.
+if [ "$browser" = google ] && ! .venv/bin/python -m arpo_lib.envs.browser 2>/dev/null | grep -q MINIWOB_CHROMEDRIVER; then
+  .venv/bin/python -m arpo_lib.envs.browser --fetch-driver >/dev/null
 fi
 
 # 3. The tiny UI-TARS-architecture models the smoke run and the tests use (deterministic, seconds).

@@ -35,7 +35,6 @@ import importlib.util
 import io
 import os
 import re
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -45,6 +44,7 @@ from PIL import Image
 
 from arpo_lib.actions import Action
 from arpo_lib.envs.base import EnvError, GUIEnv, Observation
+from arpo_lib.envs.browser import FIX, BrowserNotFoundError, find_browser  # noqa: F401 (re-exported)
 
 TASK_WIDTH, TASK_HEIGHT = 160, 210
 """MiniWoB task area in CSS px, including the 50 px instruction bar at the top."""
@@ -58,16 +58,8 @@ SCROLL_AMOUNT_CSS = 50
 MAX_JS_TIMEOUT_MS = 2**31 - 1
 """setTimeout fires immediately for delays above this, which would end every episode at once."""
 
-SETUP_HINT = (
-    "Run `./workbench setup` (or `sudo apt-get install chromium chromium-driver`). "
-    "The binaries are taken from MINIWOB_CHROME_BINARY and MINIWOB_CHROMEDRIVER, or found on "
-    "PATH as `chromium` and `chromedriver` when those variables are unset."
-)
-
-
-class BrowserNotFoundError(RuntimeError):
-    """Chromium or chromedriver is missing: an installation problem, so not an `EnvError`
-    (restarting the environment would not help)."""
+SETUP_HINT = FIX
+"""What to do when the browser is missing (arpo_lib/envs/browser.py finds it)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -189,17 +181,12 @@ def to_miniwob_key(keys: list[str] | str) -> str | None:
 # --------------------------------------------------------------------------------------------
 
 def ensure_chromium() -> tuple[str, str]:
-    """Point miniwob at Chromium and chromedriver (MINIWOB_CHROME_BINARY/MINIWOB_CHROMEDRIVER,
-    defaulted from PATH: without them Selenium would try to download a driver over the network)."""
-    found = {}
-    for var, names in (("MINIWOB_CHROME_BINARY", ("chromium", "chromium-browser", "google-chrome")),
-                       ("MINIWOB_CHROMEDRIVER", ("chromedriver",))):
-        path = os.environ.get(var) or next(filter(None, map(shutil.which, names)), None)
-        if not path or not (os.path.isfile(path) and os.access(path, os.X_OK)):
-            where = f"{var}={path!r} is not an executable" if path else f"no {names[0]} on PATH"
-            raise BrowserNotFoundError(f"Cannot start MiniWoB++: {where}. {SETUP_HINT}")
-        os.environ[var] = found[var] = path
-    return found["MINIWOB_CHROME_BINARY"], found["MINIWOB_CHROMEDRIVER"]
+    """Point miniwob at a Chrome and a chromedriver of its version (MINIWOB_CHROME_BINARY /
+    MINIWOB_CHROMEDRIVER, else found by `browser.find_browser`: PATH, Google Chrome's .deb,
+    Selenium Manager's cache; without them Selenium would try to download a driver over the network)."""
+    found = find_browser()
+    os.environ["MINIWOB_CHROME_BINARY"], os.environ["MINIWOB_CHROMEDRIVER"] = found.binary, found.driver
+    return found.binary, found.driver
 
 
 def chrome_args(scale: int) -> list[str]:
