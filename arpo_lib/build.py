@@ -38,6 +38,7 @@ from arpo_lib.training.backend import training_backend
 from arpo_lib.training.checkpoint import Checkpointer
 from arpo_lib.training.distributed import Ranks, barrier, device_for, init_process_group
 from arpo_lib.training.metrics import RunRecords
+from arpo_lib.viz.tracking import TrackerMedia
 from arpo_lib.training.rollout_source import RolloutSource
 from arpo_lib.training.sft import WarmStart
 from arpo_lib.training.trainer import Trainer
@@ -304,7 +305,9 @@ def trainer(cfg: RunConfig, *, resume: bool = False, policy: HFPolicy | None = N
     if r.backend == "server":  # distributed: rank 0 keeps the server current, the others follow
         served = (served_policy(cfg, trained) if ranks.is_main
                   else FollowingServed(connect=lambda url: server_policy(cfg, url), rank=ranks.rank))
-    records = RunRecords(cfg, backend)
+    media = (TrackerMedia(cfg.run_dir, cfg.logging.wandb_episodes, cfg.logging.wandb_image_width)
+             if cfg.logging.wandb != "disabled" else None)
+    records = RunRecords(cfg, backend, media)
     rollouts = RolloutSource(trained, cfg.env.tasks, lambda: env_pool(cfg, ranks.world_size), backend, served=served,
                              run=run, group_size=r.group_size, temperature=r.temperature, top_p=r.top_p,
                              max_steps=cfg.env.max_steps, format_coef=cfg.algo.format_coef,

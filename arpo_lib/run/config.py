@@ -413,6 +413,11 @@ class LoggingConfig:
     """wandb mode: `disabled`, `offline` or `online`."""
     wandb_project: str = "arpo-workbench"
     """wandb project name."""
+    wandb_episodes: int = 4
+    """Episodes per training step in wandb's `episodes` table (the last screenshot with the action
+    drawn, the final thought and action, success, replayed or not); 0: numbers only."""
+    wandb_image_width: int = 640
+    """Widest screenshot in that table, in pixels (larger ones are scaled down)."""
     progress: bool = True
     """Show progress bars."""
 
@@ -557,6 +562,8 @@ def validate(cfg: RunConfig) -> None:
                                         "it needs algo.old_logprobs=recompute")
     if cfg.train.max_skipped_steps < 0:
         _fail("train.max_skipped_steps", "must be >= 0")
+    if cfg.logging.wandb_episodes < 0 or cfg.logging.wandb_image_width < 16:
+        _fail("logging.wandb_episodes", "wandb_episodes must be >= 0 and wandb_image_width >= 16")
     if cfg.train.eval_every < 0:
         _fail("train.eval_every", "must be >= 0")
     if cfg.rollout.backend not in ("hf", "server"):

@@ -19,7 +19,7 @@ from arpo_lib.run import layout
 from arpo_lib.run.config import RunConfig, config_changes, read_saved_config, save_config
 from arpo_lib.run.layout import RunDir
 from arpo_lib.run.records import append_jsonl
-from arpo_lib.run.tracking import Tracker
+from arpo_lib.run.tracking import Media, Tracker
 from arpo_lib.training.checkpoint import drop_records_after
 from arpo_lib.types import Group, Trajectory
 
@@ -133,8 +133,8 @@ class RunRecords:
     """A run's records, written by rank 0 alone: config.yaml, a metric line per step
     (metrics.jsonl and the tracker), each step's groups.json. Reads `logging.*`."""
 
-    def __init__(self, cfg: RunConfig, backend: "TrainingBackend"):
-        self.cfg, self.backend = cfg, backend
+    def __init__(self, cfg: RunConfig, backend: "TrainingBackend", media: Media | None = None):
+        self.cfg, self.backend, self.media = cfg, backend, media
         self.run = RunDir(cfg.run_dir)
         self.run.root.mkdir(parents=True, exist_ok=True)
         self.progress = cfg.logging.progress and backend.is_main
@@ -150,7 +150,7 @@ class RunRecords:
             self._record_config(step, resume)
         self.backend.barrier()
         if self.backend.is_main:  # the others never log to wandb
-            self.tracker = Tracker(self.cfg)
+            self.tracker = Tracker(self.cfg, self.media)
 
     def _record_config(self, step: int, resume: bool) -> None:
         """Write the run's config.yaml. A resume with a changed config keeps the one the run had
