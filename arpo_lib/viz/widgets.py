@@ -1,11 +1,17 @@
 """Notebook widgets over the pure renderers of `arpo_lib.viz.draw`: a step viewer for one
 trajectory and a group browser for a run. Every view also displays its static figure, so a
-saved or papermill-executed notebook still shows the trajectory.
+saved or papermill-executed notebook, or one opened where widgets cannot render (GitHub's
+notebook view, nbviewer), still shows the trajectory.
+
+On Colab, ipywidgets render only through Colab's custom widget manager: `show_trajectory` and
+`show_group` turn it on (once) when they run under Colab. Without ipywidgets installed they show
+the static figure alone and say why.
 """
 from __future__ import annotations
 
 import html
 import io
+import sys
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -175,20 +181,55 @@ def _display_figure(fig: Any) -> None:
     # and the inline backend cannot show them a second time at the end of the cell.
 
 
+_colab_widgets_enabled = False
+
+
+def enable_colab_widgets() -> bool:
+    """Under Colab, turn on its custom widget manager (ipywidgets 8 render only through it) once;
+    True when running under Colab."""
+    global _colab_widgets_enabled
+    if "google.colab" not in sys.modules:
+        return False
+    if not _colab_widgets_enabled:
+        from google.colab import output
+
+        output.enable_custom_widget_manager()
+        _colab_widgets_enabled = True
+    return True
+
+
+def _widgets_available() -> bool:
+    try:
+        import ipywidgets  # noqa: F401
+    except ImportError:
+        print("ipywidgets is not installed (pip install ipywidgets): the static figure only")
+        return False
+    enable_colab_widgets()
+    return True
+
+
 def show_trajectory(traj_dir: str | Path, *, max_frames: int = 8) -> None:
     """Display a StepViewer AND its static filmstrip (the figure survives a saved notebook)."""
     from IPython.display import display
 
     frames = load_frames(traj_dir)
-    display(StepViewer(frames).widget)
+    if _widgets_available():
+        display(StepViewer(frames).widget)
     _display_figure(filmstrip(frames, max_frames=max_frames))
 
 
 def show_group(run_dir: str | Path, step: int | None = None, task: str | None = None) -> None:
-    """Display a GroupView AND the static group figure of the selected group."""
+    """Display a GroupView AND the static group figure of the selected group (the first one, or
+    (`step`, `task`))."""
     from IPython.display import display
 
-    view = GroupView(run_dir, step, task)
-    display(view.widget)
-    if view.dropdown.value is not None:
-        _display_figure(group_figure(run_dir, *view.dropdown.value))
+    if _widgets_available():
+        view = GroupView(run_dir, step, task)
+        display(view.widget)
+        chosen = view.dropdown.value
+    else:
+        groups = list_groups(run_dir)
+        chosen = next(((s, t) for s, t in groups if (step is None or s == step) and (task is None or t == task)),
+                      None)
+    if chosen is not None:
+        _display_figure(group_figure(run_dir, *chosen))

@@ -6,6 +6,7 @@ writer (step_N.png, traj.jsonl, meta.json, result.txt), so the tests need no bro
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import matplotlib
@@ -355,3 +356,40 @@ def test_show_helpers_display_widget_and_figure(traj_dir: Path, run_dir: Path, m
     kinds = [type(o).__name__ for o in shown]
     assert kinds == ["VBox", "Image", "VBox", "Image"]
     assert shown[1].data[:4] == b"\x89PNG"
+
+
+def test_under_colab_the_custom_widget_manager_is_turned_on_once(traj_dir: Path, run_dir: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch):
+    import types
+
+    import IPython.display
+
+    calls: list = []
+    shown: list = []
+    output = types.SimpleNamespace(enable_custom_widget_manager=lambda: calls.append(len(shown)))
+    colab = types.ModuleType("google.colab")
+    colab.output = output
+    monkeypatch.setitem(sys.modules, "google", types.ModuleType("google"))
+    monkeypatch.setitem(sys.modules, "google.colab", colab)
+    monkeypatch.setitem(sys.modules, "google.colab.output", output)
+    monkeypatch.setattr(widgets, "_colab_widgets_enabled", False)
+    monkeypatch.setattr(IPython.display, "display", lambda obj, *a, **k: shown.append(obj))
+    widgets.show_trajectory(traj_dir)
+    widgets.show_group(run_dir)
+    assert calls == [0]  # before the first widget, and only once
+    assert [type(o).__name__ for o in shown] == ["VBox", "Image", "VBox", "Image"]
+
+
+def test_outside_colab_nothing_is_turned_on_and_without_ipywidgets_the_figures_remain(
+        traj_dir: Path, run_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys):
+    import IPython.display
+
+    monkeypatch.delitem(sys.modules, "google.colab", raising=False)
+    assert widgets.enable_colab_widgets() is False
+    shown: list = []
+    monkeypatch.setattr(IPython.display, "display", lambda obj, *a, **k: shown.append(obj))
+    monkeypatch.setitem(sys.modules, "ipywidgets", None)  # importing it fails
+    widgets.show_trajectory(traj_dir)
+    widgets.show_group(run_dir)
+    assert [type(o).__name__ for o in shown] == ["Image", "Image"]
+    assert "ipywidgets is not installed" in capsys.readouterr().out
