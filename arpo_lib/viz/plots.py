@@ -581,3 +581,61 @@ def _plot_paired(ax_d: Any, pairs: list[tuple[str, dict[str, Any]]], label: dict
         + (f" / {m['final_t']['p_permutation']:.3f}" if "final_t" in m else "") for n, m in pairs], fontsize=8)
     ax_d.set_title("paired difference per seed" + ("\n(o final eval, ^ final policy at T=train)" if with_final
                                                    else " in final eval success"), fontsize=10)
+
+
+# --------------------------------------------------------------------------- live progress
+
+def live_training_figure(records: Sequence[dict[str, Any]]) -> Figure:
+    """One panel for a run in progress: training success per step (line), evaluation success
+    where the run evaluated (markers), replay injections per step (bars, right axis)."""
+    fig = ReportFigure(figsize=(7.5, 3.0), layout="constrained")
+    ax = fig.subplots()
+    steps = [int(m["step"]) for m in records]
+    ax.plot(steps, [float(m.get("success_rate", 0.0)) for m in records], marker=".", color="C0",
+            label="training success")
+    evals = [(int(m["step"]), float(m["eval_success_rate"])) for m in records if "eval_success_rate" in m]
+    if evals:
+        ax.plot(*zip(*evals), marker="o", linestyle="--", color="C2", label="evaluation success")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("step", fontsize=8)
+    ax.set_ylabel("success", fontsize=8)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.tick_params(labelsize=8)
+    bars = ax.twinx()
+    bars.bar(steps, [int(m.get("replay_injections", 0)) for m in records], color="C3", alpha=0.3, width=0.6,
+             label="replay injections")
+    bars.set_ylabel("injections", fontsize=8)
+    bars.yaxis.set_major_locator(MaxNLocator(integer=True))
+    bars.tick_params(labelsize=8)
+    lines, names = ax.get_legend_handles_labels()
+    more, more_names = bars.get_legend_handles_labels()
+    ax.legend(lines + more, names + more_names, fontsize=7, loc="upper left")
+    last = records[-1] if records else {}
+    fig.suptitle(f"step {last.get('step', 0)}: success {float(last.get('success_rate', 0.0)):.2f}, "
+                 f"{sum(int(m.get('replay_injections', 0)) for m in records)} injections so far", fontsize=9)
+    return fig
+
+
+class LiveTraining:
+    """A trainer's `on_step` callback that redraws `live_training_figure` in place after every
+    step (one output that updates, in JupyterLab, Colab and papermill alike), then calls `then`
+    (e.g. `workflows.print_step`). Steps done before (a resumed run) are read from `run_dir`."""
+
+    def __init__(self, run_dir: str | Path | None = None, then: Any = None, display: Any = None):
+        if display is None:
+            from IPython.display import display
+        self._display, self.then = display, then
+        self.records: list[dict[str, Any]] = []
+        if run_dir is not None and layout.RunDir(Path(run_dir)).metrics.is_file():
+            self.records = list(read_jsonl(layout.RunDir(Path(run_dir)).metrics))
+        self.handle: Any = None
+
+    def __call__(self, metrics: dict[str, Any]) -> None:
+        self.records.append(metrics)
+        fig = live_training_figure(self.records)
+        if self.handle is None:
+            self.handle = self._display(fig, display_id=True)
+        else:
+            self.handle.update(fig)
+        if self.then is not None:
+            self.then(metrics)

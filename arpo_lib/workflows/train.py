@@ -44,6 +44,15 @@ def print_step(metrics: dict[str, Any]) -> None:
     log.info(line)
 
 
+def live_progress(trainer: RunTrainer) -> Any:
+    """The training notebooks' `on_step`: a curve of training and evaluation success and replay
+    injections that redraws in place after every step (steps before a resume included), then the
+    step's line (`print_step`). Each rollout phase has its own progress bar (the engine's)."""
+    from arpo_lib.viz.plots import LiveTraining
+
+    return LiveTraining(trainer.run_dir, then=print_step)
+
+
 def training_report(trainer: RunTrainer) -> str:
     """Final report of a training run: steps, success over time, evaluations, where things are."""
     metrics = read_jsonl(trainer.run.metrics)

@@ -201,3 +201,34 @@ def test_compare_eval_table_numbers(trained: dict, base: dict, tmp_path: Path) -
     assert rows["all (pass@k)"] == ["1.00", "0.67", "+0.33"]
     assert rows["domain chrome"] == ["0.50", "0.25", "+0.25"]
     assert rows["domain vlc"] == ["-", "1.00", "-"]
+
+
+def test_the_live_curve_redraws_one_output_per_step_with_success_evaluation_and_injections(tmp_path: Path) -> None:
+    """Issue 37.4: the training notebooks' on_step shows one figure that updates in place, with
+    what each step reported; a resumed run's earlier steps are read from its metrics.jsonl."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "success_rate": 0.25, "replay_injections": 0}) + "\n")
+    shown, lines = [], []
+
+    class Handle:
+        def update(self, obj):
+            shown.append(("update", obj))
+
+    def display(obj, display_id=False):
+        assert display_id is True  # an output that can be updated
+        shown.append(("display", obj))
+        return Handle()
+
+    live = plots.LiveTraining(run, then=lambda m: lines.append(m["step"]), display=display)
+    live({"step": 2, "success_rate": 0.5, "replay_injections": 2})
+    live({"step": 3, "success_rate": 0.75, "replay_injections": 1, "eval_success_rate": 0.6})
+    assert [kind for kind, _ in shown] == ["display", "update"] and lines == [2, 3]
+    fig = shown[-1][1]
+    assert isinstance(fig, Figure) and fig._repr_png_()[:4] == b"\x89PNG"
+    ax, bars = fig.axes
+    success, evaluation = ax.get_lines()
+    assert list(success.get_xdata()) == [1, 2, 3] and list(success.get_ydata()) == [0.25, 0.5, 0.75]
+    assert list(evaluation.get_xdata()) == [3] and list(evaluation.get_ydata()) == [0.6]
+    assert [p.get_height() for p in bars.patches] == [0, 2, 1]
+    assert "3 injections so far" in fig._suptitle.get_text()
