@@ -16,6 +16,9 @@ from arpo_lib.run.tracking import Tracker, scalars
 from arpo_lib.viz.tracking import TrackerMedia, episode_rows, eval_rows, sample_members
 from tests.viz.test_draw_widgets import run_dir  # noqa: F401 (the fixture: a run with groups at step 3)
 
+ARTIFACTS = Path(__import__("os").environ.get("ARPO_TEST_ARTIFACTS") or Path(__file__).resolve().parents[2]
+                 / "test-artifacts")
+
 
 def test_replayed_members_come_first_then_one_of_each_group_in_turn():
     a = [{"id": f"a{i}", "replayed": i == 2} for i in range(3)]
@@ -82,6 +85,7 @@ def _offline_tables(run_dir: Path, data_dir: Path) -> dict[str, dict]:
                 if isinstance(cell, dict) and cell.get("_type") == "image-file":
                     (image,) = [p for p in by_digest[cell["sha256"]] if str(p).encode() in record]
                     assert Image.open(image).width == cell["width"]
+                    cell["staged"] = str(image)
         name = "episodes" if "screenshot" in table["columns"] else "eval_tasks"
         assert f"{name}.table.json".encode() in record
         tables[name] = table
@@ -147,3 +151,26 @@ def test_a_smoke_training_step_logs_its_episodes_to_an_offline_run(offline_wandb
     assert len(table["data"]) == 2 and {row[0] for row in table["data"]} == {"miniwob/click-test"}
     shot = table["columns"].index("screenshot")
     assert all(row[shot]["_type"] == "image-file" for row in table["data"])
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    _picture(table).save(ARTIFACTS / "wandb_episodes.png")
+
+
+def _picture(table: dict) -> Image.Image:
+    """The table as read back, drawn row by row (the README's picture of it; wandb's own page
+    needs its server): the staged screenshot, then the other columns."""
+    from PIL import ImageDraw
+
+    cols = table["columns"]
+    shots = [Image.open(row[cols.index("screenshot")]["staged"]).convert("RGB") for row in table["data"]]
+    width = max(s.width for s in shots) + 520
+    height = sum(max(s.height, 150) + 10 for s in shots) + 30
+    out = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(out)
+    draw.text((8, 8), "wandb table 'episodes' (step 1), read back from the offline run", fill="black")
+    y = 30
+    for row, shot in zip(table["data"], shots):
+        out.paste(shot, (8, y))
+        text = "\n".join(f"{c}: {str(v)[:60]}" for c, v in zip(cols, row) if c != "screenshot")
+        draw.multiline_text((shot.width + 20, y), text, fill="black", spacing=3)
+        y += max(shot.height, 150) + 10
+    return out
