@@ -38,3 +38,39 @@ def test_offline_run_is_written_for_later_sync(tmp_path, monkeypatch):
     import wandb
 
     wandb.teardown()  # wandb's background service would otherwise live as long as this process
+
+
+def test_only_rank_0_starts_a_tracker_and_logs(tmp_path, monkeypatch):
+    """wandb (and its tables) are rank 0's: the other ranks of a distributed run never create a
+    tracker, so they neither log nor read episodes for tables."""
+    from arpo_lib.training import metrics as metrics_module
+
+    made = []
+
+    class Recording:
+        def __init__(self, cfg, media=None):
+            made.append(media)
+            self.logged = []
+
+        def log(self, m, step):
+            self.logged.append(step)
+
+        def finish(self):
+            pass
+
+    class Backend:
+        def __init__(self, main):
+            self.is_main = main
+
+        def barrier(self):
+            pass
+
+    monkeypatch.setattr(metrics_module, "Tracker", Recording)
+    cfg = _cfg(tmp_path, "offline")
+    media = object()
+    for main in (False, True):
+        records = metrics_module.RunRecords(cfg, Backend(main), media)
+        records.start(0, resume=False)
+        records.log({"step": 1, "success_rate": 0.5})
+        assert (records.tracker is not None) == main
+    assert made == [media] and records.tracker.logged == [1]
