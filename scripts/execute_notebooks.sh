@@ -9,7 +9,9 @@ source .venv/bin/activate
 # The seed-determined numbers depend on the browser's rendering (the tiny model sees screenshots):
 # name the browser they were recorded with, so a failing nbval comparison says so.
 "$MINIWOB_CHROME_BINARY" --version > notebooks/RECORDED_WITH
-for nb in notebooks/*.ipynb; do
+# Arguments: the notebooks to re-execute (default: all of them).
+[ $# -gt 0 ] && notebooks=("$@") || notebooks=(notebooks/*.ipynb)
+for nb in "${notebooks[@]}"; do
   echo "executing $nb"
   start=$SECONDS
   # Widget state is not stored: it would embed every progress bar and viewer frame (hundreds of

@@ -629,13 +629,18 @@ class LiveTraining:
         if run_dir is not None and layout.RunDir(Path(run_dir)).metrics.is_file():
             self.records = list(read_jsonl(layout.RunDir(Path(run_dir)).metrics))
         self.handle: Any = None
+        self.figure: Figure | None = None
+        """The figure last shown."""
 
     def __call__(self, metrics: dict[str, Any]) -> None:
+        from IPython.display import Image
+
         self.records.append(metrics)
-        fig = live_training_figure(self.records)
+        self.figure = live_training_figure(self.records)
+        png = Image(data=self.figure._repr_png_())  # PNG bytes: every front end and a saved notebook show them
         if self.handle is None:
-            self.handle = self._display(fig, display_id=True)
+            self.handle = self._display(png, display_id=True)
         else:
-            self.handle.update(fig)
+            self.handle.update(png)
         if self.then is not None:
             self.then(metrics)
