@@ -125,12 +125,18 @@ def broadcast(group: Any, tensor: torch.Tensor) -> None:
 
 
 def _register_engine() -> None:
-    """Register `arpo_stream` in vLLM's weight-transfer engine registry (inside vLLM only)."""
+    """Register `arpo_stream` in vLLM's weight-transfer engine registry, inside vLLM's processes
+    only (vLLM imports this module as the worker extension): a trainer importing the checksum here
+    never pays for importing vLLM, even where it is installed."""
+    import sys
+
+    if "vllm" not in sys.modules:
+        return
     try:
         from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
                                                            WeightTransferUpdateInfo)
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-    except ImportError:  # imported by the trainer, which has no vLLM
+    except ImportError:  # a vLLM without the weight-transfer API (before 0.32)
         return
 
     @dataclass
