@@ -38,10 +38,10 @@ from arpo_lib.training.backend import training_backend
 from arpo_lib.training.checkpoint import Checkpointer
 from arpo_lib.training.distributed import Ranks, barrier, device_for, init_process_group
 from arpo_lib.training.metrics import RunRecords
-from arpo_lib.viz.tracking import TrackerMedia
 from arpo_lib.training.rollout_source import RolloutSource
 from arpo_lib.training.sft import WarmStart
 from arpo_lib.training.trainer import Trainer
+from arpo_lib.viz.tracking import TrackerMedia
 from arpo_lib.types import ServedWeights, WorkerPool
 
 log = logging.getLogger(__name__)

@@ -23,6 +23,7 @@ none matches (Chrome for Testing's, into Selenium Manager's cache: needs the int
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -104,9 +105,17 @@ def version_of(path: str, timeout_s: float = 20.0) -> str:
 
 
 def _check(path: str) -> tuple[str | None, str]:
-    """(version, '') for a usable executable, else (None, why not)."""
+    """(version, '') for a usable executable, else (None, why not). Every MiniWoB environment
+    asks (`ensure_chromium`), so the two `--version` runs are remembered per file and its
+    modification time."""
     if not (os.path.isfile(path) and os.access(path, os.X_OK)):
         return None, "not an executable file"
+    stat = os.stat(path)
+    return _probe(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=64)
+def _probe(path: str, mtime_ns: int, size: int) -> tuple[str | None, str]:
     if is_snap_wrapper(path):
         return None, "Ubuntu's wrapper for the snap, which cannot run here"
     try:

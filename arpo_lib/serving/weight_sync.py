@@ -30,9 +30,11 @@ trainer trains full weights; see docs/serving.md for how LoRA serving works on t
 """
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -169,9 +171,6 @@ class WeightStream:
 
 
 def _get_json(url: str, timeout_s: float = 30.0) -> Any:
-    import json
-    import urllib.request
-
     with urllib.request.urlopen(url, timeout=timeout_s) as resp:
         raw = resp.read()
     return json.loads(raw) if raw else None
