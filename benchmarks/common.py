@@ -31,6 +31,10 @@ REAL_SHAPES: dict[str, dict[str, Any]] = {
         hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
         intermediate_size=18944, vision_depth=32, vision_embed_dim=1280, vision_num_heads=16,
         vision_intermediate_size=3420)),
+    "32b": dict(variant="qwen25vl", vocab=152064, fullatt=[7, 15, 23, 31], spec=dict(
+        hidden_size=5120, num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8,
+        intermediate_size=27648, vision_depth=32, vision_embed_dim=1280, vision_num_heads=16,
+        vision_intermediate_size=3456)),
 }
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 """Dense bf16 tensor-core peak by GPU family (no sparsity), for MFU."""
@@ -56,9 +60,10 @@ def tiny_model_dir(variant: str) -> Path:
     return path
 
 
-def real_config(shape: str) -> Any:
-    """The model config of a real shape (2b, 7b): the published widths and depths, the tokenizer
-    of the local tiny model of the same architecture."""
+def real_config(shape: str, text_layers: int | None = None, vision_layers: int | None = None) -> Any:
+    """The model config of a real shape (2b, 7b, 32b): the published widths and depths, the
+    tokenizer of the local tiny model of the same architecture. `text_layers` / `vision_layers`
+    shrink the depth (the real widths, fewer layers: a CPU check)."""
     from transformers import AutoProcessor
 
     from arpo_lib.agent.tiny_model import TinyModelSpec, _build_config
@@ -69,15 +74,24 @@ def real_config(shape: str) -> Any:
     config.text_config.vocab_size = real["vocab"]
     if "fullatt" in real:
         config.vision_config.fullatt_block_indexes = real["fullatt"]
+    if text_layers:
+        config.text_config.num_hidden_layers = text_layers
+        config.text_config.max_window_layers = text_layers
+        if getattr(config.text_config, "layer_types", None):
+            config.text_config.layer_types = config.text_config.layer_types[:text_layers]
+    if vision_layers:
+        config.vision_config.depth = vision_layers
+        if "fullatt" in real:  # keep the real mix: windowed layers, the last one full
+            config.vision_config.fullatt_block_indexes = [vision_layers - 1]
     return config
 
 
-def meta_model(shape: str) -> Any:
+def meta_model(shape: str, text_layers: int | None = None, vision_layers: int | None = None) -> Any:
     """A real shape's model on torch's meta device: every parameter's shape, no memory."""
     from transformers import AutoModelForImageTextToText
 
     with torch.device("meta"):
-        return AutoModelForImageTextToText.from_config(real_config(shape))
+        return AutoModelForImageTextToText.from_config(real_config(shape, text_layers, vision_layers))
 
 
 def build_policy(shape: str, device: str, text_layers: int | None = None, vision_layers: int | None = None,
@@ -95,18 +109,8 @@ def build_policy(shape: str, device: str, text_layers: int | None = None, vision
         return HFPolicy(tiny_model_dir(variant), device=device, **policy_kwargs), (320, 420)
     from transformers import AutoModelForImageTextToText
 
-    real = REAL_SHAPES[shape]
-    path = tiny_model_dir(real["variant"])
-    config = real_config(shape)
-    if text_layers:
-        config.text_config.num_hidden_layers = text_layers
-        config.text_config.max_window_layers = text_layers
-        if getattr(config.text_config, "layer_types", None):
-            config.text_config.layer_types = config.text_config.layer_types[:text_layers]
-    if vision_layers:
-        config.vision_config.depth = vision_layers
-        if "fullatt" in real:  # keep the real mix: windowed layers, the last one full
-            config.vision_config.fullatt_block_indexes = [vision_layers - 1]
+    path = tiny_model_dir(REAL_SHAPES[shape]["variant"])
+    config = real_config(shape, text_layers, vision_layers)
     with torch.device(device):
         model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
     policy = HFPolicy(path, device=device, model=model, **policy_kwargs)

@@ -113,6 +113,29 @@ def test_memory_table_of_the_real_shapes(tmp_path):
     assert (tmp_path / "memory_computed.json").is_file()
 
 
+def test_measured_memory_follows_the_training_code(tmp_path):
+    """benchmarks/memory_measured.py on the 7B's widths with one decoder layer and one vision block,
+    at 2 and 8 fake ranks: the shards, AdamW's moments and the push's one-parameter-at-a-time
+    gather are where the training code puts them (a push that gathered every parameter before
+    sending, or a second full model at start-up, fails here)."""
+    from benchmarks import memory_measured as mm
+
+    batch = mm.trajectory_batch("7b", 1, (224, 224))
+    for ranks in (2, 8):
+        r = mm.measure("7b", ranks, "adamw", 1, batch=batch, text_layers=1, vision_layers=1)
+        full, shards, largest = r["full_copy_bytes"], r["shard_bytes"], r["largest_bf16_param_bytes"]
+        assert shards == pytest.approx(full / ranks, rel=0.01)
+        update, push = r["phases"]["update"], r["phases"]["weight push"]
+        assert update["OptState"] == pytest.approx(2 * shards, rel=0.01)  # AdamW's two fp32 moments
+        resident = push["Sharded Param"] + push["OptState"] + push["Inputs"]
+        assert push["Total"] - resident <= 3 * largest * 1.01  # one parameter gathered in fp32 + its bf16 copy
+        assert push["Total"] < update["Total"]
+        assert mm.without(r, "start-up") <= shards + 2 * (2 * largest) * 1.01  # no second full model
+        assert r["phases"]["old log-probs"]["Total"] < update["Total"]
+    rows = mm.rows([r])
+    assert rows[0]["ranks"] == 8 and rows[0]["peak without the full copy"].endswith("GiB")
+
+
 @pytest.mark.slow
 def test_osworld_sandbox_benchmark_runs_small(tmp_path, osworld_python):
     """benchmarks/bench_osworld_sandbox.py in the OSWorld interpreter, one environment, one episode

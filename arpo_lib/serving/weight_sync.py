@@ -37,7 +37,7 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -133,9 +133,7 @@ class WeightStream:
             with ThreadPoolExecutor(max_workers=len(self.roots), thread_name_prefix="arpo-stream") as pool:
                 jobs = [pool.submit(post_json, root + "/update_weights", {"update_info": info},
                                     timeout_s=self.timeout_s, retries=0) for root in self.roots]
-                for (name, param), wire_dtype in zip(params, wire):
-                    full = param.full_tensor() if hasattr(param, "full_tensor") else param
-                    full = full.detach().to(device=self.device, dtype=wire_dtype).contiguous()
+                for name, full in full_tensors(params, self.device, wire):
                     digest.add(name, full)
                     broadcast(self.group, full)
                     del full
@@ -168,6 +166,19 @@ class WeightStream:
             except Exception as exc:  # the server may be gone already
                 log.debug("shutting down the weight stream of %s: %s", root, exc)
         self.group = None
+
+
+def full_tensors(params: Sequence[tuple[str, torch.Tensor]], device: torch.device,
+                 dtypes: Sequence[torch.dtype]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, whole tensor on `device` in its wire dtype) for each of `params`, one at a time: a
+    DTensor shard is gathered (`full_tensor()`, every rank takes part) only when its turn comes,
+    so the caller holds one parameter's full tensor above the shards, never more, as long as it
+    drops each before asking for the next (the measured memory table walks this same loop)."""
+    for (name, param), dtype in zip(params, dtypes):
+        full = param.full_tensor() if hasattr(param, "full_tensor") else param
+        full = full.detach().to(device=device, dtype=dtype).contiguous()  # the gathered one is freed here
+        yield name, full
+        del full  # before the next one is gathered
 
 
 def _get_json(url: str, timeout_s: float = 30.0) -> Any:

@@ -112,7 +112,8 @@ def device_for(ranks: Ranks, device: str) -> str:
 
 
 # -- the sharded model ---------------------------------------------------------------------------
-def shard_for_training(model: torch.nn.Module, forward_fn: Any, *, compute_dtype: torch.dtype) -> LogprobNet:
+def shard_for_training(model: torch.nn.Module, forward_fn: Any, *, compute_dtype: torch.dtype,
+                       mesh: Any = None) -> LogprobNet:
     """A sharded copy of `model` for the update: each text decoder layer and each vision block
     its own FSDP2 unit, the rest in the root. Parameters stay fp32 (the master weights); with a
     16-bit `compute_dtype` (CUDA's default; `model.compute_dtype` on the CPU) the forward runs in it
@@ -120,7 +121,9 @@ def shard_for_training(model: torch.nn.Module, forward_fn: Any, *, compute_dtype
 
     No second copy of the model is made: the copy's structure is built with its parameters on the
     meta device, sharded there, and only this rank's shards are allocated and filled from
-    `model` (`load_full_into_sharded`: every rank slices its own part, nothing is sent)."""
+    `model` (`load_full_into_sharded`: every rank slices its own part, nothing is sent).
+    `mesh`: the device mesh to shard over (default: every rank, on the model's device type; the
+    measured memory table passes one made before it enters FakeTensorMode)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -134,7 +137,7 @@ def shard_for_training(model: torch.nn.Module, forward_fn: Any, *, compute_dtype
         mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     # the mesh names the model's device: FSDP2's default mesh takes the machine's accelerator, so
     # gloo ranks on CPU would each claim cuda:LOCAL_RANK on a machine with fewer GPUs than ranks
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mesh = mesh if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))
     for unit in shard_units(net.net):
         fully_shard(unit, mesh=mesh, mp_policy=mp)
     fully_shard(net, mesh=mesh, mp_policy=mp)

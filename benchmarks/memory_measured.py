@@ -1,0 +1,277 @@
+"""Per-rank memory of FSDP2 training, MEASURED without a GPU: torch's fake process group in one
+process (rank 0 of N; the fake collectives move nothing), every tensor a FakeTensor (shapes and
+dtypes, no storage, no arithmetic), and torch's FSDP2 memory tracker counting what exists, by kind,
+through the phases of a training step. The code measured is the training code: the model built
+from the real shape's config (benchmarks/common.py: REAL_SHAPES), sharded by
+`distributed.shard_for_training`, the training forward `HFPolicy.forward_logprobs` (LM head only at
+the trained positions, in chunks), the optimizer `make_optimizer` would build on CUDA, activation
+checkpointing as `model.gradient_checkpointing` turns it on, a trajectory of N 1080p screenshots
+built by the real chat template and image processor, and the push's own loop
+(`weight_sync.full_tensors`).
+
+    python benchmarks/memory_measured.py                       # 7B, AdamW + Adafactor, 1/2/8/16 ranks (~25 min)
+    python benchmarks/memory_measured.py --shapes 7b --world-sizes 8 --optimizers adamw
+
+Phases, each its own peak (bytes of rank 0; every rank holds the same):
+- start-up: the full fp32 model (the copy each rank still keeps today) and this rank's shards;
+- old log-probs: the forward without gradients over one micro-batch (server mode's rollout
+  phase on the trainer: generation runs in the vLLM servers' own processes);
+- update: forward, backward and the optimizer step over one micro-batch, the optimizer's state
+  already there (as from the second step on);
+- weight push: every trainable parameter gathered whole, cast to bf16, one at a time.
+"full copy" is measured (the fp32 model `model.to_empty` allocates) and resident through every
+phase; "without it" subtracts it: what server mode holds once the full copy is gone (issue 35).
+
+What this cannot see (a GPU run can): the CUDA caching allocator's fragmentation and reserve, NCCL's
+buffers, CUDA autocast's op list (CPU autocast is measured: the same matmuls in bf16), kernels'
+workspaces, and the attention kernel chosen (the CPU flash-attention kernel's shapes are measured).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import RESULTS_DIR, meta_model, real_config, synthetic_trajectory, table, tiny_model_dir  # noqa: E402
+
+GIB = 2 ** 30
+PHASES = ("start-up", "old log-probs", "update", "weight push")
+_WARM: set[tuple[str, int]] = set()
+"""(shape, world size) measured once with one layer first: the first sharding in a process counts
+DTensor's shape-propagation scratch tensors (~2 of the largest parameter) as memory; a GPU run
+propagates on meta tensors. After one warm-up the same measurement repeats to the byte."""
+
+
+def trajectory_batch(shape: str, screenshots: int, size: tuple[int, int] = (1920, 1080)) -> dict[str, torch.Tensor]:
+    """One training micro-batch: a trajectory of `screenshots` screenshots at `size`, through the
+    real chat template and image processor at UI-TARS's pixel limits (a 1080p screenshot is not
+    downscaled), padded as `HFPolicy.sequence_logprobs` pads it; plus the index tensors the model
+    would derive from it (3D rope positions, vision windows), computed here with the model's own
+    functions outside FakeTensorMode, where their data-dependent shapes can be evaluated."""
+    from transformers.vision_utils import get_vision_cu_seqlens, get_vision_window_index
+
+    from arpo_lib.agent.hf_policy import HFPolicy, pad_segments
+
+    variant = "qwen25vl" if shape != "2b" else "qwen2vl"
+    policy = HFPolicy(tiny_model_dir(variant), device="cpu")
+    ip = policy.processor.image_processor
+    min_pixels, max_pixels = 3136, 16384 * 28 * 28
+    ip.size = type(ip.size)(shortest_edge=min_pixels, longest_edge=max_pixels)
+    policy.resize = (28, min_pixels, max_pixels)
+    segment = synthetic_trajectory(policy, screenshots, size)
+    batch = pad_segments([segment], policy.pad_id, side="right")
+    config = real_config(shape)
+    with torch.device("meta"):
+        from transformers import AutoModelForImageTextToText
+        shell = AutoModelForImageTextToText.from_config(config)
+    grid = batch["image_grid_thw"]
+    batch["position_ids"] = shell.model.get_rope_index(
+        batch["input_ids"], batch["mm_token_type_ids"], image_grid_thw=grid,
+        attention_mask=batch["attention_mask"])[0]
+    vc = config.vision_config
+    batch["cu_seqlens"] = get_vision_cu_seqlens(grid)
+    if getattr(vc, "window_size", None):  # Qwen2.5-VL's windowed vision attention
+        batch["window_index"], batch["cu_window_seqlens"] = get_vision_window_index(
+            grid, spatial_merge_size=vc.spatial_merge_size, window_size=vc.window_size, patch_size=vc.patch_size)
+    batch["suppress_ids"] = policy.suppress_ids
+    return batch
+
+
+@contextlib.contextmanager
+def fake_ranks(world_size: int) -> Iterator[None]:
+    """Torch's fake process group: this process is rank 0 of `world_size`."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def fake_tensors() -> Iterator[Any]:
+    """FakeTensorMode in which small integer tensors made `constant` keep their values through
+    the operations on them (token ids, grid sizes, window boundaries: the model reads them with
+    `.tolist()`), so the model's data-dependent steps run while every large tensor stays fake."""
+    import torch._subclasses.fake_tensor as ft
+
+    limit = ft.CONSTANT_NUMEL_LIMIT
+    ft.CONSTANT_NUMEL_LIMIT = 10 ** 7
+    try:
+        with ft.FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            yield mode
+    finally:
+        ft.CONSTANT_NUMEL_LIMIT = limit
+
+
+class _ScalarsReadAsOne(TorchDispatchMode):
+    """Inside FakeTensorMode, a fake tensor's value read on the host (`float(t)`, `.tolist()`) is 1:
+    the optimizer's norms (ShardedAdafactor reads each parameter's) scale the update, they do not
+    change what is allocated. Only around the optimizer's step; a data-dependent *shape* still fails."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if (func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor)
+                and args[0].constant is None):
+            return True if args[0].dtype == torch.bool else 1.0 if args[0].is_floating_point() else 1
+        return func(*args, **(kwargs or {}))
+
+
+def _peak(tracker: Any) -> dict[str, float]:
+    """The tracker's peak on the CPU device (where the fake tensors live), by kind, in bytes."""
+    snapshot = tracker.get_tracker_snapshot("peak")
+    by_kind = next(iter(snapshot.values()))
+    return {str(getattr(k, "value", k)): float(v) for k, v in by_kind.items()}
+
+
+def measure(shape: str, world_size: int, optimizer: str = "adamw", screenshots: int = 15,
+            batch: dict[str, torch.Tensor] | None = None, text_layers: int | None = None,
+            vision_layers: int | None = None) -> dict[str, Any]:
+    """Rank 0's peak bytes in each phase of one training step at `world_size` ranks.
+    `batch`: from `trajectory_batch` (made once for several measurements); `text_layers` /
+    `vision_layers`: fewer layers of the real widths (a quick check)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from arpo_lib.agent.hf_policy import HFPolicy, enable_activation_checkpointing
+    from arpo_lib.agent.model.vision_attention import use_batched_vision_attention
+    from arpo_lib.serving.weight_sync import full_tensors
+    from arpo_lib.training import distributed as dist_
+    from arpo_lib.training.optim import make_optimizer
+
+    t0 = time.monotonic()
+    if (shape, world_size) not in _WARM:  # see _WARM
+        _WARM.add((shape, world_size))
+        measure(shape, world_size, optimizer, 1, batch=trajectory_batch(shape, 1, (224, 224)),
+                text_layers=1, vision_layers=1)
+    batch = dict(batch if batch is not None else trajectory_batch(shape, screenshots))
+    suppress = batch.pop("suppress_ids")
+    model = meta_model(shape, text_layers, vision_layers)
+    use_batched_vision_attention(model)
+    enable_activation_checkpointing(model)
+    stub = SimpleNamespace(autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+                           suppress_ids=suppress, logprob_chunk=1024)
+    forward = lambda net, b, targets, temperature: HFPolicy.forward_logprobs(stub, net, b, targets, temperature)  # noqa: E731
+    phases: dict[str, dict[str, float]] = {}
+    with fake_ranks(world_size):
+        mesh = init_device_mesh("cpu", (world_size,))  # outside FakeTensorMode: it reads a tensor's values
+        with fake_tensors() as mode:
+            with MemTracker() as startup:
+                model.to_empty(device="cpu")  # the full fp32 model every rank keeps today
+                net = dist_.shard_for_training(model, forward, compute_dtype=torch.bfloat16, mesh=mesh)
+            phases["start-up"] = _peak(startup)
+            full_copy = float(sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())))
+            params = [p for p in net.parameters() if p.requires_grad]
+            opt = make_optimizer(optimizer, params, lr=1e-6, weight_decay=0.0)
+            if optimizer == "adamw":  # fused on CUDA (no temporaries); fused under FakeTensorMode counts
+                # its functional outputs as new memory, so one parameter at a time stands in for it here
+                opt = torch.optim.AdamW(params, lr=1e-6, weight_decay=0.0, foreach=False)
+            for p in params:  # the optimizer's state as after the first step: the steady state is measured
+                p.grad = torch.zeros_like(p)
+            with _ScalarsReadAsOne():
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+            conv = mode.fake_tensor_converter
+            fake = {k: (mode.from_tensor(v) if k == "pixel_values"
+                        else conv.from_real_tensor(mode, v, make_constant=True)) for k, v in batch.items()}
+            targets = fake.pop("loss_mask").bool()
+
+            def tracked() -> Any:
+                tracker = FSDPMemTracker(net, opt)  # the full copy is added to these, not tracked
+                tracker.track_inputs((fake, targets))
+                return tracker
+
+            with tracked() as t, torch.no_grad():
+                net(dict(fake), targets, 1.0)
+            phases["old log-probs"] = _peak(t)
+            net.train()
+            with tracked() as t:
+                net(dict(fake), targets, 1.0).sum().backward()
+                with _ScalarsReadAsOne():
+                    opt.step()
+                opt.zero_grad(set_to_none=True)
+            phases["update"] = _peak(t)
+            net.eval()
+            trainable = [(n, p) for n, p in net.named_parameters() if p.requires_grad]
+            with tracked() as t:
+                for _, whole in full_tensors(trainable, torch.device("cpu"), [torch.bfloat16] * len(trainable)):
+                    del whole
+            phases["weight push"] = _peak(t)
+            largest = max(p.numel() for _, p in trainable) * 2
+            shards = float(sum(p.to_local().numel() * p.element_size() for p in net.parameters()))
+    return {"shape": shape, "text_layers": text_layers, "vision_layers": vision_layers, "world_size": world_size, "optimizer": optimizer, "screenshots": screenshots,
+            "tokens": int(batch["input_ids"].shape[1]), "patches": int(batch["pixel_values"].shape[0]),
+            "full_copy_bytes": full_copy, "shard_bytes": shards, "largest_bf16_param_bytes": float(largest),
+            "phases": phases, "seconds": round(time.monotonic() - t0, 1)}
+
+
+def without(result: dict[str, Any], phase: str) -> float:
+    """A phase's peak without the full copy (start-up measures it with the shards; the other
+    phases' trackers count only the sharded model, its optimizer and what the step allocates)."""
+    total = result["phases"][phase]["Total"]
+    return total - result["full_copy_bytes"] if phase == "start-up" else total
+
+
+def rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Table rows: each phase's peak without the full copy (GiB), the step's peak without it and
+    with it (as today)."""
+    out = []
+    for r in results:
+        full = r["full_copy_bytes"]
+        row = {"shape": r["shape"], "training": f"full {r['optimizer']}", "ranks": r["world_size"]}
+        for phase in PHASES:
+            row[phase] = f"{without(r, phase) / GIB:.1f}"
+        peak = max(without(r, p) for p in PHASES)
+        row["peak without the full copy"] = f"{peak / GIB:.1f} GiB"
+        row["peak today (+ full copy)"] = f"{(peak + full) / GIB:.1f} GiB"
+        out.append(row)
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", nargs="+", default=["7b"])
+    ap.add_argument("--world-sizes", nargs="+", type=int, default=[1, 2, 8, 16])
+    ap.add_argument("--optimizers", nargs="+", default=["adamw", "adafactor"], choices=["adamw", "adafactor"])
+    ap.add_argument("--screenshots", type=int, default=15)
+    ap.add_argument("--resolution", default="1920x1080", help="screenshot size, WxH")
+    ap.add_argument("--text-layers", type=int, help="fewer decoder layers (a quick CPU check)")
+    ap.add_argument("--vision-layers", type=int, help="fewer vision blocks (a quick CPU check)")
+    ap.add_argument("--out", default=str(RESULTS_DIR))
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "memory_measured.json"
+    results: list[dict[str, Any]] = []
+    for shape in args.shapes:
+        size = tuple(int(v) for v in args.resolution.lower().split("x"))
+        batch = trajectory_batch(shape, args.screenshots, size)
+        for optimizer in args.optimizers:
+            for ws in args.world_sizes:
+                r = measure(shape, ws, optimizer, args.screenshots, batch=batch,
+                            text_layers=args.text_layers, vision_layers=args.vision_layers)
+                results.append(r)
+                print(f"{shape} {optimizer} x{ws}: peak {max(without(r, p) for p in PHASES) / GIB:.1f} GiB "
+                      f"({r['seconds']} s)", flush=True)
+                path.write_text(json.dumps({"kind": "measured (FakeTensorMode, fake process group, FSDPMemTracker)",
+                                            "command": "python benchmarks/memory_measured.py " + " ".join(argv or sys.argv[1:]),
+                                            "torch": torch.__version__, "results": results}, indent=1) + "\n")
+    print(table(rows(results), list(rows(results)[0])))
+    return {"results": results, "rows": rows(results)}
+
+
+if __name__ == "__main__":
+    main()
