@@ -9,8 +9,10 @@ checkpointing as `model.gradient_checkpointing` turns it on, a trajectory of N 1
 built by the real chat template and image processor, and the push's own loop
 (`weight_sync.full_tensors`).
 
-    python benchmarks/memory_measured.py                       # 7B, AdamW + Adafactor, 1/2/8/16 ranks (~25 min)
-    python benchmarks/memory_measured.py --shapes 7b --world-sizes 8 --optimizers adamw
+    python benchmarks/memory_measured.py                       # 7B, AdamW + Adafactor, 1/2/4/8/16 ranks (~15 min)
+    python benchmarks/memory_measured.py --shapes 7b 2b 32b    # resumable: measured rows are kept
+    python benchmarks/memory_measured.py --text-layers 1 --vision-layers 1 --screenshots 1 --resolution 224x224 \
+        --out /tmp/m                                           # a quick check (~1 min)
 
 Phases, each its own peak (bytes of rank 0; every rank holds the same):
 - start-up: the full fp32 model (the copy each rank still keeps today) and this rank's shards;
@@ -218,6 +220,35 @@ def measure(shape: str, world_size: int, optimizer: str = "adamw", screenshots: 
             "phases": phases, "seconds": round(time.monotonic() - t0, 1)}
 
 
+def one_gpu_fwd_bwd(shape: str, batch: dict[str, torch.Tensor]) -> float:
+    """Peak bytes of one forward+backward of the whole model in bf16 weights on one device, the run
+    `benchmarks/bench_update.py --shape 7b --screenshots 15` measured on an H100 (path `ours`,
+    bf16 weights, checkpointing; results/update_7b_15shots.json: 55.84 GiB by
+    `torch.cuda.max_memory_allocated`): measured here the same way as the table, it is the check
+    of this method against a real GPU."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from arpo_lib.agent.hf_policy import HFPolicy, enable_activation_checkpointing
+    from arpo_lib.agent.model.vision_attention import use_batched_vision_attention
+
+    batch = dict(batch)
+    stub = SimpleNamespace(autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+                           suppress_ids=batch.pop("suppress_ids"), logprob_chunk=1024)
+    model = meta_model(shape).to(torch.bfloat16)
+    use_batched_vision_attention(model)
+    enable_activation_checkpointing(model)
+    model.train()
+    with fake_tensors() as mode, MemTracker() as tracker:
+        model.to_empty(device="cpu")
+        conv = mode.fake_tensor_converter
+        fake = {k: (mode.from_tensor(v) if k == "pixel_values"
+                    else conv.from_real_tensor(mode, v, make_constant=True)) for k, v in batch.items()}
+        targets = fake.pop("loss_mask").bool()
+        logprobs = HFPolicy.forward_logprobs(stub, model, fake, targets, 1.0)
+        (-logprobs.mean()).backward()
+    return _peak(tracker)["Total"]
+
+
 def without(result: dict[str, Any], phase: str) -> float:
     """A phase's peak without the full copy (start-up measures it with the shards; the other
     phases' trackers count only the sharded model, its optimizer and what the step allocates)."""
@@ -241,10 +272,15 @@ def rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _key(r: dict[str, Any]) -> tuple:
+    return (r["shape"], r["world_size"], r["optimizer"], r["screenshots"], r.get("text_layers"),
+            r.get("vision_layers"), r.get("resolution"))
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", nargs="+", default=["7b"])
-    ap.add_argument("--world-sizes", nargs="+", type=int, default=[1, 2, 8, 16])
+    ap.add_argument("--world-sizes", nargs="+", type=int, default=[1, 2, 4, 8, 16])
     ap.add_argument("--optimizers", nargs="+", default=["adamw", "adafactor"], choices=["adamw", "adafactor"])
     ap.add_argument("--screenshots", type=int, default=15)
     ap.add_argument("--resolution", default="1920x1080", help="screenshot size, WxH")
@@ -255,20 +291,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "memory_measured.json"
-    results: list[dict[str, Any]] = []
+    # resumable: what the file already holds is kept, and not measured again
+    results: list[dict[str, Any]] = json.loads(path.read_text())["results"] if path.is_file() else []
+    done = {_key(r) for r in results}
+    size = tuple(int(v) for v in args.resolution.lower().split("x"))
     for shape in args.shapes:
-        size = tuple(int(v) for v in args.resolution.lower().split("x"))
+        todo = [(o, ws) for o in args.optimizers for ws in args.world_sizes
+                if (shape, ws, o, args.screenshots, args.text_layers, args.vision_layers, args.resolution) not in done]
+        if not todo:
+            continue
         batch = trajectory_batch(shape, args.screenshots, size)
-        for optimizer in args.optimizers:
-            for ws in args.world_sizes:
-                r = measure(shape, ws, optimizer, args.screenshots, batch=batch,
-                            text_layers=args.text_layers, vision_layers=args.vision_layers)
-                results.append(r)
-                print(f"{shape} {optimizer} x{ws}: peak {max(without(r, p) for p in PHASES) / GIB:.1f} GiB "
-                      f"({r['seconds']} s)", flush=True)
-                path.write_text(json.dumps({"kind": "measured (FakeTensorMode, fake process group, FSDPMemTracker)",
-                                            "command": "python benchmarks/memory_measured.py " + " ".join(argv or sys.argv[1:]),
-                                            "torch": torch.__version__, "results": results}, indent=1) + "\n")
+        for optimizer, ws in todo:
+            r = measure(shape, ws, optimizer, args.screenshots, batch=batch,
+                        text_layers=args.text_layers, vision_layers=args.vision_layers)
+            r["resolution"] = args.resolution
+            results.append(r)
+            print(f"{shape} {optimizer} x{ws}: peak {max(without(r, p) for p in PHASES) / GIB:.1f} GiB without the "
+                  f"full copy ({r['seconds']} s)", flush=True)
+            path.write_text(json.dumps({"kind": "measured (FakeTensorMode, fake process group, FSDPMemTracker)",
+                                        "command": "python benchmarks/memory_measured.py",
+                                        "torch": torch.__version__, "results": results}, indent=1) + "\n")
+    results.sort(key=lambda r: (r["shape"], r["optimizer"], r["world_size"]))
     print(table(rows(results), list(rows(results)[0])))
     return {"results": results, "rows": rows(results)}
 
