@@ -140,15 +140,16 @@ def _peak(tracker: Any) -> dict[str, float]:
 
 def measure(shape: str, world_size: int, optimizer: str = "adamw", screenshots: int = 15,
             batch: dict[str, torch.Tensor] | None = None, text_layers: int | None = None,
-            vision_layers: int | None = None) -> dict[str, Any]:
+            vision_layers: int | None = None, freeze_vision: bool = False) -> dict[str, Any]:
     """Rank 0's peak bytes in each phase of one training step at `world_size` ranks.
     `batch`: from `trajectory_batch` (made once for several measurements); `text_layers` /
-    `vision_layers`: fewer layers of the real widths (a quick check)."""
+    `vision_layers`: fewer layers of the real widths (a quick check); `freeze_vision`: the vision
+    tower not trained (`set_vision_tower_trainable(False)`, as EasyR1's `freeze_vision_tower`)."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.device_mesh import init_device_mesh
 
-    from arpo_lib.agent.hf_policy import HFPolicy, enable_activation_checkpointing
+    from arpo_lib.agent.hf_policy import HFPolicy, enable_activation_checkpointing, set_vision_tower_trainable
     from arpo_lib.agent.model.vision_attention import use_batched_vision_attention
     from arpo_lib.serving.weight_sync import full_tensors
     from arpo_lib.training import distributed as dist_
@@ -164,6 +165,8 @@ def measure(shape: str, world_size: int, optimizer: str = "adamw", screenshots: 
     model = meta_model(shape, text_layers, vision_layers)
     use_batched_vision_attention(model)
     enable_activation_checkpointing(model)
+    if freeze_vision:
+        set_vision_tower_trainable(model, False)
     stub = SimpleNamespace(autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16),
                            suppress_ids=suppress, logprob_chunk=1024)
     forward = lambda net, b, targets, temperature: HFPolicy.forward_logprobs(stub, net, b, targets, temperature)  # noqa: E731
@@ -214,7 +217,8 @@ def measure(shape: str, world_size: int, optimizer: str = "adamw", screenshots: 
             phases["weight push"] = _peak(t)
             largest = max(p.numel() for _, p in trainable) * 2
             shards = float(sum(p.to_local().numel() * p.element_size() for p in net.parameters()))
-    return {"shape": shape, "text_layers": text_layers, "vision_layers": vision_layers, "world_size": world_size, "optimizer": optimizer, "screenshots": screenshots,
+    return {"shape": shape, "text_layers": text_layers, "vision_layers": vision_layers,
+            "freeze_vision": freeze_vision, "world_size": world_size, "optimizer": optimizer, "screenshots": screenshots,
             "tokens": int(batch["input_ids"].shape[1]), "patches": int(batch["pixel_values"].shape[0]),
             "full_copy_bytes": full_copy, "shard_bytes": shards, "largest_bf16_param_bytes": float(largest),
             "phases": phases, "seconds": round(time.monotonic() - t0, 1)}
@@ -262,7 +266,8 @@ def rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for r in results:
         full = r["full_copy_bytes"]
-        row = {"shape": r["shape"], "training": f"full {r['optimizer']}", "ranks": r["world_size"]}
+        what = f"full {r['optimizer']}" + (", vision frozen" if r.get("freeze_vision") else "")
+        row = {"shape": r["shape"], "training": what, "ranks": r["world_size"]}
         for phase in PHASES:
             row[phase] = f"{without(r, phase) / GIB:.1f}"
         peak = max(without(r, p) for p in PHASES)
@@ -274,7 +279,7 @@ def rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _key(r: dict[str, Any]) -> tuple:
     return (r["shape"], r["world_size"], r["optimizer"], r["screenshots"], r.get("text_layers"),
-            r.get("vision_layers"), r.get("resolution"))
+            r.get("vision_layers"), r.get("resolution"), r.get("freeze_vision", False))
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -286,6 +291,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--resolution", default="1920x1080", help="screenshot size, WxH")
     ap.add_argument("--text-layers", type=int, help="fewer decoder layers (a quick CPU check)")
     ap.add_argument("--vision-layers", type=int, help="fewer vision blocks (a quick CPU check)")
+    ap.add_argument("--freeze-vision", action="store_true", help="the vision tower not trained")
     ap.add_argument("--out", default=str(RESULTS_DIR))
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -297,13 +303,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     size = tuple(int(v) for v in args.resolution.lower().split("x"))
     for shape in args.shapes:
         todo = [(o, ws) for o in args.optimizers for ws in args.world_sizes
-                if (shape, ws, o, args.screenshots, args.text_layers, args.vision_layers, args.resolution) not in done]
+                if (shape, ws, o, args.screenshots, args.text_layers, args.vision_layers, args.resolution,
+                    args.freeze_vision) not in done]
         if not todo:
             continue
         batch = trajectory_batch(shape, args.screenshots, size)
         for optimizer, ws in todo:
             r = measure(shape, ws, optimizer, args.screenshots, batch=batch,
-                        text_layers=args.text_layers, vision_layers=args.vision_layers)
+                        text_layers=args.text_layers, vision_layers=args.vision_layers,
+                        freeze_vision=args.freeze_vision)
             r["resolution"] = args.resolution
             results.append(r)
             print(f"{shape} {optimizer} x{ws}: peak {max(without(r, p) for p in PHASES) / GIB:.1f} GiB without the "
@@ -311,7 +319,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             path.write_text(json.dumps({"kind": "measured (FakeTensorMode, fake process group, FSDPMemTracker)",
                                         "command": "python benchmarks/memory_measured.py",
                                         "torch": torch.__version__, "results": results}, indent=1) + "\n")
-    results.sort(key=lambda r: (r["shape"], r["optimizer"], r["world_size"]))
+    order = {"7b": 0, "2b": 1, "32b": 2}
+    results.sort(key=lambda r: (order.get(r["shape"], 9), r["shape"], r["optimizer"], bool(r.get("freeze_vision")),
+                                r["world_size"]))
     print(table(rows(results), list(rows(results)[0])))
     return {"results": results, "rows": rows(results)}
 
