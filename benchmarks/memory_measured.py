@@ -176,6 +176,7 @@ def measure(shape: str, world_size: int, optimizer: str = "adamw", screenshots: 
         with fake_tensors() as mode:
             with MemTracker() as startup:
                 model.to_empty(device="cpu")  # the full fp32 model every rank keeps today
+                model.tie_weights()  # to_empty unties them (2B's LM head is its input embedding)
                 net = dist_.shard_for_training(model, forward, compute_dtype=torch.bfloat16, mesh=mesh)
             phases["start-up"] = _peak(startup)
             full_copy = float(sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())))
@@ -244,6 +245,7 @@ def one_gpu_fwd_bwd(shape: str, batch: dict[str, torch.Tensor]) -> float:
     model.train()
     with fake_tensors() as mode, MemTracker() as tracker:
         model.to_empty(device="cpu")
+        model.tie_weights()
         conv = mode.fake_tensor_converter
         fake = {k: (mode.from_tensor(v) if k == "pixel_values"
                     else conv.from_real_tensor(mode, v, make_constant=True)) for k, v in batch.items()}
