@@ -49,8 +49,9 @@ GIB = 2 ** 30
 PHASES = ("start-up", "old log-probs", "update", "weight push")
 _WARM: set[tuple[str, int]] = set()
 """(shape, world size) measured once with one layer first: the first sharding in a process counts
-DTensor's shape-propagation scratch tensors (~2 of the largest parameter) as memory; a GPU run
-propagates on meta tensors. After one warm-up the same measurement repeats to the byte."""
+~2 of the largest parameter more at start-up than every later one (one-time scratch tensors of a
+first call, likely DTensor's sharding propagation, cached afterwards). After one warm-up the same
+measurement repeats to the byte."""
 
 
 def trajectory_batch(shape: str, screenshots: int, size: tuple[int, int] = (1920, 1080)) -> dict[str, torch.Tensor]:
@@ -181,10 +182,11 @@ def measure(shape: str, world_size: int, optimizer: str = "adamw", screenshots: 
             phases["start-up"] = _peak(startup)
             full_copy = float(sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())))
             params = [p for p in net.parameters() if p.requires_grad]
-            opt = make_optimizer(optimizer, params, lr=1e-6, weight_decay=0.0)
-            if optimizer == "adamw":  # fused on CUDA (no temporaries); fused under FakeTensorMode counts
-                # its functional outputs as new memory, so one parameter at a time stands in for it here
+            if optimizer == "adamw":  # make_optimizer fuses it on CUDA (no temporaries); fused under
+                # FakeTensorMode counts its functional outputs as new memory: one parameter at a time here
                 opt = torch.optim.AdamW(params, lr=1e-6, weight_decay=0.0, foreach=False)
+            else:
+                opt = make_optimizer(optimizer, params, lr=1e-6, weight_decay=0.0)
             for p in params:  # the optimizer's state as after the first step: the steady state is measured
                 p.grad = torch.zeros_like(p)
             with _ScalarsReadAsOne():
