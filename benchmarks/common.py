@@ -114,11 +114,16 @@ def build_policy(shape: str, device: str, text_layers: int | None = None, vision
     with torch.device(device):
         model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
     policy = HFPolicy(path, device=device, model=model, **policy_kwargs)
-    ip = policy.processor.image_processor  # UI-TARS's limits: a 1080p screenshot is not downscaled
+    use_uitars_pixel_limits(policy)
+    return policy, (1920, 1080)
+
+
+def use_uitars_pixel_limits(policy: Any) -> None:
+    """UI-TARS's image limits on a policy's processor: a 1080p screenshot is not downscaled."""
+    ip = policy.processor.image_processor
     min_pixels, max_pixels = 3136, 16384 * 28 * 28
     ip.size = type(ip.size)(shortest_edge=min_pixels, longest_edge=max_pixels)
     policy.resize = (28, min_pixels, max_pixels)
-    return policy, (1920, 1080)
 
 
 def screenshot(seed: int, size: tuple[int, int] = (320, 420)) -> Image.Image:

@@ -43,7 +43,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import RESULTS_DIR, meta_model, real_config, synthetic_trajectory, table, tiny_model_dir  # noqa: E402
+from benchmarks.common import (RESULTS_DIR, meta_model, synthetic_trajectory, table, tiny_model_dir,  # noqa: E402
+                               use_uitars_pixel_limits)
 
 GIB = 2 ** 30
 PHASES = ("start-up", "old log-probs", "update", "weight push")
@@ -66,21 +67,15 @@ def trajectory_batch(shape: str, screenshots: int, size: tuple[int, int] = (1920
 
     variant = "qwen25vl" if shape != "2b" else "qwen2vl"
     policy = HFPolicy(tiny_model_dir(variant), device="cpu")
-    ip = policy.processor.image_processor
-    min_pixels, max_pixels = 3136, 16384 * 28 * 28
-    ip.size = type(ip.size)(shortest_edge=min_pixels, longest_edge=max_pixels)
-    policy.resize = (28, min_pixels, max_pixels)
+    use_uitars_pixel_limits(policy)
     segment = synthetic_trajectory(policy, screenshots, size)
     batch = pad_segments([segment], policy.pad_id, side="right")
-    config = real_config(shape)
-    with torch.device("meta"):
-        from transformers import AutoModelForImageTextToText
-        shell = AutoModelForImageTextToText.from_config(config)
+    shell = meta_model(shape)  # its functions, no weights
     grid = batch["image_grid_thw"]
     batch["position_ids"] = shell.model.get_rope_index(
         batch["input_ids"], batch["mm_token_type_ids"], image_grid_thw=grid,
         attention_mask=batch["attention_mask"])[0]
-    vc = config.vision_config
+    vc = shell.config.vision_config
     batch["cu_seqlens"] = get_vision_cu_seqlens(grid)
     if getattr(vc, "window_size", None):  # Qwen2.5-VL's windowed vision attention
         batch["window_index"], batch["cu_window_seqlens"] = get_vision_window_index(
@@ -132,6 +127,23 @@ class _ScalarsReadAsOne(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _training_forward(suppress_ids: Any) -> Any:
+    """`HFPolicy.forward_logprobs` as the policy runs it (bf16 autocast, log-probs in chunks of 1024)."""
+    from arpo_lib.agent.hf_policy import HFPolicy
+
+    stub = SimpleNamespace(autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+                           suppress_ids=suppress_ids, logprob_chunk=1024)
+    return lambda net, b, targets, temperature: HFPolicy.forward_logprobs(stub, net, b, targets, temperature)
+
+
+def _fake_batch(mode: Any, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """(inputs, target mask) inside `mode`: the pixels fake, the small integer tensors constants."""
+    conv = mode.fake_tensor_converter
+    fake = {k: (mode.from_tensor(v) if k == "pixel_values" else conv.from_real_tensor(mode, v, make_constant=True))
+            for k, v in batch.items()}
+    return fake, fake.pop("loss_mask").bool()
+
+
 def _peak(tracker: Any) -> dict[str, float]:
     """The tracker's peak on the CPU device (where the fake tensors live), by kind, in bytes."""
     snapshot = tracker.get_tracker_snapshot("peak")
@@ -150,7 +162,7 @@ def measure(shape: str, world_size: int, optimizer: str = "adamw", screenshots: 
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.device_mesh import init_device_mesh
 
-    from arpo_lib.agent.hf_policy import HFPolicy, enable_activation_checkpointing, set_vision_tower_trainable
+    from arpo_lib.agent.hf_policy import enable_activation_checkpointing, set_vision_tower_trainable
     from arpo_lib.agent.model.vision_attention import use_batched_vision_attention
     from arpo_lib.serving.weight_sync import full_tensors
     from arpo_lib.training import distributed as dist_
@@ -168,9 +180,7 @@ def measure(shape: str, world_size: int, optimizer: str = "adamw", screenshots: 
     enable_activation_checkpointing(model)
     if freeze_vision:
         set_vision_tower_trainable(model, False)
-    stub = SimpleNamespace(autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16),
-                           suppress_ids=suppress, logprob_chunk=1024)
-    forward = lambda net, b, targets, temperature: HFPolicy.forward_logprobs(stub, net, b, targets, temperature)  # noqa: E731
+    forward = _training_forward(suppress)
     phases: dict[str, dict[str, float]] = {}
     with fake_ranks(world_size):
         mesh = init_device_mesh("cpu", (world_size,))  # outside FakeTensorMode: it reads a tensor's values
@@ -192,10 +202,7 @@ def measure(shape: str, world_size: int, optimizer: str = "adamw", screenshots: 
             with _ScalarsReadAsOne():
                 opt.step()
             opt.zero_grad(set_to_none=True)
-            conv = mode.fake_tensor_converter
-            fake = {k: (mode.from_tensor(v) if k == "pixel_values"
-                        else conv.from_real_tensor(mode, v, make_constant=True)) for k, v in batch.items()}
-            targets = fake.pop("loss_mask").bool()
+            fake, targets = _fake_batch(mode, batch)
 
             def tracked() -> Any:
                 tracker = FSDPMemTracker(net, opt)  # the full copy is added to these, not tracked
@@ -235,12 +242,11 @@ def one_gpu_fwd_bwd(shape: str, batch: dict[str, torch.Tensor]) -> float:
     of this method against a real GPU."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from arpo_lib.agent.hf_policy import HFPolicy, enable_activation_checkpointing
+    from arpo_lib.agent.hf_policy import enable_activation_checkpointing
     from arpo_lib.agent.model.vision_attention import use_batched_vision_attention
 
     batch = dict(batch)
-    stub = SimpleNamespace(autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16),
-                           suppress_ids=batch.pop("suppress_ids"), logprob_chunk=1024)
+    forward = _training_forward(batch.pop("suppress_ids"))
     model = meta_model(shape).to(torch.bfloat16)
     use_batched_vision_attention(model)
     enable_activation_checkpointing(model)
@@ -248,11 +254,8 @@ def one_gpu_fwd_bwd(shape: str, batch: dict[str, torch.Tensor]) -> float:
     with fake_tensors() as mode, MemTracker() as tracker:
         model.to_empty(device="cpu")
         model.tie_weights()
-        conv = mode.fake_tensor_converter
-        fake = {k: (mode.from_tensor(v) if k == "pixel_values"
-                    else conv.from_real_tensor(mode, v, make_constant=True)) for k, v in batch.items()}
-        targets = fake.pop("loss_mask").bool()
-        logprobs = HFPolicy.forward_logprobs(stub, model, fake, targets, 1.0)
+        fake, targets = _fake_batch(mode, batch)
+        logprobs = forward(model, fake, targets, 1.0)
         (-logprobs.mean()).backward()
     return _peak(tracker)["Total"]
 
