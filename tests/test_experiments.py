@@ -82,12 +82,24 @@ def test_compare_config_is_checked():
 
 @pytest.mark.slow
 def test_tiny_comparison_end_to_end_and_rerun_repeats_nothing(tmp_path, tiny_qwen2vl, chromium_available):
+    """The first run goes through notebooks/arpo_vs_grpo.ipynb headlessly (its nbval re-execution at
+    the committed defaults is a long test): the notebook's cells and the library's stages at once."""
     from arpo_lib.experiments import run_comparison
+    from arpo_lib.workflows import execute_notebook
 
     cfg_args = [f"model.path={tiny_qwen2vl}", f"out_dir={tmp_path}", "name=exp", "compare.seeds=[0]", "train.steps=1",
-                "eval.samples_per_task=1", "env.tasks=[miniwob/click-test, miniwob/click-button]"]
+                "eval.samples_per_task=1", "env.tasks=[miniwob/click-test, miniwob/click-button]",
+                "warm_start.steps=100"]
     cfg = load_config("configs/learning_miniwob_short.yaml", cfg_args)
-    report = run_comparison(cfg)
+    executed = execute_notebook("notebooks/arpo_vs_grpo.ipynb",
+                                {"config": "configs/learning_miniwob_short.yaml", "overrides": cfg_args},
+                                run_name="exp", out_dir=tmp_path)
+    nb = json.loads(executed.read_text())
+    assert not [o for c in nb["cells"] for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    text = "".join("".join(o.get("text", "")) for c in nb["cells"] for o in c.get("outputs", []))
+    assert "warm start eval" in text and "| GRPO |" in text
+    assert [o for c in nb["cells"] for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
+    report = json.loads((tmp_path / "exp" / "report.json").read_text())
     exp = tmp_path / "exp"
     for path in ("warm_start/model/config.json", "selection/selection.json", "eval_warm_start/results.json",
                  "eval_warm_start_train/results.json", "arpo-s0/final.json", "grpo-s0/final.json",
@@ -188,8 +200,9 @@ def test_a_seed_reproduces_bit_for_bit(tmp_path, tiny_qwen2vl, chromium_availabl
         out = tmp_path / attempt
         cfg = load_config("configs/learning_miniwob_short.yaml", [
             f"model.path={tiny_qwen2vl}", f"out_dir={out}", "name=exp", "compare.seeds=[0]",
-            "compare.algos=[arpo_tis]", "train.steps=2", "eval.samples_per_task=1",
-            "warm_start.demos_per_task=2", "env.tasks=[miniwob/click-test, miniwob/login-user]"])
+            "compare.algos=[arpo_tis]", "train.steps=2", "eval.samples_per_task=1", "warm_start.steps=100",
+            "compare.final_at_train_temperature=false", "warm_start.demos_per_task=2",
+            "env.tasks=[miniwob/click-test, miniwob/login-user]"])
         run_comparison(cfg)
         digests.append(_run_digest(out / "exp", out))
     first, second = digests

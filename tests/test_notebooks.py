@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+LONG = os.environ.get("ARPO_LONG_TESTS", "") not in ("", "0")  # as tests/conftest.py
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 EXPECTED = {"smoke_test.ipynb", "subset_training.ipynb", "evaluation.ipynb", "gpu_inference_server.ipynb",
             "arpo_vs_grpo.ipynb"}
@@ -132,8 +134,12 @@ def test_nbval_on_the_committed_notebooks():
         sanitizers = ["--nbval-sanitize-with", "tests/nbval_sanitize_numbers.cfg"]
         warnings.warn(f"the notebooks' outputs were recorded with {recorded}, this machine has {current}: their "
                       "numbers are not compared; re-record with scripts/execute_notebooks.sh and commit")
+    # arpo_vs_grpo's defaults are a 6-run comparison (~5 min on 2 cores): in CI it executes headlessly
+    # in tests/test_experiments.py on a smaller setting; its committed outputs under ARPO_LONG_TESTS=1.
+    notebooks = sorted(str(p.relative_to(REPO)) for p in (REPO / "notebooks").glob("*.ipynb")
+                       if LONG or p.name != "arpo_vs_grpo.ipynb")
     proc = subprocess.run([sys.executable, "-m", "pytest", "--nbval-lax", "--nbval-current-env", *sanitizers,
-                           "-p", "no:cacheprovider", "-q", "notebooks/"], cwd=REPO, capture_output=True, text=True,
+                           "-p", "no:cacheprovider", "-q", *notebooks], cwd=REPO, capture_output=True, text=True,
                           timeout=1800)
     assert proc.returncode == 0, (
         f"{proc.stdout[-4000:]}\nThe committed outputs were recorded with {recorded}; this machine has "
