@@ -34,7 +34,7 @@ from arpo_lib.run.records import atomic_write_bytes, safe_join
 from arpo_lib.serving.launch import ServerHandle, free_port, start_server
 from arpo_lib.serving.weight_sync import FollowingServed, ServedPolicy, connect_all, save_for_server
 from arpo_lib.training import checkpoint as ckpt
-from arpo_lib.training.backend import training_backend
+from arpo_lib.training.backend import TrainingBackend, training_backend
 from arpo_lib.training.checkpoint import Checkpointer
 from arpo_lib.training.distributed import Ranks, barrier, device_for, init_process_group
 from arpo_lib.training.metrics import RunRecords
@@ -214,9 +214,10 @@ def server_policy(cfg: RunConfig, url: str | None = None, prompt: str | None = N
                         retries=r.request_retries, constrained=r.constrained, prompt=prompt or cfg.agent.prompt)
 
 
-def served_policy(cfg: RunConfig, trained: HFPolicy) -> ServedPolicy:
+def served_policy(cfg: RunConfig, trained: HFPolicy, backend: TrainingBackend) -> ServedPolicy:
     """Rollouts of a training run through a server (rollout.backend=server) that follows the
-    trained policy's weights (rollout.weight_sync)."""
+    trained policy's weights (rollout.weight_sync), read through the training `backend` (from
+    the shards, with every rank, where no rank keeps the full model)."""
     r = cfg.rollout
 
     handed_out: set[int] = set()
@@ -237,10 +238,10 @@ def served_policy(cfg: RunConfig, trained: HFPolicy) -> ServedPolicy:
         return handle
 
     def save() -> str:
-        return str(save_for_server(trained, RunDir(cfg.run_dir).server_weights))
+        return str(save_for_server(backend.save_policy, RunDir(cfg.run_dir).server_weights))
 
     def weights() -> list[tuple[str, Any]]:  # checkpoint names (vLLM maps them), tied weights once
-        return list(trained.model.named_parameters())
+        return backend.full_weights()
 
     wire = getattr(torch, cfg.serve.dtype, None) if cfg.serve.dtype in ("float32", "bfloat16", "float16") else None
     return ServedPolicy(connect=lambda url: server_policy(cfg, url), save_weights=save, sync=r.weight_sync,
@@ -299,11 +300,14 @@ def trainer(cfg: RunConfig, *, resume: bool = False, policy: HFPolicy | None = N
         trained.load_adapter(checkpoint / "model")
     reference = reference_model(cfg, trained.device) if cfg.algo.kl_coef > 0 else None
     t, r = cfg.train, cfg.rollout
+    # With model servers and full fine-tuning, no rank keeps a full copy once training starts:
+    # nothing generates in-process (training/backend.py, FSDP2). LoRA keeps it (the merge for
+    # the servers needs the base weights whole).
     backend = training_backend(trained, ranks, micro_batch_size=t.micro_batch_size, token_budget=t.token_budget,
-                               pack=t.pack)
+                               pack=t.pack, keep_full_model=r.backend != "server" or lora)
     served: ServedWeights | None = None
     if r.backend == "server":  # distributed: rank 0 keeps the server current, the others follow
-        served = (served_policy(cfg, trained) if ranks.is_main
+        served = (served_policy(cfg, trained, backend) if ranks.is_main
                   else FollowingServed(connect=lambda url: server_policy(cfg, url), rank=ranks.rank))
     media = (TrackerMedia(cfg.run_dir, cfg.logging.wandb_episodes, cfg.logging.wandb_image_width)
              if cfg.logging.wandb != "disabled" else None)

@@ -111,7 +111,7 @@ def warm_start_stage(cfg: RunConfig) -> Path:
     with build.trainer(ws_cfg, resume=RunDir(ws_cfg.run_dir).config.exists()) as trainer:
         t0 = time.monotonic()
         losses = trainer.warm_start()
-        trainer.policy.save(model_dir)
+        trainer.backend.save_policy(model_dir)
     atomic_write_text(cfg.run_dir / "warm_start" / "done.json", json.dumps(
         {"steps": len(losses), "loss_first": losses[0] if losses else None,
          "loss_last": losses[-1] if losses else None, "seconds": round(time.monotonic() - t0, 1)}))
@@ -184,7 +184,7 @@ def run_arm(cfg: RunConfig, algo: str, seed: int, model_dir: Path, tasks: list[s
         log.info("[compare] %s: %s (%d steps on %d tasks)", name,
                  f"resuming at step {trainer.step}" if resume else "starting", run_cfg.train.steps, len(tasks))
         trainer.train()
-        trainer.policy.save(run_cfg.run_dir / "final_model")
+        trainer.backend.save_policy(run_cfg.run_dir / "final_model")
     evaluation = evaluate_model(cfg, run_cfg.run_dir / "final_model", tasks, run_cfg.run_dir / "eval_final")
     record = {"algo": algo, "seed": seed, "eval": _eval_summary(evaluation),
               "seconds": round(time.monotonic() - t0, 1), **_train_summary(run_cfg.run_dir)}

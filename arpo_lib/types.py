@@ -335,7 +335,9 @@ class TrainablePolicy(Policy, Protocol):
     model and the training forward."""
 
     model: "torch.nn.Module"
-    """The whole model: generation, the old log-probs, what a checkpoint saves."""
+    """The whole model: generation, the old log-probs, what a checkpoint saves. In a distributed
+    run with model servers it is on the meta device once training starts (the weights live in the
+    FSDP2 shards only: `training.backend.FSDP2`, keep_full_model=False)."""
     processor: "ProcessorMixin"
     """Tokenizer and image processor (a replayed trajectory's tokens are reloaded with it)."""
     compute_dtype: "torch.dtype"
@@ -359,8 +361,8 @@ class TrainablePolicy(Policy, Protocol):
         log-probs, (N,) (what the sharded copy runs)."""
         ...
 
-    def save(self, directory: "str | Path") -> None:
-        """The weights and processor in the Hugging Face layout."""
+    def save(self, directory: "str | Path", state_dict: "dict[str, torch.Tensor] | None" = None) -> None:
+        """The weights (its own, or `state_dict`'s) and processor in the Hugging Face layout."""
         ...
 
 
@@ -376,6 +378,10 @@ class ServedWeights(Protocol):
 
     def policy(self, version: int) -> Policy:
         """The servers' client policy, the servers holding the trainer's weight version `version`."""
+        ...
+
+    def passes_over_weights(self, version: int) -> bool:
+        """Whether `policy(version)` reads the trainer's weights (rank 0's; a follower: False)."""
         ...
 
     def metrics(self) -> dict[str, Any]:

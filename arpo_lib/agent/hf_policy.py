@@ -328,11 +328,18 @@ class HFPolicy(UITarsConversations):
         """What the optimizer updates: all weights, or only the LoRA adapters."""
         return [p for p in self.model.parameters() if p.requires_grad]
 
-    def save(self, directory: str | Path) -> None:
+    def save(self, directory: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         """Save model + processor in the Hugging Face layout (loadable by this class, vLLM, ...).
-        With LoRA the weights are saved merged, and the adapter alone goes to adapter.pt."""
+        With LoRA the weights are saved merged, and the adapter alone goes to adapter.pt.
+        `state_dict`: the weights to write instead of the model's own, by parameter name (a
+        distributed run whose ranks keep only shards gathers them; the model may be on the meta
+        device then: transformers takes the names, configuration and tied weights from it)."""
         directory = Path(directory)
-        if self.peft_model is None:
+        if state_dict is not None:
+            if self.peft_model is not None:
+                raise ValueError("save(state_dict=...) is for full fine-tuning; a LoRA policy saves its own weights")
+            self.model.save_pretrained(directory, state_dict=state_dict)
+        elif self.peft_model is None:
             self.model.save_pretrained(directory)
         else:
             self.model.save_pretrained(directory, state_dict=merged_state_dict(self.model))

@@ -187,14 +187,15 @@ def _get_json(url: str, timeout_s: float = 30.0) -> Any:
     return json.loads(raw) if raw else None
 
 
-def save_for_server(policy: Any, directory: Path) -> Path:
-    """Save the policy's weights (and processor) as a model directory the server can load;
-    replaced atomically, so a server never reads a half-written directory."""
+def save_for_server(save: Callable[[Path], Any], directory: Path) -> Path:
+    """A model directory the server can load, written by `save(path)` (the policy's weights and
+    processor: the training backend's `save_policy`); replaced atomically, so a server never reads
+    a half-written directory."""
     directory = Path(directory)
     tmp = directory.with_name(directory.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
-    policy.save(tmp)
+    save(tmp)
     old = directory.with_name(directory.name + ".old")
     if directory.exists():
         if old.exists():
@@ -298,6 +299,11 @@ class ServedPolicy:
             self._push(version)
         return self.client
 
+    def passes_over_weights(self, version: int) -> bool:
+        """Whether `policy(version)` reads the trainer's weights (saves or sends them, once): the
+        ranks of a distributed run whose weights exist only as shards take part in that pass."""
+        return self.sync != "none" and (self.client is None or self.served_version != version)
+
     def _start_all(self, model_dir: str) -> None:
         """Start every replica at once; if one fails, stop the others and raise its error."""
         with ThreadPoolExecutor(max_workers=self.replicas, thread_name_prefix="arpo-serve") as pool:
@@ -393,6 +399,9 @@ class FollowingServed:
                 self.client.close()
             self.client, self.urls = connect_all(self._connect, urls, self.rank), list(urls)
         return self.client
+
+    def passes_over_weights(self, version: int) -> bool:
+        return False  # rank 0 pushes; it tells this rank when to join the gathers (RolloutSource)
 
     def policy(self, version: int) -> Any:
         if self.client is None:

@@ -51,7 +51,8 @@ def tmp_checkpoint_dir(ckpt_dir: Path, step: int) -> Path:
 
 def begin_checkpoint(ckpt_dir: Path, step: int) -> Path:
     """The empty `tmp_checkpoint_dir`. Distributed: rank 0 calls this, then every rank writes its
-    optimizer shard into it, then rank 0 calls `save_checkpoint(..., sharded=True)`."""
+    optimizer shard into it and takes part in writing the model (the backend's `save_policy`: rank
+    0 writes), then rank 0 calls `save_checkpoint(..., sharded=True)`."""
     tmp = tmp_checkpoint_dir(ckpt_dir, step)
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -88,14 +89,17 @@ def save_checkpoint(ckpt_dir: Path, step: int, *, policy: "TrainablePolicy", opt
     """Write model, optimizer, scheduler, replay buffer, RNG, step and the trainer's own `state`
     (JSON) atomically; keep the newest `keep` checkpoints. Returns the checkpoint directory.
     `sharded`: the optimizer state is already in the temporary directory's `optimizer_shards/`
-    (`begin_checkpoint`, then `save_optimizer_shards` on every rank)."""
+    and the model in its `model/` (`begin_checkpoint`, then on every rank `save_optimizer_shards`
+    and the backend's `save_policy`)."""
     tmp = tmp_checkpoint_dir(ckpt_dir, step)
     if not sharded:
         begin_checkpoint(ckpt_dir, step)
+        policy.save(tmp / layout.MODEL)
     elif not (tmp / layout.OPTIMIZER_SHARDS / ".metadata").is_file():
         raise FileNotFoundError(f"{tmp}: the optimizer shards are missing (save_optimizer_shards first)")
+    elif not (tmp / layout.MODEL / "config.json").is_file():
+        raise FileNotFoundError(f"{tmp}: the model is missing (the backend's save_policy first)")
     final = ckpt_dir / layout.step_name(step)
-    policy.save(tmp / layout.MODEL)
     torch.save({"optimizer": None if sharded else optimizer.state_dict(), "scheduler": scheduler.state_dict()},
                tmp / layout.OPTIMIZER)
     replay.save(tmp / layout.REPLAY)
@@ -177,6 +181,7 @@ class Checkpointer:
                 begin_checkpoint(ckpt_dir, step)
             backend.barrier()
             backend.save_optimizer_shards(tmp_checkpoint_dir(ckpt_dir, step), optimizer)
+            backend.save_policy(tmp_checkpoint_dir(ckpt_dir, step) / layout.MODEL)  # rank 0 writes
         path = ckpt_dir / layout.step_name(step)
         if backend.is_main:
             path = save_checkpoint(ckpt_dir, step, policy=policy, optimizer=optimizer, scheduler=scheduler,

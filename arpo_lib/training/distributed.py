@@ -21,6 +21,12 @@ What each rank holds and does (rollout.backend=hf, the in-process mode):
   the world size because FSDP averages gradients over ranks. N ranks therefore take the same
   optimizer step as one process, up to float summation order.
 
+With model servers (rollout.backend=server, full fine-tuning) no rank generates, so none keeps the
+full model once training starts: it goes to the meta device, and the push to the servers, the
+model directory they load and each checkpoint's model are gathered from the shards one parameter
+at a time, every rank taking part (`full_weights`, `join_full_weights`, `gather_to_host`;
+`backend.FSDP2` with keep_full_model=False).
+
 FSDP2 all-gathers inside every forward, so all ranks must run the same number of forwards: a rank
 with fewer micro-batches than the busiest runs the shortest sequence with its loss times 0.
 
@@ -182,6 +188,44 @@ def sync_full_model(sharded: LogprobNet, full: torch.nn.Module) -> None:
             seen.add(key)
     if trainable - seen:
         raise RuntimeError(f"sharded and full model differ: not trained in the shards: {sorted(trainable - seen)[:3]}")
+
+
+def full_weights(sharded: LogprobNet) -> list[tuple[str, torch.Tensor]]:
+    """(name in the full model, parameter) of every parameter of the shards, in the same order on
+    every rank; DTensors not yet gathered. Whoever writes or sends them gathers each in turn
+    (`serving.weight_sync.full_tensors`), and every other rank must take part in each gather
+    (`join_full_weights`): the server-mode path, where no rank keeps a full copy of the model."""
+    return [(_full_name(name), param) for name, param in sharded.named_parameters()]
+
+
+def join_full_weights(sharded: LogprobNet) -> int:
+    """This rank's part in a pass over `full_weights` that rank 0 consumes: each DTensor gathered
+    in turn (the same collectives, in the same order) and dropped at once. Returns how many."""
+    from torch.distributed.tensor import DTensor
+
+    count = 0
+    with torch.no_grad():
+        for _, param in full_weights(sharded):
+            if isinstance(param, DTensor):
+                whole = param.full_tensor()
+                del whole
+                count += 1
+    return count
+
+
+def gather_to_host(sharded: LogprobNet) -> dict[str, torch.Tensor]:
+    """Every weight of the shards whole, in host memory, by full-model name (rank 0 writing the
+    model without a full copy on the device): one parameter gathered on the device at a time.
+    A collective: the other ranks call `join_full_weights`."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    with torch.no_grad():
+        for name, param in full_weights(sharded):
+            whole = param.full_tensor() if isinstance(param, DTensor) else param
+            out[name] = whole.detach().to("cpu", copy=True)
+            del whole
+    return out
 
 
 # -- splitting the work --------------------------------------------------------------------------

@@ -87,12 +87,32 @@ class RolloutSource:
         their URLs, which all call this together; `announce=False`: rank 0 alone (its evaluation)."""
         if self.served is None:
             return self.policy
+        if announce and self._gathered:
+            self._bring_servers_to(version)
         if isinstance(self.served, FollowingWeights):
             return self.served.follow(self.backend.broadcast(None))
+        if self._gathered and not announce and self.served.passes_over_weights(version):
+            raise RuntimeError(f"rank 0 alone cannot bring the servers to weight version {version}: the weights "
+                               "exist only as shards, gathered with every rank (weights_changed first)")
         policy = self.served.policy(version)
         if announce:
             self.backend.broadcast(self.served.urls)
         return policy
+
+    @property
+    def _gathered(self) -> bool:
+        """No rank holds the full model: the servers' weights are gathered from every rank's shards."""
+        return not self.backend.keeps_full_model
+
+    def _bring_servers_to(self, version: int) -> None:
+        """Every rank together (no full copy): rank 0 says whether bringing the servers to `version`
+        reads the weights, then saves or sends them while the others take part in the gathers."""
+        if isinstance(self.served, FollowingWeights):
+            if self.backend.broadcast(None):
+                self.backend.join_full_weights()
+            return
+        self.backend.broadcast(self.served.passes_over_weights(version))
+        self.served.policy(version)
 
     def engine(self, version: int, announce: bool = True) -> RolloutEngine:
         """A rollout engine over this process's environments (see `acting`)."""
@@ -127,7 +147,11 @@ class RolloutSource:
 
     def weights_changed(self, version: int) -> None:
         """The trained weights are now version `version`: the servers generate with them from now on."""
-        if self.served is not None:
+        if self.served is None:
+            return
+        if self._gathered:  # every rank calls this: they take part in the push
+            self._bring_servers_to(version)
+        else:
             self.served.policy(version)
 
     def metrics(self) -> dict[str, Any]:

@@ -213,8 +213,8 @@ class _Saver:
 def test_weights_are_replaced_whole(tmp_path):
     policy = _Saver()
     target = tmp_path / "server_weights"
-    assert save_for_server(policy, target) == target
-    save_for_server(policy, target)
+    assert save_for_server(policy.save, target) == target
+    save_for_server(policy.save, target)
     assert (target / "weights.txt").read_text() == "2"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["server_weights"]
 

@@ -57,3 +57,23 @@ def test_nccl_fsdp2_step_on_the_gpu_like_the_whole_model(tiny_qwen25vl):
     assert gaps["compute_dtype"] == "torch.bfloat16" and gaps["first_ratio_gap"] == 0.0
     assert gaps["logprob_gap"] < 0.1 and gaps["grad_gap"] < 0.1
     assert gaps["moved"] > 0.5 * gaps["lr"] and gaps["weight_gap"] <= 2 * gaps["lr"] + 1e-6
+
+
+@pytest.mark.slow
+def test_without_a_full_copy_the_shards_step_save_and_stream_like_the_whole_model(tiny_qwen2vl, tmp_path):
+    """Issue 35: with model servers no rank keeps the full model (keep_full_model=False): it is
+    dropped to the meta device when the update starts, the shards take the same step as the whole
+    model, the saved model (rank 0 writes, every rank gathers) is the whole model's in the same
+    checkpoint names, and a push's pass hands over one gathered parameter at a time."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                           str(HERE / "no_full_copy_ranks.py"), str(tiny_qwen2vl), str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    r = json.loads(done.stdout.strip().splitlines()[-1])
+    assert r["world_size"] == 2 and r["whole_at_start"] and r["dropped"]
+    assert r["saved_keys_equal"] and r["processor_saved"]
+    assert r["moved"] > 0.5 * r["lr"] and r["weight_gap"] <= 2 * r["lr"] + 1e-6
+    assert r["gap_norm"] < 0.01 * r["moved_norm"], r  # the same step, up to float noise
+    assert r["pushed_tensors"] == r["tensors"] and r["push_sum_gap"] <= 2 * r["lr"] + 1e-6
+    assert r["most_alive_at_a_handover"] == 0  # the previous one was dropped before the next was gathered

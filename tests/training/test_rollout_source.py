@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from arpo_lib.run.layout import RunDir
 from arpo_lib.serving.weight_sync import FollowingServed
 from arpo_lib.training.backend import SingleProcess, TrainingBackend
@@ -73,6 +75,68 @@ def test_the_other_ranks_follow_the_announced_servers(tmp_path):
     assert following.urls == URLS
     source.weights_changed(4)  # followers never push
     assert source.metrics() == {}
+
+
+class _ShardsOnly(Announcing):
+    """A rank of a group whose ranks keep only shards (FSDP2, keep_full_model=False): `broadcast`
+    hands out rank 0's objects in turn; `join_full_weights` records this rank's part in a pass."""
+
+    keeps_full_model = False
+
+    def __init__(self, rank: int, from_rank_0: list[Any] | None = None) -> None:
+        super().__init__()
+        from arpo_lib.training.distributed import Ranks
+
+        self.ranks, self.from_rank_0, self.joined = Ranks(rank=rank, world_size=2), list(from_rank_0 or []), 0
+
+    def broadcast(self, obj: Any) -> Any:
+        self.sent.append(obj)
+        return obj if self.ranks.is_main else self.from_rank_0.pop(0)
+
+    def join_full_weights(self) -> None:
+        self.joined += 1
+
+
+class _Pushing(Leading):
+    """Rank 0's servers: a pass over the weights when the version they hold is not the one asked for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: int | None = None
+        self.passes = 0
+
+    def passes_over_weights(self, version: int) -> bool:
+        return self.held != version
+
+    def policy(self, version: int) -> Any:
+        if self.held != version:
+            self.passes, self.held = self.passes + 1, version
+        return super().policy(version)
+
+
+def test_without_a_full_copy_every_rank_takes_part_in_each_pass_over_the_weights(tmp_path):
+    """Issue 35: where no rank keeps the full model, a push (or the save a server loads) gathers
+    the shards with every rank: rank 0 tells the others before each, they join exactly then."""
+    lead, zero = _Pushing(), _ShardsOnly(0)
+    source = _source(lead, zero, tmp_path)
+    assert source.acting(3) == "client" and lead.passes == 1
+    assert zero.sent == [True, URLS]  # "a pass follows", then the servers' URLs
+    source.weights_changed(3)  # nothing new: no pass
+    source.weights_changed(5)
+    assert lead.passes == 2 and zero.sent[2:] == [False, True]
+    assert source.acting(5, announce=False) == "client"  # rank 0's evaluation alone: nothing to gather
+    lead.held = 4
+    with pytest.raises(RuntimeError, match="rank 0 alone cannot"):  # it would wait for the others forever
+        source.acting(5, announce=False)
+
+    # rank 1 hears the same decisions and joins exactly the passes rank 0 makes
+    one = _ShardsOnly(1, [True, URLS, False, True])
+    following = FollowingServed(connect=lambda url: f"client of {url}")
+    follower = _source(following, one, tmp_path)
+    assert follower.acting(3) == f"client of {URLS[0]}" and one.joined == 1
+    follower.weights_changed(3)
+    follower.weights_changed(5)
+    assert one.joined == 2 and one.from_rank_0 == []
 
 
 class _SecondOfTwo(SingleProcess):
