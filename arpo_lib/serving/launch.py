@@ -294,13 +294,42 @@ def _kill_group(pid: int, timeout_s: float) -> None:
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             if not _process_exists(pid):
-                # The leader is gone; helpers it spawned in the group (vLLM's engine) go too.
+                # The leader is gone; helpers it spawned in the group (vLLM's engine) go too, and
+                # this returns once they have: SIGKILL is delivered asynchronously, and a caller
+                # that restarts a server expects the old one's processes (and memory) gone.
                 try:
                     os.killpg(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+                _wait_group_gone(pid, 5.0)
                 return
             time.sleep(0.05)
+
+
+def _wait_group_gone(group: int, timeout_s: float) -> bool:
+    """Wait until no live (non-zombie) process is left in process group `group`; False if some
+    still are after `timeout_s` (or there is no /proc to look in: nothing to wait for)."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return True
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = False
+        for entry in proc.iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[-1].split()
+            except OSError:
+                continue
+            if len(fields) > 2 and fields[0] != "Z" and int(fields[2]) == group:  # state, ppid, pgrp
+                alive = True
+                break
+        if not alive:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
 
 
 def _looks_like_server(pid: int) -> bool:

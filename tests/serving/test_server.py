@@ -326,3 +326,24 @@ def test_client_gives_up_on_an_unreachable_server():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_stopping_a_server_group_waits_until_its_helpers_are_gone():
+    """A stopped server's helpers (vLLM's engine process) are SIGKILLed with its group, and the stop
+    returns only once none is left alive: SIGKILL is delivered asynchronously (a clean-clone run once
+    saw the engine still alive the instant after stop). `_wait_group_gone` must see a live member."""
+    import time
+
+    from arpo_lib.serving.launch import _kill_group, _wait_group_gone
+
+    leader = subprocess.Popen([sys.executable, "-c", "import subprocess, time; subprocess.Popen(['sleep', '60']); "
+                               "time.sleep(60)"], start_new_session=True)
+    try:
+        time.sleep(1.0)  # the helper started
+        assert _wait_group_gone(leader.pid, 0.2) is False  # the leader and its helper are alive
+        _kill_group(leader.pid, timeout_s=5.0)
+        leader.wait(timeout=5)
+        assert _wait_group_gone(leader.pid, 0.0) is True  # nothing left the instant the stop returned
+    finally:
+        if leader.poll() is None:
+            leader.kill()
