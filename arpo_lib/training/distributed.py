@@ -41,7 +41,7 @@ import copy
 import datetime
 import os
 from dataclasses import dataclass
-from typing import Any, Sequence, TypeVar
+from typing import Any, Iterator, Sequence, TypeVar
 
 import torch
 
@@ -198,34 +198,28 @@ def full_weights(sharded: LogprobNet) -> list[tuple[str, torch.Tensor]]:
     return [(_full_name(name), param) for name, param in sharded.named_parameters()]
 
 
-def join_full_weights(sharded: LogprobNet) -> int:
-    """This rank's part in a pass over `full_weights` that rank 0 consumes: each DTensor gathered
-    in turn (the same collectives, in the same order) and dropped at once. Returns how many."""
+def gathered(sharded: LogprobNet) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, whole tensor) of each of `full_weights`, one gathered at a time (a collective per
+    DTensor: every rank iterates it, in the same order); drop each before asking for the next."""
     from torch.distributed.tensor import DTensor
 
-    count = 0
     with torch.no_grad():
-        for _, param in full_weights(sharded):
-            if isinstance(param, DTensor):
-                whole = param.full_tensor()
-                del whole
-                count += 1
-    return count
+        for name, param in full_weights(sharded):
+            yield name, param.full_tensor() if isinstance(param, DTensor) else param
+
+
+def join_full_weights(sharded: LogprobNet) -> None:
+    """This rank's part in a pass over `full_weights` that rank 0 consumes: the same gathers, in
+    the same order, each dropped at once."""
+    for _ in gathered(sharded):
+        pass
 
 
 def gather_to_host(sharded: LogprobNet) -> dict[str, torch.Tensor]:
     """Every weight of the shards whole, in host memory, by full-model name (rank 0 writing the
     model without a full copy on the device): one parameter gathered on the device at a time.
     A collective: the other ranks call `join_full_weights`."""
-    from torch.distributed.tensor import DTensor
-
-    out = {}
-    with torch.no_grad():
-        for name, param in full_weights(sharded):
-            whole = param.full_tensor() if isinstance(param, DTensor) else param
-            out[name] = whole.detach().to("cpu", copy=True)
-            del whole
-    return out
+    return {name: whole.detach().to("cpu", copy=True) for name, whole in gathered(sharded)}
 
 
 # -- splitting the work --------------------------------------------------------------------------

@@ -96,7 +96,7 @@ def main(model: str, out: str) -> None:
         print(json.dumps({"world_size": ranks.world_size, "whole_at_start": still_whole, "dropped": dropped,
                           "saved_keys_equal": sorted(files) == sorted(expected), "weight_gap": weight_gap,
                           "moved": moved, "gap_norm": gap_norm, "moved_norm": moved_norm, "lr": LR, "pushed_tensors": len(pushed), "tensors": len(weights),
-                          "most_alive_at_a_handover": most_alive, "push_sum_gap": push_gap,
+                          "most_alive_at_a_handover": most_alive, "push_gap": push_gap,
                           "processor_saved": (saved_dir / "processor_config.json").is_file()}))
     del backend, opt
     close_process_group(ranks)
