@@ -14,14 +14,20 @@ run directory `<out_dir>/<name>`):
    by task: batches draw a few tasks per step, so only per-task rates compare).
 4. **the runs**: for every seed in `compare.seeds`, every arm of `compare.algos` (`COMPARISON_ARMS`) from the
    same weights, tasks, rollout budget and seeds; each ends with the same evaluation -> `<arm>-s<seed>/`.
-5. **report**: per arm the mean with a bootstrap 95% interval over seeds; paired differences per
-   seed with an exact paired permutation test (and a sign test); `report.json`, `report.md`,
-   `comparison.png`.
+5. **transfer** (`compare.transfer_samples_per_task` > 0): the warm start and every final policy
+   on fresh layouts of the trained tasks (`miniwob/click-test` for `miniwob/click-test@0`), at the
+   training temperature, the same episodes for all -> `eval_transfer/` (the experiment's and each run's).
+6. **report**: per arm the mean with a bootstrap 95% interval over seeds; paired differences per
+   seed with an exact paired permutation test (and a sign test) and the seeds a 5-point difference
+   would need; per step the share of all-failed groups, the injections and their age (did replay
+   have anything to do?); `report.json`, `report.md`, `comparison.png`.
 
 Every stage is skipped when its result exists, and a run resumes from its last checkpoint, so
 rerunning the same command (in this session or a later one) continues where it stopped. The
 replay buffer starts empty in every arm (`train.demo_replay` is forced to 0): ARPO's buffer
-holds only the policy's own successes, as in the paper.
+holds only the policy's own successes, as in the paper. The one exception is an arm that asks for
+it: `arpo_seeded` starts with the successes task selection found (`algo.replay.seed_from:
+selection`, which `run_config` points at this experiment's selection trajectories).
 
 This module is the stages, in the order `run_comparison` runs them, and the caching that lets a
 stage be skipped (a stage's directory is reused only if it was made with the same setting). The
@@ -49,9 +55,10 @@ log = logging.getLogger(__name__)
 # report_markdown and report_digest live in viz.report; the notebook calls them through this module.
 __all__ = ["comparison_report", "evaluate_model", "finished_runs", "report_digest", "report_markdown",
            "require_same_setting", "run_arm", "run_comparison", "run_config", "selection_stage", "setting_changes",
-           "warm_start_stage"]
+           "transfer_stage", "transfer_tasks", "warm_start_stage"]
 
-PAIRS = (("arpo", "grpo"), ("arpo_tis", "arpo"), ("arpo_tis", "grpo"))
+PAIRS = (("arpo", "grpo"), ("arpo_tis", "arpo"), ("arpo_tis", "grpo"), ("arpo_seeded", "arpo"),
+         ("arpo_seeded", "grpo"))
 """Paired comparisons the report makes (first minus second), where both arms ran."""
 
 
@@ -74,12 +81,13 @@ def run_comparison(cfg: RunConfig, *, report_only: bool = False) -> dict[str, An
     warm_train = evaluate_model(cfg, model_dir, tasks, cfg.run_dir / "eval_warm_start_train",
                                 temperature=cfg.rollout.temperature,
                                 samples_per_task=cfg.compare.baseline_samples_per_task)
+    warm_transfer = transfer_stage(cfg, model_dir, tasks, cfg.run_dir / "eval_transfer", run=not report_only)
     if report_only:
         runs, missing = finished_runs(cfg)
     else:
         runs = [run_arm(cfg, algo, seed, model_dir, tasks) for seed in cfg.compare.seeds for algo in cfg.compare.algos]
         missing = []
-    report = comparison_report(cfg, warm, runs, tasks, warm_train=warm_train)
+    report = comparison_report(cfg, warm, runs, tasks, warm_train=warm_train, warm_transfer=warm_transfer)
     report["missing_runs"] = missing
     report["seconds_total_this_call"] = round(time.monotonic() - t0, 1)
     write_report(cfg.run_dir, report)
@@ -127,7 +135,8 @@ def selection_stage(cfg: RunConfig, model_dir: Path) -> list[str]:
 
     out = RunDir(cfg.run_dir).selection
     if not (out / layout.SELECTION_RESULT).is_file():
-        sel_cfg = _derive(cfg, "selection", **{"model.path": str(model_dir)})
+        # its trajectories are kept: the seeded arm's buffer starts with their successes
+        sel_cfg = _derive(cfg, "selection", **{"model.path": str(model_dir), "select.save_trajectories": True})
         run_task_selection(sel_cfg, out)
     kept = load_selection(out)
     if not kept:
@@ -158,16 +167,49 @@ def evaluate_model(cfg: RunConfig, model_dir: Path, tasks: list[str], out: Path,
     return result.to_dict()
 
 
+def transfer_tasks(tasks: list[str]) -> list[str]:
+    """The tasks of fixed instances on fresh layouts: `miniwob/click-test@0` -> `miniwob/click-test`
+    (each once, in order); a task without an instance is its own."""
+    from arpo_lib.envs import split_instance
+
+    return list(dict.fromkeys(split_instance(t)[0] for t in tasks))
+
+
+def transfer_stage(cfg: RunConfig, model_dir: Path, tasks: list[str], out: Path,
+                   run: bool = True) -> dict[str, Any] | None:
+    """`model_dir`'s success on fresh layouts of `tasks` (`transfer_tasks`) at the training
+    temperature, `compare.transfer_samples_per_task` episodes each with the evaluation's seeds
+    (every model gets the same layouts); cached in out/. None when it is off, or (`run=False`)
+    not measured yet."""
+    n = cfg.compare.transfer_samples_per_task
+    if n <= 0 or (not run and not (out / layout.EVAL_RESULTS).is_file()):
+        return None
+    return evaluate_model(cfg, model_dir, transfer_tasks(tasks), out, temperature=cfg.rollout.temperature,
+                          samples_per_task=n)
+
+
 # --------------------------------------------------------------------------- stage 4: the runs
 
 def run_config(cfg: RunConfig, algo: str, seed: int, model_dir: Path, tasks: list[str]) -> RunConfig:
     """The config of one run of the experiment: arm `algo`, training seed `seed`, from the warm
     start in `model_dir` on the kept `tasks` (its directory: `<experiment>/<algo>-s<seed>`)."""
+    arm = dict(COMPARISON_ARMS[algo])
+    if arm.get("algo.replay.seed_from") == SEED_FROM_SELECTION:
+        trajectories = RunDir(cfg.run_dir).selection / "trajectories"
+        if not trajectories.is_dir():
+            raise RuntimeError(f"arm {algo!r} seeds its replay buffer with task selection's successes, but "
+                               f"{trajectories} does not exist: this experiment's selection was made without "
+                               "keeping its trajectories; run the experiment under another name (name=...)")
+        arm["algo.replay.seed_from"] = str(trajectories)
     return _derive(cfg, f"{algo}-s{seed}", **{"model.path": str(model_dir), "env.tasks": tasks, "eval.tasks": None,
-                                              **COMPARISON_ARMS[algo], "train.seed": seed,
+                                              **arm, "train.seed": seed,
                                               "warm_start.steps": 0, "warm_start.demos_per_task": 0,
                                               "train.demo_replay": 0,
                                               "train.tasks_per_batch": min(cfg.train.tasks_per_batch, len(tasks))})
+
+
+SEED_FROM_SELECTION = "selection"
+"""An arm's `algo.replay.seed_from` value meaning "this experiment's task-selection trajectories"."""
 
 
 def run_arm(cfg: RunConfig, algo: str, seed: int, model_dir: Path, tasks: list[str]) -> dict[str, Any]:
@@ -176,7 +218,8 @@ def run_arm(cfg: RunConfig, algo: str, seed: int, model_dir: Path, tasks: list[s
     final = run_cfg.run_dir / "final.json"
     require_same_setting(run_cfg)
     if _done(final):
-        return _with_final_at_train_temperature(cfg, _done(final), final, tasks)  # type: ignore[arg-type]
+        return _with_transfer(cfg, _with_final_at_train_temperature(cfg, _done(final), final, tasks),  # type: ignore[arg-type]
+                              final, tasks)
     name = run_cfg.name
     resume = RunDir(run_cfg.run_dir).metrics.exists()
     t0 = time.monotonic()
@@ -189,7 +232,20 @@ def run_arm(cfg: RunConfig, algo: str, seed: int, model_dir: Path, tasks: list[s
     record = {"algo": algo, "seed": seed, "eval": _eval_summary(evaluation),
               "seconds": round(time.monotonic() - t0, 1), **_train_summary(run_cfg.run_dir)}
     atomic_write_text(final, json.dumps(record, indent=1))
-    return _with_final_at_train_temperature(cfg, record, final, tasks)
+    return _with_transfer(cfg, _with_final_at_train_temperature(cfg, record, final, tasks), final, tasks)
+
+
+def _with_transfer(cfg: RunConfig, record: dict[str, Any], final: Path, tasks: list[str]) -> dict[str, Any]:
+    """`record` with `transfer` (`transfer_stage` of the final policy, in eval_transfer/) when
+    compare.transfer_samples_per_task > 0; measured once, recorded in final.json."""
+    if cfg.compare.transfer_samples_per_task <= 0 or "transfer" in record:
+        return record
+    result = transfer_stage(cfg, final.parent / "final_model", tasks, final.parent / "eval_transfer")
+    assert result is not None
+    record = {**record, "transfer": {**_eval_summary(result),
+                                     "by_task": {t["task"]: t["success_rate"] for t in result.get("tasks") or []}}}
+    atomic_write_text(final, json.dumps(record, indent=1))
+    return record
 
 
 def _with_final_at_train_temperature(cfg: RunConfig, record: dict[str, Any], final: Path,
@@ -224,6 +280,7 @@ def _train_summary(run_dir: Path) -> dict[str, Any]:
         "is_weight_mean": [m["is_weight_mean"] for m in lines if "is_weight_mean" in m],
         "is_capped_share": [m["is_capped_share"] for m in lines if "is_capped_share" in m],
         "replay_age_mean": [m["replay_age_mean"] for m in lines if m.get("replay_injections")],
+        "replay_age_by_step": [m["replay_age_mean"] if m.get("replay_injections") else None for m in lines],
     }
 
 
@@ -244,7 +301,8 @@ def finished_runs(cfg: RunConfig) -> tuple[list[dict[str, Any]], list[str]]:
 # ------------------------------------------------------------------------- stage 5: the report
 
 def comparison_report(cfg: RunConfig, warm: dict[str, Any], runs: list[dict[str, Any]], tasks: list[str],
-                      warm_train: dict[str, Any] | None = None) -> dict[str, Any]:
+                      warm_train: dict[str, Any] | None = None,
+                      warm_transfer: dict[str, Any] | None = None) -> dict[str, Any]:
     """The study's numbers: per arm of `compare.algos` that ran, `evaluation.stats.arm_statistics`
     over its seeds (gains against `warm_train`, the warm start at the training temperature, or
     `warm` without it); paired (same seed) differences for each of `PAIRS` where both arms ran;
@@ -254,7 +312,7 @@ def comparison_report(cfg: RunConfig, warm: dict[str, Any], runs: list[dict[str,
     for algo in cfg.compare.algos:
         rs = sorted((r for r in runs if r["algo"] == algo), key=lambda r: r["seed"])
         if rs:
-            arms[algo] = arm_statistics(rs, warm, warm_t)
+            arms[algo] = arm_statistics(rs, warm, warm_t, warm_transfer)
     pairs = {f"{a}-{b}": paired_comparison(runs, a, b, sorted(set(arms[a]["seeds"]) & set(arms[b]["seeds"])))
              for a, b in PAIRS if a in arms and b in arms}
     return {"experiment": str(cfg.run_dir), "tasks": tasks, "steps": cfg.train.steps,
@@ -265,6 +323,8 @@ def comparison_report(cfg: RunConfig, warm: dict[str, Any], runs: list[dict[str,
             "warm_start_eval": _eval_summary(warm),
             "warm_start_train_temperature": _eval_summary(warm_train) if warm_train else None,
             "warm_start_train_by_task": {t["task"]: t["success_rate"] for t in (warm_train or warm).get("tasks") or []},
+            "warm_start_transfer": ({**_eval_summary(warm_transfer), "tasks": transfer_tasks(tasks)}
+                                    if warm_transfer else None),
             "arms": arms, "paired": pairs, "runs": runs}
 
 
@@ -296,9 +356,10 @@ def _done(path: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-SETTING_FREE = ("out_dir", "name", "model.path", "compare.", "logging.")
+SETTING_FREE = ("out_dir", "name", "model.path", "algo.replay.seed_from", "compare.", "logging.")
 """Config keys (or prefixes) that do not change what a run of the experiment computes: where it
-lives, the experiment's seed list and arms, logging. Every other key is part of a run's setting."""
+lives (and so where its warm start and selection are), the experiment's seed list and arms,
+logging. Every other key is part of a run's setting."""
 
 
 WARM_START_SETTING = ("warm_start.", "env.", "model.", "agent.", "train.seed")

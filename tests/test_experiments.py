@@ -73,6 +73,46 @@ def test_three_arms_with_a_training_temperature_baseline():
     assert "ARPO+TIS" in report_markdown(report)
 
 
+def test_the_report_shows_the_regime_and_transfer():
+    cfg = load_config("configs/learning_miniwob_short.yaml", ["compare.seeds=[0, 1]", "compare.algos=[grpo, arpo]"])
+    warm = {"success_rate": 0.25, "pass_at_k": 0.5, "episodes": 16, "env_errors": 0, "format_error_rate": 0.1}
+    fresh = dict(warm, success_rate=0.1, episodes=8)
+    runs = []
+    for seed in (0, 1):
+        runs += [_run("grpo", seed, 0.25, [0.0, 0.25, 0.5, 0.5], [1.0, 0.5, 0.5, 0.0], [0, 0, 0, 0],
+                      transfer={"success_rate": 0.2}, replay_age_by_step=[None] * 4),
+                 _run("arpo", seed, 0.5, [0.0, 0.25, 0.5, 0.75], [1.0, 0.5, 0.5, 0.0], [4, 3, 3, 0],
+                      transfer={"success_rate": 0.25 + 0.125 * seed}, replay_age_by_step=[1.0, 2.0, 4.0, None])]
+    report = comparison_report(cfg, warm, runs, ["miniwob/click-test@0", "miniwob/click-test@1"],
+                               warm_transfer=fresh)
+    assert report["warm_start_transfer"]["tasks"] == ["miniwob/click-test"]
+    arpo = report["arms"]["arpo"]
+    assert arpo["transfer_gain_over_warm_start"]["mean"] == pytest.approx(0.2125)
+    assert arpo["regime"]["all_failed_first_half"]["mean"] == 0.75 and arpo["regime"]["injections_per_run"]["mean"] == 10
+    md = report_markdown(report)
+    assert "| ARPO | 0.75 [0.75, 0.75] | 10.0 [10.0, 10.0] | 10-10 | yes |" in md
+    assert "| GRPO | 0.75 [0.75, 0.75] | 0.0 [0.0, 0.0] | 0-0 | yes (no replay: all-failed share only) |" in md
+    assert "| step | GRPO all-failed | ARPO all-failed | inj. | age |" in md and "| 3 | 0.50 | 0.50 | 3.00 | 4.0 |" in md
+    assert "| 4 | 0.00 | 0.00 | 0.00 | – |" in md
+    assert "warm start **0.100**" in md and "| ARPO | 2 | 0.312 [0.250, 0.375] | +0.213 [+0.150, +0.275] |" in md
+    assert "| ARPO − GRPO | fresh layouts (transfer) | +0.112 [+0.050, +0.175] | 2 / 0 / 0 | 0.500 | 0.500 | 26 |" in md
+
+
+def test_the_seeded_arm_points_at_the_selection_trajectories(tmp_path):
+    from arpo_lib.experiments import run_config, transfer_tasks
+
+    cfg = load_config("configs/learning_miniwob_short.yaml", [f"out_dir={tmp_path}", "name=exp"])
+    with pytest.raises(RuntimeError, match="selection was made without keeping its trajectories"):
+        run_config(cfg, "arpo_seeded", 0, tmp_path / "model", ["miniwob/click-test"])
+    (tmp_path / "exp" / "selection" / "trajectories").mkdir(parents=True)
+    seeded = run_config(cfg, "arpo_seeded", 0, tmp_path / "model", ["miniwob/click-test"])
+    assert seeded.algo.replay.seed_from == str(tmp_path / "exp" / "selection" / "trajectories")
+    assert seeded.algo.replay.enabled and seeded.algo.replay.correction == "none"
+    assert run_config(cfg, "arpo", 0, tmp_path / "model", ["miniwob/click-test"]).algo.replay.seed_from is None
+    assert transfer_tasks(["miniwob/click-test@0", "miniwob/click-test@3", "miniwob/focus-text-2@1",
+                           "miniwob/click-button"]) == ["miniwob/click-test", "miniwob/focus-text-2", "miniwob/click-button"]
+
+
 def test_compare_config_is_checked():
     with pytest.raises(ConfigError, match="compare.algos"):
         load_config(None, ["compare.algos=[ppo]"])
@@ -85,6 +125,7 @@ def test_tiny_comparison_end_to_end_and_rerun_repeats_nothing(tmp_path, tiny_qwe
     """The first run goes through notebooks/arpo_vs_grpo.ipynb headlessly (its nbval re-execution at
     the committed defaults is a long test): the notebook's cells and the library's stages at once."""
     from arpo_lib.experiments import run_comparison
+    from arpo_lib.run import layout
     from arpo_lib.workflows import execute_notebook
 
     cfg_args = [f"model.path={tiny_qwen2vl}", f"out_dir={tmp_path}", "name=exp", "compare.seeds=[0]", "train.steps=1",
@@ -117,17 +158,45 @@ def test_tiny_comparison_end_to_end_and_rerun_repeats_nothing(tmp_path, tiny_qwe
                 for p in sorted(root.rglob("traj.jsonl"))}
 
     assert first_batch("arpo-s0") == first_batch("grpo-s0") != {}
+
+    def seeds(d):
+        return sorted(json.loads(m.read_text())["seed"] for m in d.rglob("meta.json"))
+
     assert json.loads((exp / "grpo-s0" / "final.json").read_text())["replay_injections"] == [0]
     mtimes = {p: p.stat().st_mtime for p in exp.rglob("metrics.jsonl")}
     again = run_comparison(cfg)
     assert again["arms"] == report["arms"]
     assert {p: p.stat().st_mtime for p in exp.rglob("metrics.jsonl")} == mtimes  # nothing was rerun
-    # The final policy at the training temperature, turned on after the runs finished: measured
-    # once per run on the baseline's episodes, recorded in final.json, nothing retrained.
+    # The final policy at the training temperature and on fresh layouts (transfer), turned on after
+    # the runs finished: measured once per run (the training temperature: on the baseline's
+    # episodes), recorded in final.json, nothing retrained. And a fourth arm joins: ARPO with its
+    # buffer seeded by the successes task selection found.
     (exp / "report.md").unlink()
-    with_final = load_config("configs/learning_miniwob_short.yaml", [*cfg_args, "compare.final_at_train_temperature=true"])
+    with_final = load_config("configs/learning_miniwob_short.yaml", [
+        *cfg_args, "compare.final_at_train_temperature=true", "compare.transfer_samples_per_task=1",
+        "compare.algos=[grpo, arpo, arpo_tis, arpo_seeded]"])
     measured = run_comparison(with_final)
-    assert {p: p.stat().st_mtime for p in exp.rglob("metrics.jsonl")} == mtimes
+    assert {p: mtimes[p] for p in mtimes} == {p: p.stat().st_mtime for p in mtimes}
+    assert [r["algo"] for r in measured["runs"]] == ["grpo", "arpo", "arpo_tis", "arpo_seeded"]
+    found = [json.loads(m.read_text()) for m in (exp / "selection" / "trajectories").rglob("meta.json")]
+    kept_successes = sum(t["task"] in report["tasks"] and t["task_score"] > 0.1 for t in found)
+    episodes = (exp / "selection" / layout.SELECTION_LOG).read_text().splitlines()
+    assert len(found) == len(episodes) and kept_successes >= 1  # every selection episode kept its trajectory
+
+    def replay_size(arm):  # after the first step: the fresh successes (+ the seeded ones)
+        return json.loads((exp / arm / "metrics.jsonl").read_text().splitlines()[0])["replay_size"]
+
+    assert first_batch("arpo_seeded-s0") == first_batch("arpo-s0")
+    assert replay_size("arpo_seeded-s0") == replay_size("arpo-s0") + kept_successes
+    warm_transfer = json.loads((exp / "eval_transfer" / "results.json").read_text())
+    assert warm_transfer["episodes"] == len(report["tasks"])  # 1 episode per task, fresh layouts
+    assert measured["warm_start_transfer"]["success_rate"] == warm_transfer["success_rate"]
+    for run in measured["runs"]:
+        transfer = json.loads((exp / f"{run['algo']}-s0" / "eval_transfer" / "results.json").read_text())
+        assert run["transfer"]["success_rate"] == transfer["success_rate"]
+        assert seeds(exp / f"{run['algo']}-s0" / "eval_transfer") == seeds(exp / "eval_transfer") != []
+    assert "transfer" in measured["paired"]["arpo_seeded-arpo"]
+    assert "Transfer: success on fresh layouts" in (exp / "report.md").read_text()
     for run in measured["runs"]:
         final_t = json.loads((exp / f"{run['algo']}-s0" / "eval_final_t" / "results.json").read_text())
         assert final_t["episodes"] == baseline["episodes"]
@@ -135,8 +204,6 @@ def test_tiny_comparison_end_to_end_and_rerun_repeats_nothing(tmp_path, tiny_qwe
         assert sorted(run["final_train_t"]["by_task"]) == sorted(report["tasks"])
         assert json.loads((exp / f"{run['algo']}-s0" / "final.json").read_text())["final_train_t"] == run["final_train_t"]
         # the same episodes as the warm start's baseline (paired): same task seeds, episode by episode
-        def seeds(d):
-            return sorted(json.loads(m.read_text())["seed"] for m in d.rglob("meta.json"))
         assert seeds(exp / f"{run['algo']}-s0" / "eval_final_t") == seeds(exp / "eval_warm_start_train") != []
     assert "final_gain_over_warm_start" in measured["arms"]["grpo"]
     assert "| GRPO | final policy |" in (exp / "report.md").read_text()
@@ -144,10 +211,11 @@ def test_tiny_comparison_end_to_end_and_rerun_repeats_nothing(tmp_path, tiny_qwe
     (exp / "arpo_tis-s0" / "final.json").unlink()
     partial = run_comparison(cfg, report_only=True)
     assert partial["missing_runs"] == ["arpo_tis-s0"] and "arpo_tis" not in partial["arms"]
-    assert partial["arms"]["arpo"] == measured["arms"]["arpo"]
+    transfer_keys = ("transfer_success", "transfer_gain_over_warm_start")
+    assert partial["arms"]["arpo"] == {k: v for k, v in measured["arms"]["arpo"].items() if k not in transfer_keys}
     assert not (exp / "arpo_tis-s0" / "final.json").exists()
     assert "Partial report: 1 run(s) not finished** (arpo_tis-s0)" in (exp / "report.md").read_text()
-    assert {p: p.stat().st_mtime for p in exp.rglob("metrics.jsonl")} == mtimes
+    assert {p: mtimes[p] for p in mtimes} == {p: p.stat().st_mtime for p in mtimes}
     empty = load_config("configs/learning_miniwob_short.yaml", [f"out_dir={tmp_path}", "name=nothing-yet"])
     with pytest.raises(RuntimeError, match="nothing to report.*stages not finished"):
         run_comparison(empty, report_only=True)

@@ -17,3 +17,8 @@ COMPARISON_ARMS.register("grpo", {"algo.replay.enabled": False, "algo.replay.cor
 COMPARISON_ARMS.register("arpo", {"algo.replay.enabled": True, "algo.replay.correction": "none"})
 # ARPO with replayed trajectories weighted by truncated importance ratios
 COMPARISON_ARMS.register("arpo_tis", {"algo.replay.enabled": True, "algo.replay.correction": "tis"})
+# ARPO with the buffer seeded before the first step with the successes task selection found (the
+# experiment points `algo.replay.seed_from` at its selection's trajectories): ARPO's buffer starts
+# empty, so a task the policy never solves itself during training never gets a replay
+COMPARISON_ARMS.register("arpo_seeded", {"algo.replay.enabled": True, "algo.replay.correction": "none",
+                                         "algo.replay.seed_from": "selection"})

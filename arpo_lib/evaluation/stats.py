@@ -24,7 +24,8 @@ final policy was also run at the training temperature. A baseline is an evaluati
 - `arm_statistics(runs, warm, warm_train)`: every measure of one arm over its seeds (`describe`:
   mean, std, range and bootstrap interval);
 - `paired_comparison(runs, a, b, seeds)`: arm a minus arm b seed by seed, on each measure of
-  `PAIRED_MEASURES` both have.
+  `PAIRED_MEASURES` both have, with `seeds_needed`: how many seeds a given difference would need;
+- `regime(runs)`: whether replay had something to do (all-failed groups, injections per step).
 """
 from __future__ import annotations
 
@@ -104,6 +105,41 @@ def moving(values: list[float], window: int = 3) -> list[float]:
     return [statistics.fmean(values[max(0, i - window + 1):i + 1]) for i in range(len(values))]
 
 
+def seeds_needed(std: float, difference: float = 0.05, *, alpha: float = 0.05, power: float = 0.8) -> int | None:
+    """Seeds (pairs) a two-sided paired test at level `alpha` needs to detect a true mean
+    difference `difference` with probability `power`, when paired differences have standard
+    deviation `std`: the normal approximation n = ((z_{1-alpha/2} + z_power) * std / difference)^2,
+    plus one pair for estimating the std (t rather than z). None when `std` is 0 (no spread
+    measured yet: any n, or too few seeds to say)."""
+    if difference <= 0:
+        raise ValueError(f"difference must be > 0, got {difference}")
+    if std <= 0:
+        return None
+    z = statistics.NormalDist()
+    n = ((z.inv_cdf(1 - alpha / 2) + z.inv_cdf(power)) * std / difference) ** 2
+    return max(2, math.ceil(n) + 1)
+
+
+def regime(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Did replay have something to do? Over an arm's runs: per step (mean over seeds) the share
+    of all-failed groups, the injections and the mean age (policy versions) of what was injected;
+    the share of all-failed groups in the first half of training and the injections per run
+    (`describe`d over seeds)."""
+    length = min(len(r["all_failed_groups"]) for r in runs)
+    per_step = {
+        "all_failed_groups": [statistics.fmean(r["all_failed_groups"][i] for r in runs) for i in range(length)],
+        "replay_injections": [statistics.fmean(r["replay_injections"][i] for r in runs) for i in range(length)],
+    }
+    if all(r.get("replay_age_by_step") for r in runs):
+        ages = [[r["replay_age_by_step"][i] for r in runs if r["replay_age_by_step"][i] is not None]
+                for i in range(length)]
+        per_step["replay_age_mean"] = [statistics.fmean(a) if a else None for a in ages]
+    half = max(1, length // 2)
+    return {"per_step": per_step,
+            "all_failed_first_half": describe([statistics.fmean(r["all_failed_groups"][:half]) for r in runs]),
+            "injections_per_run": describe([float(sum(r["replay_injections"])) for r in runs])}
+
+
 def describe(values: list[float], seed: int = 0) -> dict[str, float]:
     """Mean, Bessel std, range and the bootstrap 95% interval of the mean over seeds."""
     ci = bootstrap_ci(values, seed=seed)
@@ -165,13 +201,15 @@ def final_gain(run: dict[str, Any], baseline: dict[str, Any]) -> float | None:
     return final["success_rate"] - baseline["success_rate"]
 
 
-def arm_statistics(runs: list[dict[str, Any]], warm: dict[str, Any], warm_train: dict[str, Any]) -> dict[str, Any]:
+def arm_statistics(runs: list[dict[str, Any]], warm: dict[str, Any], warm_train: dict[str, Any],
+                   warm_transfer: dict[str, Any] | None = None) -> dict[str, Any]:
     """One arm over its seeds (`runs`: its records in seed order): final evaluation success and its
     gain over the warm start (`warm`: the warm start's evaluation); training-rollout success in the
     first and last quarter and the last quarter's gain over the warm start at the training
     temperature (`warm_train`), seed by seed; the final policy's gain where every run measured it;
     the share of all-failed groups; replay injections; importance weights and replay age where
-    they apply; the curves (moving average 3) with their bands."""
+    they apply; the curves (moving average 3) with their bands; `regime`; and where every run has
+    it, success on fresh layouts (`transfer`) and its gain over the warm start's (`warm_transfer`)."""
     gains = [train_gain(r, warm_train) for r in runs]
     arm = {
         "seeds": [r["seed"] for r in runs],
@@ -196,6 +234,11 @@ def arm_statistics(runs: list[dict[str, Any]], warm: dict[str, Any], warm_train:
         task: statistics.fmean(b[task] for b in by_task if task in b)
         for task in sorted({t for b in by_task for t in b})}
     arm["curves"] = {key: band([moving(r[key]) for r in runs]) for key in ("train_success", "all_failed_groups")}
+    arm["regime"] = regime(runs)
+    if warm_transfer and all(r.get("transfer") for r in runs):
+        arm["transfer_success"] = describe([r["transfer"]["success_rate"] for r in runs])
+        arm["transfer_gain_over_warm_start"] = describe([r["transfer"]["success_rate"] - warm_transfer["success_rate"]
+                                                         for r in runs])
     for key in ("is_weight_mean", "is_capped_share", "replay_age_mean"):
         per_run = [statistics.fmean(r[key]) for r in runs if r.get(key)]
         if per_run:
@@ -203,10 +246,11 @@ def arm_statistics(runs: list[dict[str, Any]], warm: dict[str, Any], warm_train:
     return arm
 
 
-PAIRED_MEASURES = ("eval", "train", "final_t")
+PAIRED_MEASURES = ("eval", "train", "final_t", "transfer")
 """What arms are compared on, seed by seed: final evaluation success (`eval`), last-quarter
 training success (`train`), the final policy's success on the training tasks at the training
-temperature (`final_t`, where every run of both arms has it)."""
+temperature (`final_t`) and on fresh layouts of those tasks (`transfer`), the last two where
+every run of both arms has them."""
 
 
 def paired_difference(runs: list[dict[str, Any]], a: str, b: str, seeds: list[int], measure: str) -> dict[str, Any]:
@@ -216,18 +260,22 @@ def paired_difference(runs: list[dict[str, Any]], a: str, b: str, seeds: list[in
         r = next(r for r in runs if r["algo"] == algo and r["seed"] == seed)
         if measure == "eval":
             return r["eval"]["success_rate"]
+        if measure == "transfer":
+            return r["transfer"]["success_rate"]
         return r["final_train_t"]["success_rate"] if measure == "final_t" else train_quarter(r, True)
 
     xa, xb = [value(a, s) for s in seeds], [value(b, s) for s in seeds]
     diffs = [x - y for x, y in zip(xa, xb)]
-    return {"seeds": seeds, "differences": diffs, **describe(diffs),
-            "p_permutation": paired_permutation_test(xa, xb), "p_sign": sign_test(xa, xb)}
+    stats = describe(diffs)
+    return {"seeds": seeds, "differences": diffs, **stats,
+            "p_permutation": paired_permutation_test(xa, xb), "p_sign": sign_test(xa, xb),
+            "seeds_for_5_points": seeds_needed(stats["std"], 0.05)}
 
 
 def paired_comparison(runs: list[dict[str, Any]], a: str, b: str, seeds: list[int]) -> dict[str, dict[str, Any]]:
     """Arm `a` minus arm `b` on the `seeds` both ran: {measure: `paired_difference`} for each of
     `PAIRED_MEASURES` that every one of their runs has."""
     measures = ["eval", "train"]
-    if all(r.get("final_train_t") for r in runs if r["algo"] in (a, b) and r["seed"] in seeds):
-        measures.append("final_t")
+    both = [r for r in runs if r["algo"] in (a, b) and r["seed"] in seeds]
+    measures += [m for m, key in (("final_t", "final_train_t"), ("transfer", "transfer")) if all(r.get(key) for r in both)]
     return {m: paired_difference(runs, a, b, seeds, m) for m in measures}

@@ -181,6 +181,11 @@ class ReplayConfig:
     weighted by min(pi_old / mu, tis_cap), mu the probability it was sampled with)."""
     tis_cap: float = 2.0
     """Upper bound of the truncated importance weight (correction=tis)."""
+    seed_from: str | None = None
+    """A directory of stored trajectories (e.g. a task selection's `trajectories/`, saved with
+    `select.save_trajectories`): before the first step their successes on the run's tasks go into
+    the buffer (at most `capacity_per_task` each). ARPO's buffer starts empty (None): a task the
+    policy never solves during training then never gets a replay."""
 
 
 @dataclass
@@ -337,6 +342,9 @@ class SelectConfig:
     """Re-runs of an episode lost to an infrastructure failure before giving up on it."""
     tasks: list[str] | None = None
     """Candidate tasks; None = env.tasks."""
+    save_trajectories: bool = False
+    """Keep every selection episode's trajectory directory (<selection>/trajectories), e.g. to seed
+    a replay buffer with the successes selection found (`algo.replay.seed_from`)."""
 
 
 @dataclass
@@ -356,6 +364,11 @@ class CompareConfig:
     the baseline's episodes (`baseline_samples_per_task` per task, same seeds: paired) -> each
     run's `eval_final_t/`: training success measured on many episodes at the end, beside the last
     quarter's few rollouts. Runs finished without it get it on the next (non-report-only) call."""
+    transfer_samples_per_task: int = 0
+    """Does what is learned carry over? Episodes per task of the warm start and of every final
+    policy on fresh layouts of the trained tasks (`miniwob/click-test` for `miniwob/click-test@0`:
+    every episode seeds its own layout), at the training temperature, the same episodes for all
+    -> `eval_transfer/`. 0: not measured."""
 
 
 @dataclass

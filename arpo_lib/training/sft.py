@@ -4,7 +4,9 @@ The demonstrations are real trajectories from `ScriptedPolicy` through the norma
 so their tokens are exactly what the policy would have to sample. The loss is the mean negative
 log-likelihood of the assistant tokens, computed with the same `sequence_logprobs` the RL
 update uses. `WarmStart` is what a trainer does with them before its first step: collect them
-once, warm-start on them, seed the replay buffer with them (`warm_start.*`, `train.demo_replay`).
+once, warm-start on them, seed the replay buffer with them (`warm_start.*`, `train.demo_replay`),
+and `seed_replay_from`: the buffer seeded with stored successes of the policy itself (e.g. the
+ones task selection found, `algo.replay.seed_from`).
 """
 from __future__ import annotations
 
@@ -107,6 +109,28 @@ def seed_replay(replay: ReplayBuffer, demos: Sequence[Trajectory], per_task: int
     if missing:
         log.info("no demonstrations for %s; their replay starts empty", missing)
     log.info("replay buffer seeded with %d scripted demonstrations", stored)
+    return stored
+
+
+def seed_replay_from(replay: ReplayBuffer, directory: str | Path, tasks: Sequence[str]) -> int:
+    """Store the successes among the trajectory directories under `directory` (any depth, in path
+    order) whose task is one of `tasks`; returns how many were stored. FileNotFoundError when
+    `directory` is not a directory: a seeded arm must not quietly start empty."""
+    from arpo_lib.rollout.store import read_trajectory
+    from arpo_lib.run import layout
+
+    root = Path(directory)
+    if not root.is_dir():
+        raise FileNotFoundError(f"algo.replay.seed_from: {root} is not a directory (a task selection keeps its "
+                                "episodes' trajectories with select.save_trajectories=true)")
+    wanted, stored, per_task = set(tasks), 0, {}
+    for meta in sorted(root.rglob(layout.META)):
+        traj = read_trajectory(meta.parent).trajectory
+        if traj.task in wanted and traj.ok and replay.add(traj.task, traj.replay_item(), traj.task_score):
+            stored += 1
+            per_task[traj.task] = per_task.get(traj.task, 0) + 1
+    log.info("replay buffer seeded with %d stored successes from %s (%s)", stored, root,
+             ", ".join(f"{t}: {n}" for t, n in sorted(per_task.items())) or "no task of this run")
     return stored
 
 

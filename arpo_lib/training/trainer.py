@@ -42,7 +42,7 @@ from arpo_lib.training.backend import TrainingBackend
 from arpo_lib.training.checkpoint import Checkpointer
 from arpo_lib.training.metrics import RunRecords, step_metrics
 from arpo_lib.training.rollout_source import RolloutSource, task_batch
-from arpo_lib.training.sft import WarmStart
+from arpo_lib.training.sft import WarmStart, seed_replay_from
 from arpo_lib.training.update import NonFiniteGradientError, PolicyUpdate  # noqa: F401 (its old home)
 from arpo_lib.types import Group, TrainablePolicy, Trajectory
 
@@ -83,6 +83,7 @@ class Trainer:
         and how old a replayed trajectory is (checkpointed)."""
         self.updater.consecutive_skips = int(state.get("consecutive_skips", 0))
         self.seconds_warm_start = 0.0
+        self._replay_seeded_from = False
         records.start(self.step, resume)
 
     def close(self, failed: bool = False) -> None:
@@ -190,9 +191,17 @@ class Trainer:
         return losses
 
     def seed_replay_with_demos(self) -> int:
-        """Put `train.demo_replay` scripted demonstrations per task into the replay buffer (once,
-        before the first step; they are saved with the buffer). Returns how many were stored."""
-        return self.sft.seed_replay(self.replay) if self.step == 0 and self.replay.enabled else 0
+        """Put `train.demo_replay` scripted demonstrations per task, and the stored successes under
+        `algo.replay.seed_from`, into the replay buffer (once, before the first step; they are
+        saved with the buffer). Returns how many were stored."""
+        if self.step != 0 or not self.replay.enabled:
+            return 0
+        stored = self.sft.seed_replay(self.replay)
+        seed_from = self.cfg.algo.replay.seed_from
+        if seed_from and not self._replay_seeded_from:
+            self._replay_seeded_from = True
+            stored += seed_replay_from(self.replay, seed_from, self.rollouts.tasks)
+        return stored
 
     def evaluate(self, label: str, tasks: list[str] | None = None) -> "EvalResult":
         """Evaluate the current policy with the run's protocol into <run>/eval/<label>."""

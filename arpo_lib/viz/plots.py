@@ -479,7 +479,7 @@ def plot_selection(selection: str | Path | dict[str, Any]) -> Figure:
 # ARPO vs GRPO
 
 
-ARM_COLORS = {"grpo": "C1", "arpo": "C0", "arpo_tis": "C2"}
+ARM_COLORS = {"grpo": "C1", "arpo": "C0", "arpo_tis": "C2", "arpo_seeded": "C4"}
 
 
 def _plot_seed_gains(ax: Any, arms: dict[str, Any], label: dict[str, str], bar: float = 0.15) -> None:
@@ -523,7 +523,7 @@ def plot_comparison(report: dict[str, Any] | str | Path) -> Figure:
     pairs = list((report.get("paired") or {}).items())
     fig = ReportFigure(figsize=(20 if pairs else 16, 3.8), layout="constrained")
     ax_s, ax_f, ax_g, ax_e, *ax_d = fig.subplots(1, 5 if pairs else 4)  # one arm: nothing to pair
-    label = {"grpo": "GRPO", "arpo": "ARPO", "arpo_tis": "ARPO+TIS"}
+    from arpo_lib.viz.report import ARM_LABELS as label
     for x, (algo, arm) in enumerate(arms.items()):
         color = ARM_COLORS.get(algo)
         for ax, key in ((ax_s, "train_success"), (ax_f, "all_failed_groups")):

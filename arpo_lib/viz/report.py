@@ -7,11 +7,15 @@ from typing import Any
 
 from arpo_lib.evaluation.stats import train_quarter
 
-ARM_LABELS = {"grpo": "GRPO", "arpo": "ARPO", "arpo_tis": "ARPO+TIS"}
+ARM_LABELS = {"grpo": "GRPO", "arpo": "ARPO", "arpo_tis": "ARPO+TIS", "arpo_seeded": "ARPO seeded"}
 """How the tables name an arm (`compare.algos`); an arm not named here shows its own name."""
 
 PAIRED_LABELS = {"eval": "final eval success", "train": "train success, last quarter",
-                 "final_t": "final policy at T=train"}
+                 "final_t": "final policy at T=train", "transfer": "fresh layouts (transfer)"}
+
+REGIME_ALL_FAILED, REGIME_INJECTIONS = 0.25, 10
+"""When replay has something to do (issue 36's bar): in an arm with replay, at least this share of
+groups all-failed in the first half of training, and at least this many injections per run."""
 """How the paired table names each of `evaluation.stats.PAIRED_MEASURES`."""
 
 
@@ -64,10 +68,14 @@ def report_markdown(report: dict[str, Any]) -> str:
                          (f"**{by_seed[seed]:+.3f}**" if by_seed[seed] < 0.15 else f"{by_seed[seed]:+.3f}") for seed in seeds]
                 lines.append(f"| {ARM_LABELS.get(algo, algo)} | {label} | " + " | ".join(cells) +
                              f" | {st['mean']:+.3f} [{st['lo']:+.3f}, {st['hi']:+.3f}] | {'yes' if every else 'no'} |")
+    lines += _transfer_lines(report)
     if report.get("paired"):
-        lines += ["", "Paired differences (same seed: same first batch, task order and evaluation episodes):", "",
-                  "| comparison | measure | mean difference [95% CI] | seeds a > b / a < b / equal | p (permutation) | p (sign) |",
-                  "|---|---|---|---|---|---|"]
+        lines += ["", "Paired differences (same seed: same first batch, task order and evaluation episodes); "
+                  "the last column: seeds a paired test (5%, power 0.8) would need for a true 5-point difference, "
+                  "given the spread of these differences:", "",
+                  "| comparison | measure | mean difference [95% CI] | seeds a > b / a < b / equal | p (permutation) | "
+                  "p (sign) | seeds for 5 pts |",
+                  "|---|---|---|---|---|---|---|"]
         for name, measures in report["paired"].items():
             a, b = name.split("-")
             for measure, d in measures.items():
@@ -76,7 +84,8 @@ def report_markdown(report: dict[str, Any]) -> str:
                 lines.append(f"| {ARM_LABELS.get(a, a)} − {ARM_LABELS.get(b, b)} | {PAIRED_LABELS[measure]} | "
                              f"{d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}] | "
                              f"{wins} / {losses} / {len(diffs) - wins - losses} | "
-                             f"{d['p_permutation']:.3f} | {d['p_sign']:.3f} |")
+                             f"{d['p_permutation']:.3f} | {d['p_sign']:.3f} | {d.get('seeds_for_5_points') or '–'} |")
+    lines += _regime_lines(report)
     by_task = report.get("warm_start_train_by_task") or {}
     if by_task and any(a.get("train_last_quarter_by_task") for a in report["arms"].values()):
         arms = list(report["arms"])
@@ -102,6 +111,64 @@ def report_markdown(report: dict[str, Any]) -> str:
         lines[1:1] = ["", f"**Partial report: {len(report['missing_runs'])} run(s) not finished** "
                       f"({', '.join(report['missing_runs'])}); the figures cover the finished ones only."]
     return "\n".join(lines) + "\n"
+
+
+def _transfer_lines(report: dict[str, Any]) -> list[str]:
+    """Success on fresh layouts of the trained tasks: the warm start's and each arm's."""
+    warm = report.get("warm_start_transfer")
+    if not warm:
+        return []
+    lines = ["", f"Transfer: success on fresh layouts of the trained tasks ({', '.join(warm['tasks'])}; "
+             f"{warm['episodes']} episodes per model at the training temperature, the same for every model): "
+             f"warm start **{warm['success_rate']:.3f}**.", "",
+             "| arm | seeds | fresh-layout success | gain over warm start |", "|---|---|---|---|"]
+    for algo, a in report["arms"].items():
+        t, g = a.get("transfer_success"), a.get("transfer_gain_over_warm_start")
+        if t and g:
+            lines.append(f"| {ARM_LABELS.get(algo, algo)} | {t['n']} | {t['mean']:.3f} [{t['lo']:.3f}, {t['hi']:.3f}] | "
+                         f"{g['mean']:+.3f} [{g['lo']:+.3f}, {g['hi']:+.3f}] |")
+    return lines
+
+
+def _regime_lines(report: dict[str, Any]) -> list[str]:
+    """Did replay have something to do? Per arm the all-failed share in the first half and the
+    injections per run against the bar; per step (mean over seeds) all-failed share, injections
+    and the age of what was injected."""
+    arms = {a: v["regime"] for a, v in report["arms"].items() if v.get("regime")}
+    if not arms:
+        return []
+    lines = ["", f"Regime: replay can only act on all-failed groups. The bar: at least {REGIME_ALL_FAILED:.0%} of groups "
+             f"all-failed in the first half of training and at least {REGIME_INJECTIONS} injections per run "
+             "(in an arm with replay).", "",
+             "| arm | all-failed share, first half [95% CI] | injections per run [95% CI] | range | meets the bar |",
+             "|---|---|---|---|---|"]
+    for algo, r in arms.items():
+        af, inj = r["all_failed_first_half"], r["injections_per_run"]
+        replay = algo != "grpo"
+        meets = af["mean"] >= REGIME_ALL_FAILED and (not replay or inj["mean"] >= REGIME_INJECTIONS)
+        lines.append(f"| {ARM_LABELS.get(algo, algo)} | {af['mean']:.2f} [{af['lo']:.2f}, {af['hi']:.2f}] | "
+                     f"{inj['mean']:.1f} [{inj['lo']:.1f}, {inj['hi']:.1f}] | {inj['min']:.0f}-{inj['max']:.0f} | "
+                     f"{'yes' if meets else 'no'}{'' if replay else ' (no replay: all-failed share only)'} |")
+    steps = min(len(r["per_step"]["all_failed_groups"]) for r in arms.values())
+    # columns per arm: all-failed share; with replay, injections; where recorded, their age
+    cols = {a: ["all-failed"] + (["inj."] if a != "grpo" else []) +
+            (["age"] if a != "grpo" and "replay_age_mean" in r["per_step"] else []) for a, r in arms.items()}
+    head = " | ".join(f"{ARM_LABELS.get(a, a)} {' | '.join(c)}" for a, c in cols.items())
+    lines += ["", "Per step, mean over seeds" + (" (age: policy versions between a replayed trajectory and the policy "
+              "it trained)" if any("age" in c for c in cols.values()) else "") + ":", "", f"| step | {head} |",
+              "|---|" + "|".join("|".join("---" for _ in c) for c in cols.values()) + "|"]
+    for i in range(steps):
+        cells = []
+        for algo, r in arms.items():
+            p = r["per_step"]
+            cells.append(f"{p['all_failed_groups'][i]:.2f}")
+            if "inj." in cols[algo]:
+                cells.append(f"{p['replay_injections'][i]:.2f}")
+            if "age" in cols[algo]:
+                age = p["replay_age_mean"][i]
+                cells.append("–" if age is None else f"{age:.1f}")
+        lines.append(f"| {i + 1} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def report_digest(report: dict[str, Any]) -> str:

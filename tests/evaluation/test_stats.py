@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from arpo_lib.evaluation.stats import (band, bootstrap_ci, describe, final_gain, moving, paired_comparison,
-                                      paired_permutation_test, quarter_by_task, quarter_mean, sign_test, train_gain,
-                                      train_quarter)
+                                      paired_permutation_test, quarter_by_task, quarter_mean, regime, seeds_needed,
+                                      sign_test, train_gain, train_quarter)
 
 
 def test_bootstrap_interval_contains_the_mean_and_shrinks_with_agreement():
@@ -90,3 +90,39 @@ def test_paired_comparison_measures_only_what_both_arms_have():
     assert both["eval"]["differences"] == [0.25, 0.5] and both["eval"]["p_sign"] == 0.5
     assert both["train"]["differences"] == [0.0, 0.0] and both["train"]["p_permutation"] == 1.0
     assert set(paired_comparison(runs, "arpo", "grpo", [0])) == {"eval", "train", "final_t"}
+
+
+def test_paired_comparison_has_transfer_and_a_seed_count_for_5_points():
+    def rec(algo, seed, final, fresh):
+        return {**_record(algo, seed, final), "transfer": {"success_rate": fresh}}
+
+    runs = [rec("arpo", 0, 0.5, 0.3), rec("grpo", 0, 0.5, 0.2), rec("arpo", 1, 0.5, 0.4), rec("grpo", 1, 0.5, 0.2)]
+    both = paired_comparison(runs, "arpo", "grpo", [0, 1])
+    assert both["transfer"]["differences"] == pytest.approx([0.1, 0.2])
+    # std of the differences 0.0707: ((1.96 + 0.8416) * 0.0707 / 0.05)^2 = 15.7 -> 16, + 1
+    assert both["transfer"]["seeds_for_5_points"] == 17
+    assert both["eval"]["seeds_for_5_points"] is None  # no spread: nothing to say
+
+
+def test_seeds_needed_follows_the_normal_approximation():
+    assert seeds_needed(0.1, 0.05) == 33  # (2.8016 * 2)^2 = 31.4 -> 32, + 1
+    assert seeds_needed(0.1, 0.1) == 9 and seeds_needed(0.2, 0.05) > seeds_needed(0.1, 0.05)
+    assert seeds_needed(0.1, 0.05, power=0.9) > seeds_needed(0.1, 0.05)
+    assert seeds_needed(0.0, 0.05) is None and seeds_needed(0.001, 0.5) == 2
+    with pytest.raises(ValueError, match="difference"):
+        seeds_needed(0.1, 0.0)
+
+
+def test_regime_per_step_and_first_half():
+    runs = [{"all_failed_groups": [1.0, 0.5, 0.5, 0.0], "replay_injections": [0, 2, 1, 0],
+             "replay_age_by_step": [None, 3.0, 5.0, None]},
+            {"all_failed_groups": [0.5, 0.5, 0.0, 0.0], "replay_injections": [1, 1, 0, 0],
+             "replay_age_by_step": [1.0, 2.0, None, None]}]
+    r = regime(runs)
+    assert r["per_step"]["all_failed_groups"] == [0.75, 0.5, 0.25, 0.0]
+    assert r["per_step"]["replay_injections"] == [0.5, 1.5, 0.5, 0.0]
+    assert r["per_step"]["replay_age_mean"] == [1.0, 2.5, 5.0, None]  # over the seeds that injected
+    assert r["all_failed_first_half"]["mean"] == pytest.approx(0.625)  # (0.75 + 0.5) / 2
+    assert r["injections_per_run"]["mean"] == 2.5 and r["injections_per_run"]["max"] == 3
+    old = [{k: v for k, v in run.items() if k != "replay_age_by_step"} for run in runs]  # recorded before ages per step
+    assert "replay_age_mean" not in regime(old)["per_step"]
