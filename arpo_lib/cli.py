@@ -5,7 +5,8 @@
             [--nproc-per-node N [--nnodes M --master-addr A [--rdzv-id ID]]]   on N processes per node (torchrun)
     resume  --run runs/smoke [--nproc-per-node N ...]       continue a run from its last checkpoint
     eval    --config configs/smoke.yaml [--model DIR] [key=value ...]
-    smoke   [--config FILE] [key=value ...]                   execute notebooks/smoke_test.ipynb headlessly
+    smoke   [--config FILE] [--seeds 0,1,2,3,4] [key=value ...]   execute notebooks/smoke_test.ipynb headlessly
+    build-warm-start [--out DIR] [--config F]               make a warm-started model once (the smoke's)
     notebook NAME [config=F] [overrides='[k=v, ...]'] [run_name=N]   execute any notebook headlessly
     config  [--config FILE] [key=value ...]                 print the resolved config and field docs
     osworld-tasks fetch [--source S] [--force] | list [SET] [--ids] | verify | prefetch [SET]   OSWorld task data
@@ -108,15 +109,58 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_smoke(args: argparse.Namespace) -> int:
-    from arpo_lib.run import layout
-    from arpo_lib.workflows import execute_notebook, format_summary
+def _make_prebuilt(model_path: str) -> None:
+    """Make `model_path` if it is one of the warm starts the workbench makes once
+    (`workflows.prepare.PREBUILT_WARM_STARTS`) and is not made, or was made with another recipe."""
+    from arpo_lib import build
+    from arpo_lib.experiments import build_warm_start_model
+    from arpo_lib.workflows.prepare import PREBUILT_WARM_STARTS, use_repo_root
 
-    out = execute_notebook("notebooks/smoke_test.ipynb", {"config": args.config, "overrides": list(args.overrides)},
-                           run_name=args.name)
-    summary = json.loads((out.parent / layout.SUMMARY).read_text())
-    print(format_summary(summary))
-    print(f"executed notebook: {out}")
+    key = Path(model_path).as_posix().removeprefix("./")
+    if key in PREBUILT_WARM_STARTS:
+        use_repo_root()
+        build_warm_start_model(build.load_config(PREBUILT_WARM_STARTS[key]), Path(key))
+
+
+def _cmd_build_warm_start(args: argparse.Namespace) -> int:
+    from arpo_lib import build
+    from arpo_lib.experiments import build_warm_start_model
+
+    from arpo_lib.workflows.prepare import PREBUILT_WARM_STARTS
+
+    recipe = args.config or PREBUILT_WARM_STARTS.get(Path(args.out).as_posix().removeprefix("./"))
+    if recipe is None:
+        print(f"error: no recipe for {args.out}: give --config (a config whose warm_start.* makes it)", file=sys.stderr)
+        return 2
+    out = build_warm_start_model(build.load_config(recipe, list(args.overrides)), Path(args.out))
+    record = json.loads((out / "warm_start.json").read_text())
+    print(f"warm start: {out} ({record['steps']} SFT steps, loss {record['loss_first']:.3f} -> "
+          f"{record['loss_last']:.3f}, {record['seconds']} s when made)")
+    return 0
+
+
+def _cmd_smoke(args: argparse.Namespace) -> int:
+    from arpo_lib import build
+    from arpo_lib.run import layout
+    from arpo_lib.workflows import execute_notebook, format_summary, smoke_seeds_table
+
+    cfg = build.load_config(args.config, list(args.overrides))
+    _make_prebuilt(cfg.model.path)  # the smoke's warm start, made once
+    seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [None]
+    summaries = []
+    for seed in seeds:
+        overrides = list(args.overrides) + ([f"train.seed={seed}"] if seed is not None else [])
+        name = args.name if seed is None or args.name is None else f"{args.name}-s{seed}"
+        out = execute_notebook("notebooks/smoke_test.ipynb", {"config": args.config, "overrides": overrides},
+                               run_name=name)
+        summary = json.loads((out.parent / layout.SUMMARY).read_text())
+        print(format_summary(summary))
+        print(f"executed notebook: {out}")
+        summaries.append({**summary, "seed": seed if seed is not None else cfg.train.seed})
+    if args.seeds:
+        table, every = smoke_seeds_table(summaries, args.min_gain)
+        print(table)
+        return 0 if every else 1
     return 0
 
 
@@ -299,10 +343,23 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("smoke", help="the CPU smoke run: executes notebooks/smoke_test.ipynb")
     p.add_argument("--name", default=None, help="run name (default: smoke-<time>)")
-    p.add_argument("--config", default="configs/smoke.yaml",
-                   help="run config (configs/desktop_smoke.yaml: the same on real desktop applications)")
+    p.add_argument("--config", default="configs/smoke_learning.yaml",
+                   help="run config: configs/smoke_learning.yaml (RL raising success on fixed instances, the "
+                        "default), configs/smoke.yaml (the tiny model: the machinery only, what CI runs), "
+                        "configs/desktop_smoke.yaml (the machinery on real desktop applications)")
+    p.add_argument("--seeds", default=None,
+                   help="comma-separated training seeds, e.g. 0,1,2,3,4: one smoke run each, then a table of "
+                        "success before -> after per seed; exit status 1 unless every seed gained --min-gain")
+    p.add_argument("--min-gain", type=float, default=0.10, help="the gain --seeds asks of every seed (default 0.10)")
     p.add_argument("overrides", nargs="*")
     p.set_defaults(func=_cmd_smoke)
+
+    p = sub.add_parser("build-warm-start", help="make a warm-started model once (SFT on scripted demonstrations)")
+    p.add_argument("--out", default="models/small-uitars-qwen2vl-smoke", help="model directory to make")
+    p.add_argument("--config", default=None, help="the config whose warm_start.* makes it (default: the one "
+                                                   "--out is known by, e.g. configs/smoke_warm_start.yaml)")
+    p.add_argument("overrides", nargs="*")
+    p.set_defaults(func=_cmd_build_warm_start)
 
     p = sub.add_parser("notebook", help="execute a notebook headlessly (papermill) into its run directory")
     p.add_argument("name", help="smoke_test, subset_training, evaluation or gpu_inference_server")

@@ -53,7 +53,7 @@ from arpo_lib.viz.report import report_digest, report_markdown
 log = logging.getLogger(__name__)
 
 # report_markdown and report_digest live in viz.report; the notebook calls them through this module.
-__all__ = ["comparison_report", "evaluate_model", "finished_runs", "report_digest", "report_markdown",
+__all__ = ["build_warm_start_model", "comparison_report", "evaluate_model", "finished_runs", "report_digest", "report_markdown",
            "require_same_setting", "run_arm", "run_comparison", "run_config", "selection_stage", "setting_changes",
            "transfer_stage", "transfer_tasks", "warm_start_stage"]
 
@@ -126,12 +126,57 @@ def warm_start_stage(cfg: RunConfig) -> Path:
     return model_dir
 
 
+def build_warm_start_model(recipe: RunConfig, out: Path, progress: bool = True) -> Path:
+    """A warm-started model made once and kept at `out` (a Hugging Face model directory): the
+    warm start of `recipe` (its `warm_start.*` on its `env.tasks` from its `model.path`, as the
+    experiment's stage 1), for runs that start from it with `warm_start.steps=0` (the smoke run:
+    every seed from the same weights). Kept with `warm_start.json` (losses, seconds, the recipe)
+    and a `.complete` marker; made again when the recipe changed. Returns `out`."""
+    import shutil
+
+    out = Path(out)
+    settings = {k: v for k, v in _flat(recipe.to_dict()).items() if _matches(k, WARM_START_SETTING)}
+    record = out / "warm_start.json"
+    if (out / ".complete").is_file() and record.is_file():
+        if json.loads(record.read_text()).get("recipe") == settings:
+            return out
+        log.info("%s was made with another warm-start recipe: making it again", out)
+    build_dir = out.with_name(out.name + ".build")
+    cfg = _derive(recipe, "build", **{"logging.progress": progress})
+    data = cfg.to_dict()
+    data["out_dir"] = str(build_dir)
+    cfg = config_from_dict(data)
+    if build_dir.exists() and not (cfg.run_dir / "warm_start" / "done.json").is_file():
+        shutil.rmtree(build_dir)  # an interrupted build: start over (its steps are not resumable)
+    log.info("making the warm start %s once (%d demonstrations per task, %d SFT steps)", out,
+             recipe.warm_start.demos_per_task, recipe.warm_start.steps)
+    model = warm_start_stage(cfg)
+    done = json.loads((cfg.run_dir / "warm_start" / "done.json").read_text())
+    if out.exists():
+        shutil.rmtree(out)
+    shutil.copytree(model, out)
+    atomic_write_text(record, json.dumps({**done, "recipe": settings}, indent=1))
+    (out / ".complete").touch()
+    shutil.rmtree(build_dir)
+    return out
+
+
+def _flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 # --------------------------------------------------------------------- stage 2: task selection
 
 def selection_stage(cfg: RunConfig, model_dir: Path) -> list[str]:
     """ARPO's task selection with the warm-started policy; returns the kept tasks."""
     from arpo_lib.evaluation.task_selection import load_selection
-    from arpo_lib.workflows import run_task_selection
+    from arpo_lib.workflows.evaluate import run_task_selection
 
     out = RunDir(cfg.run_dir).selection
     if not (out / layout.SELECTION_RESULT).is_file():

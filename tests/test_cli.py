@@ -1,6 +1,7 @@
 """The command line: every command's errors are one line naming the problem, exit code 2."""
 from __future__ import annotations
 
+import pytest
 import yaml
 
 from arpo_lib import cli
@@ -118,3 +119,50 @@ def test_smoke_takes_a_config_and_the_desktop_config_is_valid(monkeypatch, tmp_p
     assert seen["params"] == {"config": "configs/desktop_smoke.yaml", "overrides": ["train.steps=1"]}
     cfg = load_config("configs/desktop_smoke.yaml")
     assert all(t.startswith("desktop/") for t in cfg.env.tasks) and cfg.env.options["screen"] == [960, 600]
+
+
+def test_smoke_seeds_runs_each_seed_and_checks_every_gain(monkeypatch, tmp_path, capsys):
+    """`smoke --seeds 0,1,2`: one notebook run per seed (train.seed=<seed>, its own run name), a
+    table of success before -> after, and exit status 1 when a seed gained less than --min-gain."""
+    import json
+
+    from arpo_lib import workflows
+
+    made, runs = [], []
+    monkeypatch.setattr(cli, "_make_prebuilt", lambda path: made.append(path))
+    after = {0: 0.5, 1: 0.375, 2: 0.25}
+
+    def fake_execute(path, params, run_name=None):
+        seed = int(params["overrides"][-1].split("=")[1])
+        runs.append((run_name, params["overrides"]))
+        out = tmp_path / run_name
+        out.mkdir()
+        (out / "summary.json").write_text(json.dumps({
+            "success_before": 0.25, "success_after": after[seed], "train_success_per_step": [0.25, after[seed]],
+            "seconds_total": 100.0, "eval_episodes": 24, "eval_temperature": 1.0}))
+        return out / "smoke_test.ipynb"
+
+    monkeypatch.setattr(workflows, "execute_notebook", fake_execute)
+    assert cli.main(["smoke", "--name", "s", "--seeds", "0,1", "train.steps=2"]) == 0
+    assert made == ["models/small-uitars-qwen2vl-smoke"]  # the default config's warm start, made first
+    assert runs == [("s-s0", ["train.steps=2", "train.seed=0"]), ("s-s1", ["train.steps=2", "train.seed=1"])]
+    out = capsys.readouterr().out
+    assert "success before -> after RL: 0.250 -> 0.500 (+25.0 points" in out
+    assert "| 1 | 0.250 | 0.375 | +12.5 pts | 0.25 0.38 | 100.0 |" in out
+    assert "Every seed gained at least 10 points: yes (2 of 2; mean gain +18.8 points)" in out
+    runs.clear()
+    assert cli.main(["smoke", "--name", "t", "--seeds", "0,2"]) == 1  # seed 2: no gain
+    out = capsys.readouterr().out
+    assert "| 2 | 0.250 | 0.250 | +0.0 pts (short) |" in out and "Every seed gained at least 10 points: NO (1 of 2" in out
+
+
+def test_a_run_on_the_smoke_warm_start_before_it_is_made_says_how_to_make_it(monkeypatch, tmp_path):
+    from arpo_lib.workflows import prepare
+
+    monkeypatch.setattr(prepare, "REPO_ROOT", tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"run `./workbench setup` \(or `./workbench build-warm-start`\)"):
+        prepare.ensure_prebuilt_model("./models/small-uitars-qwen2vl-smoke")
+    (tmp_path / "models" / "small-uitars-qwen2vl-smoke").mkdir(parents=True)
+    (tmp_path / "models" / "small-uitars-qwen2vl-smoke" / ".complete").touch()
+    prepare.ensure_prebuilt_model("models/small-uitars-qwen2vl-smoke")
+    prepare.ensure_prebuilt_model("models/tiny-uitars-qwen2vl")  # not one the workbench makes: not its business

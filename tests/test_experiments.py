@@ -412,3 +412,39 @@ def test_a_warm_start_made_with_another_setting_is_refused(tmp_path):
     assert warm_start_stage(cfg("algo.kl_coef=0.1", "train.steps=99")) == ws.run_dir / "model"
     with pytest.raises(RuntimeError, match=r"warm_start holds a run made with another setting \(warm_start.steps"):
         warm_start_stage(cfg("warm_start.steps=7"))
+
+
+def test_a_warm_start_model_is_made_once_and_again_when_its_recipe_changes(tmp_path, monkeypatch):
+    """`build_warm_start_model` (the smoke's warm start, made at set-up): the warm-start stage once,
+    its model copied out with its record and a completion marker, the build directory removed;
+    a second call makes nothing; another recipe makes it again."""
+    from arpo_lib import experiments
+
+    calls = []
+
+    def fake_stage(cfg):
+        calls.append(cfg.warm_start.steps)
+        model = cfg.run_dir / "warm_start" / "model"
+        model.mkdir(parents=True)
+        (model / "config.json").write_text(json.dumps({"steps": cfg.warm_start.steps}))
+        (cfg.run_dir / "warm_start" / "done.json").write_text(json.dumps(
+            {"steps": cfg.warm_start.steps, "loss_first": 7.0, "loss_last": 0.3, "seconds": 1.0}))
+        return model
+
+    monkeypatch.setattr(experiments, "warm_start_stage", fake_stage)
+    recipe = load_config("configs/smoke_warm_start.yaml")
+    out = tmp_path / "models" / "warm"
+    assert experiments.build_warm_start_model(recipe, out) == out
+    steps = recipe.warm_start.steps
+    assert (out / ".complete").is_file() and json.loads((out / "config.json").read_text()) == {"steps": steps}
+    record = json.loads((out / "warm_start.json").read_text())
+    assert record["loss_last"] == 0.3 and record["recipe"]["warm_start.steps"] == steps
+    assert record["recipe"]["model.path"] == "models/small-uitars-qwen2vl" and "train.steps" not in record["recipe"]
+    assert not (tmp_path / "models" / "warm.build").exists()
+    experiments.build_warm_start_model(load_config("configs/smoke_warm_start.yaml", ["logging.progress=true"]), out)
+    assert calls == [steps]  # made once: logging is not part of the recipe
+    experiments.build_warm_start_model(load_config("configs/smoke_warm_start.yaml", ["warm_start.steps=7"]), out)
+    assert calls == [steps, 7] and json.loads((out / "config.json").read_text()) == {"steps": 7}
+    (out / ".complete").unlink()  # an interrupted copy: made again
+    experiments.build_warm_start_model(load_config("configs/smoke_warm_start.yaml", ["warm_start.steps=7"]), out)
+    assert calls == [steps, 7, 7]

@@ -53,6 +53,8 @@ class SelectionResult:
     temperature: float
     tasks: list[TaskCount] = field(default_factory=list)
     seconds: float = 0.0
+    max_successes: int | None = None
+    """Kept only up to this many successes (None: ARPO's rule, no upper bound)."""
 
     @property
     def kept(self) -> list[str]:
@@ -79,7 +81,8 @@ class SelectionResult:
 
     def table(self) -> str:
         """Markdown: the per-domain summary, then one row per task."""
-        lines = [f"Task selection: k={self.k} rollouts per task, kept when successes >= {self.min_successes} "
+        bound = "" if self.max_successes is None else f" and <= {self.max_successes}"
+        lines = [f"Task selection: k={self.k} rollouts per task, kept when successes >= {self.min_successes}{bound} "
                  f"(seed {self.seed}, temperature {self.temperature})", "",
                  "| domain | tasks | kept | kept share | success rate |", "|---|---:|---:|---:|---:|"]
         for domain, row in self.per_domain().items():
@@ -123,6 +126,7 @@ def select_tasks(
     max_env_retries: int = 2,
     tasks_per_chunk: int | None = None,
     save_trajectories: bool = False,
+    max_successes: int | None = None,
     progress: bool = True,
 ) -> SelectionResult:
     """Roll the policy out k times per task and keep tasks with >= `min_successes` successes.
@@ -130,12 +134,15 @@ def select_tasks(
     Resumable: episodes already in `<out_dir>/episodes.jsonl` (for the same k, seed and
     temperature) are not run again. Work goes in chunks of `tasks_per_chunk` tasks (default:
     enough to fill the pool twice), so a crash loses at most one chunk. Infrastructure failures
-    are re-run up to `max_env_retries` times with fresh seeds.
+    are re-run up to `max_env_retries` times with fresh seeds. `max_successes`: also drop tasks
+    solved more often than this (not ARPO's rule: a study of replay wants tasks solved rarely).
     """
     if k < 1 or min_successes < 1:
         raise ValueError(f"k ({k}) and min_successes ({min_successes}) must be at least 1")
     if min_successes > k:
         raise ValueError(f"min_successes ({min_successes}) cannot exceed k ({k})")
+    if max_successes is not None and max_successes < min_successes:
+        raise ValueError(f"max_successes ({max_successes}) cannot be below min_successes ({min_successes})")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     protocol = {"k": k, "seed": seed, "temperature": temperature}
@@ -179,7 +186,8 @@ def select_tasks(
                            out_dir=out / "trajectories" if save_trajectories else None, on_finish=record)
     finally:
         bar.close()
-    result = _count(task_list, read_jsonl(log), k=k, min_successes=min_successes, seed=seed, temperature=temperature)
+    result = _count(task_list, read_jsonl(log), k=k, min_successes=min_successes, seed=seed, temperature=temperature,
+                    max_successes=max_successes)
     result.seconds = time.monotonic() - t0
     write_selection(result, out)
     return result
@@ -197,7 +205,7 @@ def _check_protocol(path: Path, protocol: dict[str, Any]) -> None:
 
 
 def _count(tasks: Sequence[str], records: list[dict[str, Any]], *, k: int, min_successes: int, seed: int,
-           temperature: float) -> SelectionResult:
+           temperature: float, max_successes: int | None = None) -> SelectionResult:
     ok: dict[tuple[str, int], dict[str, Any]] = {}
     errors: dict[str, int] = defaultdict(int)
     for rec in records:
@@ -205,12 +213,14 @@ def _count(tasks: Sequence[str], records: list[dict[str, Any]], *, k: int, min_s
             ok.setdefault((rec["task"], rec["sample"]), rec)
         else:
             errors[rec["task"]] += 1
-    result = SelectionResult(k=k, min_successes=min_successes, seed=seed, temperature=temperature)
+    result = SelectionResult(k=k, min_successes=min_successes, seed=seed, temperature=temperature,
+                             max_successes=max_successes)
     for task in tasks:
         valid = [r for (t, _), r in ok.items() if t == task]
         successes = sum(bool(r["success"]) for r in valid)
         result.tasks.append(TaskCount(task=task, domain=domain_of(task), samples=len(valid), successes=successes,
-                                      env_errors=errors[task], kept=successes >= min_successes))
+                                      env_errors=errors[task], kept=successes >= min_successes and (
+                                          max_successes is None or successes <= max_successes)))
     return result
 
 

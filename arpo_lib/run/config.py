@@ -334,6 +334,9 @@ class SelectConfig:
     """Rollouts of the base policy per task (ARPO: 16)."""
     min_successes: int = 1
     """A task is kept when it succeeds at least this often in k rollouts (ARPO: 1)."""
+    max_successes: int | None = None
+    """... and at most this often (ARPO: no bound, None). A study of replay keeps the tasks the
+    policy solves rarely (configs/replay_regime.yaml)."""
     temperature: float = 1.0
     """Sampling temperature of the selection rollouts."""
     seed: int = 0

@@ -18,11 +18,12 @@ from arpo_lib.workflows.memory import MemoryMonitor
 from arpo_lib.workflows.notebooks import execute_notebook
 from arpo_lib.workflows.prepare import NOTEBOOK_PARAMETERS, REPO_ROOT, check_parameters, prepare_run, use_repo_root
 from arpo_lib.workflows.server import finish_server, server_instructions, server_smoke_request
-from arpo_lib.workflows.summary import deterministic_digest, format_summary, run_digest, smoke_summary
+from arpo_lib.workflows.summary import (deterministic_digest, format_summary, run_digest, smoke_seeds_table,
+                                        smoke_summary)
 from arpo_lib.workflows.train import live_progress, open_trainer, print_step, training_report
 
 __all__ = ["MemoryMonitor", "NOTEBOOK_PARAMETERS", "REPO_ROOT", "check_parameters", "deterministic_digest",
            "eval_dirs", "evaluate_policy", "execute_notebook", "export_results", "find_eval", "finish_server",
            "first_trajectory", "format_summary", "live_progress", "open_trainer", "prepare_run", "print_step", "run_digest",
-           "run_evaluation", "run_task_selection", "server_instructions", "server_smoke_request", "smoke_summary",
+           "run_evaluation", "run_task_selection", "server_instructions", "server_smoke_request", "smoke_seeds_table", "smoke_summary",
            "training_report", "use_repo_root"]

@@ -59,7 +59,8 @@ def run_task_selection(cfg: RunConfig, out_dir: Path | None = None) -> "Selectio
         s = cfg.select
         result = select_tasks(engine, s.tasks or cfg.env.tasks, out_dir, k=s.k, min_successes=s.min_successes,
                               seed=s.seed, temperature=s.temperature, max_env_retries=s.max_env_retries,
-                              save_trajectories=s.save_trajectories, progress=cfg.logging.progress)
+                              save_trajectories=s.save_trajectories, max_successes=s.max_successes,
+                              progress=cfg.logging.progress)
     log.info("task selection: kept %d of %d tasks (%.0f s); written to %s", len(result.kept), len(result.tasks),
              result.seconds, out_dir)
     if result.incomplete:

@@ -55,6 +55,21 @@ def prepare_run(config: str | None, overrides: list[str] | dict[str, Any] | None
     overrides = list(overrides or []) if not isinstance(overrides, dict) else [f"{k}={v}" for k, v in overrides.items()]
     name = run_name or f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
     cfg = build.load_config(config, overrides + [f"name={name}"])
+    ensure_prebuilt_model(cfg.model.path)
     log.info("run directory: %s", cfg.run_dir)
     return cfg
 
+
+PREBUILT_WARM_STARTS = {"models/small-uitars-qwen2vl-smoke": "configs/smoke_warm_start.yaml"}
+"""Warm-started models the workbench makes once (`./workbench setup`, the first `./workbench
+smoke`, or `./workbench build-warm-start`): model directory -> the config whose warm start makes
+it (`experiments.build_warm_start_model`)."""
+
+
+def ensure_prebuilt_model(model_path: str) -> None:
+    """FileNotFoundError naming the command that makes it, when `model_path` is one of
+    `PREBUILT_WARM_STARTS` and not made yet (a notebook run before `./workbench setup`)."""
+    key = Path(model_path).as_posix().removeprefix("./")
+    if key in PREBUILT_WARM_STARTS and not (REPO_ROOT / key / ".complete").is_file():
+        raise FileNotFoundError(f"{key} is a warm start the workbench makes once ({PREBUILT_WARM_STARTS[key]}, about "
+                                "4 min on 2 cores): run `./workbench setup` (or `./workbench build-warm-start`) first")

@@ -33,6 +33,8 @@ def smoke_summary(trainer: "Trainer", before: EvalResult, after: EvalResult, his
         "train_steps": trainer.step,
         "success_before": before.success_rate,
         "success_after": after.success_rate,
+        "eval_temperature": trainer.cfg.eval.temperature,
+        "eval_episodes": after.episodes,
         "train_success_per_step": [round(m["success_rate"], 3) for m in history],
         "replay_injections": sum(m["replay_injections"] for m in history),
         "replay_size": len(trainer.replay),
@@ -52,9 +54,32 @@ def smoke_summary(trainer: "Trainer", before: EvalResult, after: EvalResult, his
 
 
 def format_summary(summary: dict[str, Any]) -> str:
-    """The smoke run's summary as aligned rows (what the notebook and `workbench smoke` print)."""
+    """The smoke run's summary: success before -> after RL and the training curve on top, then
+    every number as aligned rows (what the notebook and `workbench smoke` print)."""
+    before, after = summary["success_before"], summary["success_after"]
+    head = [f"success before -> after RL: {before:.3f} -> {after:.3f} ({100 * (after - before):+.1f} points; "
+            f"{summary.get('eval_episodes', '?')} episodes each at temperature {summary.get('eval_temperature', '?')}, "
+            "the same episodes before and after)",
+            "training-rollout success per step: " + " ".join(f"{x:.2f}" for x in summary["train_success_per_step"])]
     rows = [f"{'':<2}{k:<26} {v}" for k, v in summary.items()]
-    return "Smoke run summary\n" + "\n".join(rows)
+    return "Smoke run summary\n" + "\n".join(head + rows)
+
+
+def smoke_seeds_table(summaries: list[dict[str, Any]], min_gain: float = 0.10) -> tuple[str, bool]:
+    """`workbench smoke --seeds`: one row per seed (success before -> after, the gain, the
+    training curve) and whether every seed gained at least `min_gain`."""
+    lines = ["", "| seed | before | after | gain | training success per step | seconds |", "|---|---|---|---|---|---|"]
+    gains = []
+    for s in summaries:
+        gain = s["success_after"] - s["success_before"]
+        gains.append(gain)
+        curve = " ".join(f"{x:.2f}" for x in s["train_success_per_step"])
+        lines.append(f"| {s['seed']} | {s['success_before']:.3f} | {s['success_after']:.3f} | "
+                     f"{100 * gain:+.1f} pts{'' if gain >= min_gain else ' (short)'} | {curve} | {s['seconds_total']} |")
+    every = bool(gains) and all(g >= min_gain for g in gains)
+    lines.append(f"\nEvery seed gained at least {100 * min_gain:.0f} points: {'yes' if every else 'NO'} "
+                 f"({sum(g >= min_gain for g in gains)} of {len(gains)}; mean gain {100 * sum(gains) / max(len(gains), 1):+.1f} points)")
+    return "\n".join(lines), every
 
 
 def deterministic_digest(summary: dict[str, Any]) -> str:

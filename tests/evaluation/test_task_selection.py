@@ -53,6 +53,12 @@ def test_counts_keep_rule_and_files(tmp_path):
     res3 = select_tasks(FakeEngine(_by_rule), ["x/a", "x/b", "x/c"], tmp_path / "m3", k=4, min_successes=3,
                         progress=False)
     assert res3.kept == ["x/c"]
+    # max_successes (a study of replay: tasks solved rarely) drops the always-solved one
+    rare = select_tasks(FakeEngine(_by_rule), ["x/a", "x/b", "x/c"], tmp_path / "rare", k=4, max_successes=2,
+                        progress=False)
+    assert rare.kept == ["x/a"] and rare.to_dict()["max_successes"] == 2
+    assert "kept when successes >= 1 and <= 2 " in (tmp_path / "rare" / "selection.md").read_text()
+    assert "and <=" not in md
 
 
 def test_infrastructure_failures_are_rerun_not_counted(tmp_path):
@@ -102,6 +108,8 @@ def test_resume_after_a_crash_repeats_nothing(tmp_path):
 def test_bad_arguments():
     with pytest.raises(ValueError):
         select_tasks(FakeEngine(_by_rule), ["x/a"], "/tmp/never", k=2, min_successes=3, progress=False)
+    with pytest.raises(ValueError, match="max_successes"):
+        select_tasks(FakeEngine(_by_rule), ["x/a"], "/tmp/never", k=4, min_successes=2, max_successes=1, progress=False)
     with pytest.raises(FileNotFoundError, match="select-tasks"):
         load_selection("/nonexistent/selection")
 
