@@ -201,15 +201,24 @@ def evaluate_model(cfg: RunConfig, model_dir: Path, tasks: list[str], out: Path,
     done = _done(out / layout.EVAL_RESULTS)
     if done:
         return done
-    changes: dict[str, Any] = {"model.path": str(model_dir), "env.tasks": tasks, "eval.tasks": None}
+    ev_cfg = eval_config(cfg, model_dir, tasks, out, temperature, samples_per_task)
+    with build.engine(ev_cfg, protocol=ev_cfg.eval.protocol) as engine:
+        result = evaluate_run(engine, ev_cfg, out, description=f"eval {out.name}")
+    return result.to_dict()
+
+
+def eval_config(cfg: RunConfig, model_dir: Path, tasks: list[str], out: Path, temperature: float | None = None,
+                samples_per_task: int | None = None) -> RunConfig:
+    """The config of one of the experiment's evaluations (`evaluate_model`): `model_dir` on exactly
+    `tasks` (an instance stays one instance, a task without `@` gets a fresh layout per episode:
+    env.instances_per_task does not apply)."""
+    changes: dict[str, Any] = {"model.path": str(model_dir), "env.tasks": tasks, "eval.tasks": None,
+                               "env.instances_per_task": 0}
     if temperature is not None:  # a measure at another temperature: the run's own protocol
         changes.update({"eval.temperature": temperature, "eval.protocol": "run"})
     if samples_per_task is not None:
         changes["eval.samples_per_task"] = samples_per_task
-    ev_cfg = _derive(cfg, out.name, **changes)
-    with build.engine(ev_cfg, protocol=ev_cfg.eval.protocol) as engine:
-        result = evaluate_run(engine, ev_cfg, out, description=f"eval {out.name}")
-    return result.to_dict()
+    return _derive(cfg, out.name, **changes)
 
 
 def transfer_tasks(tasks: list[str]) -> list[str]:

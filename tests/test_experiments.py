@@ -113,6 +113,20 @@ def test_the_seeded_arm_points_at_the_selection_trajectories(tmp_path):
                            "miniwob/click-button"]) == ["miniwob/click-test", "miniwob/focus-text-2", "miniwob/click-button"]
 
 
+def test_transfer_evaluates_fresh_layouts_even_where_the_experiment_expands_instances(tmp_path):
+    """configs/replay_regime.yaml sets env.instances_per_task=2 for its warm start; an evaluation of
+    `miniwob/click-test-2` must not become one of `click-test-2@0` / `@1` (a first probe's did)."""
+    from arpo_lib import build
+    from arpo_lib.experiments import eval_config, transfer_tasks
+
+    cfg = load_config("configs/replay_regime.yaml", [f"out_dir={tmp_path}"])
+    kept = ["miniwob/click-test-2@2", "miniwob/focus-text-2@1", "miniwob/focus-text-2@3"]
+    fresh = build.resolve_task_sets(eval_config(cfg, tmp_path / "m", transfer_tasks(kept), tmp_path / "eval_transfer"))
+    assert fresh.env.tasks == ["miniwob/click-test-2", "miniwob/focus-text-2"]
+    fixed = build.resolve_task_sets(eval_config(cfg, tmp_path / "m", kept, tmp_path / "eval_final_t", temperature=1.0))
+    assert fixed.env.tasks == kept and fixed.eval.temperature == 1.0
+
+
 def test_compare_config_is_checked():
     with pytest.raises(ConfigError, match="compare.algos"):
         load_config(None, ["compare.algos=[ppo]"])
