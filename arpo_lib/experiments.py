@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 # report_markdown and report_digest live in viz.report; the notebook calls them through this module.
 __all__ = ["build_warm_start_model", "comparison_report", "evaluate_model", "finished_runs", "report_digest", "report_markdown",
            "require_same_setting", "run_arm", "run_comparison", "run_config", "selection_stage", "setting_changes",
-           "transfer_stage", "transfer_tasks", "warm_start_stage"]
+           "eval_config", "transfer_stage", "transfer_tasks", "warm_start_stage"]
 
 PAIRS = (("arpo", "grpo"), ("arpo_tis", "arpo"), ("arpo_tis", "grpo"), ("arpo_seeded", "arpo"),
          ("arpo_seeded", "grpo"))
