@@ -125,7 +125,6 @@ def _make_prebuilt(model_path: str) -> None:
 def _cmd_build_warm_start(args: argparse.Namespace) -> int:
     from arpo_lib import build
     from arpo_lib.experiments import build_warm_start_model
-
     from arpo_lib.workflows.prepare import PREBUILT_WARM_STARTS
 
     recipe = args.config or PREBUILT_WARM_STARTS.get(Path(args.out).as_posix().removeprefix("./"))
