@@ -44,7 +44,7 @@ from typing import Any
 from arpo_lib import build
 from arpo_lib.evaluation.stats import arm_statistics, paired_comparison
 from arpo_lib.run import layout
-from arpo_lib.run.config import RunConfig, config_changes, config_from_dict, read_saved_config
+from arpo_lib.run.config import RunConfig, config_changes, config_from_dict, flat_dict, read_saved_config
 from arpo_lib.run.layout import RunDir
 from arpo_lib.run.records import atomic_write_text, read_jsonl
 from arpo_lib.run.registry import COMPARISON_ARMS
@@ -135,17 +135,14 @@ def build_warm_start_model(recipe: RunConfig, out: Path, progress: bool = True) 
     import shutil
 
     out = Path(out)
-    settings = {k: v for k, v in _flat(recipe.to_dict()).items() if _matches(k, WARM_START_SETTING)}
+    settings = {k: v for k, v in flat_dict(recipe.to_dict()).items() if _matches(k, WARM_START_SETTING)}
     record = out / "warm_start.json"
     if (out / ".complete").is_file() and record.is_file():
         if json.loads(record.read_text()).get("recipe") == settings:
             return out
         log.info("%s was made with another warm-start recipe: making it again", out)
     build_dir = out.with_name(out.name + ".build")
-    cfg = _derive(recipe, "build", **{"logging.progress": progress})
-    data = cfg.to_dict()
-    data["out_dir"] = str(build_dir)
-    cfg = config_from_dict(data)
+    cfg = _derive(recipe, "build", **{"out_dir": str(build_dir), "logging.progress": progress})
     if build_dir.exists() and not (cfg.run_dir / "warm_start" / "done.json").is_file():
         shutil.rmtree(build_dir)  # an interrupted build: start over (its steps are not resumable)
     log.info("making the warm start %s once (%d demonstrations per task, %d SFT steps)", out,
@@ -159,16 +156,6 @@ def build_warm_start_model(recipe: RunConfig, out: Path, progress: bool = True) 
     (out / ".complete").touch()
     shutil.rmtree(build_dir)
     return out
-
-
-def _flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in data.items():
-        if isinstance(value, dict):
-            flat.update(_flat(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 # --------------------------------------------------------------------- stage 2: task selection

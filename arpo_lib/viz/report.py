@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from arpo_lib.evaluation.stats import train_quarter
+from arpo_lib.run.registry import COMPARISON_ARMS
 
 ARM_LABELS = {"grpo": "GRPO", "arpo": "ARPO", "arpo_tis": "ARPO+TIS", "arpo_seeded": "ARPO seeded"}
 """How the tables name an arm (`compare.algos`); an arm not named here shows its own name."""
@@ -137,6 +138,7 @@ def _regime_lines(report: dict[str, Any]) -> list[str]:
     arms = {a: v["regime"] for a, v in report["arms"].items() if v.get("regime")}
     if not arms:
         return []
+    with_replay = {a: COMPARISON_ARMS.get(a, {}).get("algo.replay.enabled", True) for a in arms}
     lines = ["", f"Regime: replay can only act on all-failed groups. The bar: at least {REGIME_ALL_FAILED:.0%} of groups "
              f"all-failed in the first half of training and at least {REGIME_INJECTIONS} injections per run "
              "(in an arm with replay).", "",
@@ -144,15 +146,15 @@ def _regime_lines(report: dict[str, Any]) -> list[str]:
              "|---|---|---|---|---|"]
     for algo, r in arms.items():
         af, inj = r["all_failed_first_half"], r["injections_per_run"]
-        replay = algo != "grpo"
+        replay = with_replay[algo]
         meets = af["mean"] >= REGIME_ALL_FAILED and (not replay or inj["mean"] >= REGIME_INJECTIONS)
         lines.append(f"| {ARM_LABELS.get(algo, algo)} | {af['mean']:.2f} [{af['lo']:.2f}, {af['hi']:.2f}] | "
                      f"{inj['mean']:.1f} [{inj['lo']:.1f}, {inj['hi']:.1f}] | {inj['min']:.0f}-{inj['max']:.0f} | "
                      f"{'yes' if meets else 'no'}{'' if replay else ' (no replay: all-failed share only)'} |")
     steps = min(len(r["per_step"]["all_failed_groups"]) for r in arms.values())
     # columns per arm: all-failed share; with replay, injections; where recorded, their age
-    cols = {a: ["all-failed"] + (["inj."] if a != "grpo" else []) +
-            (["age"] if a != "grpo" and "replay_age_mean" in r["per_step"] else []) for a, r in arms.items()}
+    cols = {a: ["all-failed"] + (["inj."] if with_replay[a] else []) +
+            (["age"] if with_replay[a] and "replay_age_mean" in r["per_step"] else []) for a, r in arms.items()}
     head = " | ".join(f"{ARM_LABELS.get(a, a)} {' | '.join(c)}" for a, c in cols.items())
     lines += ["", "Per step, mean over seeds" + (" (age: policy versions between a replayed trajectory and the policy "
               "it trained)" if any("age" in c for c in cols.values()) else "") + ":", "", f"| step | {head} |",
