@@ -6,9 +6,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source .venv/bin/activate
 [ -n "${MINIWOB_CHROME_BINARY:-}" ] || eval "$(python -m arpo_lib.envs.browser)"  # the browser and its driver
-# The seed-determined numbers depend on the browser's rendering (the tiny model sees screenshots):
-# name the browser they were recorded with, so a failing nbval comparison says so.
-"$MINIWOB_CHROME_BINARY" --version > notebooks/RECORDED_WITH
+# The seed-determined numbers depend on the browser's rendering (the tiny model sees screenshots)
+# and on the host's floating-point kernels: name both, so nbval compares the numbers only where
+# they were recorded under the same (tests/test_notebooks.py).
+{ "$MINIWOB_CHROME_BINARY" --version
+  python -c "from arpo_lib.run.seeding import numerics_fingerprint; print(numerics_fingerprint())"
+} > notebooks/RECORDED_WITH
 # Arguments: the notebooks to re-execute (default: all of them).
 [ $# -gt 0 ] && notebooks=("$@") || notebooks=(notebooks/*.ipynb)
 for nb in "${notebooks[@]}"; do

@@ -124,12 +124,15 @@ def test_nbval_on_the_committed_notebooks():
     (seed-determined, rounded metrics) with their committed outputs.
 
     The numbers depend on the browser's rendering (the tiny model sees screenshots), and Debian
-    updates Chromium under a machine's feet: where this machine's browser is not the one the
-    outputs were recorded with (notebooks/RECORDED_WITH), the numbers are masked and only the rest
-    of each checked output is compared (every cell still runs without error), with a warning that
-    says to re-record."""
+    updates Chromium under a machine's feet; they also depend on the host's floating-point kernels
+    (another host made another warm start from the same recipe). Where this machine's browser or
+    numerics fingerprint is not the one the outputs were recorded with (notebooks/RECORDED_WITH),
+    the numbers are masked and only the rest of each checked output is compared (every cell still
+    runs without error), with a warning that says to re-record."""
+    from arpo_lib.run.seeding import numerics_fingerprint
+
     recorded = (REPO / "notebooks" / "RECORDED_WITH").read_text().strip()
-    current = _browser_version()
+    current = f"{_browser_version()}\n{numerics_fingerprint()}"
     sanitizers = ["--nbval-sanitize-with", "tests/nbval_sanitize.cfg"]
     if current != recorded:
         sanitizers = ["--nbval-sanitize-with", "tests/nbval_sanitize_numbers.cfg"]
@@ -146,8 +149,8 @@ def test_nbval_on_the_committed_notebooks():
                           timeout=1800)
     assert proc.returncode == 0, (
         f"{proc.stdout[-4000:]}\nThe committed outputs were recorded with {recorded}; this machine has "
-        f"{current}. Where they differ, the browser's rendering changed the tiny model's "
-        "screenshots and so its sampled rollouts: re-record with scripts/execute_notebooks.sh and commit.")
+        f"{current}. Where they differ, the browser's rendering (the tiny model's screenshots) or the "
+        "host's rounding changed the sampled rollouts: re-record with scripts/execute_notebooks.sh and commit.")
 
 
 def _browser_version() -> str:
