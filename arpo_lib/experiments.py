@@ -85,12 +85,23 @@ def run_comparison(cfg: RunConfig, *, report_only: bool = False) -> dict[str, An
     if report_only:
         runs, missing = finished_runs(cfg)
     else:
-        runs = [run_arm(cfg, algo, seed, model_dir, tasks) for seed in cfg.compare.seeds for algo in cfg.compare.algos]
+        archive = archive_dir(cfg)
+        if archive:
+            check_archived_stages(archive, stage_fingerprint(cfg, model_dir, tasks, warm, warm_train, warm_transfer))
+            restore_archived_runs(cfg, archive)
+        runs = []
+        for seed in cfg.compare.seeds:
+            for algo in cfg.compare.algos:
+                runs.append(run_arm(cfg, algo, seed, model_dir, tasks))
+                if archive:
+                    archive_run(cfg.run_dir / f"{algo}-s{seed}", archive)
         missing = []
     report = comparison_report(cfg, warm, runs, tasks, warm_train=warm_train, warm_transfer=warm_transfer)
     report["missing_runs"] = missing
     report["seconds_total_this_call"] = round(time.monotonic() - t0, 1)
     write_report(cfg.run_dir, report)
+    if not report_only and archive_dir(cfg):
+        write_report(archive_dir(cfg), report)  # type: ignore[arg-type]
     return report
 
 
@@ -281,6 +292,7 @@ def _with_transfer(cfg: RunConfig, record: dict[str, Any], final: Path, tasks: l
     compare.transfer_samples_per_task > 0; measured once, recorded in final.json."""
     if cfg.compare.transfer_samples_per_task <= 0 or "transfer" in record:
         return record
+    _require_final_model(final, "transfer")
     result = transfer_stage(cfg, final.parent / "final_model", tasks, final.parent / "eval_transfer")
     assert result is not None
     record = {**record, "transfer": {**_eval_summary(result),
@@ -297,6 +309,7 @@ def _with_final_at_train_temperature(cfg: RunConfig, record: dict[str, Any], fin
     final.json), also for runs that finished before the switch was turned on."""
     if not cfg.compare.final_at_train_temperature or "final_train_t" in record:
         return record
+    _require_final_model(final, "final_at_train_temperature")
     result = evaluate_model(cfg, final.parent / "final_model", tasks, final.parent / "eval_final_t",
                             temperature=cfg.rollout.temperature,
                             samples_per_task=cfg.compare.baseline_samples_per_task)
@@ -304,6 +317,15 @@ def _with_final_at_train_temperature(cfg: RunConfig, record: dict[str, Any], fin
                                           "by_task": {t["task"]: t["success_rate"] for t in result.get("tasks") or []}}}
     atomic_write_text(final, json.dumps(record, indent=1))
     return record
+
+
+def _require_final_model(final: Path, measure: str) -> None:
+    """RuntimeError where a finished run lacks a measure and its final policy (a run restored from
+    an archive keeps only its record): the measure cannot be added to it."""
+    if not (final.parent / "final_model").is_dir():
+        raise RuntimeError(f"{final.parent.name} finished without the measure {measure!r} and its final policy is not "
+                           f"here ({final.parent / 'final_model'}: a run restored from compare.archive keeps only its "
+                           "record): measure it where the run was made, or run the experiment under another name")
 
 
 def _eval_summary(result: dict[str, Any]) -> dict[str, Any]:
@@ -370,12 +392,120 @@ def comparison_report(cfg: RunConfig, warm: dict[str, Any], runs: list[dict[str,
 
 
 def write_report(run_dir: Path, report: dict[str, Any]) -> None:
-    """report.json, report.md (`viz.report`) and comparison.png (`viz.plots`) in the experiment's directory."""
-    from arpo_lib.viz.plots import plot_comparison, save_figure  # matplotlib: only when a report is written
+    """report.json, report.md (`viz.report`), comparison.png and instances.png (`viz.plots`) in
+    the experiment's directory."""
+    from arpo_lib.viz.plots import plot_comparison, plot_instance_curves, save_figure  # matplotlib: only here
 
+    run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / "report.json", json.dumps(report, indent=1))
     atomic_write_text(run_dir / "report.md", report_markdown(report))
     save_figure(plot_comparison(report), run_dir / "comparison.png")
+    save_figure(plot_instance_curves(report), run_dir / "instances.png")
+
+
+# ------------------------------------------------- the archive: results kept across sessions
+
+ARCHIVE_STAGES = "stages.json"
+ARCHIVED_RUN_FILES = ("final.json", layout.CONFIG)
+"""What the archive keeps of a finished run: its record (every number the report reads) and its
+config (the setting check of a restored run)."""
+
+
+def archive_dir(cfg: RunConfig) -> Path | None:
+    return Path(cfg.compare.archive) if cfg.compare.archive else None
+
+
+WEIGHTS_RTOL = 1e-4
+"""Two warm starts are the same up to rounding when every tensor's norm agrees to this relative
+tolerance (the same recipe in another kind of process differed in the 7th digit of the loss)."""
+
+
+def stage_fingerprint(cfg: RunConfig, model_dir: Path, tasks: list[str], warm: dict[str, Any],
+                      warm_train: dict[str, Any] | None, warm_transfer: dict[str, Any] | None) -> dict[str, Any]:
+    """What the experiment's runs start from, in a form two sessions can compare: the warm start's
+    weights (sha256 of its weight files, and every tensor's norm), the instances selection kept
+    with every candidate's successes, the baselines' success rates, and the host's numerics."""
+    import hashlib
+
+    from safetensors import safe_open
+
+    from arpo_lib.run.seeding import numerics_fingerprint
+
+    digest, norms = hashlib.sha256(), {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+        with safe_open(str(path), framework="pt") as weights:
+            for name in weights.keys():
+                norms[name] = float(weights.get_tensor(name).double().norm())
+    selection = json.loads((RunDir(cfg.run_dir).selection / layout.SELECTION_RESULT).read_text())
+    return {"warm_start_weights_sha256": digest.hexdigest(), "warm_start_weight_norms": norms, "kept": list(tasks),
+            "selection_successes": {t["task"]: t["successes"] for t in selection.get("tasks") or []},
+            "baselines": {name: (result or {}).get("success_rate")
+                          for name, result in (("eval_warm_start", warm), ("eval_warm_start_train", warm_train),
+                                               ("eval_transfer", warm_transfer))},
+            "numerics": numerics_fingerprint()}
+
+
+def check_archived_stages(archive: Path, fingerprint: dict[str, Any]) -> None:
+    """Writes `fingerprint` to `archive`/stages.json the first time. Afterwards RuntimeError unless
+    the warm start made now is the archived one up to rounding (`WEIGHTS_RTOL`) and selection kept
+    the same instances; where the selection's counts or the baselines differ (sampling from
+    weights that differ in the last digits), a warning says so and the runs are pooled."""
+    path = archive / ARCHIVE_STAGES
+    if not path.is_file():
+        archive.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(fingerprint, indent=1))
+        return
+    archived = json.loads(path.read_text())
+    differ = [] if archived.get("kept") == fingerprint["kept"] else ["kept"]
+    if archived.get("warm_start_weights_sha256") != fingerprint["warm_start_weights_sha256"]:
+        old, new = archived.get("warm_start_weight_norms") or {}, fingerprint["warm_start_weight_norms"]
+        if old.keys() != new.keys() or any(abs(old[k] - new[k]) > WEIGHTS_RTOL * max(abs(old[k]), 1e-12) for k in new):
+            differ.insert(0, "warm_start_weights")
+    if differ:
+        raise RuntimeError(
+            f"the warm start or selection made now differ from those of the runs archived in {archive} "
+            f"({', '.join(differ)}): those runs came from other weights, so new runs could not be pooled with them. "
+            f"The archive was made on a host with numerics {archived.get('numerics')!r}, this one has "
+            f"{fingerprint['numerics']!r} (the same recipe gives other weights on another host: docs/learning.md, "
+            "section 7). Run on such a host, or start a new archive (compare.archive=...)")
+    drift = [k for k in ("selection_successes", "baselines") if archived.get(k) != fingerprint[k]]
+    if drift:
+        log.warning("[compare] the warm start made now equals the archived one up to rounding, but %s differ "
+                    "(archived %s, now %s): the archived runs are pooled with new ones; the report's baselines "
+                    "are this call's", ", ".join(drift), {k: archived.get(k) for k in drift},
+                    {k: fingerprint[k] for k in drift})
+
+
+def restore_archived_runs(cfg: RunConfig, archive: Path) -> list[str]:
+    """Copies every archived run of this experiment's seeds and arms that the run directory has not
+    finished (final.json and config.yaml) into it; returns their names. A restored run is then
+    checked like any other (`require_same_setting`) and not run again."""
+    restored = []
+    for seed in cfg.compare.seeds:
+        for algo in cfg.compare.algos:
+            name = f"{algo}-s{seed}"
+            source, target = archive / name, cfg.run_dir / name
+            if not (source / "final.json").is_file() or (target / "final.json").is_file():
+                continue
+            target.mkdir(parents=True, exist_ok=True)
+            for file in ARCHIVED_RUN_FILES:
+                if (source / file).is_file():
+                    atomic_write_text(target / file, (source / file).read_text())
+            restored.append(name)
+    if restored:
+        log.info("[compare] restored %d finished runs from %s: %s", len(restored), archive, ", ".join(restored))
+    return restored
+
+
+def archive_run(run_dir: Path, archive: Path) -> None:
+    """A finished run's final.json and config.yaml into `archive`/<run name>/."""
+    target = archive / run_dir.name
+    target.mkdir(parents=True, exist_ok=True)
+    for file in ARCHIVED_RUN_FILES:
+        if (run_dir / file).is_file():
+            atomic_write_text(target / file, (run_dir / file).read_text())
 
 
 # ------------------------------------------- a stage's cache: reused for the same setting only

@@ -3,10 +3,12 @@ one tiny end-to-end run (every stage, then a rerun that repeats nothing)."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from arpo_lib.experiments import comparison_report
 from arpo_lib.run.config import ConfigError, load_config
@@ -98,6 +100,33 @@ def test_the_report_shows_the_regime_and_transfer():
     assert "| ARPO − GRPO | fresh layouts (transfer) | +0.112 [+0.050, +0.175] | 2 / 0 / 0 | 0.500 | 0.500 | 26 |" in md
 
 
+def test_per_instance_curves_line_up_visits_not_steps():
+    """Batches draw a few instances per step, so seed 0 may visit an instance at steps 1 and 3 and
+    seed 1 at steps 2 and 3: the curve averages the k-th visits, then the final policy."""
+    from arpo_lib.viz.plots import instance_curves, plot_instance_curves
+
+    a, b = "miniwob/click-test@0", "miniwob/click-test@1"
+    runs = [_run("arpo", 0, 0.5, [0.1, 0.2, 0.3], [1, 0, 0], [0, 1, 0],
+                 train_success_by_task=[{a: [0, 8]}, {b: [4, 8]}, {a: [2, 8], b: [8, 8]}],  # as recorded
+                 final_train_t={"success_rate": 0.5, "by_task": {a: 0.5, b: 0.75}}),
+            _run("arpo", 1, 0.5, [0.1, 0.2, 0.3], [1, 0, 0], [0, 1, 0],
+                 train_success_by_task=[{b: 0.25}, {a: 0.5}, {a: 0.75}],
+                 final_train_t={"success_rate": 0.5, "by_task": {a: 0.25, b: 0.25}}),
+            _run("grpo", 0, 0.5, [0.1, 0.2, 0.3], [1, 0, 0], [0, 0, 0],
+                 train_success_by_task=[{a: 0.125}, {}, {}])]
+    report = {"tasks": [a, b], "arms": {"arpo": {}, "grpo": {}}, "runs": runs,
+              "warm_start_train_by_task": {a: 0.1, b: 0.2}}
+    curves = instance_curves(report)
+    assert curves[a]["arpo"] == [{"visit": 1, "mean": 0.25, "n": 2}, {"visit": 2, "mean": 0.5, "n": 2},
+                                 {"visit": "final", "mean": 0.375, "n": 2}]
+    assert curves[b]["arpo"] == [{"visit": 1, "mean": 0.375, "n": 2}, {"visit": 2, "mean": 1.0, "n": 1},
+                                 {"visit": "final", "mean": 0.5, "n": 2}]
+    assert curves[a]["grpo"] == [{"visit": 1, "mean": 0.125, "n": 1}] and curves[b]["grpo"] == []
+    fig = plot_instance_curves(report, columns=1)
+    assert [ax.get_title() for ax in fig.axes] == ["click-test@0", "click-test@1"]
+    assert fig._repr_png_().startswith(b"\x89PNG")
+
+
 def test_the_seeded_arm_points_at_the_selection_trajectories(tmp_path):
     from arpo_lib.experiments import run_config, transfer_tasks
 
@@ -158,7 +187,7 @@ def test_tiny_comparison_end_to_end_and_rerun_repeats_nothing(tmp_path, tiny_qwe
     exp = tmp_path / "exp"
     for path in ("warm_start/model/config.json", "selection/selection.json", "eval_warm_start/results.json",
                  "eval_warm_start_train/results.json", "arpo-s0/final.json", "grpo-s0/final.json",
-                 "arpo_tis-s0/final.json", "report.md", "comparison.png"):
+                 "arpo_tis-s0/final.json", "report.md", "comparison.png", "instances.png"):
         assert (exp / path).exists(), path
     assert [r["algo"] for r in report["runs"]] == ["grpo", "arpo", "arpo_tis"]
     # the training-temperature baseline has its own, larger sample (compare.baseline_samples_per_task)
@@ -221,6 +250,21 @@ def test_tiny_comparison_end_to_end_and_rerun_repeats_nothing(tmp_path, tiny_qwe
         assert seeds(exp / f"{run['algo']}-s0" / "eval_final_t") == seeds(exp / "eval_warm_start_train") != []
     assert "final_gain_over_warm_start" in measured["arms"]["grpo"]
     assert "| GRPO | final policy |" in (exp / "report.md").read_text()
+    # compare.archive: the finished runs' records, the report and the stages' fingerprint go into a
+    # directory one can commit; elsewhere (a fresh checkout: no run directory) the same command
+    # makes the stages again, finds them the same, and restores the runs instead of running them
+    archive = tmp_path / "archive"
+    final_args = [*cfg_args, "compare.final_at_train_temperature=true", "compare.transfer_samples_per_task=1",
+                  "compare.algos=[grpo, arpo, arpo_tis, arpo_seeded]", f"compare.archive={archive}"]
+    run_comparison(load_config("configs/learning_miniwob_short.yaml", final_args))
+    assert sorted(p.name for p in archive.iterdir()) == sorted(
+        ["stages.json", "report.json", "report.md", "comparison.png", "instances.png", "grpo-s0", "arpo-s0", "arpo_tis-s0", "arpo_seeded-s0"])
+    assert {p: mtimes[p] for p in mtimes} == {p: p.stat().st_mtime for p in mtimes}
+    elsewhere = load_config("configs/learning_miniwob_short.yaml", [*final_args, f"out_dir={tmp_path}/elsewhere"])
+    restored = run_comparison(elsewhere)
+    assert restored["arms"] == measured["arms"] and restored["paired"] == measured["paired"]
+    assert (elsewhere.run_dir / "warm_start" / "model").is_dir()  # made again, and found the same
+    assert not list(elsewhere.run_dir.rglob("metrics.jsonl"))  # no run was run again
     # --report-only: the finished runs' report, nothing run, the missing runs named
     (exp / "arpo_tis-s0" / "final.json").unlink()
     partial = run_comparison(cfg, report_only=True)
@@ -462,3 +506,84 @@ def test_a_warm_start_model_is_made_once_and_again_when_its_recipe_changes(tmp_p
     (out / ".complete").unlink()  # an interrupted copy: made again
     experiments.build_warm_start_model(load_config("configs/smoke_warm_start.yaml", ["warm_start.steps=7"]), out)
     assert calls == [steps, 7, 7]
+
+
+def _save_weights(model: Path, tensors: dict) -> None:
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(model / "model.safetensors"))
+
+
+def _fake_stages(run_dir: Path) -> Path:
+    model = run_dir / "warm_start" / "model"
+    model.mkdir(parents=True)
+    _save_weights(model, {"a.weight": torch.tensor([[3.0, 4.0]]), "b.bias": torch.ones(3)})
+    (model / "config.json").write_text("{}")  # not part of the digest: only the weights are
+    selection = run_dir / "selection"
+    selection.mkdir()
+    (selection / "selection.json").write_text(json.dumps(
+        {"kept": ["miniwob/click-test@0"], "tasks": [{"task": "miniwob/click-test@0", "successes": 2},
+                                                     {"task": "miniwob/click-test@1", "successes": 0}]}))
+    return model
+
+
+def test_the_archive_keeps_runs_and_refuses_other_stages(tmp_path, caplog):
+    """compare.archive: the stages' fingerprint is written once and then checked; finished runs are
+    copied in and restored into a fresh run directory; a restored run cannot grow a measure."""
+    from arpo_lib.experiments import (archive_run, check_archived_stages, restore_archived_runs, run_arm,
+                                      stage_fingerprint)
+
+    archive = tmp_path / "docs" / "study"
+    cfg = load_config("configs/learning_miniwob_short.yaml", [f"out_dir={tmp_path}/a", "name=exp",
+                                                               "compare.seeds=[0, 1]", "compare.algos=[arpo, grpo]",
+                                                               f"compare.archive={archive}"])
+    model = _fake_stages(cfg.run_dir)
+    warm = {"success_rate": 0.25}
+    fingerprint = stage_fingerprint(cfg, model, ["miniwob/click-test@0"], warm, {"success_rate": 0.1}, None)
+    assert fingerprint["kept"] == ["miniwob/click-test@0"]
+    assert fingerprint["selection_successes"] == {"miniwob/click-test@0": 2, "miniwob/click-test@1": 0}
+    assert fingerprint["baselines"] == {"eval_warm_start": 0.25, "eval_warm_start_train": 0.1, "eval_transfer": None}
+    assert fingerprint["numerics"].startswith("torch ")
+    assert fingerprint["warm_start_weight_norms"] == {"a.weight": 5.0, "b.bias": pytest.approx(3 ** 0.5)}
+    check_archived_stages(archive, fingerprint)  # the first time: written
+    assert json.loads((archive / "stages.json").read_text()) == fingerprint
+    check_archived_stages(archive, {**fingerprint, "numerics": "another host"})  # said, not compared
+    (model / "config.json").write_text('{"changed": 1}')
+    assert stage_fingerprint(cfg, model, ["miniwob/click-test@0"], warm, {"success_rate": 0.1}, None) == fingerprint
+    # the same up to rounding (another digest, norms within 1e-4): pooled; counts that moved are said
+    _save_weights(model, {"a.weight": torch.tensor([[3.0, 4.0]]) * (1 + 1e-6), "b.bias": torch.ones(3)})
+    close = stage_fingerprint(cfg, model, ["miniwob/click-test@0"], warm, {"success_rate": 0.1}, None)
+    assert close["warm_start_weights_sha256"] != fingerprint["warm_start_weights_sha256"]
+    moved = {**close, "baselines": {**close["baselines"], "eval_warm_start": 0.3}}
+    with caplog.at_level(logging.WARNING, logger="arpo_lib.experiments"):
+        check_archived_stages(archive, moved)
+    assert "baselines differ" in caplog.text and "pooled" in caplog.text
+    _save_weights(model, {"a.weight": torch.tensor([[3.0, 4.5]]), "b.bias": torch.ones(3)})
+    other = stage_fingerprint(cfg, model, ["miniwob/click-test@0"], warm, {"success_rate": 0.1}, None)
+    with pytest.raises(RuntimeError, match=r"\(warm_start_weights\).*other weights") as err:
+        check_archived_stages(archive, {**other, "numerics": "this host"})
+    assert fingerprint["numerics"] in str(err.value) and "'this host'" in str(err.value)
+    with pytest.raises(RuntimeError, match=r"\(kept\)"):
+        check_archived_stages(archive, {**fingerprint, "kept": ["miniwob/click-test@1"]})
+
+    # a finished run goes into the archive; a fresh run directory gets it back, and only it
+    run = cfg.run_dir / "arpo-s0"
+    run.mkdir()
+    record = {"algo": "arpo", "seed": 0, "eval": {"success_rate": 0.5}}
+    (run / "final.json").write_text(json.dumps(record))
+    (run / "config.yaml").write_text("name: arpo-s0\n")
+    (run / "metrics.jsonl").write_text("{}\n")
+    archive_run(run, archive)
+    assert sorted(p.name for p in (archive / "arpo-s0").iterdir()) == ["config.yaml", "final.json"]
+    fresh = load_config("configs/learning_miniwob_short.yaml", [f"out_dir={tmp_path}/b", "name=exp",
+                                                                 "compare.seeds=[0, 1]", "compare.algos=[arpo, grpo]"])
+    assert restore_archived_runs(fresh, archive) == ["arpo-s0"]
+    assert json.loads((fresh.run_dir / "arpo-s0" / "final.json").read_text()) == record
+    assert (fresh.run_dir / "arpo-s0" / "config.yaml").read_text() == "name: arpo-s0\n"
+    assert restore_archived_runs(fresh, archive) == []  # already there: nothing copied again
+    (fresh.run_dir / "arpo-s0" / "config.yaml").unlink()  # (a made-up config would fail the setting check)
+    more_measures = load_config("configs/learning_miniwob_short.yaml", [
+        f"out_dir={tmp_path}/b", "name=exp", "compare.seeds=[0, 1]", "compare.algos=[arpo, grpo]",
+        "compare.transfer_samples_per_task=2"])
+    with pytest.raises(RuntimeError, match="arpo-s0 finished without the measure .final_at_train_temperature..*restored from compare.archive"):
+        run_arm(more_measures, "arpo", 0, model, ["miniwob/click-test@0"])

@@ -372,6 +372,15 @@ class CompareConfig:
     policy on fresh layouts of the trained tasks (`miniwob/click-test` for `miniwob/click-test@0`:
     every episode seeds its own layout), at the training temperature, the same episodes for all
     -> `eval_transfer/`. 0: not measured."""
+    archive: str | None = None
+    """A directory that keeps the experiment's results beyond its run directory (one to commit, e.g.
+    `docs/replay-study`): each finished run's final.json and config.yaml (`<arm>-s<seed>/`), the
+    report, and `stages.json` (a digest of the warm start's weights, the instances selection kept
+    and its counts, the baselines' success, the host's numerics). A later call, in a fresh
+    checkout too, makes the warm start, selection and baselines again, checks them against
+    `stages.json` (RuntimeError where they differ: the archived runs came from other weights) and
+    runs only the runs the archive does not hold: a long experiment goes on across sessions. None:
+    no archive."""
 
 
 @dataclass

@@ -583,6 +583,77 @@ def _plot_paired(ax_d: Any, pairs: list[tuple[str, dict[str, Any]]], label: dict
                                                    else " in final eval success"), fontsize=10)
 
 
+def instance_curves(report: dict[str, Any]) -> dict[str, dict[str, list[dict[str, float]]]]:
+    """Task -> arm -> one row per visit (the k-th batch that drew the task, in every seed): the
+    group's training-rollout success averaged over the seeds that visited it k times (`mean`,
+    `n` seeds), and a last row `final` (the final policy at the training temperature, where
+    measured). Batches draw a few instances per step, so steps do not line up across seeds;
+    visits do."""
+    curves: dict[str, dict[str, list[dict[str, float]]]] = {}
+    for task in report.get("tasks") or []:
+        for algo in report.get("arms") or {}:
+            per_seed, finals = [], []
+            for run in (r for r in report.get("runs") or [] if r["algo"] == algo):
+                per_seed.append([_rate(step[task]) for step in run.get("train_success_by_task") or [] if task in step])
+                final = (run.get("final_train_t") or {}).get("by_task", {}).get(task)
+                if final is not None:
+                    finals.append(final)
+            rows = []
+            for k in range(max((len(v) for v in per_seed), default=0)):
+                values = [v[k] for v in per_seed if len(v) > k]
+                rows.append({"visit": k + 1, "mean": sum(values) / len(values), "n": len(values)})
+            if finals:
+                rows.append({"visit": "final", "mean": sum(finals) / len(finals), "n": len(finals)})
+            curves.setdefault(task, {})[algo] = rows
+    return curves
+
+
+def _rate(counts: Any) -> float:
+    """A step's success of one task: [successes, episodes] as the metrics record it (or a rate)."""
+    return counts[0] / counts[1] if isinstance(counts, (list, tuple)) else float(counts)
+
+
+def plot_instance_curves(report: dict[str, Any] | str | Path, columns: int = 4) -> Figure:
+    """One panel per trained instance (`instance_curves`): per arm the training-rollout success
+    at each visit (mean over seeds) and the final policy at the training temperature (a marker
+    after the last visit), against the warm start's success on it (dashed). Where replay can
+    matter, these are the instances it was meant for."""
+    if not isinstance(report, dict):
+        path = Path(report)
+        report = json.loads((path / "report.json" if path.is_dir() else path).read_text())
+    from arpo_lib.viz.report import ARM_LABELS as label
+
+    curves = instance_curves(report)
+    tasks = list(curves) or ["(no task)"]
+    rows = math.ceil(len(tasks) / columns)
+    fig = ReportFigure(figsize=(3.6 * min(columns, len(tasks)), 2.6 * rows), layout="constrained")
+    axes = fig.subplots(rows, min(columns, len(tasks)), squeeze=False).ravel()
+    warm = report.get("warm_start_train_by_task") or {}
+    for ax, task in zip(axes, tasks):
+        for algo, points in curves.get(task, {}).items():
+            visits = [r for r in points if r["visit"] != "final"]
+            final = [r for r in points if r["visit"] == "final"]
+            color = ARM_COLORS.get(algo)
+            ax.plot([r["visit"] for r in visits], [r["mean"] for r in visits], color=color, marker=".",
+                    label=label.get(algo, algo))
+            if final:
+                ax.scatter([len(visits) + 1], [final[0]["mean"]], color=color, marker="*", s=60, zorder=3)
+        if task in warm:
+            ax.axhline(warm[task], color="0.4", ls="--", lw=1)
+        ax.set_title(task.split("/")[-1], fontsize=9)
+        ax.set_ylim(-0.05, 1.05)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if not curves.get(task):
+            _no_data(ax)
+    for ax in axes[len(tasks):]:
+        ax.set_visible(False)
+    axes[0].set_ylabel("success per visit")
+    axes[0].legend(fontsize=7, loc="upper left")
+    fig.suptitle("per instance: training success at each visit (mean over seeds), * final policy at T=train, "
+                 "-- warm start", fontsize=10)
+    return fig
+
+
 # --------------------------------------------------------------------------- live progress
 
 def live_training_figure(records: Sequence[dict[str, Any]]) -> Figure:
