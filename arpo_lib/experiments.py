@@ -23,8 +23,10 @@ run directory `<out_dir>/<name>`):
    have anything to do?); `report.json`, `report.md`, `comparison.png`.
 
 Every stage is skipped when its result exists, and a run resumes from its last checkpoint, so
-rerunning the same command (in this session or a later one) continues where it stopped. The
-replay buffer starts empty in every arm (`train.demo_replay` is forced to 0): ARPO's buffer
+rerunning the same command (in this session or a later one) continues where it stopped; with
+`compare.archive` the finished runs' records outlive the run directory (a fresh checkout makes
+the stages again, checks them against the archive's `stages.json` and runs only what is
+missing). The replay buffer starts empty in every arm (`train.demo_replay` is forced to 0): ARPO's buffer
 holds only the policy's own successes, as in the paper. The one exception is an arm that asks for
 it: `arpo_seeded` starts with the successes task selection found (`algo.replay.seed_from:
 selection`, which `run_config` points at this experiment's selection trajectories).
