@@ -97,7 +97,7 @@ def _metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def _assert_same(a: Path, b: Path, small_abs: float = 1e-9) -> None:
+def _assert_same(a: Path, b: Path, small_abs: float = 5e-7) -> None:
     """Same weights (within float noise, far below what a step moves them) and metrics.
 
     Weights are compared as whole vectors: the difference between the runs must be under 1% of what
@@ -106,7 +106,10 @@ def _assert_same(a: Path, b: Path, small_abs: float = 1e-9) -> None:
     float noise of the reduction order becomes a sizeable fraction of one step there (4 of 364k
     elements differ by ~1e-5 with a step of 2e-4); they are bounded by half a step.
     `small_abs`: the loss and approx_kl are sums of terms that nearly cancel (a group's advantages
-    sum to zero; log-ratios of +-1e-4), ~1e-5 to 1e-4, so float noise in them is bounded absolutely."""
+    sum to zero; log-ratios of +-1e-4), ~1e-5 to 1e-4, so float noise in them is bounded absolutely:
+    by 5e-7 (float32 log-probs of a few nats carry ~1e-7 each; measured: 5.2e-8 in approx_kl
+    -4.73e-4 between 1 and 2 processes on an AVX-512/AMX host, where the former 1e-9 failed, while
+    another host had passed it), 0.1% of the values, still far below what a wrong step changes."""
     wa, wb = _weights(a, 2), _weights(b, 2)
     assert wa.keys() == wb.keys()
     before = _weights(a, 1)
@@ -216,11 +219,11 @@ def test_adafactor_on_two_processes_steps_like_one_and_its_shards_resume_in_one(
     if not chromium_available:
         pytest.skip("needs chromium")
     one, two = (_train(tmp_path, tiny_qwen2vl, f"adafactor{n}", n, "train.optimizer=adafactor") for n in (1, 2))
-    _assert_same(one, two, small_abs=1e-7)
+    _assert_same(one, two)
     _assert_sharded_checkpoint(two / "checkpoints" / "step_000002", ranks=2)
     shutil.rmtree(two / "checkpoints" / "step_000002")
     _run(["resume", "--run", str(two), "--nproc-per-node=1", f"name={two.name}"])
-    _assert_same(one, two, small_abs=1e-7)
+    _assert_same(one, two)
 
 
 def _assert_sharded_checkpoint(checkpoint: Path, ranks: int) -> None:
