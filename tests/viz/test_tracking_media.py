@@ -5,6 +5,7 @@ logging.wandb_episodes=0. A real training step from the smoke config ends it."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -147,7 +148,12 @@ def test_a_smoke_training_step_logs_its_episodes_to_an_offline_run(offline_wandb
         "logging.wandb=offline", "logging.wandb_episodes=2", "logging.progress=false"])
     with build.trainer(cfg) as trainer:
         trainer.train()
-    table = _offline_tables(cfg.run_dir, offline_wandb)["episodes"]
+    # wandb's service process may still be writing the record file after finish() returns: once, in
+    # a clean-clone run of the suite beside other work, the table was not there yet
+    deadline = time.monotonic() + 60
+    while "episodes" not in (tables := _offline_tables(cfg.run_dir, offline_wandb)) and time.monotonic() < deadline:
+        time.sleep(1)
+    table = tables["episodes"]
     assert len(table["data"]) == 2 and {row[0] for row in table["data"]} == {"miniwob/click-test"}
     shot = table["columns"].index("screenshot")
     assert all(row[shot]["_type"] == "image-file" for row in table["data"])
