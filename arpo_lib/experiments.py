@@ -491,10 +491,7 @@ def restore_archived_runs(cfg: RunConfig, archive: Path) -> list[str]:
             source, target = archive / name, cfg.run_dir / name
             if not (source / "final.json").is_file() or (target / "final.json").is_file():
                 continue
-            target.mkdir(parents=True, exist_ok=True)
-            for file in ARCHIVED_RUN_FILES:
-                if (source / file).is_file():
-                    atomic_write_text(target / file, (source / file).read_text())
+            _copy_run_record(source, target)
             restored.append(name)
     if restored:
         log.info("[compare] restored %d finished runs from %s: %s", len(restored), archive, ", ".join(restored))
@@ -503,11 +500,15 @@ def restore_archived_runs(cfg: RunConfig, archive: Path) -> list[str]:
 
 def archive_run(run_dir: Path, archive: Path) -> None:
     """A finished run's final.json and config.yaml into `archive`/<run name>/."""
-    target = archive / run_dir.name
+    _copy_run_record(run_dir, archive / run_dir.name)
+
+
+def _copy_run_record(source: Path, target: Path) -> None:
+    """`ARCHIVED_RUN_FILES` of the run in `source` into `target` (made if absent)."""
     target.mkdir(parents=True, exist_ok=True)
     for file in ARCHIVED_RUN_FILES:
-        if (run_dir / file).is_file():
-            atomic_write_text(target / file, (run_dir / file).read_text())
+        if (source / file).is_file():
+            atomic_write_text(target / file, (source / file).read_text())
 
 
 # ------------------------------------------- a stage's cache: reused for the same setting only

@@ -509,6 +509,14 @@ def _plot_seed_gains(ax: Any, arms: dict[str, Any], label: dict[str, str], bar: 
     ax.legend(fontsize=7)
 
 
+def _load_report(report: dict[str, Any] | str | Path) -> dict[str, Any]:
+    """A comparison report given as the dict, its report.json, or the experiment directory."""
+    if isinstance(report, dict):
+        return report
+    path = Path(report)
+    return json.loads((path / "report.json" if path.is_dir() else path).read_text())
+
+
 def plot_comparison(report: dict[str, Any] | str | Path) -> Figure:
     """The comparison of `experiments.run_comparison`: training-rollout success and the share of
     all-failed groups per step (mean over seeds, band = bootstrap 95% interval of the mean, moving
@@ -516,9 +524,7 @@ def plot_comparison(report: dict[str, Any] | str | Path) -> Figure:
     evaluation success per arm (mean, interval, every seed), and, with two arms or more, the paired
     differences between arms (every seed, mean and interval, permutation p-value).
     `report`: the dict, report.json, or the experiment dir."""
-    if not isinstance(report, dict):
-        path = Path(report)
-        report = json.loads((path / "report.json" if path.is_dir() else path).read_text())
+    report = _load_report(report)
     arms = report["arms"]
     pairs = list((report.get("paired") or {}).items())
     fig = ReportFigure(figsize=(20 if pairs else 16, 3.8), layout="constrained")
@@ -618,9 +624,7 @@ def plot_instance_curves(report: dict[str, Any] | str | Path, columns: int = 4) 
     at each visit (mean over seeds) and the final policy at the training temperature (a marker
     after the last visit), against the warm start's success on it (dashed). Where replay can
     matter, these are the instances it was meant for."""
-    if not isinstance(report, dict):
-        path = Path(report)
-        report = json.loads((path / "report.json" if path.is_dir() else path).read_text())
+    report = _load_report(report)
     from arpo_lib.viz.report import ARM_LABELS as label
 
     curves = instance_curves(report)
