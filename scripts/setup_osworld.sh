@@ -97,6 +97,17 @@ if [ ! -x "$VP" ] || ! "$VP" -c 'import sys; assert (3, 10) <= sys.version_info[
 fi
 [ -f "$VENV/.gitignore" ] || printf '*\n' > "$VENV/.gitignore"
 
+# The borrowed torch is a path into another environment, which can move or vanish (a CI checkout
+# in a temporary folder): written on every run, not only when the packages are installed.
+if [ "$LIGHT" = 1 ] && [ -n "${ARPO_OSWORLD_TORCH_FROM:-}" ]; then
+  [ -d "$ARPO_OSWORLD_TORCH_FROM/torch" ] || die "ARPO_OSWORLD_TORCH_FROM=$ARPO_OSWORLD_TORCH_FROM has no torch"
+  site="$("$VP" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  if [ "$(cat "$site/zz-arpo-borrowed-torch.pth" 2>/dev/null)" != "$ARPO_OSWORLD_TORCH_FROM" ]; then
+    say "borrowing torch and torchvision from $ARPO_OSWORLD_TORCH_FROM (appended to sys.path)"
+    printf '%s\n' "$ARPO_OSWORLD_TORCH_FROM" > "$site/zz-arpo-borrowed-torch.pth"
+  fi
+fi
+
 # 2. The packages (first time: several minutes, ~7 GB). Fast when done: pip runs only when this file changed.
 flavour="$CHOICE-full"
 [ "$LIGHT" = 1 ] && flavour="$CHOICE-light${ARPO_OSWORLD_TORCH_FROM:+-borrowed}"
@@ -115,11 +126,7 @@ else
     quiet "$VP" -m pip install -q --no-deps "$DESKTOP_ENV_REQ" easyocr || die "pip install of $DESKTOP_ENV_REQ failed"
     quiet "$VP" -m pip install -q -r scripts/osworld_evaluator_requirements.txt || die "pip install failed"
     site="$("$VP" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-    if [ -n "${ARPO_OSWORLD_TORCH_FROM:-}" ]; then
-      [ -d "$ARPO_OSWORLD_TORCH_FROM/torch" ] || die "ARPO_OSWORLD_TORCH_FROM=$ARPO_OSWORLD_TORCH_FROM has no torch"
-      say "borrowing torch and torchvision from $ARPO_OSWORLD_TORCH_FROM (appended to sys.path)"
-      printf '%s\n' "$ARPO_OSWORLD_TORCH_FROM" > "$site/zz-arpo-borrowed-torch.pth"
-    else
+    if [ -z "${ARPO_OSWORLD_TORCH_FROM:-}" ]; then
       rm -f "$site/zz-arpo-borrowed-torch.pth"
       quiet "$VP" -m pip install -q "torch==2.14.1" "torchvision==0.29.1" || die "pip install failed"
     fi
@@ -136,6 +143,9 @@ else
   rm -f "$VENV"/.setup-osworld-*
   touch "$stamp"
   say "installed in $((SECONDS - t0)) s"
+fi
+if [ "$LIGHT" = 1 ] && [ -n "${ARPO_OSWORLD_TORCH_FROM:-}" ]; then
+  "$VP" -c 'import torch, torchvision' || die "torch borrowed from $ARPO_OSWORLD_TORCH_FROM does not import in $VENV"
 fi
 
 # 3. Optional: the VM assets (the Docker image and the Ubuntu disk, ~12 GB zipped), fetched here rather

@@ -198,3 +198,27 @@ def test_an_osworld_episode_on_the_sandbox_in_an_environment_worker(osworld_pyth
         worker.call("reset", (f"osworld/{task['id']}", 1))
         _, reward, terminated, _, info = worker.call("step", action_payload([Action("finished")]))
         assert (reward, terminated) == (0.0, True)
+
+
+def test_the_borrowed_torch_follows_the_checkout_that_borrows_it(osworld_python, tmp_path):
+    """Regression (stop 47's CI): the tests' OSWorld environment borrows torch from the checkout that
+    built it, by a path in a .pth file; that environment is cached across checkouts, and a CI clone in
+    a removed temporary folder left it pointing nowhere ("No module named 'torch'") while its packages
+    were up to date. setup_osworld.sh now rewrites the path on every run."""
+    if os.environ.get("ARPO_OSWORLD_PYTHON"):
+        pytest.skip("an OSWorld interpreter given by $ARPO_OSWORLD_PYTHON is not the tests' own environment")
+    import sysconfig
+
+    site = subprocess.run([osworld_python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, timeout=120, check=True).stdout.strip()
+    pth = Path(site) / "zz-arpo-borrowed-torch.pth"
+    assert pth.read_text().strip() == sysconfig.get_paths()["purelib"]
+    pth.write_text(str(tmp_path / "gone" / "site-packages") + "\n")  # a checkout that was removed
+    env = {**os.environ, "ARPO_OSWORLD_VENV": str(Path(osworld_python).parents[1]),
+           "ARPO_OSWORLD_TORCH_FROM": sysconfig.get_paths()["purelib"]}
+    done = subprocess.run(["bash", str(REPO / "scripts" / "setup_osworld.sh"), "--light", "--desktop-env=pypi"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "packages up to date" in done.stdout + done.stderr  # no reinstall: only the path was rewritten
+    assert pth.read_text().strip() == sysconfig.get_paths()["purelib"]
+    subprocess.run([osworld_python, "-c", "import torch, desktop_env.desktop_env"], check=True, timeout=300)
