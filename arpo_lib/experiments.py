@@ -390,7 +390,8 @@ def comparison_report(cfg: RunConfig, warm: dict[str, Any], runs: list[dict[str,
             "warm_start_train_by_task": {t["task"]: t["success_rate"] for t in (warm_train or warm).get("tasks") or []},
             "warm_start_transfer": ({**_eval_summary(warm_transfer), "tasks": transfer_tasks(tasks)}
                                     if warm_transfer else None),
-            "arms": arms, "paired": pairs, "runs": runs}
+            "arms": arms, "paired": pairs, "runs": runs,
+            **({"preregistered": True} if cfg.compare.preregistered else {})}
 
 
 def write_report(run_dir: Path, report: dict[str, Any]) -> None:

@@ -10,6 +10,7 @@ Pure functions (no torch, no I/O), seeded so that a report is reproducible.
   Under the null each paired difference is as likely positive as negative, so the test flips
   signs: exactly over all 2^n sign patterns up to 16 pairs, by seeded Monte Carlo beyond.
 - `sign_test(a, b)`: the exact two-sided sign test, a cruder companion.
+- `holm(p_values)`: Holm's step-down adjustment for a family of tests (the secondary comparisons).
 - `band(curves)`, `moving(values)`: a curve's interval per step over seeds, and its smoothing.
 
 The rest read the record of one run of a comparison (`experiments.run_arm` writes it to
@@ -88,6 +89,19 @@ def sign_test(a: Sequence[float], b: Sequence[float]) -> float:
     k = min(pos, neg)
     tail = sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n
     return min(1.0, 2 * tail)
+
+
+def holm(p_values: Sequence[float]) -> list[float]:
+    """Holm's step-down adjusted p-values, in the order given: the i-th smallest p times
+    (m - i), made monotone and capped at 1. Reject at level alpha where the adjusted p < alpha:
+    the family-wise error rate stays at alpha for any dependence between the tests."""
+    ps = [float(p) for p in p_values]
+    order = sorted(range(len(ps)), key=ps.__getitem__)
+    adjusted, running = [0.0] * len(ps), 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (len(ps) - rank) * ps[i]))
+        adjusted[i] = running
+    return adjusted
 
 
 def band(curves: Sequence[Sequence[float]], *, confidence: float = 0.95, resamples: int = 2_000,

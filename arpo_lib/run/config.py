@@ -381,6 +381,10 @@ class CompareConfig:
     `stages.json` (RuntimeError where they differ: the archived runs came from other weights) and
     runs only the runs the archive does not hold: a long experiment goes on across sessions. None:
     no archive."""
+    preregistered: bool = False
+    """The report states the verdict of the comparison fixed in advance (`viz.report.PREREGISTERED`,
+    docs/learning.md section 8: ARPO − GRPO on the final policy at the training temperature, the
+    secondaries Holm-adjusted). Set by the held-out study's command, not by exploratory runs."""
 
 
 @dataclass

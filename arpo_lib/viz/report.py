@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from arpo_lib.evaluation.stats import train_quarter
+from arpo_lib.evaluation.stats import holm, train_quarter
 from arpo_lib.run.registry import COMPARISON_ARMS
 
 ARM_LABELS = {"grpo": "GRPO", "arpo": "ARPO", "arpo_tis": "ARPO+TIS", "arpo_seeded": "ARPO seeded"}
@@ -13,11 +13,17 @@ ARM_LABELS = {"grpo": "GRPO", "arpo": "ARPO", "arpo_tis": "ARPO+TIS", "arpo_seed
 
 PAIRED_LABELS = {"eval": "final eval success", "train": "train success, last quarter",
                  "final_t": "final policy at T=train", "transfer": "fresh layouts (transfer)"}
+"""How the paired table names each of `evaluation.stats.PAIRED_MEASURES`."""
+
+PREREGISTERED = {"primary": "arpo-grpo", "secondary": ("arpo_tis-arpo", "arpo_seeded-arpo"), "measure": "final_t",
+                 "alpha": 0.05}
+"""The held-out comparison as docs/learning.md (section 8, "Pre-registration") fixed it before any
+held-out run: ARPO − GRPO on the final policy at the training temperature, paired by seed, exact
+permutation test at 5%; ARPO+TIS − ARPO and ARPO seeded − ARPO secondary, Holm-corrected."""
 
 REGIME_ALL_FAILED, REGIME_INJECTIONS = 0.25, 10
 """When replay has something to do (issue 36's bar): in an arm with replay, at least this share of
 groups all-failed in the first half of training, and at least this many injections per run."""
-"""How the paired table names each of `evaluation.stats.PAIRED_MEASURES`."""
 
 
 def report_markdown(report: dict[str, Any]) -> str:
@@ -69,6 +75,7 @@ def report_markdown(report: dict[str, Any]) -> str:
                          (f"**{by_seed[seed]:+.3f}**" if by_seed[seed] < 0.15 else f"{by_seed[seed]:+.3f}") for seed in seeds]
                 lines.append(f"| {ARM_LABELS.get(algo, algo)} | {label} | " + " | ".join(cells) +
                              f" | {st['mean']:+.3f} [{st['lo']:+.3f}, {st['hi']:+.3f}] | {'yes' if every else 'no'} |")
+    lines += _preregistered_lines(report)
     lines += _transfer_lines(report)
     if report.get("paired"):
         lines += ["", "Paired differences (same seed: same first batch, task order and evaluation episodes); "
@@ -112,6 +119,37 @@ def report_markdown(report: dict[str, Any]) -> str:
         lines[1:1] = ["", f"**Partial report: {len(report['missing_runs'])} run(s) not finished** "
                       f"({', '.join(report['missing_runs'])}); the figures cover the finished ones only."]
     return "\n".join(lines) + "\n"
+
+
+def _preregistered_lines(report: dict[str, Any]) -> list[str]:
+    """The pre-registered result (`PREREGISTERED`), in a report of the pre-registered study
+    (`compare.preregistered`) that has its primary comparison on its measure: the verdict the plan
+    fixed, and the secondary comparisons with Holm's adjustment. A partial report says its verdict
+    is provisional."""
+    paired, measure, alpha = report.get("paired") or {}, PREREGISTERED["measure"], PREREGISTERED["alpha"]
+    primary = paired.get(PREREGISTERED["primary"], {}).get(measure)
+    if primary is None or not report.get("preregistered"):
+        return []
+
+    def label(name: str) -> str:
+        return " − ".join(ARM_LABELS.get(arm, arm) for arm in name.split("-"))
+
+    def stated(d: dict[str, Any]) -> str:
+        return (f"{d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}] over {len(d['differences'])} seeds, "
+                f"p (permutation) {d['p_permutation']:.3f}, p (sign) {d['p_sign']:.3f}, "
+                f"seeds for 5 pts {d.get('seeds_for_5_points') or '–'}")
+
+    beats = primary["p_permutation"] < alpha and primary["mean"] > 0
+    verdict = " beats ".join(label(PREREGISTERED["primary"]).split(" − ")) if beats else "no detectable difference"
+    lines = ["", f"Pre-registered comparison (docs/learning.md, section 8; {PAIRED_LABELS[measure]}, paired by seed):", "",
+             f"- primary, {label(PREREGISTERED['primary'])}: {stated(primary)} -> **{verdict}** at {alpha:.0%}"]
+    secondary = [(n, paired[n][measure]) for n in PREREGISTERED["secondary"] if measure in paired.get(n, {})]
+    for (name, d), adjusted in zip(secondary, holm([d["p_permutation"] for _, d in secondary])):
+        lines.append(f"- secondary, {label(name)}: {stated(d)}; Holm-adjusted p {adjusted:.3f} -> "
+                     f"{'different' if adjusted < alpha else 'no detectable difference'}")
+    if report.get("missing_runs"):
+        lines.append(f"- **provisional**: {len(report['missing_runs'])} run(s) of the plan not finished")
+    return lines
 
 
 def _transfer_lines(report: dict[str, Any]) -> list[str]:

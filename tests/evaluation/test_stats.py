@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from arpo_lib.evaluation.stats import (band, bootstrap_ci, describe, final_gain, moving, paired_comparison,
+from arpo_lib.evaluation.stats import (band, bootstrap_ci, describe, final_gain, holm, moving, paired_comparison,
                                       paired_permutation_test, quarter_by_task, quarter_mean, regime, seeds_needed,
                                       sign_test, train_gain, train_quarter)
 
@@ -39,6 +39,14 @@ def test_sign_test():
     assert sign_test([1] * 8, [0] * 8) == pytest.approx(2 / 256)
     assert sign_test([1, 0, 1, 0], [0, 1, 0, 1]) == 1.0
     assert sign_test([0.5, 0.5], [0.5, 0.5]) == 1.0
+
+
+def test_holm_adjusts_step_down_in_the_given_order():
+    # sorted 0.01, 0.03, 0.04 -> x3, x2, x1 = 0.03, 0.06, 0.04 -> monotone 0.03, 0.06, 0.06
+    assert holm([0.04, 0.01, 0.03]) == pytest.approx([0.06, 0.03, 0.06])
+    assert holm([0.6, 0.02]) == pytest.approx([0.6, 0.04])
+    assert holm([0.7, 0.9]) == pytest.approx([1.0, 1.0])  # 1.4 capped at 1; 0.9 raised to it (monotone)
+    assert holm([0.2]) == [0.2] and holm([]) == []
 
 
 def test_errors_and_bands():

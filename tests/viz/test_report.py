@@ -67,3 +67,30 @@ def test_the_notebook_reaches_the_report_through_experiments():
 
     assert experiments.report_markdown is report.report_markdown
     assert experiments.report_digest is report.report_digest
+
+
+def test_the_preregistered_verdict_and_holm_on_the_secondaries():
+    """The block docs/learning.md's pre-registration fixed: the primary verdict (ARPO − GRPO on the
+    final policy at T=train, p < 0.05 and positive), the secondaries Holm-adjusted, provisional
+    while runs are missing; absent from a report without the primary measure."""
+    from arpo_lib.viz.report import _preregistered_lines
+
+    def diff(mean, p):
+        return {"mean": mean, "lo": mean - 0.02, "hi": mean + 0.02, "differences": [mean] * 8,
+                "p_permutation": p, "p_sign": p, "seeds_for_5_points": 12}
+
+    paired = {"arpo-grpo": {"final_t": diff(0.06, 0.0078)}, "arpo_tis-arpo": {"final_t": diff(0.01, 0.04)},
+              "arpo_seeded-arpo": {"final_t": diff(0.05, 0.02)}}
+    assert _preregistered_lines({"paired": paired}) == []  # not the pre-registered study (exploratory seeds)
+    text = "\n".join(_preregistered_lines({"paired": paired, "preregistered": True}))
+    assert "ARPO − GRPO: +0.060 [+0.040, +0.080] over 8 seeds, p (permutation) 0.008" in text
+    assert "**ARPO beats GRPO** at 5%" in text
+    assert "ARPO+TIS − ARPO" in text and "Holm-adjusted p 0.040 -> different" in text  # 2 x 0.02, then max
+    assert "ARPO seeded − ARPO" in text and "provisional" not in text
+    assert text.count("Holm-adjusted p 0.040") == 2  # 0.04 stays 0.04 (monotone over 0.04)
+    negative = {**paired, "arpo-grpo": {"final_t": diff(-0.06, 0.0078)}}
+    assert "**no detectable difference**" in "\n".join(_preregistered_lines({"paired": negative, "preregistered": True}))
+    unsure = {**paired, "arpo-grpo": {"final_t": diff(0.06, 0.2)}}
+    lines = _preregistered_lines({"paired": unsure, "missing_runs": ["grpo-s107"], "preregistered": True})
+    assert "**no detectable difference**" in lines[3] and "**provisional**: 1 run(s)" in lines[-1]
+    assert _preregistered_lines({"paired": {"arpo-grpo": {"eval": diff(0.1, 0.01)}}, "preregistered": True}) == []
