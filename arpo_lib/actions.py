@@ -684,6 +684,12 @@ _TYPEABLE = re.compile(r"[\x20-\x7e\n\t]+")
 tab, and silently skips everything else ("café 日本語" arrives as "caf ")."""
 PASTE_PAUSE_S = 0.2
 """Wait after a paste: the application reads the clipboard asynchronously."""
+CLIPBOARD_SETTLE_S = 0.3
+"""Wait between the copy and the paste. pyperclip returns when xclip's parent exits, before the
+clipboard has changed hands: xclip's background child sends the ownership request when it first
+runs, and the application learns of the new owner from an event of its own (Chromium pastes its
+cached copy until then). Pasting at once lost the text, or pasted the previous one, in about one
+episode of nine on a loaded 2-core machine (tests/test_actions_on_a_screen.py)."""
 DETACH_OUTPUT = (
     "os.dup2(os.open(os.devnull, os.O_WRONLY), 1)",
     "os.dup2(os.open(os.devnull, os.O_WRONLY), 2)",
@@ -867,7 +873,8 @@ def lost_without_clipboard(action: Action) -> str | None:
 
 
 def _paste(text: str) -> list[str]:
-    return [f"pyperclip.copy({text!r})", "pyautogui.hotkey('ctrl', 'v')", f"time.sleep({PASTE_PAUSE_S!r})"]
+    return [f"pyperclip.copy({text!r})", f"time.sleep({CLIPBOARD_SETTLE_S!r})", "pyautogui.hotkey('ctrl', 'v')",
+            f"time.sleep({PASTE_PAUSE_S!r})"]
 
 
 class UnsafeCodeError(ValueError):

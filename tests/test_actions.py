@@ -706,7 +706,7 @@ def test_non_ascii_text_is_pasted_after_detaching_output():
     code = to_pyautogui(Action("type", text="ab é cd 日本\n"))
     lines = code.splitlines()
     assert lines[:4] == ["import pyautogui", "import os", "import pyperclip", "import time"]
-    assert lines[4:] == [*DETACH_OUTPUT, "pyperclip.copy('ab é cd 日本')", "pyautogui.hotkey('ctrl', 'v')",
+    assert lines[4:] == [*DETACH_OUTPUT, "pyperclip.copy('ab é cd 日本')", "time.sleep(0.3)", "pyautogui.hotkey('ctrl', 'v')",
                          "time.sleep(0.2)", "pyautogui.press('enter')"]
     assert_whitelisted(code)
 

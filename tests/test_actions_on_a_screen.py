@@ -167,9 +167,18 @@ def test_typed_text_arrives_whole_non_ascii_included(screen, text):
     driver, env = screen
     driver.execute_script("const t = document.getElementById('t'); t.value = '';")
     _run(to_pyautogui(Action("click", point=_screen_xy(driver, "t")), SCREEN), env)
-    time.sleep(0.1)  # keystrokes right after a click can get lost
+    # Keystrokes sent before the click has focused the field are lost (a loaded machine: stop 48's
+    # clean-clone run lost a whole text after a fixed 0.1 s): wait until the page says it is focused.
+    deadline = time.monotonic() + 10
+    while driver.execute_script("return document.activeElement && document.activeElement.id;") != "t":
+        assert time.monotonic() < deadline, "the click did not focus the text field"
+        time.sleep(0.05)
+    time.sleep(0.1)
     _run(to_pyautogui(Action("type", text=text), SCREEN), env)
-    value = driver.execute_script("return document.getElementById('t').value;")
+    deadline = time.monotonic() + 10  # a paste is read by the page asynchronously: late, not lost
+    while (value := driver.execute_script("return document.getElementById('t').value;")) != text \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert value == text
 
 
