@@ -99,7 +99,8 @@ def env_pool(cfg: RunConfig, share: int = 1) -> WorkerPool:
     from arpo_lib.envs.pool import make_pool
 
     return make_pool(math.ceil(cfg.env.workers / share), opts, cfg.env.step_timeout_s, cfg.env.envs_per_worker,
-                     backend=cfg.env.backend, python=python, plugins=cfg.plugins, **ray)
+                     backend=cfg.env.backend, python=python, plugins=cfg.plugins,
+                     memory_mib=cfg.env.worker_memory_mib, **ray)
 
 
 def env_python(cfg: RunConfig) -> str | None:

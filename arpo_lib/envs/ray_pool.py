@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from arpo_lib.envs.base import EnvError
-from arpo_lib.envs.worker import EnvSetupError, EnvWorker, answer
+from arpo_lib.envs.worker import DEFAULT_MEMORY_MIB, EnvSetupError, EnvWorker, answer, check_memory_mib
 from arpo_lib.run.registry import plugin_path
 
 DEFAULT_NUM_CPUS = 0.5
@@ -51,14 +51,15 @@ class _EnvActor:
     maps them exactly as EnvWorker does instead of unwrapping Ray's task errors."""
 
     def __init__(self, env_options: dict[str, Any], timeout_s: float, cache_size: int, python: str | None,
-                 plugins: Sequence[str] = (), plugin_dirs: Sequence[str] = ()):
+                 plugins: Sequence[str] = (), plugin_dirs: Sequence[str] = (),
+                 memory_mib: int | None = DEFAULT_MEMORY_MIB):
         self.worker: EnvWorker | None = None
         self.setup_error: str | None = None
         # The driver's plug-in directories, so that the worker finds the plug-ins (same image on every node).
         sys.path[:0] = [d for d in plugin_dirs if d not in sys.path]
         try:
             self.worker = EnvWorker(env_options, timeout_s, cache_size, python=python, fresh_interpreter=True,
-                                    plugins=plugins)
+                                    plugins=plugins, memory_mib=memory_mib)
         except EnvSetupError as exc:  # told to the driver by ping, in EnvWorker's words
             self.setup_error = str(exc)
 
@@ -113,7 +114,7 @@ class RayEnvWorker:
     def _create(self) -> Any:
         p = self.pool
         return _actor_class().options(**p.actor_options).remote(p.env_options, p.timeout_s, p.cache_size, p.python,
-                                                                p.plugins, p.plugin_dirs)
+                                                                p.plugins, p.plugin_dirs, p.memory_mib)
 
     def send(self, cmd: str, payload: Any = None) -> None:
         import ray
@@ -204,7 +205,8 @@ class RayEnvPool:
                  cache_size: int = 1, *, address: str | None = None, resource: str | None = None,
                  python: str | None = None, num_cpus: float = DEFAULT_NUM_CPUS,
                  placement_timeout_s: float = 60.0, call_margin_s: float = 30.0,
-                 init_kwargs: dict[str, Any] | None = None, plugins: Sequence[str] = ()):
+                 init_kwargs: dict[str, Any] | None = None, plugins: Sequence[str] = (),
+                 memory_mib: int | None = DEFAULT_MEMORY_MIB):
         if n < 1:
             raise ValueError(f"a pool needs at least one environment, got n={n}")
         if num_cpus < 0:
@@ -215,6 +217,7 @@ class RayEnvPool:
         self.python = python
         self.plugins = list(plugins)
         self.plugin_dirs = plugin_path(self.plugins)
+        self.memory_mib = check_memory_mib(memory_mib)
         self.resource = resource
         self.placement_timeout_s = placement_timeout_s
         self.call_margin_s = call_margin_s

@@ -31,6 +31,7 @@ import hashlib
 import importlib.util
 import multiprocessing as mp
 import os
+import resource
 import secrets
 import shutil
 import signal
@@ -54,11 +55,51 @@ from arpo_lib.run.registry import import_plugins, plugin_path
 
 CONNECT_TIMEOUT_S = 60.0
 """Longest a worker in another interpreter may take to start and connect back."""
+DEFAULT_MEMORY_MIB = 8192
+"""A worker's data memory (RLIMIT_DATA, the soft limit: heap and private mappings), by default.
+The worker is where the host reads what the agent made: OSWorld's getters download the files the
+agent saved and its metrics parse them (openpyxl, python-docx, lxml, PIL) in this process. A
+2 MB document that unpacks to gigabytes would otherwise take the host's memory and, through the
+kernel's OOM killer, most likely the trainer (the largest process). OSWorld's own evaluator
+needs ~1.2 GiB once imported."""
+OOM_SCORE_ADJ = 1000
+"""Every worker (and what it starts: browsers, sandboxes, VM clients) is the kernel's first
+choice when the host runs out of memory: an environment is restarted and its episode counted as
+an infrastructure failure; a trainer killed loses the run's progress since its last checkpoint."""
 
 
-def _worker_main(conn: Any, env_options: dict[str, Any], cache_size: int = 1, plugins: Sequence[str] = ()) -> None:
+def confine_worker(memory_mib: int | None) -> None:
+    """Make this worker process the one the host can lose: the OOM killer's first choice, and a
+    soft RLIMIT_DATA of `memory_mib` MiB (None: none). Soft only: the programs a worker starts
+    (a sandbox's processes) set their own limits, which may be higher, below the unchanged hard
+    limit; nothing the agent runs can reach this process to raise it."""
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:  # raising it needs no privilege
+            f.write(str(OOM_SCORE_ADJ))
+    except OSError:
+        pass  # not Linux, or /proc read-only: the memory limit still holds
+    if memory_mib is not None:
+        soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+        limit = memory_mib * 2**20
+        if hard != resource.RLIM_INFINITY:
+            limit = min(limit, hard)
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
+
+
+def check_memory_mib(memory_mib: Any) -> int | None:
+    """`memory_mib` as a worker takes it, or ValueError naming what is wrong."""
+    if memory_mib is None:
+        return None
+    if isinstance(memory_mib, bool) or not isinstance(memory_mib, int) or memory_mib < 256:
+        raise ValueError(f"worker memory_mib must be an integer >= 256 (MiB) or None (no limit), got {memory_mib!r}")
+    return memory_mib
+
+
+def _worker_main(conn: Any, env_options: dict[str, Any], cache_size: int = 1, plugins: Sequence[str] = (),
+                 memory_mib: int | None = None) -> None:
     # Own process group: the browser and its driver join it, so killing the group cleans up all.
     os.setsid()
+    confine_worker(memory_mib)
     _group_watchdog()
     _exit_with_parent()
     from arpo_lib.envs import make_env, split_instance
@@ -166,7 +207,8 @@ def step_actions(env: Any, payload: list[dict[str, Any]]) -> tuple:
 
 
 def worker_facts() -> dict[str, Any]:
-    """What the `ping` command answers: which interpreter and process serve this environment."""
+    """What the `ping` command answers: which interpreter and process serve this environment, its
+    memory limit and OOM score (`confine_worker`), and the most memory it has held so far."""
     return {
         "executable": sys.executable,
         "prefix": sys.prefix,
@@ -176,7 +218,23 @@ def worker_facts() -> dict[str, Any]:
         "sys_path": list(sys.path),
         "torch_loaded": "torch" in sys.modules,
         "torch_importable": importlib.util.find_spec("torch") is not None,
+        "memory_limit_mib": _data_limit_mib(),
+        "oom_score_adj": _oom_score_adj(),
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,  # Linux: KiB
     }
+
+
+def _data_limit_mib() -> int | None:
+    soft = resource.getrlimit(resource.RLIMIT_DATA)[0]
+    return None if soft == resource.RLIM_INFINITY else soft // 2**20
+
+
+def _oom_score_adj() -> int | None:
+    try:
+        with open("/proc/self/oom_score_adj") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
 
 
 class EnvSetupError(RuntimeError):
@@ -286,14 +344,17 @@ class EnvWorker:
     `python`: run the worker with this interpreter (another venv's python) instead of a spawn
     child of ours; None, or our own `sys.executable`, keeps the spawn path.
     `plugins`: modules the worker imports before it makes an environment (the run's plug-ins).
+    `memory_mib`: the worker's data memory limit (`confine_worker`; None: none).
     `fresh_interpreter`: start `python -m arpo_lib.envs.worker` even with our own interpreter.
     For hosts whose main module is not ours: a spawn child re-imports the parent's `__main__`,
     which in a Ray actor is Ray's worker script (+65 MB and a Ray import per worker).
     """
 
     def __init__(self, env_options: dict[str, Any], timeout_s: float, cache_size: int = 1, *,
-                 python: str | None = None, fresh_interpreter: bool = False, plugins: Sequence[str] = ()):
+                 python: str | None = None, fresh_interpreter: bool = False, plugins: Sequence[str] = (),
+                 memory_mib: int | None = DEFAULT_MEMORY_MIB):
         self.env_options = env_options
+        self.memory_mib = check_memory_mib(memory_mib)
         self.timeout_s = timeout_s
         self.cache_size = cache_size
         self.plugins = list(plugins)
@@ -307,9 +368,9 @@ class EnvWorker:
     def _start(self) -> None:
         if self.python is None:
             self.conn, child = self._ctx.Pipe()
-            self.process = self._ctx.Process(target=_worker_main,
-                                             args=(child, self.env_options, self.cache_size, self.plugins),
-                                             daemon=True)
+            self.process = self._ctx.Process(
+                target=_worker_main, args=(child, self.env_options, self.cache_size, self.plugins, self.memory_mib),
+                daemon=True)
             self.process.start()
             child.close()
         else:
@@ -348,7 +409,7 @@ class EnvWorker:
             for fd in console:
                 os.close(fd)
             shutil.rmtree(private_dir, ignore_errors=True)
-        self.conn.send((self.env_options, self.cache_size, self.plugins))
+        self.conn.send((self.env_options, self.cache_size, self.plugins, self.memory_mib))
 
     def _accept(self, listener: Listener, address: str, authkey: bytes, startup_log: str, pythonpath: str) -> Any:
         """The worker's connection, waiting while it lives and at most CONNECT_TIMEOUT_S."""
@@ -470,8 +531,8 @@ def _serve(address: str, stdout_fd: int, stderr_fd: int) -> None:
     os.dup2(stderr_fd, 2)
     os.close(stdout_fd)
     os.close(stderr_fd)
-    env_options, cache_size, plugins = conn.recv()
-    _worker_main(conn, env_options, cache_size, plugins)
+    env_options, cache_size, plugins, memory_mib = conn.recv()
+    _worker_main(conn, env_options, cache_size, plugins, memory_mib)
 
 
 if __name__ == "__main__":

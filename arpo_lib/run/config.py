@@ -54,6 +54,11 @@ class EnvConfig:
     """Environments (one per task) a worker keeps open, so returning to a task reuses its browser."""
     step_timeout_s: float = 120.0
     """Longest an environment call (make/reset/step) may take before the worker counts as hung."""
+    worker_memory_mib: int | None = 8192
+    """Data memory of each environment worker process (a soft RLIMIT_DATA; null: no limit). The
+    worker is where the host parses what the agent made (OSWorld's metrics read the files it saved):
+    a small file that unpacks to gigabytes ends as a failed check there, not in the host's memory.
+    Workers are also the OOM killer's first choice, before the trainer (arpo_lib/envs/worker.py)."""
     backend: str = "local"
     """Where environment workers run: `local` (one process per environment on this machine) or
     `ray` (one Ray actor per environment, on any node of a Ray cluster)."""
@@ -591,6 +596,9 @@ def validate(cfg: RunConfig) -> None:
                                         "it needs algo.old_logprobs=recompute")
     if cfg.train.max_skipped_steps < 0:
         _fail("train.max_skipped_steps", "must be >= 0")
+    memory = cfg.env.worker_memory_mib
+    if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int) or memory < 256):
+        _fail("env.worker_memory_mib", f"must be an integer >= 256 (MiB) or null (no limit), got {memory!r}")
     if cfg.logging.wandb_episodes < 0 or cfg.logging.wandb_image_width < 16:
         _fail("logging.wandb_episodes", "wandb_episodes must be >= 0 and wandb_image_width >= 16")
     if cfg.train.eval_every < 0:

@@ -134,6 +134,79 @@ def test_a_worker_in_another_interpreter_finds_a_plugin_from_outside_the_reposit
         worker.close()
 
 
+HOG_PLUGIN = """
+import subprocess, sys
+from PIL import Image
+from arpo_lib.envs import EnvFamily, GUIEnv, Observation, register_family
+
+class Hog(GUIEnv):
+    # Each step allocates (and touches) `action.text` MiB here, as a metric parsing a file that
+    # unpacks to that much would; "child" reports the limit a program the worker starts inherits.
+    def reset(self, seed=None):
+        return Observation(Image.new("RGB", (28, 28)), "hog"), {}
+
+    def step(self, action):
+        screen = Observation(Image.new("RGB", (28, 28)), "hog", 1)
+        if action.text == "child":
+            code = "import resource; print(resource.getrlimit(resource.RLIMIT_DATA))"
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip()
+            return screen, 0.0, False, False, {"child": out}
+        block = bytearray(int(action.text) * 2**20)
+        block[::4096] = b"x" * len(block[::4096])
+        return screen, 0.0, False, False, {"mib": len(block) >> 20}
+
+register_family(EnvFamily("hog", lambda task, **options: Hog(), tasks=["eat"]))
+"""
+
+
+@pytest.mark.parametrize("fresh_interpreter", [False, True], ids=["spawn", "interpreter"])
+def test_a_worker_cannot_take_the_hosts_memory_and_is_the_oom_killers_first_choice(tmp_path, monkeypatch,
+                                                                                    fresh_interpreter):
+    """The worker is where the host parses what a hostile agent made (OSWorld's metrics read its
+    files): an allocation past `memory_mib` fails there as a MemoryError, an infrastructure failure
+    of that episode; the worker lives on, and what it starts inherits the limit. Before, the
+    allocation went through and only the host's memory bounded it; the kernel's OOM killer, when
+    it came to that, would pick the largest process: the trainer."""
+    (tmp_path / "arpo_test_hog_plugin.py").write_text(HOG_PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    worker = EnvWorker({}, timeout_s=60, fresh_interpreter=fresh_interpreter, plugins=["arpo_test_hog_plugin"],
+                       memory_mib=768)
+    try:
+        facts = worker.call("ping")
+        assert facts["memory_limit_mib"] == 768 and facts["oom_score_adj"] == 1000
+        assert Path("/proc/self/oom_score_adj").read_text().strip() != "1000"  # the trainer's side is as it was
+        worker.call("reset", ("hog/eat", 0))
+        assert worker.call("step", action_payload([Action("type", text="64")]))[4]["mib"] == 64
+        with pytest.raises(EnvError, match="MemoryError"):
+            worker.call("step", action_payload([Action("type", text="1024")]))
+        assert worker.call("ping")["pid"] == facts["pid"] and worker.restarts == 0
+        worker.call("reset", ("hog/eat", 0))
+        child = worker.call("step", action_payload([Action("type", text="child")]))[4]["child"]
+        assert child.startswith(f"({768 * 2**20}, ")
+    finally:
+        worker.close()
+
+
+def test_the_worker_memory_limit_comes_from_the_config_and_is_checked():
+    from arpo_lib import build
+    from arpo_lib.envs.worker import DEFAULT_MEMORY_MIB
+    from arpo_lib.run.config import ConfigError
+
+    assert build.load_config("configs/smoke.yaml").env.worker_memory_mib == DEFAULT_MEMORY_MIB
+    assert build.load_config("configs/smoke.yaml", ["env.worker_memory_mib=null"]).env.worker_memory_mib is None
+    for bad in ("100", "lots", "true"):
+        with pytest.raises(ConfigError, match="^env.worker_memory_mib"):
+            build.load_config("configs/smoke.yaml", [f"env.worker_memory_mib={bad}"])
+    with pytest.raises(ValueError, match="memory_mib"):
+        EnvWorker({}, timeout_s=5, memory_mib=12)
+    worker = EnvWorker({}, timeout_s=60, memory_mib=None)
+    try:
+        facts = worker.call("ping")
+        assert facts["oom_score_adj"] == 1000 and facts["memory_limit_mib"] is None  # the OOM killer's choice either way
+    finally:
+        worker.close()
+
+
 # ---- the torch-free venv ----------------------------------------------------------------------
 
 def test_worker_runs_in_the_other_interpreter_without_our_packages(other_python):

@@ -222,3 +222,53 @@ def test_the_borrowed_torch_follows_the_checkout_that_borrows_it(osworld_python,
     assert "packages up to date" in done.stdout + done.stderr  # no reinstall: only the path was rewritten
     assert pth.read_text().strip() == sysconfig.get_paths()["purelib"]
     subprocess.run([osworld_python, "-c", "import torch, desktop_env.desktop_env"], check=True, timeout=300)
+
+
+
+BOMB = ("python3 -c \"import zipfile; z = zipfile.ZipFile('/home/user/report.docx', 'w', zipfile.ZIP_DEFLATED); "
+        "f = z.open('[Content_Types].xml', 'w', force_zip64=True); [f.write(b' ' * 2**24) for _ in range(192)]; "
+        "f.close(); z.close()\" && exit\n")
+"""What a hostile agent types into the terminal: a 3 MB .docx whose one part unpacks to 3 GiB; the
+terminal closes when it is written."""
+
+
+@pytest.mark.slow
+def test_a_document_that_unpacks_to_gigabytes_costs_the_host_no_more_than_the_workers_limit(osworld_python,
+                                                                                            tmp_path):
+    """OSWorld's metrics parse what the agent saved on the host, in the environment worker: here
+    `compare_docx_files` opens (python-docx, zipfile) a 3 MB document the agent made in the terminal,
+    whose content-types part unpacks to 3 GiB. In a worker limited to 2 GiB the read fails there
+    (MemoryError, which the metric turns into a 0): the worker never holds more than its limit and
+    serves the next episode. Before the limit, the host held all 3 GiB; a bigger document (or
+    several workers) reached the OOM killer, whose choice would have been the trainer."""
+    task = {
+        "id": "arpo-sandbox-docx-bomb", "snapshot": "os", "related_apps": ["stterm"],
+        "instruction": "Write the quarterly report into ~/report.docx.",
+        "config": [{"type": "launch", "parameters": {"command": "stterm -t Terminal", "shell": False}},
+                   {"type": "activate_window", "parameters": {"window_name": "Terminal", "strict": True}},
+                   {"type": "sleep", "parameters": {"seconds": 1}}],
+        "evaluator": {"func": "compare_docx_files",
+                      "result": {"type": "vm_file", "path": "/home/user/report.docx", "dest": "report.docx"},
+                      "expected": {"type": "vm_file", "path": "/home/user/report.docx", "dest": "gold.docx"}},
+    }
+    options = {"provider": "sandbox", "task_config": task, "screen_size": list(SCREEN), "pause_s": 0.5,
+               "cache_root": str(tmp_path / "cache"), "download_cache": None, "max_steps": 400}
+    with EnvPool(1, options, timeout_s=300, python=osworld_python, memory_mib=2048) as pool:
+        worker = pool.workers[0]
+        before = worker.call("ping")
+        assert before["memory_limit_mib"] == 2048 and before["peak_rss_mib"] < 1536, before
+        worker.call("reset", (f"osworld/{task['id']}", 0))
+        obs = worker.call("step", action_payload([Action("type", text=BOMB)]))[0]
+        for _ in range(300):  # the terminal's python writes 3 GiB through zlib (~15 s here), then exits
+            if obs.screenshot.getcolors(1) is not None:
+                break  # one colour, the desktop's background: the terminal has closed
+            obs = worker.call("step", action_payload([Action("wait")]))[0]
+        else:
+            pytest.fail("the terminal never finished writing the document")
+        _, reward, terminated, _, info = worker.call("step", action_payload([Action("finished")]))
+        after = worker.call("ping")
+        assert (reward, terminated, info["score"]) == (0.0, True, 0.0), info
+        assert after["pid"] == before["pid"], "the worker died instead of failing the check"
+        # it did unpack (a truncated file would fail at once, costing nothing), and held at most its limit
+        assert before["peak_rss_mib"] + 256 < after["peak_rss_mib"] < 2048, (before, after)
+        worker.call("reset", (f"osworld/{task['id']}", 1))  # the next episode is served as before
