@@ -10,12 +10,19 @@ socket only the host can open; `LoopbackBridge` gives each of those a port on 12
     vlc       a CONNECT tunnel to 127.0.0.1:8080 inside
 
 The ports are on the host's loopback, so the agent (in its own network namespace) cannot reach
-them; what the host's own users can reach is what OSWorld's Docker provider publishes too.
+them. The host's other users could (OSWorld's Docker provider publishes its VM's ports to all of
+them), so a connection is served only when the kernel's socket table says its other end belongs
+to this process's user or to root (`peer_uid`): on a shared machine (a cluster node, a lab server)
+another account cannot run code in the sandbox through the server's `/execute` and so change what
+its checkers score; nor can the agent of a `user`-fallback sandbox, which runs as its own account
+on the host's network, where iptables is missing.
 """
 from __future__ import annotations
 
 import logging
+import os
 import socket
+import struct
 import threading
 from typing import Any
 
@@ -37,6 +44,9 @@ class LoopbackBridge:
         self._open: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = threading.Event()
+        self._refused = 0
+        self.allowed_uids = {os.geteuid(), 0}
+        """Whose connections are served: this process's user and root (who can read it anyway)."""
         self.ports: dict[str, int] = {}
         try:
             for name, inside in [("server", None), *TUNNELS.items()]:
@@ -59,6 +69,14 @@ class LoopbackBridge:
                 client, _ = listener.accept()
             except OSError:
                 return
+            uid = peer_uid(client)
+            if uid not in self.allowed_uids:
+                if not self._refused:
+                    log.warning("bridge: refused a connection from %s (uid %s): only uid(s) %s may reach the "
+                                "sandbox", client.getpeername(), uid, sorted(self.allowed_uids))
+                self._refused += 1
+                client.close()
+                continue
             threading.Thread(target=self._carry, args=(client, inside), daemon=True).start()
 
     def _carry(self, client: socket.socket, inside: tuple[int, ...] | None) -> None:
@@ -104,6 +122,38 @@ class LoopbackBridge:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def peer_uid(conn: socket.socket) -> int | None:
+    """The user owning the other end of an accepted loopback TCP connection, from the kernel's table
+    (/proc/net/tcp, tcp6): the row whose local address is `conn`'s peer and whose remote address is
+    `conn`'s own, with a live socket (inode not 0). None when there is no such row: a client that
+    already closed its end (its row keeps no owner then, so "send, then close at once" is refused
+    too), a peer on another machine, or no /proc."""
+    try:
+        peer, own = conn.getpeername(), conn.getsockname()
+    except OSError:
+        return None
+    table = "/proc/net/tcp6" if conn.family == socket.AF_INET6 else "/proc/net/tcp"
+    want = (_proc_address(conn.family, peer), _proc_address(conn.family, own))
+    try:
+        with open(table) as f:
+            next(f, None)
+            for line in f:
+                fields = line.split()
+                if len(fields) > 9 and (fields[1], fields[2]) == want and fields[9] != "0":
+                    return int(fields[7])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _proc_address(family: int, address: tuple) -> str:
+    """An (ip, port) as /proc/net/tcp writes it: the address's 32-bit words in the kernel's (little-
+    endian) byte order, in hex, then the port."""
+    packed = socket.inet_pton(family, address[0])
+    words = struct.unpack(f"<{len(packed) // 4}I", packed)
+    return "".join(f"{w:08X}" for w in words) + f":{address[1]:04X}"
 
 
 def _connect_tunnel(upstream: socket.socket, port: int) -> bool:

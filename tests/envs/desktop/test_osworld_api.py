@@ -4,7 +4,11 @@ bridge, and what the agent inside can and cannot reach of it."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import socket
+import subprocess
+import threading
 import time
 
 import pytest
@@ -42,6 +46,65 @@ def test_window_names_follow_wmctrls_rules():
     assert windows.find(ws, "mousepad", strict=True) == []
     assert [w.id for w in windows.find(ws, "calc", by_class=True)] == [3]
     assert [w.id for w in windows.find(ws, "libreoffice.libreoffice-calc", strict=True, by_class=True)] == [3]
+
+
+_OTHER_USER_CLIENT = r"""
+import socket, sys, time
+port, mode = int(sys.argv[1]), sys.argv[2]
+c = socket.create_connection(("127.0.0.1", port))
+c.sendall(b"POST /execute HTTP/1.1\r\n\r\nrm -rf ~\n")
+if mode == "close":  # send, then close at once: the kernel's table keeps no owner for a closed socket
+    c.close()
+    sys.exit(0)
+c.settimeout(10)
+try:
+    print(repr(c.recv(100)))
+except OSError as e:
+    print(type(e).__name__)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None or not os.path.exists("/usr/bin/python3"),
+                    reason="needs root, setpriv and the system Python to run a client as nobody")
+def test_the_bridge_serves_only_this_user_and_root_on_a_shared_machine(tmp_path):
+    """The bridge's ports are on the host's loopback: every account of a shared machine can connect.
+    Only this process's user (and root) reach the sandbox: another user's bytes, even sent before it
+    closes at once, never arrive (before: they went straight to the server's /execute)."""
+    received: list[bytes] = []
+    path = str(tmp_path / "server.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen()
+
+    def serve() -> None:  # an echo server standing in for the sandbox's action server
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            with conn:
+                data = conn.recv(100)
+                received.append(data)
+                conn.sendall(b"echo:" + data[:10])
+
+    threading.Thread(target=serve, daemon=True).start()
+    client = ["/usr/bin/python3", "-I", "-c", _OTHER_USER_CLIENT]  # an interpreter any user may run
+    nobody = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", *client]
+    try:
+        with LoopbackBridge(path) as bridge:
+            port = str(bridge.ports["server"])
+            mine = subprocess.run([*client, port, "read"], capture_output=True, text=True, timeout=30)
+            assert mine.stdout.strip() == repr(b"echo:POST /exec"), mine
+            for mode in ("read", "close"):
+                theirs = subprocess.run([*nobody, port, mode], capture_output=True, text=True, timeout=30)
+                assert theirs.returncode == 0, theirs.stderr
+                if mode == "read":
+                    assert theirs.stdout.strip() in (repr(b""), "ConnectionResetError"), theirs.stdout
+            time.sleep(0.5)
+            assert received == [b"POST /execute HTTP/1.1\r\n\r\nrm -rf ~\n"]  # ours only
+            assert bridge._refused == 2
+    finally:
+        server.close()
 
 
 # ---- the API on a real sandbox -----------------------------------------------------------------
