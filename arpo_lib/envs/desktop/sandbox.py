@@ -332,6 +332,11 @@ class Sandbox:
         status, data = self.request("POST", "/file", {"file_path": path})
         return data if status == 200 else None
 
+    def path_info(self, paths: list[str]) -> dict[str, dict[str, Any] | None]:
+        """Kind ("dir", "file", ...) and mode of each path, None where absent, read by the server
+        itself: no process a program of the agent could write into answers for it."""
+        return self.post_json("/path_info", {"paths": list(paths)})["info"]
+
     def run_action(self, code: str) -> dict[str, Any]:
         """Agent code: the server runs it only if `check_action_code` accepts it (else status 'refused')."""
         return self.post_json("/run_action", {"code": code}, timeout=ACTION_TIMEOUT_S + 30)

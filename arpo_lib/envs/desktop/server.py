@@ -456,19 +456,54 @@ class Desktop:
         return out
 
     def read_file(self, name: str) -> bytes | None:
-        """A file of the desktop (`~/` means the home), read as the agent's user; None if absent."""
+        """A file of the desktop (`~/` means the home), read as the agent's user; None if absent.
+        Read by this process, never by a program it starts (see `_as_agent_here`)."""
         path = str(self.home / name[2:]) if name.startswith("~/") else name
         if self.agent is None:
+            return _read_regular(path)
+        return self._as_agent_here(_read_regular, path)
+
+    def path_info(self, paths: list[str]) -> dict[str, dict[str, Any] | None]:
+        """Kind ("dir", "file", or stat's name: "symbolic link", "fifo", ...; a final link not
+        followed) and mode of each path (`~/` in the home), None where absent: what the desktop
+        tasks' checkers read. Computed by this process, as `read_file`."""
+        if self.agent is None:
+            return _path_info(paths, self.expand)
+        return self._as_agent_here(_path_info, paths, self.expand)
+
+    def _as_agent_here(self, fn: Any, *args: Any) -> Any:
+        """`fn(*args)` with the agent's user's rights (the `user` fallback, where this server is
+        root), in a forked child that never executes another program. A checker's `head` or `stat`
+        is a process of the agent's user that anything the agent left running may stop and write
+        into (its /proc/<pid>/fd/1 is the checker's output pipe): a faked score. A process that
+        changed its user is kept undumpable by the kernel, so its /proc entries stay root's."""
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: only system calls and this function, then _exit
+            code = 1
             try:
-                with open(path, "rb") as f:
-                    if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                        return None
-                    return f.read(MAX_FILE_BYTES + 1)[:MAX_FILE_BYTES]
-            except OSError:
-                return None
-        done = subprocess.run(["/bin/sh", "-c", 'test -f "$1" && exec head -c "$2" -- "$1"', "sh", path,
-                               str(MAX_FILE_BYTES)], capture_output=True, timeout=60, **self._as_agent())
-        return done.stdout if done.returncode == 0 else None
+                os.close(read)
+                os.setgroups([])
+                os.setresgid(self.agent[1], self.agent[1], self.agent[1])
+                os.setresuid(self.agent[0], self.agent[0], self.agent[0])
+                result = fn(*args)
+                data = b"B" + result if isinstance(result, bytes) else b"J" + json.dumps(result).encode()
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(write, view):]
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(write)
+        chunks = []
+        with os.fdopen(read, "rb") as f:
+            while chunk := f.read(1 << 20):
+                chunks.append(chunk)
+        _, status = os.waitpid(pid, 0)
+        data = b"".join(chunks)
+        if status != 0 or not data:
+            raise OSError(f"reading as the agent's user failed (status {status})")
+        return data[1:] if data[:1] == b"B" else json.loads(data[1:])
 
     def active_window(self) -> dict[str, Any]:
         found = self.run(["xdotool", "getactivewindow", "getwindowname", "getwindowgeometry", "--shell"],
@@ -647,6 +682,39 @@ POSTS_AS_GETS = frozenset({"/screen_size", "/cursor_position"})
 """OSWorld's controller POSTs these without a body."""
 MAX_FILE_BYTES = 256 * 2**20
 """/file returns at most this much of a file."""
+
+
+def _read_regular(path: str) -> bytes | None:
+    """At most MAX_FILE_BYTES of a regular file; None if it is absent or not a regular file. Opened
+    without blocking: the agent may have put a FIFO where the checker looks, whose plain open would
+    wait for a writer forever (the episode then an infrastructure failure instead of a 0)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+    except OSError:
+        return None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return None
+            return f.read(MAX_FILE_BYTES + 1)[:MAX_FILE_BYTES]
+    except OSError:
+        return None
+
+
+_KINDS = {stat.S_IFDIR: "dir", stat.S_IFREG: "file", stat.S_IFLNK: "symbolic link", stat.S_IFIFO: "fifo",
+          stat.S_IFSOCK: "socket", stat.S_IFCHR: "character special file", stat.S_IFBLK: "block special file"}
+
+
+def _path_info(paths: list[str], expand: Any) -> dict[str, dict[str, Any] | None]:
+    info: dict[str, dict[str, Any] | None] = {}
+    for path in paths:
+        try:
+            st = os.lstat(expand(path))
+        except (OSError, ValueError):
+            info[path] = None
+            continue
+        info[path] = {"kind": _KINDS.get(stat.S_IFMT(st.st_mode), "unknown"), "mode": stat.S_IMODE(st.st_mode)}
+    return info
 ACTION_PREAMBLE = "import pyautogui; pyautogui.FAILSAFE = False; pyautogui.PAUSE = 0.05\n"
 
 
@@ -928,6 +996,12 @@ def make_handler(desktop: Desktop, stop: threading.Event, action_cpu_s: int) -> 
                 if data is None:
                     raise RequestError(404, f"{_safe(name)} does not exist")
                 self._send(200, data, "application/octet-stream")
+            elif self.path == "/path_info":
+                paths = body.get("paths")
+                if not isinstance(paths, list) or not paths or len(paths) > 256 or \
+                        not all(isinstance(p, str) and p and "\0" not in p for p in paths):
+                    raise RequestError(400, "paths must be a list of 1 to 256 non-empty strings")
+                self._json({"info": desktop.path_info(paths)})
             elif self.path == "/run_action":
                 code = body.get("code", "")
                 try:

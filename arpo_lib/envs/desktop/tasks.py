@@ -152,17 +152,9 @@ def _poll(fetch: Callable[[], Any], ready: Callable[[Any], bool], wait_s: float)
 
 
 def _path_info(box: Any, paths: list[str]) -> dict[str, dict[str, Any] | None]:
-    script = "; ".join(f"stat -c '%F|%a' {shlex.quote(p)} 2>/dev/null || echo absent" for p in paths)
-    out = box.execute(script, shell=True, timeout=30)["output"].splitlines()
-    info: dict[str, dict[str, Any] | None] = {}
-    for path, line in zip(paths, out):
-        if line == "absent":
-            info[path] = None
-        else:
-            kind, mode = line.split("|")
-            info[path] = {"kind": "dir" if kind == "directory" else "file" if "regular" in kind else kind,
-                          "mode": int(mode, 8)}
-    return info
+    # The server's own lstat. A `stat` run for it (as before) was a process of the agent's user, into
+    # whose output pipe a program the agent left running could write "directory|755": a faked score.
+    return box.path_info(paths)
 
 
 GETTERS: dict[str, Callable[..., Any]] = {"vm_file": _vm_file, "vm_path_info": _vm_path_info}

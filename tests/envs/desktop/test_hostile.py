@@ -735,6 +735,86 @@ def test_the_user_fallback_keeps_the_agent_away_from_the_host(canaries, monkeypa
     assert [p for p in os.listdir("/proc") if p.isdigit() and _uid_of(p) == uid] == []
 
 
+FAKE_SCORE = r"""
+import os, signal, sys
+# Left running by the agent: every process that starts after this one (a checker's `stat` or
+# `head`, run as the agent's user) is stopped, and a success written into its output pipe.
+me, seen = os.getpid(), set(os.listdir("/proc"))
+open(sys.argv[1], "w").close()
+while True:
+    for p in os.listdir("/proc"):
+        if not p.isdigit() or p in seen:
+            continue
+        try:
+            if os.stat(f"/proc/{p}").st_uid != os.getuid():
+                continue  # not ours (yet): a checker started by root becomes ours a moment later
+        except OSError:
+            seen.add(p)
+            continue
+        seen.add(p)
+        try:
+            os.kill(int(p), signal.SIGSTOP)
+            fd = os.open(f"/proc/{p}/fd/1", os.O_WRONLY)
+            os.write(fd, b"directory|755\n" * 4)
+            os.close(fd)
+            with open(sys.argv[1], "a") as log:
+                log.write(p + "\n")
+        except OSError:
+            pass
+        finally:
+            try:
+                os.kill(int(p), signal.SIGCONT)
+            except OSError:
+                pass
+"""
+
+
+@pytest.mark.parametrize("isolation", ["namespaces", "user"])
+def test_a_program_left_running_cannot_fake_the_checkers_answer(isolation):
+    """Before, the terminal tasks' checker ran `stat` as the agent's user: a program the agent left
+    running stopped it and wrote "directory|755" into its output pipe (/proc/<pid>/fd/1), and the
+    episode scored 1 without the folder (3 of 3 tries). Now the server reads the paths itself: no
+    process answers for the checker, and the episode scores 0. In the `user` fallback the pipe was
+    root's and refused the agent's uid already (this test passed there before), but the `stat` and
+    `head` run for checkers could still be stopped, killed or, where Yama allows, ptraced: the server
+    now reads as the agent's user in a forked child that the kernel keeps undumpable."""
+    env = make_env("desktop/terminal-mkdir", screen=SCREEN, max_steps=80, isolation=isolation)
+    try:
+        env.reset()
+        put_file(env, "/home/user/.fake.py", FAKE_SCORE)
+        env.step(Action(kind="type", text="nohup python3 ~/.fake.py ~/.hits >/dev/null 2>&1 &\n"))
+        deadline = time.monotonic() + 30
+        while env.sandbox.read_file("~/.hits") is None:  # the program runs
+            assert time.monotonic() < deadline, "the agent's program did not start"
+            time.sleep(0.2)
+        _, reward, terminated, _, _ = env.step(Action(kind="finished"))
+        assert terminated and reward == 0.0, "a program of the agent faked the checker's answer"
+        assert env.sandbox.read_file("~/.hits") == b"", "a process answered for the checker"
+        info = env.sandbox.path_info(["~/projects", "~/.fake.py", "/home/user"])
+        assert info["~/projects"] is None and info["~/.fake.py"]["kind"] == "file" and info["/home/user"]["kind"] == "dir"
+        still_scores(env)
+    finally:
+        env.close()
+
+
+def test_a_fifo_where_the_checker_reads_scores_zero_and_holds_nothing():
+    """The agent puts a FIFO where the checker reads (`mkfifo ~/todo.txt`). Before, the server's
+    open waited for a writer forever: the check timed out as an infrastructure failure (which the
+    rollout engine does not score: a way out of a 0) and left a server thread stuck for good."""
+    env = make_env("desktop/terminal-write-file", screen=SCREEN, max_steps=80)
+    try:
+        env.reset()
+        typed(env, "rm -f ~/todo.txt; mkfifo ~/todo.txt")
+        start = time.monotonic()
+        _, reward, terminated, _, _ = env.step(Action(kind="finished"))
+        assert terminated and reward == 0.0 and time.monotonic() - start < 30
+        assert env.sandbox.read_file("~/todo.txt") is None
+        assert env.sandbox.path_info(["~/todo.txt"])["~/todo.txt"]["kind"] == "fifo"
+        still_scores(env, "terminal-write-file")
+    finally:
+        env.close()
+
+
 def _comm(pid: str) -> str | None:
     """The command name of a process (None once it is gone)."""
     try:
