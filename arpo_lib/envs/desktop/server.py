@@ -706,6 +706,7 @@ _KINDS = {stat.S_IFDIR: "dir", stat.S_IFREG: "file", stat.S_IFLNK: "symbolic lin
 
 
 def _path_info(paths: list[str], expand: Any) -> dict[str, dict[str, Any] | None]:
+    """{path: {"kind", "mode"} or None} by lstat, `expand` turning `~/...` into the home's path."""
     info: dict[str, dict[str, Any] | None] = {}
     for path in paths:
         try:
@@ -715,6 +716,8 @@ def _path_info(paths: list[str], expand: Any) -> dict[str, dict[str, Any] | None
             continue
         info[path] = {"kind": _KINDS.get(stat.S_IFMT(st.st_mode), "unknown"), "mode": stat.S_IMODE(st.st_mode)}
     return info
+
+
 ACTION_PREAMBLE = "import pyautogui; pyautogui.FAILSAFE = False; pyautogui.PAUSE = 0.05\n"
 
 
