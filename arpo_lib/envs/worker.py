@@ -59,7 +59,7 @@ DEFAULT_MEMORY_MIB = 8192
 """A worker's data memory (RLIMIT_DATA, the soft limit: heap and private mappings), by default.
 The worker is where the host reads what the agent made: OSWorld's getters download the files the
 agent saved and its metrics parse them (openpyxl, python-docx, lxml, PIL) in this process. A
-2 MB document that unpacks to gigabytes would otherwise take the host's memory and, through the
+3 MB document that unpacks to gigabytes would otherwise take the host's memory and, through the
 kernel's OOM killer, most likely the trainer (the largest process). OSWorld's own evaluator
 needs ~1.2 GiB once imported."""
 OOM_SCORE_ADJ = 1000
@@ -79,7 +79,7 @@ def confine_worker(memory_mib: int | None) -> None:
     except OSError:
         pass  # not Linux, or /proc read-only: the memory limit still holds
     if memory_mib is not None:
-        soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+        hard = resource.getrlimit(resource.RLIMIT_DATA)[1]
         limit = memory_mib * 2**20
         if hard != resource.RLIM_INFINITY:
             limit = min(limit, hard)

@@ -138,7 +138,9 @@ def _vm_file(box: Any, path: str, wait_s: float = 0.0) -> bytes | None:
 def _vm_path_info(box: Any, paths: list[str], wait_s: float = 0.0) -> dict[str, dict[str, Any] | None]:
     """Kind ('file', 'dir', ...) and mode of each path, None where absent (waiting up to `wait_s`
     for every path to exist)."""
-    return _poll(lambda: _path_info(box, paths), lambda info: None not in info.values(), wait_s)
+    # Read by the server itself (lstat): a `stat` run for it, as before, was a process of the agent's
+    # user, into whose output pipe a program the agent left running wrote "directory|755".
+    return _poll(lambda: box.path_info(paths), lambda info: None not in info.values(), wait_s)
 
 
 def _poll(fetch: Callable[[], Any], ready: Callable[[Any], bool], wait_s: float) -> Any:
@@ -149,12 +151,6 @@ def _poll(fetch: Callable[[], Any], ready: Callable[[Any], bool], wait_s: float)
         if ready(result) or time.monotonic() >= deadline:
             return result
         time.sleep(0.25)
-
-
-def _path_info(box: Any, paths: list[str]) -> dict[str, dict[str, Any] | None]:
-    # The server's own lstat. A `stat` run for it (as before) was a process of the agent's user, into
-    # whose output pipe a program the agent left running could write "directory|755": a faked score.
-    return box.path_info(paths)
 
 
 GETTERS: dict[str, Callable[..., Any]] = {"vm_file": _vm_file, "vm_path_info": _vm_path_info}
