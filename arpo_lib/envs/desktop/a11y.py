@@ -85,8 +85,10 @@ class Buses:
     user: `spawn()` gives subprocess's keyword arguments for that (env, cwd, and in user mode the
     uid). A reset ends them with every other process of the episode; `start` makes new ones."""
 
-    def __init__(self, runtime_dir: Path, spawn: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, runtime_dir: Path, spawn: Callable[[], dict[str, Any]], config: Path | str = BUS_CONFIG) -> None:
         self.runtime_dir = runtime_dir
+        self.config = config
+        """The session bus's configuration (GNOME's: gnome.SESSION_BUS_CONFIG)."""
         self.address = f"unix:path={runtime_dir / 'bus'}"
         self.places = [str(runtime_dir / "bus"), str(runtime_dir / "at-spi")]
         """Where the session bus and AT-SPI's bus put their sockets (the runtime directory
@@ -126,7 +128,7 @@ class Buses:
         read_fd, write_fd = os.pipe()
         try:
             self.daemon = subprocess.Popen(
-                ["dbus-daemon", "--nofork", f"--config-file={BUS_CONFIG}", f"--address={self.address}",
+                ["dbus-daemon", "--nofork", f"--config-file={self.config}", f"--address={self.address}",
                  f"--print-address={write_fd}"], pass_fds=(write_fd,), stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, **kwargs)
         finally:

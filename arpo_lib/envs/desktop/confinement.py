@@ -152,8 +152,10 @@ SYSTEM_TREES = ("/usr", "/etc", "/opt/google")
 configuration, and Google Chrome where its .deb is installed. Nothing else of the host."""
 ROOT_LINKS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 """Top-level entries that merged-/usr systems make symlinks into /usr (bound when real directories)."""
-READ_ONLY_EXTRAS = ("/var/cache/fontconfig",)
-"""Small host caches applications read (fontconfig rebuilds its cache in every fresh home without it)."""
+READ_ONLY_EXTRAS = ("/var/cache/fontconfig", "/var/lib/dpkg", "/var/lib/apt/lists")
+"""Small host caches applications read (fontconfig rebuilds its cache in every fresh home without
+it), and the package database with apt's lists: what is installed, as `dpkg -l`, `apt list
+--installed` and OSWorld's checkers ask (read-only: nothing can be installed from inside)."""
 SCRATCH_DIRS = ("/tmp", "/run", "/var/tmp", "/dev/shm")
 
 
@@ -366,6 +368,7 @@ def _write_xdg_defaults(xdg: Path, browser: bool) -> None:
         (xdg / "applications" / "google-chrome.desktop").write_text(
             "[Desktop Entry]\nVersion=1.0\nType=Application\nName=Google Chrome\n"
             "Exec=google-chrome %U\nTerminal=false\n"  # the shim: the trusted directory leads PATH
+            f"Icon={'google-chrome' if os.path.exists('/opt/google/chrome/chrome') else 'chromium'}\n"
             f"MimeType={';'.join(BROWSER_TYPES)};\nCategories=Network;WebBrowser;\n")
     (xdg / "mimeapps.list").write_text(
         "# the sandbox's default applications (arpo_lib/envs/desktop/confinement.py, XDG_DEFAULTS)\n"
@@ -373,31 +376,84 @@ def _write_xdg_defaults(xdg: Path, browser: bool) -> None:
 
 
 SUDO_SHIM = r"""#!/bin/sh
-# OSWorld's VM user may sudo with the password "password", and its task set-ups run
-# `echo password | sudo -S <command>`. The sandbox has no privilege to give: this sudo checks the
-# password the same way and runs the command as the sandbox's own user. What needs root for real
-# (apt-get install, writing /etc) fails as it would for that user.
+# OSWorld's VM user may sudo with the password "password": typed at the terminal's prompt, or given
+# on stdin with -S (`echo password | sudo -S <command>`, as task set-ups do). The sandbox has no
+# privilege to give: this sudo checks the password the same way and runs the command as the
+# sandbox's own user. What needs root for real (writing /etc) fails as it would for that user; apt
+# answers from the host's package database (read-only): `apt-get update` has nothing to fetch, a
+# package already installed is "already the newest version", any other cannot be installed.
 password=""
-need_password=0
+from_stdin=0
+never_ask=0
 while [ $# -gt 0 ]; do
   case "$1" in
-    -S|--stdin) need_password=1; shift ;;
+    -S|--stdin) from_stdin=1; shift ;;
+    -n|--non-interactive) never_ask=1; shift ;;
     -u|-g|-p|-C|-D|-h|-r|-t|-U|-T) shift 2 ;;
-    -k|-K|-E|-H|-n|-b|-i|-s|-l|-v|-A|-P|-V|--preserve-env*|--login|--non-interactive|--reset-timestamp) shift ;;
+    -k|-K|-E|-H|-b|-i|-s|-l|-v|-A|-P|-V|--preserve-env*|--login|--reset-timestamp) shift ;;
     --) shift; break ;;
     -*) shift ;;
     *) break ;;
   esac
 done
-if [ "$need_password" = 1 ]; then
+stamp="${XDG_RUNTIME_DIR:-/tmp}/.sudo-$(id -u)-$(tty 2>/dev/null | tr -c 'a-z0-9\n' _)"
+if [ "$from_stdin" = 1 ]; then
+  printf '[sudo] password for %s: ' "$(id -un)" >&2
   IFS= read -r password || true
-  if [ "$password" != "password" ]; then
-    echo "Sorry, try again." >&2
-    echo "sudo: 1 incorrect password attempt" >&2
-    exit 1
-  fi
+elif [ -n "$(find "$stamp" -mmin -15 2>/dev/null)" ]; then
+  password=password  # asked less than 15 minutes ago on this terminal, as sudo remembers
+elif [ "$never_ask" = 1 ]; then
+  echo "sudo: a password is required" >&2; exit 1
+elif ! { : </dev/tty; } 2>/dev/null; then
+  echo "sudo: a terminal is required to read the password; either use the -S option to read from standard input or configure an askpass helper" >&2
+  exit 1
+else
+  printf '[sudo] password for %s: ' "$(id -un)" >/dev/tty
+  saved="$(stty -g </dev/tty 2>/dev/null)"
+  stty -echo </dev/tty 2>/dev/null
+  IFS= read -r password </dev/tty || true
+  [ -n "$saved" ] && stty "$saved" </dev/tty 2>/dev/null
+  echo >/dev/tty
 fi
+if [ "$password" != "password" ]; then
+  echo "Sorry, try again." >&2
+  echo "sudo: 1 incorrect password attempt" >&2
+  exit 1
+fi
+[ "$from_stdin" = 1 ] || touch "$stamp" 2>/dev/null
 [ $# -gt 0 ] || exit 0
+case "$(basename -- "$1")" in
+  apt|apt-get)
+    tool="$1"; shift
+    verb=""; packages=""
+    for arg; do
+      case "$arg" in -*) ;; *) if [ -z "$verb" ]; then verb="$arg"; else packages="$packages $arg"; fi ;; esac
+    done
+    case "$verb" in
+      update)
+        echo "Reading package lists... Done"
+        echo "N: the sandbox's package lists are the host's, read-only: nothing to fetch (no network)" >&2
+        exit 0 ;;
+      install)
+        missing=""
+        echo "Reading package lists... Done"
+        for pkg in $packages; do
+          name="${pkg%%=*}"
+          if dpkg-query -W -f='${Status}' "$name" 2>/dev/null | grep -q "install ok installed"; then
+            echo "$name is already the newest version ($(dpkg-query -W -f='${Version}' "$name"))."
+          else
+            missing="$missing $name"
+          fi
+        done
+        if [ -n "$missing" ]; then
+          echo "E: Unable to locate package${missing} (the sandbox installs nothing: no network, no root)" >&2
+          exit 100
+        fi
+        echo "0 upgraded, 0 newly installed, 0 to remove and 0 not upgraded."
+        exit 0 ;;
+    esac
+    exec "$tool" "$@" ;;
+esac
 exec "$@"
 """
 """`sudo` inside the sandbox (see its comment); OSWorld's set-ups rely on `sudo -S` existing."""

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from arpo_lib.envs.base import EnvError
-from arpo_lib.envs.desktop import a11y, confinement
+from arpo_lib.envs.desktop import a11y, confinement, gnome
 from arpo_lib.envs.desktop.confinement import HOME_IN_SANDBOX, Limits
 from arpo_lib.envs.desktop.server import ACTION_TIMEOUT_S
 
@@ -105,8 +105,14 @@ class Sandbox:
                  window_manager: str = "openbox", binds: dict[str, str] | None = None,
                  limits: Limits | dict[str, Any] | None = None, isolation: str = "auto") -> None:
         reason = desktop_unavailable(isolation)
+        if reason is None and window_manager == "gnome":
+            reason = gnome.unavailable()
+            if reason is None and confinement.choose_isolation(isolation) != "namespaces":
+                reason = ("the GNOME desktop needs the namespaces isolation (bubblewrap with user namespaces); "
+                          "the 'user' fallback runs the openbox desktop (env.options.desktop=openbox)")
         if reason:
             raise EnvError(reason)
+        self.window_manager = window_manager
         self.screen = screen
         self.limits = Limits.from_options(limits)
         self.isolation = confinement.choose_isolation(isolation)
@@ -165,7 +171,12 @@ class Sandbox:
     def _namespaces_command(self, listen_fd: int, network: bool, window_manager: str,
                             binds: dict[str, str] | None) -> tuple[list[str], tuple[int, ...], dict[str, str], str]:
         confinement.write_identity_files(self.workdir)
-        confinement.write_python_shim(self.workdir, sys.executable, confinement.site_directories())
+        bin_dir = confinement.write_python_shim(self.workdir, sys.executable, confinement.site_directories())
+        if window_manager == "gnome":
+            try:
+                gnome.write_session_files(bin_dir, confinement.SHIM_DIR_IN_SANDBOX)
+            except (RuntimeError, OSError) as e:
+                raise EnvError(f"cannot prepare the GNOME session: {e}") from e
         if os.geteuid() == 0:
             self._drop_to_unprivileged_uid()
         filter_path = self.workdir / "control" / "seccomp.bpf"
@@ -179,7 +190,9 @@ class Sandbox:
                                            binds=binds)
         command = ["bwrap", *args, *self._server_arguments(listen_fd, window_manager), "--display", ":0",
                    "--bin-dir", confinement.SHIM_DIR_IN_SANDBOX,
-                   "--home", HOME_IN_SANDBOX, "--runtime-dir", "/tmp/runtime", "--log-dir", "/tmp/launched"]
+                   "--home", HOME_IN_SANDBOX,
+                   "--runtime-dir", gnome.RUNTIME_DIR if window_manager == "gnome" else "/tmp/runtime",
+                   "--log-dir", "/tmp/launched"]
         return command, (listen_fd, seccomp_fd), {"PATH": os.environ.get("PATH", confinement.SANDBOX_PATH)}, "/"
 
     def _drop_to_unprivileged_uid(self) -> None:

@@ -73,7 +73,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from arpo_lib.envs.desktop import a11y, confinement, windows
+from arpo_lib.envs.desktop import a11y, confinement, gnome, windows
 from arpo_lib.envs.desktop.bridge import splice
 
 ACTION_TIMEOUT_S = 60.0
@@ -155,6 +155,17 @@ class Desktop:
         if bin_dir:  # the default applications xdg-open uses (confinement.XDG_DEFAULTS), read-only
             xdg = f"{bin_dir}/{confinement.XDG_DIR}"
             self.env.update(XDG_CONFIG_DIRS=f"{xdg}:/etc/xdg", XDG_DATA_DIRS=f"{xdg}:/usr/local/share:/usr/share")
+        self.gnome: gnome.Session | None = None
+        """The GNOME session (wm "gnome"), started anew at every reset; None with openbox."""
+        if wm == "gnome":
+            if agent is not None or not bin_dir:
+                raise RuntimeError("the GNOME desktop runs in the namespaces isolation only")
+            self.env.update(gnome.environment(f"{bin_dir}/{gnome.SESSION_DIR_NAME}", self.env.get(
+                "XDG_DATA_DIRS", "/usr/local/share:/usr/share")))
+            self.gnome = gnome.Session(self._as_agent, log_dir, self.tap_key, self.screen_drawn)
+            wm = None
+            if a11y_missing:  # GNOME needs its session bus whatever the accessibility reader lacks
+                a11y_missing = f"{a11y_missing} (the GNOME session's buses run)"
         self.wm = None
         if wm:
             command = [wm, "--config-file", str(OPENBOX_CONFIG)] if Path(wm).name == "openbox" else [wm]
@@ -165,7 +176,8 @@ class Desktop:
         """Why the accessibility tree is not served (None: it is, and the episode has its buses)."""
         self.bus_error: str | None = None
         """Why the episode's session bus did not start (None: it did)."""
-        self.buses = None if a11y_missing else a11y.Buses(runtime_dir, self._as_agent)
+        bus_config = f"{bin_dir}/{gnome.SESSION_DIR_NAME}/session-bus.conf" if self.gnome else a11y.BUS_CONFIG
+        self.buses = None if a11y_missing and self.gnome is None else a11y.Buses(runtime_dir, self._as_agent, bus_config)
         if self.buses is not None:
             del self.env["NO_AT_BRIDGE"]  # GTK's bridge to AT-SPI on (start_buses adds the rest)
         self.keep = {os.getpid(), self.xvfb.pid} | ({self.wm.pid} if self.wm else set())
@@ -180,6 +192,7 @@ class Desktop:
         """What the watcher did since the last reset ("pids limit: ...")."""
         self.fresh_home()
         self.start_buses()
+        self.start_session()
 
     # -- start-up ----------------------------------------------------------------------------
     def _start_x(self, display: str | None) -> tuple[subprocess.Popen, str]:
@@ -232,6 +245,8 @@ class Desktop:
                     child.unlink(missing_ok=True)
             for name in HOME_DIRS:
                 (self.home / name).mkdir(exist_ok=True)
+            if self.gnome is not None:
+                gnome.seed_home(self.home)
         else:  # as the agent's uid: root must not follow links the agent left in its home
             names = " ".join(HOME_DIRS)
             self.run(f"find . -mindepth 1 -delete 2>/dev/null; rm -rf ./* ./.[!.]* 2>/dev/null; mkdir -p {names}",
@@ -253,6 +268,40 @@ class Desktop:
         except (RuntimeError, OSError, subprocess.SubprocessError) as e:
             self.bus_error = str(e)
         self.env.update(self.buses.environment())
+
+    def start_session(self) -> None:
+        """The desktop's session of the episode (GNOME: the shell and its daemons; with openbox,
+        nothing: the window manager outlives episodes). A session that does not start leaves the
+        episode without a desktop: `session_error` says why, /health and the next action report it."""
+        if self.gnome is None:
+            return
+        try:
+            self.gnome.start()
+        except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+            self.incidents.append(f"the GNOME session did not start: {e}")
+
+    def screen_drawn(self) -> bool:
+        """Whether the middle of the screen is anything but black (a desktop drew its background)."""
+        from PIL import ImageGrab
+
+        x, y = self.screen[0] // 2, self.screen[1] // 2
+        pixel = ImageGrab.grab(bbox=(x, y, x + 1, y + 1), xdisplay=self.display).convert("RGB").getpixel((0, 0))
+        return pixel != (0, 0, 0)
+
+    def tap_key(self, keysym: str = "Shift_L") -> None:
+        """Press and release one key (through XTEST, as the agent's actions do)."""
+        from Xlib import X, XK, display
+        from Xlib.ext import xtest
+
+        with self._input_lock:
+            connection = display.Display(self.display)
+            try:
+                code = connection.keysym_to_keycode(XK.string_to_keysym(keysym))
+                xtest.fake_input(connection, X.KeyPress, code)
+                xtest.fake_input(connection, X.KeyRelease, code)
+                connection.sync()
+            finally:
+                connection.close()
 
     def ensure_buses(self) -> None:
         """Start the buses again where the watcher, or the agent, ended them."""
@@ -1021,6 +1070,7 @@ def make_handler(desktop: Desktop, stop: threading.Event, action_cpu_s: int) -> 
                     ended = desktop.end_applications()
                     desktop.fresh_home()
                     desktop.start_buses()
+                    desktop.start_session()
                 self._json({"status": "success", "ended": ended})
             elif self.path == "/shutdown":
                 self._json({"status": "success"})
@@ -1164,7 +1214,7 @@ def main(argv: list[str] | None = None) -> int:
     width, height = (int(v) for v in args.screen.lower().split("x"))
     agent = (args.agent_uid, args.agent_gid) if args.agent_uid is not None else None
     runtime = Path(args.runtime_dir)
-    runtime.mkdir(mode=0o700, exist_ok=True)
+    runtime.mkdir(mode=0o700, parents=True, exist_ok=True)
     if agent is not None:
         os.chown(runtime, *agent)
     desktop = Desktop((width, height), Path(args.home), args.wm or None, runtime_dir=runtime,
