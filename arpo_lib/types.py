@@ -38,6 +38,10 @@ class EpisodeStatus(str, enum.Enum):
     """The policy played it out (success or not): it counts."""
     ENV_ERROR = "env_error"
     """An infrastructure failure (a crashed browser or VM): excluded from training and statistics."""
+    SETUP_FAILED = "setup_failed"
+    """The task's set-up did not do what it asked and the environment skipped the episode
+    (OSWorld's `on_setup_failure: skip`): not played, excluded from training and statistics,
+    counted apart from infrastructure failures (the task, not the machine, is at fault here)."""
     UNFINISHED = "unfinished"
     """Lost to an exception that the OSWorld fork's evaluation runner catches (a checker that raises,
     its converter raising on an action) under a protocol that follows it (`unfinished_on_error`): no
@@ -208,6 +212,9 @@ class Trajectory:
     """The trainer's weight version that sampled it (counts warm start and optimizer steps):
     how stale a replayed trajectory is, in updates."""
     seconds: float = 0.0
+    setup_failures: list[str] = field(default_factory=list)
+    """What the task's set-up did not do (the reset's info["setup_failures"]; OSWorld's sandbox
+    provider observes each step): the episode ran anyway unless its status is `setup_failed`."""
 
     def __post_init__(self) -> None:
         self.status = EpisodeStatus(self.status)  # "ok" / "env_error" from a file or a caller
@@ -234,6 +241,7 @@ class Trajectory:
             "task_score": self.task_score, "format_ok": self.format_ok, "reward": self.reward,
             "status": self.status.value, "error": self.error, "num_steps": self.num_steps,
             "replayed": self.replayed, "policy_version": self.policy_version, "checker_error": self.checker_error, "seconds": round(self.seconds, 3),
+            "setup_failures": list(self.setup_failures),
         }
 
 

@@ -63,6 +63,41 @@ if ! command -v bwrap >/dev/null || ! command -v openbox >/dev/null || ! command
   sudo_if_needed env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
     bubblewrap openbox xdotool mousepad stterm pcmanfm dbus-x11 libseccomp2 iptables python3-tk python3-pyatspi >/dev/null
 fi
+#    OSWorld's computer (arpo_lib/envs/desktop/gnome.py, the default desktop of OSWorld's sandbox
+#    provider): GNOME Shell with Ubuntu's look (Yaru, Ubuntu's dock), GNOME Terminal, Nautilus,
+#    dconf and the settings daemon, the everyday tools of OSWorld's VM image that Debian has
+#    (sysstat, jq, vim), and user-mode networking (passt) for env.options.network=user.
+#    Without recommends: ~220 packages, ~150 MB to download, ~50 s. The Ubuntu font is in Debian's
+#    non-free section: fetched with a temporary source list (the machine's own lists untouched).
+GNOME_PKGS=(gnome-shell mutter gnome-session-bin gnome-terminal nautilus dconf-cli gnome-settings-daemon
+            yaru-theme-gtk yaru-theme-icon yaru-theme-gnome-shell gnome-shell-extension-dashtodock
+            sysstat jq vim passt)
+if ! command -v gnome-shell >/dev/null || ! command -v gnome-terminal >/dev/null || ! command -v sar >/dev/null \
+    || ! command -v pasta >/dev/null || ! command -v jq >/dev/null || ! command -v vim >/dev/null \
+    || [ ! -d /usr/share/gnome-shell/extensions/dash-to-dock@micxgx.gmail.com ] \
+    || [ ! -d /usr/share/gnome-shell/theme/Yaru ] || [ ! -x /usr/libexec/gsd-media-keys ]; then
+  say "installing OSWorld's desktop with apt (GNOME Shell, Yaru, Ubuntu's dock, GNOME Terminal, Nautilus, sysstat; ~150 MB)"
+  sudo_if_needed apt-get update -qq
+  sudo_if_needed env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${GNOME_PKGS[@]}" >/dev/null
+fi
+font_tried="${XDG_CACHE_HOME:-$HOME/.cache}/arpo-workbench/ubuntu-font-tried"
+if [ ! -d /usr/share/fonts/truetype/ubuntu ] && [ "${ARPO_SKIP_UBUNTU_FONT:-0}" != 1 ] && [ ! -e "$font_tried" ]; then
+  say "installing the Ubuntu font (Debian non-free: fonts-ubuntu)"
+  apt_tmp="$(mktemp -d)"
+  mkdir -p "$apt_tmp/lists/partial" "$apt_tmp/cache/archives/partial"
+  . /etc/os-release 2>/dev/null || true
+  echo "deb http://deb.debian.org/debian ${VERSION_CODENAME:-bookworm} non-free" > "$apt_tmp/sources.list"
+  apt_opts=(-o Dir::Etc::sourcelist="$apt_tmp/sources.list" -o Dir::Etc::sourceparts=- -o Dir::State::Lists="$apt_tmp/lists"
+            -o Dir::Cache="$apt_tmp/cache" -o APT::Get::List-Cleanup=0)
+  if (cd "$apt_tmp" && sudo_if_needed apt-get "${apt_opts[@]}" update -qq >/dev/null 2>&1 \
+      && sudo_if_needed apt-get "${apt_opts[@]}" download fonts-ubuntu >/dev/null 2>&1); then
+    sudo_if_needed dpkg -i "$apt_tmp"/fonts-ubuntu_*.deb >/dev/null || say "WARNING: the Ubuntu font did not install (DejaVu stands in)"
+  else
+    say "WARNING: could not fetch fonts-ubuntu from Debian's non-free section (DejaVu stands in; ARPO_SKIP_UBUNTU_FONT=1 skips this)"
+  fi
+  sudo_if_needed rm -rf "$apt_tmp"
+  mkdir -p "$(dirname "$font_tried")" && touch "$font_tried"  # tried once per machine: no retry at every command
+fi
 
 # 2. The Python environment.
 PY="${ARPO_PYTHON:-$(command -v python3.11 || command -v python3)}"

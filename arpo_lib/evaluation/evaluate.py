@@ -56,6 +56,9 @@ class EvalResult:
     """Episodes left without a result (the OSWorld fork's runner loses them to an exception): not
     in the rates, as the fork's result readers skip examples without result.txt; run them again
     with `unfinished_requests`."""
+    setup_failed: int = 0
+    """Episodes skipped because the task's set-up failed (OSWorld's `on_setup_failure: skip`): not
+    in the rates; which tasks, in their trajectories' `setup_failures`."""
     episodes: int = 0
     seconds: float = 0.0
     env_steps: int = 0
@@ -160,6 +163,7 @@ def summarize(trajs: Sequence[Trajectory], k: int | None = None) -> EvalResult:
     result.format_error_rate = sum(not t.format_ok for t in valid_all) / n if n else 0.0
     result.env_errors = sum(t.status == EpisodeStatus.ENV_ERROR for t in trajs)
     result.unfinished = sum(t.status == EpisodeStatus.UNFINISHED for t in trajs)
+    result.setup_failed = sum(t.status == EpisodeStatus.SETUP_FAILED for t in trajs)
     result.checker_errors = sum(t.checker_error is not None for t in valid_all)
     # pass_at_n.py's figures: a task is solved when any of its samples with a result scores > 0.5
     # (result.txt is written for valid episodes only; the fork's Acc is over tasks with one)

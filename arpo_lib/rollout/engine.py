@@ -174,6 +174,13 @@ class RolloutEngine:
         if cmd == "reset":
             obs, ep.info = value
             ep.traj.instruction = obs.instruction
+            ep.traj.setup_failures = list((ep.info or {}).get("setup_failures") or [])
+            if (ep.info or {}).get("setup_skipped"):  # env.on_setup_failure=skip: not played, counted
+                ep.traj.status = EpisodeStatus.SETUP_FAILED
+                ep.traj.error = "the task's set-up failed: " + "; ".join(ep.traj.setup_failures)[:1900]
+                ep.screenshots.append(obs.screenshot)
+                ep.done = True
+                return
             ep.conv = self.policy.new_conversation(obs.instruction)
             self._observe(ep, obs.screenshot)
             return

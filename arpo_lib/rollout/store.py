@@ -98,6 +98,7 @@ META = (
     Field("policy_version", (int,), 0),
     Field("checker_error", _TEXT_OR_NONE, None),
     Field("seconds", _NUMBER, 0.0),
+    Field("setup_failures", (list,), ()),
 )
 """meta.json: `Trajectory.summary()`. `status` is an `EpisodeStatus` value; `num_steps` the number
 of lines of traj.jsonl."""
@@ -211,7 +212,7 @@ def read_trajectory(directory: str | Path, *, tokens: bool = False) -> StoredTra
                       task_score=meta["task_score"], format_ok=meta["format_ok"], reward=meta["reward"],
                       status=status, error=meta["error"], directory=str(directory), replayed=meta["replayed"],
                       policy_version=meta["policy_version"], checker_error=meta["checker_error"],
-                      seconds=meta["seconds"])
+                      seconds=meta["seconds"], setup_failures=[str(f) for f in meta["setup_failures"]])
     steps_path = directory / layout.STEPS
     if not steps_path.is_file():
         raise TrajectoryFormatError(f"{directory} has {layout.META} but no {layout.STEPS}")

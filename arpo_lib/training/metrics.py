@@ -21,7 +21,7 @@ from arpo_lib.run.layout import RunDir
 from arpo_lib.run.records import append_jsonl
 from arpo_lib.run.tracking import Media, Tracker
 from arpo_lib.training.checkpoint import drop_records_after
-from arpo_lib.types import Group, Trajectory
+from arpo_lib.types import EpisodeStatus, Group, Trajectory
 
 if TYPE_CHECKING:
     from arpo_lib.training.backend import Plan, TrainingBackend
@@ -113,7 +113,9 @@ def rollout_metrics(tasks: list[str], trajs: list[Trajectory], groups: list[Grou
         "mean_reward": mean([t.reward for t in fresh]),
         "format_error_rate": mean([float(not t.format_ok) for t in fresh]),
         "mean_steps": mean([t.num_steps for t in fresh]),
-        "env_errors": sum(not t.ok for t in trajs),
+        "env_errors": sum(t.status == EpisodeStatus.ENV_ERROR for t in trajs),
+        "setup_failed": sum(t.status == EpisodeStatus.SETUP_FAILED for t in trajs),
+        "setup_failures": sum(bool(t.setup_failures) for t in trajs),
         "checker_errors": sum(t.checker_error is not None for t in fresh),
         "all_failed_groups": mean([float(g.all_failed) for g in groups]),
         "replay_injections": sum(g.injected for g in groups),

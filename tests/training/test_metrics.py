@@ -55,7 +55,8 @@ def test_a_step_line_keeps_its_field_order():
                         seconds_rollout=2.0, seconds_update=1.23456, extra={"eval_success_rate": 0.5})
     assert list(line) == [
         "step", "tasks", "success_rate", "success_by_task", "mean_task_score", "mean_reward", "format_error_rate",
-        "mean_steps", "env_errors", "checker_errors", "all_failed_groups", "replay_injections", "replay_size",
+        "mean_steps", "env_errors", "setup_failed", "setup_failures", "checker_errors", "all_failed_groups",
+        "replay_injections", "replay_size",
         "env_steps", "env_steps_per_s", "lr", "loss", "clip_fraction", "grad_norm", "tokens", "sequences",
         "optimizer_steps", "skipped_steps", "approx_kl", "kl", "replay_age_mean", "replay_age_max",
         "seconds_rollout", "seconds_update", "eval_success_rate"]

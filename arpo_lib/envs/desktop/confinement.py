@@ -30,6 +30,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 HOME_IN_SANDBOX = "/home/user"
+HOSTNAME = "user-virtual-machine"
+"""The sandbox's hostname: OSWorld's VM's (its terminal prompt reads user@user-virtual-machine)."""
 USER_ID = 1000
 """The sandbox's own user `user` (namespaces mode: uid 1000 inside, mapped to the caller outside)."""
 SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
@@ -241,7 +243,7 @@ def bwrap_arguments(workdir: Path, limits: Limits, *, network: bool = False, sec
     (write_identity_files)."""
     features = bwrap_features()
     args = ["--die-with-parent", "--new-session", "--unshare-user", "--unshare-pid", "--unshare-ipc",
-            "--unshare-uts", "--unshare-cgroup-try", "--hostname", "desktop",
+            "--unshare-uts", "--unshare-cgroup-try", "--hostname", HOSTNAME,
             "--uid", str(USER_ID), "--gid", str(USER_ID), "--clearenv"]
     if not network:
         args.append("--unshare-net")
@@ -289,8 +291,8 @@ def write_identity_files(workdir: Path, uid: int = USER_ID, home: str = HOME_IN_
     (workdir / "passwd").write_text(f"user:x:{uid}:{uid}:Desktop user:{home}:/bin/bash\n"
                                     "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")
     (workdir / "group").write_text(f"user:x:{uid}:\nnogroup:x:65534:\n")
-    (workdir / "hostname").write_text("desktop\n")
-    (workdir / "hosts").write_text("127.0.0.1\tlocalhost desktop\n::1\tlocalhost\n")
+    (workdir / "hostname").write_text(f"{HOSTNAME}\n")
+    (workdir / "hosts").write_text(f"127.0.0.1\tlocalhost\n127.0.1.1\t{HOSTNAME}\n::1\tlocalhost\n")
     (workdir / "machine-id").write_text(os.urandom(16).hex() + "\n")
 
 

@@ -384,6 +384,26 @@ class Sandbox:
             time.sleep(0.2)
         return False
 
+    def settle(self, timeout: float, quiet_s: float = 1.0, busy_cores: float = 0.2) -> float:
+        """Wait until the desktop is still: the windows (titles, sizes) unchanged and the episode's
+        programs using under `busy_cores` of CPU for `quiet_s` seconds, or `timeout`. What a task's
+        set-up started is then drawn (a browser that opens a window) or idle (a command that opens
+        none costs `quiet_s`, not the timeout). Returns the seconds waited."""
+        started = time.monotonic()
+        last = self.get_json("/activity")
+        last_t = since = time.monotonic()
+        while time.monotonic() - started < timeout:
+            time.sleep(0.25)
+            now = self.get_json("/activity")
+            t = time.monotonic()
+            cores = (now["cpu_s"] - last["cpu_s"]) / max(t - last_t, 1e-3)
+            if now["windows"] != last["windows"] or cores > busy_cores:
+                since = t
+            elif t - since >= quiet_s:
+                break
+            last, last_t = now, t
+        return time.monotonic() - started
+
     def reset_session(self) -> int:
         """End every application and empty the home directory; returns how many processes ended."""
         return int(self.post_json("/session/reset", {}, timeout=60)["ended"])

@@ -190,6 +190,11 @@ class Desktop:
         """Held while the episode's processes are being ended (a reset, or the watcher)."""
         self.incidents: list[str] = []
         """What the watcher did since the last reset ("pids limit: ...")."""
+        self.setup_log: list[dict[str, Any]] = []
+        """The task's set-up steps since /setup/begin (or the reset): what each asked, and whether
+        it did it (`setup_report`)."""
+        self.setup_launches = 0
+        """Where this set-up's applications start in `launch_records`."""
         self.fresh_home()
         self.start_buses()
         self.start_session()
@@ -253,6 +258,7 @@ class Desktop:
                      shell=True, timeout=60)
         self.launch_records = []
         self.incidents = []
+        self.begin_setup()
         shutil.rmtree(self.logs, ignore_errors=True)
 
     def start_buses(self) -> None:
@@ -268,6 +274,36 @@ class Desktop:
         except (RuntimeError, OSError, subprocess.SubprocessError) as e:
             self.bus_error = str(e)
         self.env.update(self.buses.environment())
+
+    def begin_setup(self) -> None:
+        """From here on, trusted calls are the task's set-up (/setup/begin: after the provider's own
+        preparation of the home, which is not the task's)."""
+        self.setup_log = []
+        self.setup_launches = len(self.launch_records)
+
+    def note_setup(self, step: str, what: Any, why_failed: str | None = None) -> None:
+        """Record one set-up call: `why_failed` None when it did what it asked."""
+        entry = {"step": step, "what": _safe(what if isinstance(what, str) else json.dumps(what))[:300],
+                 "ok": why_failed is None}
+        if why_failed is not None:
+            entry["error"] = _safe(why_failed)[:500]
+        if len(self.setup_log) < SETUP_LOG_MAX:
+            self.setup_log.append(entry)
+
+    def setup_report(self) -> dict[str, Any]:
+        """The set-up's steps and, in `failures`, each one that did not do what it asked: a command
+        that exited non-zero (but `pkill`/`killall` finding nothing), a window to activate or close
+        that was not there, a file to open that did not open, an upload or wallpaper that failed, a
+        launched program that exited with an error (its output's tail)."""
+        steps = list(self.setup_log)
+        for command, process, log_path in self.launch_records[self.setup_launches:]:
+            code = process.poll()
+            entry = {"step": "launch", "what": _safe(json.dumps(command))[:300], "ok": not code, "returncode": code}
+            if code:
+                entry["error"] = f"exited with code {code}: {_tail(log_path)}"
+            steps.append(entry)
+        failures = [f"{e['step']} {e['what']}: {e['error']}" for e in steps if not e["ok"]]
+        return {"steps": steps, "failures": failures}
 
     def start_session(self) -> None:
         """The desktop's session of the episode (GNOME: the shell and its daemons; with openbox,
@@ -340,6 +376,24 @@ class Desktop:
                 why += f" ({e})"
                 ended = 0
             self.incidents.append(f"{why}: ended the episode's {ended} processes")
+
+    def activity(self) -> dict[str, Any]:
+        """What a reset's settling watches: the top-level windows and the CPU seconds the episode's
+        processes (the desktop's session included) have used so far."""
+        ticks = 0
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit() or int(entry.name) in self.keep or entry.name == "1":
+                continue
+            try:
+                if self.agent is not None and entry.stat().st_uid != self.agent[0]:
+                    continue
+                with open(f"/proc/{entry.name}/stat") as f:
+                    after_name = f.read().rsplit(")", 1)[1].split()
+                ticks += int(after_name[11]) + int(after_name[12])  # utime, stime
+            except (OSError, IndexError, ValueError):
+                continue
+        return {"windows": [[w.title, w.width, w.height] for w in windows.list_windows(self.display)],
+                "cpu_s": ticks / os.sysconf("SC_CLK_TCK")}
 
     def _usage(self, page_mib: float) -> tuple[int, float]:
         """Threads and resident MiB of the episode's processes."""
@@ -720,6 +774,34 @@ class Desktop:
                     proc.kill()
 
 
+SETUP_LOG_MAX = 500
+"""Set-up calls recorded per episode at most (a task file has a few dozen)."""
+BENIGN_EXITS = {"pkill": {1}, "killall": {1}, "pgrep": {1}}
+"""Exit codes that mean "nothing to do" rather than a failure: pkill finding no process to end."""
+
+
+def _execute_failure(command: list[str] | str, done: dict[str, Any]) -> str | None:
+    """Why a set-up command did not do what it asked (None: it did)."""
+    code = done.get("returncode")
+    if code == 0:
+        return None
+    try:
+        words = shlex.split(command) if isinstance(command, str) else list(command)
+    except ValueError:
+        words = []
+    if words and code in BENIGN_EXITS.get(Path(words[0]).name, ()):
+        return None
+    tail = " ".join((done.get("error") or done.get("output") or "").split())[-300:]
+    return f"exited with code {code}" + (f": {tail}" if tail else "")
+
+
+def _tail(path: Path, chars: int = 300) -> str:
+    try:
+        return " ".join(path.read_bytes()[-chars:].decode(errors="replace").split())
+    except OSError:
+        return ""
+
+
 MAX_UPLOAD_BYTES = 256 * 2**20
 """Largest /setup/upload (OSWorld's task files upload documents, images and short videos)."""
 OPEN_TIMEOUT_S = 30.0
@@ -961,6 +1043,10 @@ def make_handler(desktop: Desktop, stop: threading.Event, action_cpu_s: int) -> 
                 self._json(desktop.active_window())
             elif self.path == "/setup/launched":
                 self._json(desktop.launched_applications())
+            elif self.path == "/activity":
+                self._json(desktop.activity())
+            elif self.path == "/setup/report":
+                self._json(desktop.setup_report())
             elif self.path == "/health":
                 self._json({"ok": True, "display": desktop.display, "pid": os.getpid(),
                             "incidents": list(desktop.incidents)})
@@ -973,7 +1059,12 @@ def make_handler(desktop: Desktop, stop: threading.Event, action_cpu_s: int) -> 
                 path, data = fields.get("file_path"), fields.get("file_data")
                 if not isinstance(path, bytes) or not path or data is None:
                     raise RequestError(400, "/setup/upload takes multipart fields file_path and file_data")
-                desktop.upload(_path(path.decode(errors="replace")), data)
+                try:
+                    desktop.upload(_path(path.decode(errors="replace")), data)
+                except RequestError as e:
+                    desktop.note_setup("upload", path.decode(errors="replace"), str(e))
+                    raise
+                desktop.note_setup("upload", path.decode(errors="replace"))
                 self._json({"status": "success"})
                 return
             body = self._body()
@@ -988,14 +1079,18 @@ def make_handler(desktop: Desktop, stop: threading.Event, action_cpu_s: int) -> 
             elif self.path == "/setup/change_wallpaper":
                 path = _path(body.get("path"))
                 if not desktop.exists(path, "f"):
+                    desktop.note_setup("change_wallpaper", path, "the file does not exist")
                     raise RequestError(404, f"{_safe(path)} does not exist")
+                desktop.note_setup("change_wallpaper", path)
                 desktop.wallpaper = path  # served back by /wallpaper; not painted on the root window
                 self._json({"status": "success"})
             elif self.path == "/setup/open_file":
                 path = _path(body.get("path"))
                 if not desktop.exists(path):
+                    desktop.note_setup("open", path, "the file does not exist")
                     raise RequestError(404, f"{_safe(path)} does not exist")
                 title = desktop.open_file(path, _number(body, "timeout", OPEN_TIMEOUT_S, 0, 1800))
+                desktop.note_setup("open", path, None if title else "no window naming the file appeared")
                 self._json({"status": "success", "window": title})
             elif self.path in ("/setup/activate_window", "/setup/close_window"):
                 name = body.get("window_name")
@@ -1003,6 +1098,7 @@ def make_handler(desktop: Desktop, stop: threading.Event, action_cpu_s: int) -> 
                     raise RequestError(400, "window_name must be a non-empty string")
                 action = "activate" if self.path.endswith("activate_window") else "close"
                 titles = desktop.window_action(name, _truthy(body.get("strict")), _truthy(body.get("by_class")), action)
+                desktop.note_setup(f"{action}_window", name, None if titles else f"no window matched {name!r}")
                 self._json({"status": "success", "windows": titles})
             elif self.path == "/window_size":
                 name = body.get("app_class_name")
@@ -1018,9 +1114,14 @@ def make_handler(desktop: Desktop, stop: threading.Event, action_cpu_s: int) -> 
                 verification = body.get("verification") or {}
                 if not isinstance(verification, dict):
                     raise RequestError(400, "verification must be an object")
-                self._json(desktop.execute_with_verification(
-                    _command(body), _truthy(body.get("shell")), verification,
-                    _number(body, "max_wait_time", 10, 0, 600), _number(body, "check_interval", 1, 0.05, 60)))
+                try:
+                    self._json(desktop.execute_with_verification(
+                        _command(body), _truthy(body.get("shell")), verification,
+                        _number(body, "max_wait_time", 10, 0, 600), _number(body, "check_interval", 1, 0.05, 60)))
+                except RequestError as e:
+                    desktop.note_setup("execute_with_verification", _command(body), str(e))
+                    raise
+                desktop.note_setup("execute_with_verification", _command(body))
             elif self.path == "/start_recording":
                 desktop.start_recording()
                 self._json({"status": "success"})
@@ -1032,12 +1133,15 @@ def make_handler(desktop: Desktop, stop: threading.Event, action_cpu_s: int) -> 
             elif self.path in ("/execute", "/setup/execute"):
                 command = _command(body)
                 timeout = _number(body, "timeout", EXECUTE_TIMEOUT_S, 1, 3600)
-                self._json(desktop.run(command, _truthy(body.get("shell")), timeout))
+                done = desktop.run(command, _truthy(body.get("shell")), timeout)
+                desktop.note_setup("execute", command, _execute_failure(command, done))
+                self._json(done)
             elif self.path == "/setup/launch":
                 command = _command(body)
                 try:
                     desktop.launch(command, _truthy(body.get("shell")))
                 except OSError as e:
+                    desktop.note_setup("launch", command, f"cannot launch: {e}")
                     raise RequestError(500, f"cannot launch {command!r}: {e}") from None
                 self._json({"status": "success"})
             elif self.path == "/file":
@@ -1065,6 +1169,9 @@ def make_handler(desktop: Desktop, stop: threading.Event, action_cpu_s: int) -> 
                 if desktop.incidents:
                     done["incidents"] = list(desktop.incidents)
                 self._json(done)
+            elif self.path == "/setup/begin":
+                desktop.begin_setup()
+                self._json({"status": "success"})
             elif self.path == "/session/reset":
                 with desktop.reset_lock:
                     ended = desktop.end_applications()

@@ -95,6 +95,17 @@ _MANAGED_KWARGS = ("provider_name", "region", "path_to_vm", "action_space", "cac
 """DesktopEnv arguments set from OSWorldEnv's own options (not allowed in `desktop_env_kwargs`)."""
 
 
+SETUP_FAILURE_POLICIES = ("run", "skip", "error")
+"""What an episode does when the task's set-up did not do what it asked (`on_setup_failure`)."""
+DESKTOPS = ("gnome", "openbox")
+"""The desktops of provider "sandbox" (arpo_lib/envs/desktop/gnome.py: GNOME is OSWorld's VM's)."""
+
+
+class OSWorldTaskSetupFailed(ValueError):
+    """The task's set-up did not do what it asked and `on_setup_failure` is "error": the run stops
+    (a ValueError: environment workers report it as a set-up error, `worker._is_setup_error`)."""
+
+
 class OSWorldSetupError(ValueError):
     """OSWorld cannot run on this machine as configured (no Docker engine, no KVM, no VM image,
     options the DesktopEnv rejects). A ValueError so that environment workers classify it as a
@@ -349,6 +360,8 @@ class OSWorldEnv(GUIEnv):
         desktop_env_class: str | type = DESKTOP_ENV_CLASS,
         desktop_env_kwargs: Mapping[str, Any] | None = None,
         task_loader: Callable[[str], Mapping[str, Any]] | str | None = None,
+        desktop: str = "gnome",
+        on_setup_failure: str = "run",
     ) -> None:
         """Load the task, import the DesktopEnv class and check the machine; the VM boots on the
         first `reset`.
@@ -379,6 +392,14 @@ class OSWorldEnv(GUIEnv):
         desktop_env_class: the class, or its "module:Class" path (the fake for dry runs).
         desktop_env_kwargs: further DesktopEnv arguments (snapshot_name, client_password,
             enable_proxy, require_terminal).
+        desktop: provider "sandbox" only: "gnome" (OSWorld's VM's desktop: GNOME Shell with
+            Ubuntu's look, Ctrl+Alt+T for a terminal) or "openbox" (cheaper, no launcher).
+        on_setup_failure: when the task's set-up did not do what it asked (a command failed, a
+            window to activate was not there, a launched program died, a download was not written;
+            provider "sandbox", which observes each step): "run" the episode anyway, "skip" it (the
+            reset's info says `setup_skipped`; the rollout engine records it as `setup_failed`,
+            counted, never trained on) or "error" (the run stops, naming the task and the step).
+            Either way the reset's info lists them in `setup_failures`.
         """
         size = tuple(screen_size)
         if len(size) != 2 or not all(isinstance(v, int) and v > 0 for v in size):
@@ -389,6 +410,12 @@ class OSWorldEnv(GUIEnv):
             raise ValueError(f"pause_s and backoff_s must be >= 0, got {pause_s}, {backoff_s}")
         if boot_retries < 0:
             raise ValueError(f"boot_retries must be >= 0, got {boot_retries}")
+        if on_setup_failure not in SETUP_FAILURE_POLICIES:
+            raise ValueError(f"on_setup_failure must be one of {SETUP_FAILURE_POLICIES}, got {on_setup_failure!r}")
+        if desktop not in DESKTOPS:
+            raise ValueError(f"desktop must be one of {DESKTOPS}, got {desktop!r}")
+        if desktop != "gnome" and provider != SANDBOX_PROVIDER:
+            raise ValueError(f"desktop={desktop!r} chooses the sandbox's desktop: it needs provider='sandbox'")
         clash = set(desktop_env_kwargs or ()) & set(_MANAGED_KWARGS)
         if clash:
             raise ValueError(f"desktop_env_kwargs may not set {sorted(clash)}: use OSWorldEnv's own options")
@@ -407,12 +434,16 @@ class OSWorldEnv(GUIEnv):
         self.boot_retries = boot_retries
         self.backoff_s = float(backoff_s)
         self.require_a11y_tree = require_a11y_tree
+        self.on_setup_failure = on_setup_failure
+        desktop_env_kwargs = dict(desktop_env_kwargs or {})
 
         if provider == SANDBOX_PROVIDER:  # OSWorld's DesktopEnv on the desktop sandbox (no VM)
             if desktop_env_class == DESKTOP_ENV_CLASS:
                 desktop_env_class = SANDBOX_DESKTOP_ENV_CLASS
             path_to_vm = path_to_vm or "desktop-sandbox"
             self.pause_vm = False  # nothing to pause: see arpo_lib/envs/osworld/sandbox.py
+            desktop_env_kwargs["sandbox_options"] = {"window_manager": desktop,
+                                                     **(desktop_env_kwargs.get("sandbox_options") or {})}
         self._desktop_env_cls = _desktop_env_class(desktop_env_class)
         if provider == "docker":
             path_to_vm = preflight_docker(path_to_vm, os_type, allow_no_kvm)
@@ -444,10 +475,21 @@ class OSWorldEnv(GUIEnv):
         self._episode_over = True
         self._screen, obs = self._boot(seed)
         self._steps = 0
+        info = self._info(obs)
+        failures = list(getattr(self._desktop, "setup_failures", None) or [])
+        info["setup_failures"] = failures
+        if failures:
+            log.warning("%s: the set-up did not do what it asked: %s", self.name, "; ".join(failures)[:1000])
+            if self.on_setup_failure == "error":
+                raise OSWorldTaskSetupFailed(f"{self.name}: the task's set-up failed (env.on_setup_failure=error): "
+                                             + "; ".join(failures)[:2000])
+            if self.on_setup_failure == "skip":
+                info["setup_skipped"] = True
+                return Observation(self._screen, self.instruction, 0), info  # the episode stays over
         self._episode_over = False
         with self._vm_call("pause"):
             self._set_paused(True)  # the model thinks about the first screen now
-        return Observation(self._screen, self.instruction, 0), self._info(obs)
+        return Observation(self._screen, self.instruction, 0), info
 
     def step(self, action: Action) -> tuple[Observation, float, bool, bool, dict[str, Any]]:
         """Execute one UI-TARS action (points in screen pixels); the score comes when it ends."""

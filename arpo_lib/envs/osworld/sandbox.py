@@ -62,7 +62,9 @@ interface on (password "password", what OSWorld's vlc_playing_info getter sends)
 configuration tasks read this file; without it their getter finds nothing."""
 
 SETTLE_TIMEOUT_S = 20.0
-"""After a set-up that started applications, reset waits at most this long for their windows."""
+"""After a set-up that started something, reset waits at most this long for the desktop to be still."""
+SETTLE_QUIET_S = 1.0
+"""... still meaning: windows unchanged and the programs nearly idle for this long (Sandbox.settle)."""
 
 _PENDING = threading.local()
 """The provider options of the SandboxDesktopEnv being constructed on this thread (see
@@ -116,6 +118,7 @@ class SandboxProvider:
                 done = self.box.execute(script, shell=True, timeout=60)
                 if done["returncode"] != 0:
                     log.warning("could not write %s's profile: %s", program, done["error"][-300:])
+        self.box.post_json("/setup/begin", {})  # what follows is the task's set-up (setup_report)
 
     def stop_emulator(self, path_to_vm: str, *args: Any, **kwargs: Any) -> None:
         if self.bridge is not None:
@@ -212,15 +215,17 @@ def _make_class() -> type:
             self.provider_name = PROVIDER_NAME
 
         def reset(self, task_config: Any = None, *args: Any, **kwargs: Any) -> Any:
-            """OSWorld's reset, then, where the set-up started applications, a wait until their
-            windows are up and have settled (a VM's first screenshot comes long after its set-up;
-            here the set-up returns within a second, before a browser has drawn anything), and a
-            fresh observation."""
+            """OSWorld's reset, then, where the set-up started something, a wait until the desktop
+            is still (a VM's first screenshot comes long after its set-up; here the set-up returns
+            within a second, before a browser has drawn anything) and a fresh observation; and
+            what the set-up did not do (`setup_failures`)."""
             obs = super().reset(task_config, *args, **kwargs)
             steps = (task_config or {}).get("config", []) if isinstance(task_config, dict) else []
-            if any(step.get("type") in ("launch", "open", "execute", "command") for step in steps):
-                self.sandbox.wait_for_windows(SETTLE_TIMEOUT_S)
+            self.settle_s = 0.0
+            if any(step.get("type") in SETTLING_STEPS for step in steps):
+                self.settle_s = self.sandbox.settle(SETTLE_TIMEOUT_S, SETTLE_QUIET_S)
                 obs = self._get_obs()
+            self.setup_failures = setup_failures(self.sandbox, steps)
             return obs
 
         def step(self, action: Any, *args: Any, **kwargs: Any) -> Any:
@@ -245,6 +250,25 @@ def _make_class() -> type:
     SandboxDesktopEnv.__name__ = SandboxDesktopEnv.__qualname__ = "SandboxDesktopEnv"
     SandboxDesktopEnv.__module__ = __name__
     return SandboxDesktopEnv
+
+
+SETTLING_STEPS = ("launch", "open", "execute", "command", "execute_with_verification", "chrome_open_tabs",
+                  "activate_window", "close_window")
+"""Set-up steps after which the desktop may still be drawing."""
+
+
+def setup_failures(box: Sandbox, steps: list[dict[str, Any]]) -> list[str]:
+    """What the task's set-up did not do, in words: the server's report of its calls (a command
+    that failed, a window that was not there, a program that died: server.Desktop.setup_report)
+    and the files its download steps were to write that are not there (OSWorld's set-up logs a
+    failed download and goes on)."""
+    failures = list(box.get_json("/setup/report")["failures"])
+    wanted = [f["path"] for step in steps if step.get("type") == "download"
+              for f in (step.get("parameters") or {}).get("files", []) if isinstance(f, dict) and f.get("path")]
+    if wanted:
+        found = box.path_info(wanted)
+        failures += [f"download {path}: the file was not written" for path in wanted if not found.get(path)]
+    return failures
 
 
 def _run_checked(controller: Any, command: str, refused: list[str]) -> dict[str, Any] | None:
