@@ -631,6 +631,32 @@ class Desktop:
         except a11y.TreeError as e:
             raise RequestError(e.status, str(e)) from None
 
+    def terminal_output(self) -> str | None:
+        """What OSWorld's server answers at /terminal: the text of the focused terminal of the
+        active GNOME Terminal window, read from the accessibility tree (its visible buffer, trailing
+        space cut); None when no GNOME Terminal window is active or the tree is not served."""
+        import xml.etree.ElementTree as ET
+
+        from arpo_lib.envs.desktop.a11y_tree import NAMESPACES
+
+        if self.buses is None or self.a11y_missing and self.gnome is None:
+            return None
+        try:
+            root = ET.fromstring(self.accessibility_tree(a11y.BUDGET_S))
+        except (RequestError, ET.ParseError):
+            return None
+        state = f"{{{NAMESPACES['st']}}}"
+        for application in root.iter("application"):
+            if application.get("name") != "gnome-terminal-server":
+                continue
+            for frame in application.findall("frame"):
+                if frame.get(state + "active") != "true":
+                    continue
+                focused = [t for t in frame.iter("terminal") if t.get(state + "focused") == "true"]
+                if len(focused) == 1:
+                    return (focused[0].text or "").rstrip()
+        return None
+
     # -- OSWorld's set-up steps and getters ----------------------------------------------------
     def expand(self, path: str) -> str:
         """`~` and `~/...` mean the home (OSWorld's task files use both and absolute paths)."""
@@ -1029,9 +1055,7 @@ def make_handler(desktop: Desktop, stop: threading.Event, action_cpu_s: int) -> 
             elif self.path == "/cursor_position":
                 self._json(list(windows.cursor_position(desktop.display)))
             elif self.path == "/terminal":
-                # OSWorld's server reads the focused GNOME Terminal through AT-SPI; there is no such
-                # reader here: the output is null, as OSWorld's server answers with no terminal.
-                self._json({"status": "success", "output": None})
+                self._json({"status": "success", "output": desktop.terminal_output()})
             elif self.path.split("?", 1)[0] == "/accessibility":
                 query = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
                 budget = _number({k: _float(v[-1]) for k, v in query.items()}, "budget_s", a11y.BUDGET_S, 0.5,

@@ -101,6 +101,29 @@ DESKTOPS = ("gnome", "openbox")
 """The desktops of provider "sandbox" (arpo_lib/envs/desktop/gnome.py: GNOME is OSWorld's VM's)."""
 
 
+class OSWorldTaskFileError(ValueError):
+    """desktop_env refuses the task file itself (a set-up step type it does not know, a parameter
+    its step does not take, a step without parameters): booting again cannot help. A ValueError:
+    a run stops naming the file; `sandbox_check` and the census report it and go on."""
+
+
+def _task_file_refused(error: BaseException) -> str | None:
+    """Why `error`, raised by DesktopEnv.reset, is the task file's fault (None: it may be the
+    machine's, worth a retry). desktop_env's SetupController asserts that a step's type exists,
+    calls the step with the file's parameters (a TypeError for one it does not take) and wraps
+    what a step raises in an Exception."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, AssertionError) and "cannot find init function" in str(seen):
+            return f"unknown set-up step type ({seen})"
+        if isinstance(seen, TypeError) and "unexpected keyword argument" in str(seen):
+            return f"a set-up step parameter it does not take ({seen})"
+        if isinstance(seen, KeyError) and str(seen).strip("'") in ("type", "parameters"):
+            return f"a set-up step without {seen}"
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 class OSWorldTaskSetupFailed(ValueError):
     """The task's set-up did not do what it asked and `on_setup_failure` is "error": the run stops
     (a ValueError: environment workers report it as a set-up error, `worker._is_setup_error`)."""
@@ -573,6 +596,9 @@ class OSWorldEnv(GUIEnv):
                 self._discard_desktop()
                 raise
             except Exception as e:
+                refused = _task_file_refused(e)
+                if refused is not None:  # a retry cannot fix the task file: no boot loop
+                    raise OSWorldTaskFileError(f"{self.name}: desktop_env refuses the task file: {refused}") from e
                 failures.append(f"{type(e).__name__}: {e}")
                 self._discard_desktop()
                 continue

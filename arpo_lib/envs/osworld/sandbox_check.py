@@ -8,10 +8,14 @@ in sandbox_solutions.json, by the file's name), scored by OSWorld's evaluator.
         (every OSWorld task file we have a scripted solution for)
     python -m arpo_lib.envs.osworld.sandbox_check --shots /tmp/shots TASK.json
         (the screen after every action saved, to write a solution's coordinates from)
+    python -m arpo_lib.envs.osworld.sandbox_check --noop TASK.json [...]
+        (the no-op alone: for task files without a solution)
 
 Runs in the interpreter that has desktop_env (`./workbench setup-osworld`); prints one JSON line
-per task: {"task", "noop", "solved", "reset_s", "step_s", "errors"}; exit status 1 unless every
-no-op scored 0 and every solution 1.
+per task: {"task", "noop", "solved", "reset_s", "settle_s", "step_s", "setup_failures", "errors"};
+exit status 1 unless every no-op scored 0 and every solution 1. A task file desktop_env refuses
+(a step it does not know) or an episode that fails is reported on its line ("error") and the run
+goes on to the next file.
 """
 from __future__ import annotations
 
@@ -65,8 +69,9 @@ def run_episode(task: dict[str, Any], actions: list[Action], screen: tuple[int, 
     env = OSWorldEnv(task, provider="sandbox", screen_size=screen, max_steps=max(len(actions), 1), **options)
     try:
         started = time.monotonic()
-        observation, _ = env.reset()
+        observation, info = env.reset()
         reset_s = time.monotonic() - started
+        settle_s = getattr(env._desktop, "settle_s", None)
         if shots is not None:
             shots.mkdir(parents=True, exist_ok=True)
             observation.screenshot.save(shots / "00.png")
@@ -84,8 +89,9 @@ def run_episode(task: dict[str, Any], actions: list[Action], screen: tuple[int, 
             if terminated or truncated:
                 score = float(info.get("score", reward))
                 break
-        return {"score": score, "reset_s": round(reset_s, 2),
-                "step_s": round(sum(step_times) / max(len(step_times), 1), 2), "errors": errors}
+        return {"score": score, "reset_s": round(reset_s, 2), "settle_s": None if settle_s is None else round(settle_s, 2),
+                "step_s": round(sum(step_times) / max(len(step_times), 1), 2),
+                "setup_failures": list(info.get("setup_failures") or []), "errors": errors}
     finally:
         env.close()
 
@@ -100,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pause-s", type=float, default=0.5)
     parser.add_argument("--shots", type=Path, default=None, metavar="DIR",
                         help="save the screen after the reset and every solution action as DIR/<task>/NN.png")
+    parser.add_argument("--noop", action="store_true", help="run the no-op episode only (no solution needed)")
+    parser.add_argument("--desktop", default="gnome", choices=("gnome", "openbox"), help="the sandbox's desktop")
     args = parser.parse_args(argv)
     screen = tuple(int(v) for v in args.screen.lower().split("x"))
     tasks = list(args.tasks)
@@ -109,16 +117,37 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("no task files (give some, or --solved EXAMPLES_DIR)")
     ok = True
     for path in tasks:
-        task = json.loads(path.read_text())
-        options = {"pause_s": args.pause_s, "download_cache": None}
-        noop = run_episode(task, [Action("finished")], screen, **options)
-        shots = args.shots / path.stem if args.shots is not None else None
-        solved = run_episode(task, solution_actions(task, screen, path.stem), screen, shots, **options)
-        ok &= noop["score"] == 0.0 and solved["score"] == 1.0
-        print(json.dumps({"task": task["id"], "noop": noop["score"], "solved": solved["score"],
-                          "reset_s": solved["reset_s"], "step_s": solved["step_s"],
-                          "errors": noop["errors"] + solved["errors"]}), flush=True)
+        line = check_task(path, screen, args.noop, args.shots, pause_s=args.pause_s, desktop=args.desktop)
+        ok &= line.get("error") is None and line["noop"] == 0.0 and (args.noop or line["solved"] == 1.0)
+        print(json.dumps(line), flush=True)
     return 0 if ok else 1
+
+
+def check_task(path: Path, screen: tuple[int, int], noop_only: bool = False, shots: Path | None = None,
+               **options: Any) -> dict[str, Any]:
+    """One task file's line: its no-op episode and (unless `noop_only`) its scripted solution's.
+    A file that cannot be run (desktop_env refuses it, no solution, an episode that fails) is
+    reported in "error", never raised: a check of many files goes on."""
+    from arpo_lib.envs.base import EnvError
+    from arpo_lib.envs.osworld.env import OSWorldSetupError
+
+    line: dict[str, Any] = {"task": path.stem, "noop": None, "solved": None}
+    options = {"download_cache": None, **options}
+    try:
+        task = json.loads(path.read_text())
+        line["task"] = task.get("id", path.stem)
+        noop = run_episode(task, [Action("finished")], screen, **options)
+        line.update(noop=noop["score"], reset_s=noop["reset_s"], settle_s=noop["settle_s"],
+                    setup_failures=noop["setup_failures"], errors=noop["errors"])
+        if not noop_only:
+            solved = run_episode(task, solution_actions(task, screen, path.stem), screen,
+                                 shots / path.stem if shots is not None else None, **options)
+            line.update(solved=solved["score"], reset_s=solved["reset_s"], settle_s=solved["settle_s"],
+                        step_s=solved["step_s"], errors=noop["errors"] + solved["errors"])
+        line["error"] = None
+    except (OSWorldSetupError, EnvError, ValueError, OSError) as e:
+        line["error"] = f"{type(e).__name__}: {e}"[:1000]
+    return line
 
 
 if __name__ == "__main__":
