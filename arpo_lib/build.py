@@ -92,6 +92,8 @@ def env_pool(cfg: RunConfig, share: int = 1) -> WorkerPool:
     of env.workers)."""
     opts = dict(cfg.env.options)
     opts.setdefault("max_steps", cfg.env.max_steps)
+    if cfg.env.on_setup_failure != "run":  # validated: every task is an OSWorld one
+        opts["on_setup_failure"] = cfg.env.on_setup_failure
     python = env_python(cfg)
     record_desktop_env(cfg)
     ray = {"ray_address": cfg.env.ray_address, "ray_resource": cfg.env.ray_resource,

@@ -59,6 +59,11 @@ class EnvConfig:
     worker is where the host parses what the agent made (OSWorld's metrics read the files it saved):
     a small file that unpacks to gigabytes ends as a failed check there, not in the host's memory.
     Workers are also the OOM killer's first choice, before the trainer (arpo_lib/envs/worker.py)."""
+    on_setup_failure: str = "run"
+    """OSWorld tasks on the sandbox: when a task's set-up did not do what it asked (a command that
+    failed, a window to activate that was not there, a program that died, a file not downloaded),
+    `run` the episode anyway (the failures are in its trajectory), `skip` it (status
+    `setup_failed`, counted in the metrics, not trained on) or `error` (the run stops, naming it)."""
     backend: str = "local"
     """Where environment workers run: `local` (one process per environment on this machine) or
     `ray` (one Ray actor per environment, on any node of a Ray cluster)."""
@@ -596,6 +601,13 @@ def validate(cfg: RunConfig) -> None:
                                         "it needs algo.old_logprobs=recompute")
     if cfg.train.max_skipped_steps < 0:
         _fail("train.max_skipped_steps", "must be >= 0")
+    if cfg.env.on_setup_failure not in ("run", "skip", "error"):
+        _fail("env.on_setup_failure", f"must be 'run', 'skip' or 'error', got {cfg.env.on_setup_failure!r}")
+    if cfg.env.on_setup_failure != "run":
+        others = sorted({t.split("/", 1)[0] for t in cfg.env.tasks if not t.startswith("osworld/")})
+        if others:
+            _fail("env.on_setup_failure", f"applies to osworld tasks (their set-up is observed step by step); "
+                                          f"the run also has {', '.join(others)} tasks")
     memory = cfg.env.worker_memory_mib
     if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int) or memory < 256):
         _fail("env.worker_memory_mib", f"must be an integer >= 256 (MiB) or null (no limit), got {memory!r}")

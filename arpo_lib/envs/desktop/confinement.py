@@ -330,6 +330,8 @@ def write_python_shim(workdir: Path, python: str, site_dirs: list[str], pythons:
         wrapper.unlink(missing_ok=True)
         wrapper.write_text(
             "#!/bin/sh\n# Chromium as OSWorld's Chrome (see arpo_lib/envs/desktop/confinement.py)\n"
+            # On OSWorld's VM (GNOME) Chrome's windows open maximized, beside the dock.
+            'case "$XDG_CURRENT_DESKTOP" in *GNOME*) set -- --start-maximized "$@" ;; esac\n'
             f"{shlex.quote(chromium)} --no-sandbox --test-type --no-first-run --password-store=basic "
             '${ACCESSIBILITY_ENABLED:+--force-renderer-accessibility} '
             '--user-data-dir="$HOME/.config/google-chrome" "$@" &\n'
@@ -341,7 +343,7 @@ def write_python_shim(workdir: Path, python: str, site_dirs: list[str], pythons:
         shim = bin_dir / "google-chrome"
         shim.write_text('#!/bin/sh\nexec "$(dirname "$0")/chrome" "$@"\n')
         shim.chmod(0o755)
-    _write_xdg_defaults(bin_dir / XDG_DIR, browser=chromium is not None)
+    _write_xdg_defaults(bin_dir / XDG_DIR, browser=chromium)
     return bin_dir
 
 
@@ -362,15 +364,17 @@ BROWSER_TYPES = ("text/html", "application/xhtml+xml", "x-scheme-handler/http", 
                  "application/pdf")
 
 
-def _write_xdg_defaults(xdg: Path, browser: bool) -> None:
+def _write_xdg_defaults(xdg: Path, browser: str | None) -> None:
     defaults = dict(XDG_DEFAULTS)
     (xdg / "applications").mkdir(mode=0o755, parents=True, exist_ok=True)
     if browser:
+        chromium = browser
         defaults.update({kind: "google-chrome.desktop" for kind in BROWSER_TYPES})
         (xdg / "applications" / "google-chrome.desktop").write_text(
             "[Desktop Entry]\nVersion=1.0\nType=Application\nName=Google Chrome\n"
             "Exec=google-chrome %U\nTerminal=false\n"  # the shim: the trusted directory leads PATH
-            f"Icon={'google-chrome' if os.path.exists('/opt/google/chrome/chrome') else 'chromium'}\n"
+            f"Icon={'google-chrome' if chromium.startswith('/opt/google') else 'chromium'}\n"
+            f"StartupWMClass={'Google-chrome' if chromium.startswith('/opt/google') else 'Chromium-browser'}\n"
             f"MimeType={';'.join(BROWSER_TYPES)};\nCategories=Network;WebBrowser;\n")
     (xdg / "mimeapps.list").write_text(
         "# the sandbox's default applications (arpo_lib/envs/desktop/confinement.py, XDG_DEFAULTS)\n"

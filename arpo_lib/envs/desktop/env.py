@@ -19,6 +19,7 @@ from arpo_lib.actions import Action, ActionParseError, to_pyautogui
 from arpo_lib.envs.base import EnvError, GUIEnv, Observation
 from arpo_lib.envs.desktop import tasks as suite
 from arpo_lib.envs.desktop.confinement import ISOLATION_MODES, Limits
+from arpo_lib.envs.desktop.gnome import DESKTOP_KINDS
 from arpo_lib.envs.desktop.sandbox import Sandbox
 
 
@@ -26,17 +27,22 @@ class DesktopEnv(GUIEnv):
     """One task of the desktop suite. Options: `screen` (width, height), `max_steps`, `settle_s`
     (pause after each action before the screenshot), `wait_s` (what a `wait()` action waits),
     `limits` (the sandbox's resource limits: confinement.Limits fields), `isolation` ("auto",
-    "namespaces" or "user": confinement.py)."""
+    "namespaces" or "user": confinement.py), `desktop` ("openbox", the suite's own: no launcher;
+    or "gnome", OSWorld's VM's: gnome.py)."""
 
     def __init__(self, task: str, *, screen: tuple[int, int] = (1920, 1080), max_steps: int = 15,
                  settle_s: float = 0.5, wait_s: float = 1.0, reward: str = "binary",
-                 limits: Limits | dict[str, Any] | None = None, isolation: str = "auto") -> None:
+                 limits: Limits | dict[str, Any] | None = None, isolation: str = "auto",
+                 desktop: str = "openbox") -> None:
         if max_steps < 1:
             raise ValueError(f"max_steps must be >= 1, got {max_steps}")
         if isolation not in ISOLATION_MODES:
             raise ValueError(f"isolation must be one of {ISOLATION_MODES}, got {isolation!r}")
+        if desktop not in DESKTOP_KINDS:
+            raise ValueError(f"desktop must be one of {DESKTOP_KINDS}, got {desktop!r}")
         self.limits = Limits.from_options(limits)  # an unknown or impossible limit fails here, not at reset
         self.isolation = isolation
+        self.desktop = desktop
         self.task = suite.load_task(task)
         absent = [c for c in suite.required_commands(self.task) if not shutil.which(c)]
         if absent:
@@ -71,7 +77,8 @@ class DesktopEnv(GUIEnv):
         if self._box is None or not self._box.alive():
             if self._box is not None:
                 self._box.close()
-            self._box = Sandbox(self.screen, limits=self.limits, isolation=self.isolation)
+            self._box = Sandbox(self.screen, limits=self.limits, isolation=self.isolation,
+                                window_manager=self.desktop)
             self.timings["start_s"] = time.monotonic() - t0
         try:
             self._box.reset_session()

@@ -1,0 +1,195 @@
+"""OSWorld's computer in the sandbox (arpo_lib/envs/desktop/gnome.py): GNOME Shell with Ubuntu's
+look and the VM's shortcuts, driven the way an agent drives it (pyautogui through the checked
+action channel), reset to the same desktop after whatever the agent did to it."""
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import time
+
+import pytest
+from PIL import Image
+
+from arpo_lib.envs.desktop import gnome
+from arpo_lib.envs.desktop.confinement import HOSTNAME
+from arpo_lib.envs.desktop.sandbox import Sandbox, desktop_unavailable
+
+REASON = desktop_unavailable() or gnome.unavailable()
+SCREEN = (1280, 800)
+
+
+# ---- without a sandbox ---------------------------------------------------------------------------
+
+@pytest.mark.skipif(gnome.unavailable() is not None, reason=gnome.unavailable() or "")
+def test_the_session_files_carry_ubuntus_settings_below_the_users(tmp_path):
+    """The dconf database is a file-db below the user's (what the agent sets wins, `reset` goes
+    back to Ubuntu's values); the session mode enables Ubuntu's dock; the session bus starts no
+    indexer and no service from the home."""
+    root = gnome.write_session_files(tmp_path, "/inside")
+    assert (root / "dconf-profile").read_text() == "user-db:user\nfile-db:/inside/gnome/ubuntu.db\n"
+    mode = json.loads((root / "data" / "gnome-shell" / "modes" / "ubuntu.json").read_text())
+    assert mode["enabledExtensions"] == ["dash-to-dock@micxgx.gmail.com"]
+    assert mode["stylesheetName"] == "Yaru/gnome-shell.css"
+    profile = tmp_path / "profile"
+    profile.write_text(f"file-db:{root / 'ubuntu.db'}\n")
+    env = {"DCONF_PROFILE": str(profile), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    read = subprocess.run(["dconf", "read", "/org/gnome/shell/favorite-apps"], env=env, capture_output=True,
+                          text=True, check=True).stdout
+    assert read.startswith("['google-chrome.desktop', 'thunderbird.desktop', 'code.desktop'")
+    binding = subprocess.run(["dconf", "read", "/org/gnome/settings-daemon/plugins/media-keys/custom-keybindings/"
+                              "terminal/binding"], env=env, capture_output=True, text=True, check=True).stdout
+    assert binding.strip() == "'<Primary><Alt>t'"
+    services = {p.name for p in (root / "services").iterdir()}
+    assert "org.gnome.Terminal.service" in services and "org.gnome.Nautilus.service" in services
+    assert not any(name.startswith(("org.freedesktop.Tracker3", "org.gnome.evolution")) for name in services)
+    bus = (root / "session-bus.conf").read_text()
+    assert "<servicedir>/inside/gnome/services</servicedir>" in bus and "standard_session_servicedirs" not in bus
+
+
+def test_gnome_unavailable_names_the_packages(monkeypatch):
+    gnome.unavailable.cache_clear()
+    monkeypatch.setattr(gnome.shutil, "which", lambda name: None)
+    try:
+        reason = gnome.unavailable()
+        assert reason is not None and "gnome-shell" in reason and "./workbench setup" in reason
+    finally:
+        gnome.unavailable.cache_clear()
+
+
+# ---- the desktop ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def box():
+    if REASON:
+        pytest.skip(REASON)
+    sandbox = Sandbox(SCREEN, window_manager="gnome")
+    yield sandbox
+    sandbox.close()
+
+
+def wait_for_window(box, part: str, timeout: float = 20.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for window in box.windows():
+            if part in window["title"]:
+                return window["title"]
+        time.sleep(0.2)
+    raise AssertionError(f"no window titled with {part!r} within {timeout} s: {box.windows()}")
+
+
+def act(box, code: str) -> None:
+    done = box.run_action(code)
+    assert done["returncode"] == 0, done
+
+
+def typed(box, text: str) -> None:
+    act(box, f"pyautogui.write({text!r}, interval=0.01)\npyautogui.press('enter')")
+
+
+def wait_for_file(box, path: str, timeout: float = 20.0) -> str:
+    deadline = time.monotonic() + timeout
+    while (data := box.read_file(path)) is None:
+        assert time.monotonic() < deadline, f"{path} did not appear within {timeout} s"
+        time.sleep(0.2)
+    time.sleep(0.3)  # the shell may still be writing it
+    return (box.read_file(path) or data).decode(errors="replace")
+
+
+@pytest.mark.slow
+def test_the_screen_at_reset_is_ubuntus_desktop(box):
+    """Top bar (dark, the clock in its middle), the dock on the left, the wallpaper's colours
+    elsewhere; the VM's settings read back through gsettings inside; no window open."""
+    box.reset_session()
+
+    shot = Image.open(io.BytesIO(box.screenshot())).convert("RGB")
+    top_bar = shot.getpixel((SCREEN[0] // 3, 8))
+    dock = shot.getpixel((20, SCREEN[1] // 2))
+    wallpaper = shot.getpixel((SCREEN[0] // 2, SCREEN[1] // 2))
+    assert max(top_bar) < 60, f"the top bar is dark on Ubuntu: {top_bar}"
+    assert dock != wallpaper and max(dock) < 120, f"the dock is a dark strip on the left: {dock} vs {wallpaper}"
+    assert wallpaper[0] > 100 and wallpaper[2] > 60, f"Ubuntu's orange-to-aubergine background: {wallpaper}"
+    assert box.windows() == []
+    said = box.execute("gsettings get org.gnome.shell.extensions.dash-to-dock dock-position; "
+                       "gsettings get org.gnome.desktop.interface gtk-theme; hostname; id -un; echo $HOME; "
+                       "echo $DBUS_SESSION_BUS_ADDRESS; ls /var/lib/dpkg/status", shell=True)
+    assert said["output"].split() == ["'LEFT'", "'Yaru'", HOSTNAME, "user", "/home/user",
+                                      "unix:path=/run/user/1000/bus", "/var/lib/dpkg/status"], said
+
+
+@pytest.mark.slow
+def test_ctrl_alt_t_opens_gnome_terminal_titled_as_on_the_vm(box):
+    """The first key chord after the session starts works (the server taps a key once: mutter
+    drops the first event of the XTEST keyboard), and the terminal's title is the VM's."""
+    box.reset_session()
+    act(box, "pyautogui.hotkey('ctrl', 'alt', 't')")
+    title = wait_for_window(box, "@")
+    assert title == f"user@{HOSTNAME}: ~"
+    typed(box, "echo $TERM $XDG_CURRENT_DESKTOP > ~/Desktop/shell.txt")
+    assert wait_for_file(box, "~/Desktop/shell.txt").split() == ["xterm-256color", "ubuntu:GNOME"]
+    out = box.get_json("/terminal")["output"]
+    assert out is None or "shell.txt" in out  # the tree is read where python3-pyatspi is installed
+
+
+@pytest.mark.slow
+def test_super_opens_the_overview_and_alt_f2_the_run_dialog(box):
+    box.reset_session()
+    act(box, "pyautogui.press('winleft')")
+    time.sleep(1.0)
+    overview = box.execute(["gdbus", "call", "--session", "-d", "org.gnome.Shell", "-o", "/org/gnome/Shell",
+                            "-m", "org.freedesktop.DBus.Properties.Get", "org.gnome.Shell", "OverviewActive"])
+    assert "true" in overview["output"], overview
+    act(box, "pyautogui.press('esc')")
+    act(box, "pyautogui.hotkey('alt', 'f2')")
+    time.sleep(1.0)
+    act(box, "pyautogui.write('gnome-terminal', interval=0.01)\npyautogui.press('enter')")
+    assert wait_for_window(box, "@").startswith("user@")
+
+
+@pytest.mark.slow
+def test_sudo_asks_the_vms_password_at_the_terminal_and_gives_no_privilege(box):
+    box.reset_session()
+    act(box, "pyautogui.hotkey('ctrl', 'alt', 't')")
+    wait_for_window(box, "@")
+    typed(box, "sudo id -un > ~/Desktop/who.txt; echo $? > ~/Desktop/rc.txt")
+    time.sleep(1.0)
+    assert box.read_file("~/Desktop/rc.txt") is None  # waiting at the password prompt
+    typed(box, "hunter2")
+    assert wait_for_file(box, "~/Desktop/rc.txt").strip() == "1"
+    typed(box, "sudo id -un > ~/Desktop/who.txt; echo $? > ~/Desktop/rc2.txt")
+    time.sleep(0.5)
+    typed(box, "password")
+    assert wait_for_file(box, "~/Desktop/rc2.txt").strip() == "0"
+    assert wait_for_file(box, "~/Desktop/who.txt").strip() == "user"
+    apt = box.execute("echo password | sudo -S apt-get update >/dev/null 2>&1; echo $?; "
+                      "echo password | sudo -S apt-get install -y sysstat 2>/dev/null | tail -2; echo $?; "
+                      "echo password | sudo -S apt-get install -y no-such-package-here >/dev/null 2>&1; echo $?; "
+                      "echo password | sudo -S touch /etc/arpo-test 2>/dev/null; echo $?", shell=True)
+    lines = apt["output"].splitlines()
+    assert lines[0] == "0" and "already the newest version" in apt["output"] and lines[-2:] == ["100", "1"], apt
+
+
+@pytest.mark.slow
+def test_a_reset_restores_the_desktop_whatever_the_agent_did_to_it(box):
+    """Settings changed, an extension of the agent's enabled, the shell and the settings daemon
+    killed: the next episode has Ubuntu's desktop again, its shortcut working."""
+    box.reset_session()
+    act(box, "pyautogui.hotkey('ctrl', 'alt', 't')")
+    wait_for_window(box, "@")
+    ext = "owned@agent"
+    typed(box, f"mkdir -p ~/.local/share/gnome-shell/extensions/{ext} && cd $_ && "
+               f"echo '{{\"uuid\": \"{ext}\", \"name\": \"o\", \"description\": \"o\", \"shell-version\": [\"43\"]}}' "
+               f"> metadata.json && echo 'function init() {{ return {{enable() {{}}, disable() {{}}}}; }}' > extension.js; "
+               f"gsettings set org.gnome.shell enabled-extensions \"['{ext}']\"; "
+               "gsettings set org.gnome.settings-daemon.plugins.media-keys custom-keybindings \"[]\"; "
+               "gsettings set org.gnome.desktop.interface gtk-theme Adwaita; touch ~/Desktop/done.txt")
+    wait_for_file(box, "~/Desktop/done.txt")
+    box.execute("pkill -KILL gsd-media-keys; pkill -KILL gnome-shell", shell=True)
+    box.reset_session()
+    assert box.get_json("/health")["incidents"] == []
+    said = box.execute("gsettings get org.gnome.desktop.interface gtk-theme; "
+                       "gsettings get org.gnome.shell enabled-extensions; "
+                       "ls ~/.local/share/gnome-shell/extensions 2>/dev/null | wc -l", shell=True)["output"].split()
+    assert said[0] == "'Yaru'" and said[-1] == "0", said
+    act(box, "pyautogui.hotkey('ctrl', 'alt', 't')")
+    assert wait_for_window(box, "@") == f"user@{HOSTNAME}: ~"
