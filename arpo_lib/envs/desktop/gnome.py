@@ -364,7 +364,15 @@ class Session:
         first frame (the screen is not black)."""
         answer = self._ask(env, "--dest=org.gnome.Shell", "/org/gnome/Shell", "org.freedesktop.DBus.Properties.Get",
                            "string:org.gnome.Shell", "string:ShellVersion")
-        return answer is not None and self.drawn()
+        return answer is not None and self.drawn() and all(
+            self._extension_enabled(env, uuid) for uuid in SESSION_MODE["enabledExtensions"])
+
+    def _extension_enabled(self, env: dict[str, str], uuid: str) -> bool:
+        """The extension (the dock) is enabled: GNOME Shell enables extensions after its start."""
+        answer = self._ask(env, "--dest=org.gnome.Shell", "/org/gnome/Shell",
+                           "org.gnome.Shell.Extensions.GetExtensionInfo", f"string:{uuid}")
+        words = (answer or "").split()
+        return any(words[i:i + 4] == ["state", "variant", "double", "1"] for i in range(len(words)))
 
     def log_tail(self, name: str, chars: int = 600) -> str:
         try:
