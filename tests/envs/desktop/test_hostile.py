@@ -31,6 +31,7 @@ from arpo_lib.actions import Action
 from arpo_lib.envs import make_env
 from arpo_lib.envs.base import EnvError
 from arpo_lib.envs.desktop.scripted import solution_actions
+from arpo_lib.envs.desktop import gnome
 from arpo_lib.envs.desktop.sandbox import Sandbox, desktop_unavailable
 
 REASON = desktop_unavailable()
@@ -42,10 +43,16 @@ AS_ROOT = os.geteuid() == 0
 
 # ---- helpers -----------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def terminal():
+DESKTOPS = ["openbox", pytest.param("gnome", marks=pytest.mark.skipif(
+    gnome.unavailable() is not None, reason=gnome.unavailable() or ""))]
+"""Every attack through the terminal runs on both desktops: our own (openbox) and OSWorld's
+computer (GNOME Shell, its session's buses and daemons, arpo_lib/envs/desktop/gnome.py)."""
+
+
+@pytest.fixture(scope="module", params=DESKTOPS)
+def terminal(request):
     """desktop/terminal-mkdir: a shell in a terminal, the agent's most direct tool."""
-    env = make_env("desktop/terminal-mkdir", screen=SCREEN, max_steps=500)
+    env = make_env("desktop/terminal-mkdir", screen=SCREEN, max_steps=500, desktop=request.param)
     yield env
     env.close()
 
@@ -88,6 +95,14 @@ def sandbox_processes(box) -> list[str]:
 DESKTOP_PROCESSES = {"bwrap", "python", "python3", "Xvfb", "openbox", "ps", "dbus-daemon", "at-spi-bus-laun"}
 """What runs in a sandbox with no application: the server, the X server, the window manager, the
 episode's session bus and AT-SPI's (a11y.py, where the tree is served), and the `ps` asking."""
+GNOME_PROCESSES = {"gnome-shell", "gsd-xsettings", "gsd-media-keys", "gvfsd", "gvfsd-trash", "gvfsd-metadata",
+                   "dconf-service", "at-spi2-registr", "nautilus", "xkbcomp", "sh"}
+"""... and with GNOME: its session (started anew at every reset), and Nautilus, which the dock
+starts as the file manager service."""
+
+
+def desktop_processes(env) -> set[str]:
+    return DESKTOP_PROCESSES | (GNOME_PROCESSES if getattr(env, "desktop", "openbox") == "gnome" else set())
 
 
 # ---- 1. host files ------------------------------------------------------------------------------
@@ -584,7 +599,8 @@ def test_finding9_a_reset_ends_every_process_even_while_they_fork(terminal):
             time.sleep(0.2)
         terminal.sandbox.reset_session()
         left = sandbox_processes(terminal.sandbox)
-        assert set(left) <= DESKTOP_PROCESSES | {"sh"} and "sleep" not in left and "bash" not in left, (trial, left)
+        assert set(left) <= desktop_processes(terminal) | {"sh"} and "sleep" not in left and "bash" not in left, \
+            (trial, left)
     still_scores(terminal)
 
 
@@ -851,3 +867,99 @@ def test_a_sandbox_that_cannot_start_says_why(monkeypatch):
             make_env("desktop/terminal-mkdir", limits={"pid": 5})
         except ValueError as e:
             raise EnvError(str(e)) from e
+
+
+# ---- 10. what GNOME adds (OSWorld's computer: arpo_lib/envs/desktop/gnome.py) -----------------------
+
+_SHELL_EXTENSION = """
+const {{ GLib, Gio }} = imports.gi;
+function init() {{
+    return {{
+        enable() {{
+            const out = [];
+            for (const path of {paths}) {{
+                try {{ out.push(new TextDecoder().decode(GLib.file_get_contents(path)[1])); }}
+                catch (e) {{ out.push('refused ' + path); }}
+            }}
+            try {{ GLib.file_set_contents('{host_file}', 'owned'); out.push('WROTE'); }} catch (e) {{ out.push('nowrite'); }}
+            try {{
+                new Gio.SocketClient().connect(new Gio.UnixSocketAddress({{ path: '{socket}' }}), null);
+                out.push('CONNECTED');
+            }} catch (e) {{ out.push('noconnect'); }}
+            out.push('ENV ' + GLib.getenv('ARPO_CANARY_TOKEN'));
+            GLib.file_set_contents(GLib.get_home_dir() + '/ext-out.txt', out.join('\\n'));
+        }},
+        disable() {{}},
+    }};
+}}
+"""
+
+
+@pytest.mark.skipif(gnome.unavailable() is not None, reason=gnome.unavailable() or "")
+def test_what_gnome_adds_opens_no_way_out(canaries, monkeypatch, tmp_path):
+    """Through GNOME's own doors: the run dialog (Alt+F2), an extension of the agent's loaded into
+    GNOME Shell itself (after a shell restart, Alt+F2 `r`), the shell's Eval method, a D-Bus
+    service file in the home, the system bus. Host files, a host socket and the host's
+    environment stay out of reach, nothing lands on the host, and the next episode is clean."""
+    secret, paths = canaries
+    monkeypatch.setenv("ARPO_CANARY_TOKEN", secret)
+    name = uuid.uuid4().hex[:8]
+    host_file = f"/var/tmp/arpo-from-shell-{name}"
+    sock_dir = tmp_path / "sock"
+    sock_dir.mkdir()
+    sock_dir.chmod(0o755)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(sock_dir / "s"))
+    listener.listen(4)
+    listener.settimeout(0.2)
+    os.chmod(sock_dir / "s", 0o777)
+    box = Sandbox(SCREEN, window_manager="gnome")
+    try:
+        # the run dialog: a command as the shell starts it
+        box.run_action("pyautogui.hotkey('alt', 'f2')")
+        time.sleep(1.0)
+        box.run_action(f"pyautogui.write({('sh -c ' + repr(f'cat {chr(32).join(paths)} > ~/run.txt 2>&1; env >> ~/run.txt')).__repr__()}"
+                       ", interval=0.01)\npyautogui.press('enter')")
+        deadline = time.monotonic() + 20
+        while box.read_file("~/run.txt") is None:
+            assert time.monotonic() < deadline, "the run dialog did not run the command"
+            time.sleep(0.2)
+        time.sleep(0.5)
+        ran = box.read_file("~/run.txt").decode(errors="replace")
+        assert secret not in ran and "No such file" in ran, ran[-2000:]
+        # an extension of the agent's, enabled, loaded by a shell restart
+        ext = f"owned-{name}@agent"
+        box.execute(["sh", "-c", 'mkdir -p "$1" && printf %s "$2" > "$1/metadata.json" && printf %s "$3" > "$1/extension.js"',
+                     "sh", f"/home/user/.local/share/gnome-shell/extensions/{ext}",
+                     json.dumps({"uuid": ext, "name": "o", "description": "o", "shell-version": ["43"]}),
+                     _SHELL_EXTENSION.format(paths=json.dumps(paths), host_file=host_file, socket=sock_dir / "s")])
+        assert box.execute(["gsettings", "set", "org.gnome.shell", "enabled-extensions", f"['{ext}']"])["returncode"] == 0
+        box.run_action("pyautogui.hotkey('alt', 'f2')")
+        time.sleep(1.0)
+        box.run_action("pyautogui.write('r', interval=0.01)\npyautogui.press('enter')")
+        deadline = time.monotonic() + 40
+        while box.read_file("~/ext-out.txt") is None:
+            assert time.monotonic() < deadline, "GNOME Shell did not load the agent's extension"
+            time.sleep(0.3)
+        out = box.read_file("~/ext-out.txt").decode(errors="replace")
+        assert secret not in out and "WROTE" in out and "noconnect" in out and f"ENV null" in out, out
+        assert not Path(host_file).exists(), "GNOME Shell wrote to the host"
+        # D-Bus: the shell's Eval, a service of the agent's, the system bus
+        said = box.execute("gdbus call --session -d org.gnome.Shell -o /org/gnome/Shell -m org.gnome.Shell.Eval "
+                           "'1 + 1'; mkdir -p ~/.local/share/dbus-1/services; printf '[D-BUS Service]\\n"
+                           "Name=org.arpo.Evil\\nExec=/bin/touch /home/user/evil-ran\\n' > "
+                           "~/.local/share/dbus-1/services/org.arpo.Evil.service; gdbus call --session -d org.arpo.Evil "
+                           "-o / -m org.arpo.Evil.Go 2>&1; gdbus call --system -d org.freedesktop.DBus "
+                           "-o /org/freedesktop/DBus -m org.freedesktop.DBus.ListNames", shell=True)["output"]
+        assert said.startswith("(false, ''") or "AccessDenied" in said, said  # Eval off, as on the VM (GNOME 41+)
+        assert "ServiceUnknown" in said and box.read_file("~/evil-ran") is None, said
+        assert "systemd1" not in said and "login1" not in said and "NetworkManager" not in said, said
+        # the next episode: none of it
+        box.reset_session()
+        clean = box.execute("ls -A ~/.local/share/gnome-shell/extensions 2>/dev/null; "
+                            "gsettings get org.gnome.shell enabled-extensions", shell=True)["output"].split()
+        assert clean == ["@as", "[]"], clean
+    finally:
+        box.close()
+        listener.close()
+        Path(host_file).unlink(missing_ok=True)
