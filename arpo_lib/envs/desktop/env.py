@@ -20,7 +20,7 @@ from arpo_lib.envs.base import EnvError, GUIEnv, Observation
 from arpo_lib.envs.desktop import tasks as suite
 from arpo_lib.envs.desktop.confinement import ISOLATION_MODES, Limits
 from arpo_lib.envs.desktop.gnome import DESKTOP_KINDS
-from arpo_lib.envs.desktop.sandbox import Sandbox
+from arpo_lib.envs.desktop.sandbox import Sandbox, network_mode
 
 
 class DesktopEnv(GUIEnv):
@@ -28,12 +28,12 @@ class DesktopEnv(GUIEnv):
     (pause after each action before the screenshot), `wait_s` (what a `wait()` action waits),
     `limits` (the sandbox's resource limits: confinement.Limits fields), `isolation` ("auto",
     "namespaces" or "user": confinement.py), `desktop` ("openbox", the suite's own: no launcher;
-    or "gnome", OSWorld's VM's: gnome.py)."""
+    or "gnome", OSWorld's VM's: gnome.py), `network` ("none"; "user": usernet.py)."""
 
     def __init__(self, task: str, *, screen: tuple[int, int] = (1920, 1080), max_steps: int = 15,
                  settle_s: float = 0.5, wait_s: float = 1.0, reward: str = "binary",
                  limits: Limits | dict[str, Any] | None = None, isolation: str = "auto",
-                 desktop: str = "openbox") -> None:
+                 desktop: str = "openbox", network: str = "none") -> None:
         if max_steps < 1:
             raise ValueError(f"max_steps must be >= 1, got {max_steps}")
         if isolation not in ISOLATION_MODES:
@@ -43,6 +43,7 @@ class DesktopEnv(GUIEnv):
         self.limits = Limits.from_options(limits)  # an unknown or impossible limit fails here, not at reset
         self.isolation = isolation
         self.desktop = desktop
+        self.network = network_mode(network)
         self.task = suite.load_task(task)
         absent = [c for c in suite.required_commands(self.task) if not shutil.which(c)]
         if absent:
@@ -78,7 +79,7 @@ class DesktopEnv(GUIEnv):
             if self._box is not None:
                 self._box.close()
             self._box = Sandbox(self.screen, limits=self.limits, isolation=self.isolation,
-                                window_manager=self.desktop)
+                                window_manager=self.desktop, network=self.network)
             self.timings["start_s"] = time.monotonic() - t0
         try:
             self._box.reset_session()

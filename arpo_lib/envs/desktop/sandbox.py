@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from arpo_lib.envs.base import EnvError
-from arpo_lib.envs.desktop import a11y, confinement, gnome
+from arpo_lib.envs.desktop import a11y, confinement, gnome, usernet
 from arpo_lib.envs.desktop.confinement import HOME_IN_SANDBOX, Limits
 from arpo_lib.envs.desktop.server import ACTION_TIMEOUT_S
 
@@ -83,6 +83,20 @@ def desktop_unavailable(isolation: str = "auto") -> str | None:
     return None
 
 
+NETWORK_MODES = ("none", "user", "host")
+
+
+def network_mode(network: bool | str | None) -> str:
+    """"none", "user" or "host" from the option (False/None: none; True: host, as before)."""
+    if network is None or network is False:
+        return "none"
+    if network is True:
+        return "host"
+    if network not in NETWORK_MODES:
+        raise ValueError(f"network must be one of {NETWORK_MODES} (or a bool), got {network!r}")
+    return network
+
+
 class _UnixConnection(http.client.HTTPConnection):
     def __init__(self, path: str, timeout: float) -> None:
         super().__init__("sandbox", timeout=timeout)
@@ -98,13 +112,21 @@ class Sandbox:
     """One private desktop. Raises EnvError when it cannot start or its server stops answering.
 
     `limits`: confinement.Limits (or a mapping of its fields); `isolation`: "auto", "namespaces"
-    or "user" (the dedicated-user fallback, root only); `network`: share the host's network (off:
+    or "user" (the dedicated-user fallback, root only); `network`: "none" (False: loopback only,
+    the default), "user" (a user-mode network reaching outside addresses, never the host's
+    loopback, its own addresses, link-local or metadata ones: usernet.py) or "host" (True: the
+    host's network namespace, its loopback services included; no task needs it). `network` off:
     loopback only; on, the agent reaches the host's loopback services too)."""
 
-    def __init__(self, screen: tuple[int, int] = (1920, 1080), *, network: bool = False,
+    def __init__(self, screen: tuple[int, int] = (1920, 1080), *, network: bool | str = False,
                  window_manager: str = "openbox", binds: dict[str, str] | None = None,
                  limits: Limits | dict[str, Any] | None = None, isolation: str = "auto") -> None:
+        self.network = network_mode(network)
         reason = desktop_unavailable(isolation)
+        if reason is None and self.network == "user":
+            reason = usernet.unavailable()
+            if reason is None and confinement.choose_isolation(isolation) != "namespaces":
+                reason = "env.options.network=user needs the namespaces isolation (bubblewrap)"
         if reason is None and window_manager == "gnome":
             reason = gnome.unavailable()
             if reason is None and confinement.choose_isolation(isolation) != "namespaces":
@@ -116,7 +138,9 @@ class Sandbox:
         self.screen = screen
         self.limits = Limits.from_options(limits)
         self.isolation = confinement.choose_isolation(isolation)
-        self.network_blocked = not network
+        network = self.network == "host"  # bubblewrap shares the host's namespace only then
+        self.network_blocked = self.network == "none"
+        self.usernet: usernet.UserNetwork | None = None
         self.agent_uid: int | None = None
         self.cgroup: confinement.Cgroup | None = None
         """The sandbox's cgroup (pids and memory limits enforced by the kernel), where one could be made."""
@@ -157,6 +181,13 @@ class Sandbox:
             for fd in getattr(self, "_fds_to_close", []):
                 os.close(fd)
         listener.close()  # the server holds it now
+        if self.network == "user":
+            try:
+                self.usernet = usernet.UserNetwork(usernet.sandbox_init_pid(self.process.pid), self.workdir / "control")
+                self.usernet.start()
+            except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+                self.close()
+                raise EnvError(f"the sandbox's user-mode network did not start: {e}") from e
         self._wait_ready()
         _say_once(self.describe())
 
@@ -186,6 +217,10 @@ class Sandbox:
             log.debug("seccomp: this libseccomp does not know %s", unknown)
         seccomp_fd = os.open(filter_path, os.O_RDONLY)
         self._fds_to_close = [seccomp_fd]
+        if self.network == "user":  # its resolver: pasta's forwarder (the host's /etc/resolv.conf stays masked)
+            (self.workdir / "resolv.conf").write_text(usernet.resolv_conf())
+            (self.workdir / "resolv.conf").chmod(0o644)
+            binds = {**(binds or {}), str(self.workdir / "resolv.conf"): "/etc/resolv.conf"}
         args = confinement.bwrap_arguments(self.workdir, self.limits, network=network, seccomp_fd=seccomp_fd,
                                            binds=binds)
         command = ["bwrap", *args, *self._server_arguments(listen_fd, window_manager), "--display", ":0",
@@ -414,6 +449,8 @@ class Sandbox:
     def report(self) -> dict[str, Any]:
         """How this sandbox is confined: mode, limits, and what the mode does not promise."""
         return {"isolation": self.isolation, "limits": self.limits.as_dict(), "network_blocked": self.network_blocked,
+                "network": self.network,
+                "network_fenced": self.usernet.blocked if self.usernet is not None else [],
                 "agent_uid": self.agent_uid, "host_uid": self.host_uid if self.isolation == "namespaces" else self.agent_uid,
                 "cgroup": self.cgroup.kind if self.cgroup is not None else None, "seccomp": self.isolation == "namespaces",
                 "sized_tmpfs": self.isolation == "namespaces" and "--size" in confinement.bwrap_features(),
@@ -448,6 +485,9 @@ class Sandbox:
         self._cleanup_files()
 
     def _cleanup_files(self) -> None:
+        if getattr(self, "usernet", None) is not None:
+            self.usernet.close()
+            self.usernet = None
         if not self._log.closed:
             self._log.close()
         if self.cgroup is not None and self.cgroup.remove():  # before the watcher, which would wait for it

@@ -385,6 +385,7 @@ class OSWorldEnv(GUIEnv):
         task_loader: Callable[[str], Mapping[str, Any]] | str | None = None,
         desktop: str = "gnome",
         on_setup_failure: str = "run",
+        network: str = "none",
     ) -> None:
         """Load the task, import the DesktopEnv class and check the machine; the VM boots on the
         first `reset`.
@@ -423,6 +424,9 @@ class OSWorldEnv(GUIEnv):
             reset's info says `setup_skipped`; the rollout engine records it as `setup_failed`,
             counted, never trained on) or "error" (the run stops, naming the task and the step).
             Either way the reset's info lists them in `setup_failures`.
+        network: provider "sandbox" only: "none" (the default: the sandbox's own loopback) or
+            "user" (a user-mode network like the VM's: outside addresses, never the host's
+            loopback, its addresses, link-local or metadata ones; arpo_lib/envs/desktop/usernet.py).
         """
         size = tuple(screen_size)
         if len(size) != 2 or not all(isinstance(v, int) and v > 0 for v in size):
@@ -437,6 +441,10 @@ class OSWorldEnv(GUIEnv):
             raise ValueError(f"on_setup_failure must be one of {SETUP_FAILURE_POLICIES}, got {on_setup_failure!r}")
         if desktop not in DESKTOPS:
             raise ValueError(f"desktop must be one of {DESKTOPS}, got {desktop!r}")
+        if network not in ("none", "user"):
+            raise ValueError(f"network must be 'none' or 'user', got {network!r}")
+        if network != "none" and provider != SANDBOX_PROVIDER:
+            raise ValueError("network='user' gives the sandbox a network: it needs provider='sandbox' (a VM has its own)")
         if desktop != "gnome" and provider != SANDBOX_PROVIDER:
             raise ValueError(f"desktop={desktop!r} chooses the sandbox's desktop: it needs provider='sandbox'")
         clash = set(desktop_env_kwargs or ()) & set(_MANAGED_KWARGS)
@@ -465,7 +473,7 @@ class OSWorldEnv(GUIEnv):
                 desktop_env_class = SANDBOX_DESKTOP_ENV_CLASS
             path_to_vm = path_to_vm or "desktop-sandbox"
             self.pause_vm = False  # nothing to pause: see arpo_lib/envs/osworld/sandbox.py
-            desktop_env_kwargs["sandbox_options"] = {"window_manager": desktop,
+            desktop_env_kwargs["sandbox_options"] = {"window_manager": desktop, "network": network,
                                                      **(desktop_env_kwargs.get("sandbox_options") or {})}
         self._desktop_env_cls = _desktop_env_class(desktop_env_class)
         if provider == "docker":
