@@ -35,6 +35,7 @@ FORK_COMMIT="7a6409d7f54e335181398b10038ddf3beda9ab33"
 
 WITH_VM=0
 LIGHT=0
+OFFLINE_HINT=""
 CHOICE=fork
 for arg in "$@"; do
   case "$arg" in
@@ -57,6 +58,11 @@ if [ "$CHOICE" = fork ]; then
     MARKER_JSON="{\"source\": \"fork\", \"repository\": \"$FORK_REPO\", \"commit\": \"$FORK_COMMIT\", \"from\": \"$DESKTOP_ENV_REQ\"}"
   else
     DESKTOP_ENV_REQ="desktop_env @ https://github.com/$FORK_REPO/archive/$FORK_COMMIT.tar.gz"
+    # What to do where GitHub cannot be reached (said when pip fails, under its own error).
+    OFFLINE_HINT=". The ARPO fork comes from GitHub; if this machine cannot reach it:
+  - --desktop-env=pypi installs PyPI's desktop-env $DESKTOP_ENV_VERSION instead (OSWorld-Verified era checkers, no pause()), or
+  - ARPO_DESKTOP_ENV_SOURCE=<a directory or archive of the fork's tree at $FORK_COMMIT> installs it from a local copy
+    (e.g. the OSWorld/ folder genalyu/3SPO_GUI vendors); see --help"
     MARKER_JSON="{\"source\": \"fork\", \"repository\": \"$FORK_REPO\", \"commit\": \"$FORK_COMMIT\"}"
   fi
 else
@@ -123,7 +129,7 @@ else
   if [ "$LIGHT" = 1 ]; then
     say "installing $DESKTOP_ENV_REQ (no pinned dependencies) and what its evaluator imports into $VENV"
     quiet "$VP" -m pip uninstall -q -y desktop-env desktop_env >/dev/null 2>&1 || true
-    quiet "$VP" -m pip install -q --no-deps "$DESKTOP_ENV_REQ" easyocr || die "pip install of $DESKTOP_ENV_REQ failed"
+    quiet "$VP" -m pip install -q --no-deps "$DESKTOP_ENV_REQ" easyocr || die "pip install of $DESKTOP_ENV_REQ failed$OFFLINE_HINT"
     quiet "$VP" -m pip install -q -r scripts/osworld_evaluator_requirements.txt || die "pip install failed"
     site="$("$VP" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
     if [ -z "${ARPO_OSWORLD_TORCH_FROM:-}" ]; then
@@ -135,7 +141,7 @@ else
     # pillow: arpo_lib's screenshots (desktop-env pins its own line, which pip keeps);
     # pyseccomp: the desktop sandbox's system-call filter (provider "sandbox").
     quiet "$VP" -m pip uninstall -q -y desktop-env desktop_env >/dev/null 2>&1 || true
-    quiet "$VP" -m pip install -q "$DESKTOP_ENV_REQ" pillow pyseccomp || die "pip install of $DESKTOP_ENV_REQ failed"
+    quiet "$VP" -m pip install -q "$DESKTOP_ENV_REQ" pillow pyseccomp || die "pip install of $DESKTOP_ENV_REQ failed$OFFLINE_HINT"
   fi
   printf '%s\n' "$MARKER_JSON" > "$VENV/arpo-desktop-env.json"
   say "checking the imports"

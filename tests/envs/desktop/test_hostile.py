@@ -945,13 +945,16 @@ def test_what_gnome_adds_opens_no_way_out(canaries, monkeypatch, tmp_path):
         assert secret not in out and "WROTE" in out and "noconnect" in out and f"ENV null" in out, out
         assert not Path(host_file).exists(), "GNOME Shell wrote to the host"
         # D-Bus: the shell's Eval, a service of the agent's, the system bus
-        said = box.execute("gdbus call --session -d org.gnome.Shell -o /org/gnome/Shell -m org.gnome.Shell.Eval "
-                           "'1 + 1'; mkdir -p ~/.local/share/dbus-1/services; printf '[D-BUS Service]\\n"
+        evaluated = box.execute(["gdbus", "call", "--session", "-d", "org.gnome.Shell", "-o", "/org/gnome/Shell",
+                                 "-m", "org.gnome.Shell.Eval", "1 + 1"])
+        assert "'2'" not in evaluated["output"] and ("(false" in evaluated["output"] or "denied" in
+                                                     evaluated["error"].lower() or "not allowed" in evaluated["error"]), \
+            evaluated  # the shell's Eval is off, as on the VM (GNOME 41 and later)
+        said = box.execute("mkdir -p ~/.local/share/dbus-1/services; printf '[D-BUS Service]\\n"
                            "Name=org.arpo.Evil\\nExec=/bin/touch /home/user/evil-ran\\n' > "
                            "~/.local/share/dbus-1/services/org.arpo.Evil.service; gdbus call --session -d org.arpo.Evil "
                            "-o / -m org.arpo.Evil.Go 2>&1; gdbus call --system -d org.freedesktop.DBus "
                            "-o /org/freedesktop/DBus -m org.freedesktop.DBus.ListNames", shell=True)["output"]
-        assert said.startswith("(false, ''") or "AccessDenied" in said, said  # Eval off, as on the VM (GNOME 41+)
         assert "ServiceUnknown" in said and box.read_file("~/evil-ran") is None, said
         assert "systemd1" not in said and "login1" not in said and "NetworkManager" not in said, said
         # the next episode: none of it

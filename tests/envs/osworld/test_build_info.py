@@ -3,10 +3,13 @@ runs the environment workers, recorded in results and runs, and mixed builds war
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+
+import pytest
 
 from arpo_lib.envs.osworld import build_info
 from arpo_lib.envs.osworld.build_info import desktop_env_build, same_build
@@ -101,3 +104,16 @@ def test_a_run_records_its_desktop_env_and_keeps_a_changed_one(tmp_path, monkeyp
     miniwob = load_config(REPO / "configs" / "smoke.yaml", [f"out_dir={tmp_path}"])
     monkeypatch.undo()
     assert build.record_desktop_env(miniwob) is None
+
+
+@pytest.mark.slow
+def test_setup_osworld_names_the_offline_choices_when_the_fork_cannot_be_fetched(tmp_path):
+    """The fork comes from GitHub; where it cannot be reached, the failure says what to do instead
+    (PyPI's desktop-env, or a local copy of the fork), not pip's error alone."""
+    env = {**os.environ, "ARPO_OSWORLD_VENV": str(tmp_path / "venv"), "PIP_NO_INDEX": "1",
+           "https_proxy": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9", "PIP_RETRIES": "0",
+           "PIP_TIMEOUT": "5"}
+    done = subprocess.run(["bash", str(REPO / "scripts" / "setup_osworld.sh"), "--light"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0
+    assert "--desktop-env=pypi" in done.stderr and "ARPO_DESKTOP_ENV_SOURCE" in done.stderr, done.stderr[-2000:]
