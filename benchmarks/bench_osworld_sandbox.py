@@ -11,6 +11,10 @@ Runs in the interpreter that has desktop_env (./workbench setup-osworld --light)
 
 Tasks: one per application (Chrome, VLC, GIMP, Impress) from the fetched OSWorld task data
 (`./workbench osworld-tasks fetch`); without it, the three real task files in test_data/osworld_tasks.
+`--desktops gnome openbox` measures OSWorld's computer (GNOME, the default) beside the openbox
+desktop in the same run (with `--tasks-dir test_data/osworld_sandbox`: two tasks whose solutions
+need no coordinates, so both desktops run the same actions); `idle_cores` is the CPU the sandbox
+uses with the application open and nothing happening (GNOME Shell's share).
 Writes benchmarks/results/osworld_sandbox.json. Memory with the task's application open (after
 OSWorld's set-up and one click), over the sandbox's processes: PSS (shared pages divided among the processes using them: what one more
 environment costs) and RSS (shared pages counted once per process: too high).
@@ -63,14 +67,36 @@ def task_files(tasks_dir: Path | None) -> list[Path]:
     return sorted((repo / "test_data" / "osworld_tasks").glob("*.json"))
 
 
-def one_env(path: Path, episodes: int, pause_s: float, out: dict[str, Any]) -> None:
+def _tree_cpu_s(root_pid: int) -> float:
+    """CPU seconds (user + system) used so far by the live processes of the tree under root_pid."""
+    ticks, todo, seen = 0, [root_pid], set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        try:
+            after_name = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            ticks += int(after_name[11]) + int(after_name[12])
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, IndexError, ValueError):
+            continue
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+IDLE_S = 3.0
+"""How long the desktop's idle CPU is measured (the application open, nothing happening)."""
+
+
+def one_env(path: Path, episodes: int, pause_s: float, out: dict[str, Any], desktop: str = "gnome") -> None:
     from arpo_lib.envs.osworld.env import OSWorldEnv
     from arpo_lib.envs.osworld.sandbox_check import solution_actions
 
     task = json.loads(path.read_text())
     actions = solution_actions(task, SCREEN, path.stem)
     env = OSWorldEnv(task, provider="sandbox", screen_size=SCREEN, max_steps=len(actions) + 2, pause_s=pause_s,
-                     download_cache=None)
+                     download_cache=None, desktop=desktop)
     try:
         resets, clicks, solved, scores = [], [], [], []
         for _ in range(episodes):
@@ -82,6 +108,9 @@ def one_env(path: Path, episodes: int, pause_s: float, out: dict[str, Any]) -> N
             clicks.append(time.monotonic() - t)
             box = env._desktop.sandbox  # the application open after OSWorld's set-up
             out["rss_mib"], out["pss_mib"] = _tree_rss_mib(box.process.pid), _tree_pss_mib(box.process.pid)
+            cpu = _tree_cpu_s(box.process.pid)
+            time.sleep(IDLE_S)
+            out["idle_cores"] = (_tree_cpu_s(box.process.pid) - cpu) / IDLE_S
             t = time.monotonic()
             env.reset()
             resets.append(time.monotonic() - t)
@@ -101,9 +130,9 @@ def one_env(path: Path, episodes: int, pause_s: float, out: dict[str, Any]) -> N
         env.close()
 
 
-def run(n_envs: int, files: list[Path], episodes: int, pause_s: float) -> dict[str, Any]:
+def run(n_envs: int, files: list[Path], episodes: int, pause_s: float, desktop: str = "gnome") -> dict[str, Any]:
     outs: list[dict[str, Any]] = [{} for _ in range(n_envs)]
-    threads = [threading.Thread(target=one_env, args=(files[i % len(files)], episodes, pause_s, outs[i]))
+    threads = [threading.Thread(target=one_env, args=(files[i % len(files)], episodes, pause_s, outs[i], desktop))
                for i in range(n_envs)]
     t0 = time.monotonic()
     for th in threads:
@@ -112,8 +141,9 @@ def run(n_envs: int, files: list[Path], episodes: int, pause_s: float) -> dict[s
         th.join()
     wall = time.monotonic() - t0
     ok = [o for o in outs if "error" not in o]
-    summary: dict[str, Any] = {"envs": n_envs, "wall_s": round(wall, 1), "errors": [o["error"] for o in outs if "error" in o]}
-    for key in ("first_reset_s", "reset_s", "step_s", "episode_s", "rss_mib", "pss_mib", "success"):
+    summary: dict[str, Any] = {"desktop": desktop, "envs": n_envs, "wall_s": round(wall, 1),
+                               "errors": [o["error"] for o in outs if "error" in o]}
+    for key in ("first_reset_s", "reset_s", "step_s", "episode_s", "rss_mib", "pss_mib", "idle_cores", "success"):
         summary[key] = round(statistics.mean(o[key] for o in ok), 2) if ok else None
     summary["pss_mib_max"] = round(max(o["pss_mib"] for o in ok), 1) if ok else None
     summary["episodes_per_min"] = round(60 * 2 * episodes * len(ok) / wall, 1) if ok else None  # + the click episodes
@@ -129,16 +159,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--tasks-dir", type=Path, default=None, help="task files (default: one per application)")
     parser.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
     parser.add_argument("--name", default="osworld_sandbox")
+    parser.add_argument("--desktops", nargs="+", default=["gnome"], choices=("gnome", "openbox"),
+                        help="the sandbox's desktops, measured one after the other in this run")
     args = parser.parse_args(argv)
     files = task_files(args.tasks_dir)
-    rows = [run(n, files, args.episodes, args.pause_s) for n in args.envs]
+    rows = [run(n, files, args.episodes, args.pause_s, desktop) for n in args.envs for desktop in args.desktops]
     result = {"benchmark": "osworld_sandbox", "screen": list(SCREEN), "episodes_per_env": args.episodes,
               "pause_s": args.pause_s, "tasks": [p.stem for p in files],
               "machine": f"{platform.machine()}, {os.cpu_count()} cores", "python": sys.executable, "rows": rows,
               "command": "python benchmarks/bench_osworld_sandbox.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     path = write_result(args.name, result, args.out)
-    print(table(rows, ["envs", "first_reset_s", "reset_s", "step_s", "episode_s", "pss_mib", "pss_mib_max", "rss_mib", "success",
-                       "episodes_per_min", "wall_s"]))
+    print(table(rows, ["desktop", "envs", "first_reset_s", "reset_s", "step_s", "episode_s", "pss_mib", "pss_mib_max",
+                       "rss_mib", "idle_cores", "success", "episodes_per_min", "wall_s"]))
     print(f"written {path}")
     return result
 

@@ -20,28 +20,31 @@ from arpo_lib.envs.osworld import tasks as ot
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[3]
-REAL_TASKS = REPO / "test_data" / "osworld_tasks"  # three of OSWorld's own task files, unchanged
+REAL_TASKS = REPO / "test_data" / "osworld_tasks"  # four of OSWorld's own task files, unchanged
 CHROME = ["2ae9ba84-3a0d-4d4c-8338-3a1478dc5fe3", "bb5e4c0d-f964-439c-97b6-bdb9747de3f4"]
 INFEASIBLE = "b3d4a89c-53f2-4d6b-8b6a-541fb5d205fa"
+TERMINAL = "e0df059f-28a6-4169-924f-b9623e7184cc"
+"""An OS-domain task solved as an agent on OSWorld's VM solves it: Ctrl+Alt+T opens GNOME Terminal,
+then a typed `mv`."""
 
 
 @pytest.fixture(scope="module")
 def task_cache(tmp_path_factory) -> Path:
-    """A task cache holding the three real task files in OSWorld's tree layout, fetched as
+    """A task cache holding the four real task files in OSWorld's tree layout, fetched as
     `osworld-tasks fetch --source <checkout>` fetches."""
     tree = tmp_path_factory.mktemp("osworld") / "evaluation_examples"
-    for domain, ids in {"chrome": CHROME, "os": [INFEASIBLE]}.items():
+    for domain, ids in {"chrome": CHROME, "os": [INFEASIBLE, TERMINAL]}.items():
         (tree / "examples" / domain).mkdir(parents=True)
         for task_id in ids:
             shutil.copy(REAL_TASKS / f"{task_id}.json", tree / "examples" / domain)
-    (tree / ot.TEST_ALL_LIST).write_text(json.dumps({"chrome": CHROME, "os": [INFEASIBLE]}))
+    (tree / ot.TEST_ALL_LIST).write_text(json.dumps({"chrome": CHROME, "os": [INFEASIBLE, TERMINAL]}))
     (tree / ot.TRAIN_LIST).write_text(json.dumps({"chrome": CHROME}))
     cache = tree.parent.parent / "osworld-tasks"
     saved = os.environ.get(ot.ENV_VAR)
     os.environ[ot.ENV_VAR] = str(cache)
     try:
         ot.fetch_tasks(tree.parent, progress=False,
-                       expect=ot.Expectations(lists={ot.TEST_ALL_LIST: 3}, set_sizes={"sandbox_solved": 3}))
+                       expect=ot.Expectations(lists={ot.TEST_ALL_LIST: 4}, set_sizes={"sandbox_solved": 4}))
     finally:
         os.environ.pop(ot.ENV_VAR) if saved is None else os.environ.__setitem__(ot.ENV_VAR, saved)
     return cache
@@ -61,9 +64,9 @@ def test_eval_scores_osworlds_tasks_1_with_the_scripted_solutions_and_0_with_the
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results_file = next((tmp_path / "osworld-sandbox" / "eval").glob("*/results.json"))
     results = json.loads(results_file.read_text())
-    assert results["episodes"] == 3 and results["env_errors"] == 0, results
+    assert results["episodes"] == 4 and results["env_errors"] == 0, results
     assert {r["task"]: r["success_rate"] for r in results["tasks"]} == {
-        f"osworld/{t}": 1.0 for t in [*CHROME, INFEASIBLE]}, results["tasks"]
+        f"osworld/{t}": 1.0 for t in [*CHROME, INFEASIBLE, TERMINAL]}, results["tasks"]
     # which checkers scored it: the tests' environment is PyPI's 1.0.2 (no pause())
     assert results["desktop_env"]["label"] == "pypi desktop-env 1.0.2", results["desktop_env"]
     assert results["desktop_env"]["has_pause"] is False
@@ -72,7 +75,7 @@ def test_eval_scores_osworlds_tasks_1_with_the_scripted_solutions_and_0_with_the
     # the OSWorld fork's layout: <model>/<trial>/<domain>/<task>/result.txt, read by its pass_at_n.py
     model_dir = results_file.parent / "osworld_results" / "pyautogui" / "screenshot" / tiny_qwen25vl.name
     scores = {p.parent.name: float(p.read_text()) for p in model_dir.glob("0/*/*/result.txt")}
-    assert scores == {t: 1.0 for t in [*CHROME, INFEASIBLE]}
+    assert scores == {t: 1.0 for t in [*CHROME, INFEASIBLE, TERMINAL]}
     # The tiny model through a served policy (the workbench's HF server), in the evaluation
     # notebook run by papermill: its episodes leave the state unsolved, and OSWorld's checkers,
     # reading the same files, score 0.
@@ -89,9 +92,9 @@ def test_eval_scores_osworlds_tasks_1_with_the_scripted_solutions_and_0_with_the
     errors = [o.get("evalue") for c in cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors, errors
     results = json.loads(next(served.rglob("results.json")).read_text())
-    assert results["episodes"] == 3 and results["env_errors"] == 0 and results["checker_errors"] == 0, results
+    assert results["episodes"] == 4 and results["env_errors"] == 0 and results["checker_errors"] == 0, results
     assert {r["task"]: r["success_rate"] for r in results["tasks"]} == {
-        f"osworld/{t}": 0.0 for t in [*CHROME, INFEASIBLE]}, results["tasks"]
+        f"osworld/{t}": 0.0 for t in [*CHROME, INFEASIBLE, TERMINAL]}, results["tasks"]
 
 
 def test_one_arpo_step_on_real_osworld_tasks_with_a_served_policy_and_ray_actors(osworld_python, task_cache,
