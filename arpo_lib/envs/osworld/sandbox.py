@@ -80,7 +80,7 @@ class SandboxProvider:
                  sandbox_options: dict[str, Any] | None = None) -> None:
         self.region = region
         self.screen_size = tuple(screen_size)
-        self.sandbox_options = dict(sandbox_options or {})
+        self.sandbox_options = {"window_manager": "gnome", **(sandbox_options or {})}  # OSWorld's VM's desktop
         self.box: Sandbox | None = None
         self.bridge: LoopbackBridge | None = None
 

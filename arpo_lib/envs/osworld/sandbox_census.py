@@ -13,9 +13,17 @@ Runs in the interpreter that has desktop_env. Each task lands in exactly one col
     download    its set-up or checker downloads files (named): runnable once they are in the shared
                 download cache (`osworld-tasks prefetch` on a machine with internet)
     internet    it needs the live internet or an account (open web pages, Google Drive, a login)
-    gnome_vscode  it needs VS Code (not in Debian) or a GNOME-only piece (gsettings, nautilus,
-                gnome-terminal's output, GNOME's settings daemons)
+    vscode      it needs VS Code (not in Debian's archive; the sandbox's desktop is GNOME, so
+                gsettings, Nautilus and GNOME Terminal's output run)
     fails       none of the above, and it still does not set up or score here (the reason)
+
+And a second judgement, `solvable` (the "solvable here" column): for a feasible task whose file
+needs no network (columns scores, vscode, fails), "yes" when a scripted solution of GUI actions
+scores 1 with OSWorld's evaluator (sandbox_solutions.json; `sandbox_check --solved` proves it),
+else the named reason it cannot be solved here (sandbox_unsolvable.json), else "not tried";
+"FAIL" for an infeasible task whose FAIL scores 1; "network" for the download and internet columns.
+The set-up's failures (a command that failed, a window not there: server.Desktop.setup_report)
+are recorded per task run (`setup_failures`).
 
 The first three columns are decided by reading the task file (the rules are `static_column`); a
 task not in them is run. Counting rules: a task is `download` when any set-up step or getter of it
@@ -36,7 +44,7 @@ from typing import Any, Iterator
 
 from arpo_lib.envs.desktop import a11y
 
-COLUMNS = ("scores", "download", "internet", "gnome_vscode", "fails")
+COLUMNS = ("scores", "download", "internet", "vscode", "fails")
 INTERNET_STEPS = {"chrome_open_tabs", "chrome_close_tabs", "login", "googledrive", "update_browse_history"}
 INTERNET_GETTERS = {"googledrive_file", "page_info", "info_from_website", "pdf_from_url", "number_of_search_results",
                     "gotoRecreationPage_and_get_html_content"}
@@ -50,8 +58,8 @@ NEVER_MATCHES = ("its metric check_left_panel looks for cp:parentcoord in the ur
                  "as the sandbox's): it cannot score 1 on OSWorld's VM either")
 """Why a task whose metric can match no tree OSWorld's server writes is not run (see `_never_matches`)."""
 DOWNLOAD_GETTERS = {"cloud_file"}
-GNOME_VSCODE_WORDS = ("gsettings", "nautilus", "gnome-", "org.gnome", "code ", "\"code\"", "'code'", "vscode", "dconf")
-GNOME_VSCODE_GETTERS = {"vscode_config", "vm_terminal_output"}
+VSCODE_WORDS = ("code ", "\"code\"", "'code'", "vscode", "code.desktop")
+VSCODE_GETTERS = {"vscode_config"}
 NOT_HERE = {"timedatectl": "needs systemd (timedatectl): the sandbox runs no init system",
             "pactl": "needs a PulseAudio server: none in the sandbox yet"}
 """What a task file may name that the sandbox lacks, with the reason (column `fails`, not run)."""
@@ -109,10 +117,10 @@ def static_column(task: dict[str, Any], a11y_missing: str | None = None) -> tupl
     if urls:
         return "internet", f"opens {urllib.parse.urlparse(urls[0]).netloc}"
     text = json.dumps(steps) + json.dumps(getters)
-    pieces = sorted({w.strip("\"' ") for w in GNOME_VSCODE_WORDS if w in text} |
-                    {g["type"] for g in getters if g.get("type") in GNOME_VSCODE_GETTERS})
+    pieces = sorted({w.strip("\"' ") for w in VSCODE_WORDS if w in text} |
+                    {g["type"] for g in getters if g.get("type") in VSCODE_GETTERS})
     if pieces:
-        return "gnome_vscode", ", ".join(pieces)
+        return "vscode", ", ".join(pieces)
     reads_tree = any(g.get("type") in A11Y_GETTERS for g in getters)
     missing = sorted({reason for word, reason in NOT_HERE.items() if word in text} |
                      ({A11Y_NOT_SERVED.format(a11y_missing)} if reads_tree and a11y_missing else set()) |
@@ -132,6 +140,7 @@ def run_task(env: Any, task: dict[str, Any]) -> tuple[str, str, dict[str, Any]]:
     except Exception as e:  # noqa: BLE001 - the reason is the result
         return "fails", f"set-up: {type(e).__name__}: {str(e)[:300]}", facts
     facts["reset_s"] = round(time.monotonic() - started, 1)
+    facts["setup_failures"] = list(getattr(env, "setup_failures", None) or [])
     failed = [a for a in env.sandbox.launched() if a["returncode"] not in (None, 0)]
     answers = ["DONE", "FAIL"] if task.get("evaluator", {}).get("func") == "infeasible" else ["DONE"]
     scores = []
@@ -167,6 +176,23 @@ def _launch_failures(apps: list[dict[str, Any]]) -> str:
     return "launched: " + "; ".join(parts)
 
 
+def solvable(row: dict[str, Any], task: dict[str, Any]) -> str:
+    """The "solvable here" judgement of one census row (see the module's docstring)."""
+    from arpo_lib.envs.osworld.tasks import known_solutions, known_unsolvable
+
+    if row["column"] in ("download", "internet"):
+        return "network"
+    if task.get("evaluator", {}).get("func") == "infeasible":
+        return "FAIL" if row["column"] == "scores" else "no"
+    if row["task"] in known_solutions():
+        return "yes"
+    if row["task"] in known_unsolvable():
+        return "no: " + known_unsolvable()[row["task"]]
+    if row["column"] in ("fails", "vscode"):
+        return "no: " + (row["reason"] if row["column"] == "fails" else "needs VS Code, which Debian does not package")
+    return "not tried"
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
     domains = sorted({r["domain"] for r in rows})
     lines = ["| domain | tasks | " + " | ".join(COLUMNS) + " |", "|---" * (len(COLUMNS) + 2) + "|"]
@@ -177,10 +203,16 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         n = sum(counts.values())
         lines.append(f"| {domain} | {n} | " + " | ".join(str(counts.get(c, 0)) for c in COLUMNS) + " |")
     lines.append(f"| **total** | **{sum(totals.values())}** | " + " | ".join(f"**{totals.get(c, 0)}**" for c in COLUMNS) + " |")
-    lines += ["", "| task | domain | column | reason |", "|---|---|---|---|"]
+    solved = [r for r in rows if r.get("solvable") == "yes"]
+    lines += ["", f"**Solvable here: {len(solved)} feasible task files over {len({r['domain'] for r in solved})} "
+                  f"domains** ({', '.join(f'{d} {n}' for d, n in sorted(Counter(r['domain'] for r in solved).items()))}); "
+                  f"infeasible ones whose FAIL scores 1: {sum(r.get('solvable') == 'FAIL' for r in rows)}.", ""]
+    lines += ["| task | domain | column | reason | solvable here | set-up failures |", "|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (COLUMNS.index(r["column"]), r["domain"], r["task"])):
-        if r["column"] in ("scores", "fails", "gnome_vscode"):
-            lines.append(f"| `{r['task'][:8]}` | {r['domain']} | {r['column']} | {r['reason'].replace('|', '/')} |")
+        if r["column"] in ("scores", "fails", "vscode"):
+            failures = "; ".join(r.get("setup_failures") or []) or ""
+            lines.append(f"| `{r['task'][:8]}` | {r['domain']} | {r['column']} | {r['reason'].replace('|', '/')} | "
+                         f"{r.get('solvable', '').replace('|', '/')} | {failures.replace('|', '/')[:300]} |")
     return "\n".join(lines) + "\n"
 
 
@@ -222,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     column, reason = decided
                 row = {"task": task_id, "domain": path.parent.name, "column": column, "reason": reason, **facts}
+                row["solvable"] = solvable(row, task)
                 done[task_id] = row
                 out.write(json.dumps(row) + "\n")
                 out.flush()
@@ -231,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
         if env is not None:
             env.close()
     rows = [done[p.stem] for p in files if p.stem in done]
+    for path in files:  # the judgement follows the solutions as they are now, also for rows kept from a file
+        if path.stem in done:
+            done[path.stem]["solvable"] = solvable(done[path.stem], json.loads(path.read_text()))
     if args.markdown:
         args.markdown.write_text(markdown(rows))
     print(json.dumps(Counter(r["column"] for r in rows)))

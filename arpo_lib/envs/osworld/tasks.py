@@ -450,6 +450,7 @@ def _resolve_set(ee: Path, name: str) -> dict[str, list[str]]:
     raise ValueError(f"unknown OSWorld task set {name!r}; sets: {', '.join(TASK_SETS)}")
 
 
+UNSOLVABLE = Path(__file__).with_name("sandbox_unsolvable.json")
 SOLUTIONS = Path(__file__).with_name("sandbox_solutions.json")
 """Our scripted solutions of OSWorld's own task files (they carry none), by task id."""
 
@@ -458,6 +459,12 @@ SOLUTIONS = Path(__file__).with_name("sandbox_solutions.json")
 def known_solutions() -> dict[str, dict[str, Any]]:
     """sandbox_solutions.json's entries by task id (read once)."""
     return {k: v for k, v in json.loads(SOLUTIONS.read_text()).items() if not k.startswith("_")}
+
+
+def known_unsolvable() -> dict[str, str]:
+    """sandbox_unsolvable.json: feasible, network-free OSWorld task files that cannot be solved in
+    the sandbox, by task id, with the reason (the census's "solvable here" column)."""
+    return {k: v for k, v in json.loads(UNSOLVABLE.read_text()).items() if not k.startswith("_")}
 
 
 def task_set_by_domain(name: str, root: Path | None = None) -> dict[str, list[str]]:

@@ -71,9 +71,10 @@ def test_the_census_reads_what_a_task_file_needs():
     assert static_column(task([tabs, download]))[0] == "internet"  # the live internet wins
     assert static_column(task([download])) == ("download", "1 file(s) from drive.google.com (1)")
     assert static_column(task(result={"type": "cloud_file", "path": "https://h.example/f"}))[0] == "download"
-    assert static_column(task([{"type": "execute", "parameters": {"command": "gsettings set a b c"}}])) == \
-        ("gnome_vscode", "gsettings")
-    assert static_column(task(result={"type": "vscode_config"}))[0] == "gnome_vscode"
+    # GNOME's pieces run on the sandbox's GNOME desktop; VS Code is what Debian does not have
+    assert static_column(task([{"type": "execute", "parameters": {"command": "gsettings set a b c"}}])) is None
+    assert static_column(task(result={"type": "vm_terminal_output"})) is None
+    assert static_column(task(result={"type": "vscode_config"}))[0] == "vscode"
     column, reason = static_column(task(result={"type": "active_url_from_accessTree"}), a11y_missing="no pyatspi")
     assert column == "fails" and "/accessibility" in reason and "no pyatspi" in reason
     assert static_column(task(result={"type": "active_url_from_accessTree"}), a11y_missing=None) is None  # served: run
@@ -82,10 +83,29 @@ def test_the_census_reads_what_a_task_file_needs():
     rules = {"type": "rule", "rules": [{"selectors": ["page-tab-list[attr|id=\"tabmail-tabs\"]>page-tab"]}]}
     assert static_column(task(result=tree, func="check_accessibility_tree", expected=rules)) is None
     assert static_column(task([{"type": "launch", "parameters": {"command": ["vlc"]}}])) is None  # to be run
-    rows = [{"task": "a" * 36, "domain": "os", "column": "scores", "reason": "no-op 0"},
-            {"task": "b" * 36, "domain": "os", "column": "download", "reason": "1 file"}]
+    rows = [{"task": "a" * 36, "domain": "os", "column": "scores", "reason": "no-op 0", "solvable": "yes",
+             "setup_failures": ["activate_window \"Terminal\": no window matched 'Terminal'"]},
+            {"task": "b" * 36, "domain": "os", "column": "download", "reason": "1 file", "solvable": "network"}]
     table = markdown(rows)
-    assert "| os | 2 | 1 | 1 | 0 | 0 | 0 |" in table and "| `aaaaaaaa` | os | scores | no-op 0 |" in table
+    assert "| os | 2 | 1 | 1 | 0 | 0 | 0 |" in table and "**Solvable here: 1 feasible task files over 1 domains**" in table
+    assert "| `aaaaaaaa` | os | scores | no-op 0 | yes | activate_window \"Terminal\": no window matched" in table
+
+
+def test_the_census_says_what_is_solvable_here_and_why_not():
+    from arpo_lib.envs.osworld.sandbox_census import solvable
+    from arpo_lib.envs.osworld.tasks import known_solutions, known_unsolvable
+
+    feasible = {"evaluator": {"func": "exact_match"}}
+    solved = next(iter(known_solutions()))
+    assert solvable({"task": solved, "column": "scores"}, feasible) == "yes"
+    unsolvable, why = next(iter(known_unsolvable().items()))
+    assert solvable({"task": unsolvable, "column": "scores"}, feasible) == f"no: {why}"
+    assert solvable({"task": "x", "column": "fails", "reason": "needs systemd"}, feasible) == "no: needs systemd"
+    assert solvable({"task": "x", "column": "vscode", "reason": "code"}, feasible).startswith("no: needs VS Code")
+    assert solvable({"task": "x", "column": "download", "reason": ""}, feasible) == "network"
+    assert solvable({"task": "x", "column": "scores"}, {"evaluator": {"func": "infeasible"}}) == "FAIL"
+    assert solvable({"task": "x", "column": "scores"}, feasible) == "not tried"
+    assert not set(known_solutions()) & set(known_unsolvable())  # one judgement per task
 
 
 # ---- with OSWorld's desktop_env ----------------------------------------------------------------
