@@ -69,7 +69,7 @@ def run_episode(task: dict[str, Any], actions: list[Action], screen: tuple[int, 
     env = OSWorldEnv(task, provider="sandbox", screen_size=screen, max_steps=max(len(actions), 1), **options)
     try:
         started = time.monotonic()
-        observation, info = env.reset()
+        observation, reset_info = env.reset()
         reset_s = time.monotonic() - started
         settle_s = getattr(env._desktop, "settle_s", None)
         if shots is not None:
@@ -91,7 +91,7 @@ def run_episode(task: dict[str, Any], actions: list[Action], screen: tuple[int, 
                 break
         return {"score": score, "reset_s": round(reset_s, 2), "settle_s": None if settle_s is None else round(settle_s, 2),
                 "step_s": round(sum(step_times) / max(len(step_times), 1), 2),
-                "setup_failures": list(info.get("setup_failures") or []), "errors": errors}
+                "setup_failures": list(reset_info.get("setup_failures") or []), "errors": errors}
     finally:
         env.close()
 
