@@ -66,14 +66,16 @@ fi
 #    OSWorld's computer (arpo_lib/envs/desktop/gnome.py, the default desktop of OSWorld's sandbox
 #    provider): GNOME Shell with Ubuntu's look (Yaru, Ubuntu's dock), GNOME Terminal, Nautilus,
 #    dconf and the settings daemon, the everyday tools of OSWorld's VM image that Debian has
-#    (sysstat, jq, vim), and user-mode networking (passt) for env.options.network=user.
+#    (sysstat, jq, vim, a PulseAudio sound server), and user-mode networking (passt) for
+#    env.options.network=user.
 #    Without recommends: ~220 packages, ~150 MB to download, ~50 s. The Ubuntu font is in Debian's
 #    non-free section: fetched with a temporary source list (the machine's own lists untouched).
 GNOME_PKGS=(gnome-shell mutter gnome-session-bin gnome-terminal nautilus dconf-cli gnome-settings-daemon
             yaru-theme-gtk yaru-theme-icon yaru-theme-gnome-shell gnome-shell-extension-dashtodock
-            sysstat jq vim passt)
+            sysstat jq vim passt pulseaudio pulseaudio-utils)
 if ! command -v gnome-shell >/dev/null || ! command -v gnome-terminal >/dev/null || ! command -v sar >/dev/null \
     || ! command -v pasta >/dev/null || ! command -v jq >/dev/null || ! command -v vim >/dev/null \
+    || ! command -v pactl >/dev/null \
     || [ ! -d /usr/share/gnome-shell/extensions/dash-to-dock@micxgx.gmail.com ] \
     || [ ! -d /usr/share/gnome-shell/theme/Yaru ] || [ ! -x /usr/libexec/gsd-media-keys ]; then
   say "installing OSWorld's desktop with apt (GNOME Shell, Yaru, Ubuntu's dock, GNOME Terminal, Nautilus, sysstat; ~150 MB)"

@@ -3,7 +3,8 @@
 # (provider "sandbox": OSWorld without a VM). The default set-up (scripts/setup.sh) stays light.
 #   ./workbench setup-desktop --osworld    (= bash scripts/setup_desktop.sh --osworld)
 #   bash scripts/setup_desktop.sh --osworld --dry-run   what it would install, and the download size
-# Installs with apt, without recommends: LibreOffice (Calc, Writer, Impress; its default X11 front
+# Installs with apt, without recommends: GNOME's Videos (Totem, the VM's default video player),
+# LibreOffice (Calc, Writer, Impress; its default X11 front
 # end, which the scripted solutions were written against: with libreoffice-gtk3, the VM's front end
 # and the only one that reaches the accessibility tree, its dialogs move and the Impress solution
 # misses; not installed until the solutions are redone for it), GIMP, VLC, Thunderbird, wmctrl, socat, xsel, xclip,
@@ -37,7 +38,7 @@ for arg in "$@"; do
 done
 [ "$OSWORLD" = 1 ] || die "say which applications: --osworld (the default desktop comes with ./workbench setup)"
 
-APPS=(libreoffice-calc libreoffice-writer libreoffice-impress gimp vlc thunderbird wmctrl socat xsel xclip ffmpeg xdg-utils)
+APPS=(libreoffice-calc libreoffice-writer libreoffice-impress gimp vlc thunderbird totem wmctrl socat xsel xclip ffmpeg xdg-utils)
 CHROME_DEB_URL="https://dl.google.com/linux/direct/google-chrome-stable_current_amd64.deb"
 
 . /etc/os-release 2>/dev/null || true

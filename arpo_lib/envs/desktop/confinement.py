@@ -358,8 +358,10 @@ XDG_DEFAULTS = {
 """What `xdg-open` (and so /setup/open_file) opens where Debian's own defaults differ from OSWorld's
 Ubuntu image: a text file in the text editor (the VM's gedit; here Mousepad), not LibreOffice
 Writer; web pages, links and PDFs in `google-chrome` (the VM's default browser; Debian's entry
-would start Chromium itself, without Chrome's profile path). Office files (LibreOffice) and
+would start Chromium itself, without Chrome's profile path); videos in GNOME's Videos (Totem,
+the VM's default video player) where it is installed, not VLC. Office files (LibreOffice) and
 images (GIMP) keep Debian's defaults."""
+TOTEM = Path("/usr/share/applications/org.gnome.Totem.desktop")
 BROWSER_TYPES = ("text/html", "application/xhtml+xml", "x-scheme-handler/http", "x-scheme-handler/https",
                  "application/pdf")
 
@@ -367,6 +369,10 @@ BROWSER_TYPES = ("text/html", "application/xhtml+xml", "x-scheme-handler/http", 
 def _write_xdg_defaults(xdg: Path, browser: str | None) -> None:
     defaults = dict(XDG_DEFAULTS)
     (xdg / "applications").mkdir(mode=0o755, parents=True, exist_ok=True)
+    if TOTEM.is_file():  # every video type Totem takes: xdg-mime then answers as on the VM
+        for line in TOTEM.read_text(errors="replace").splitlines():
+            if line.startswith("MimeType="):
+                defaults.update({kind: TOTEM.name for kind in line[9:].split(";") if kind.startswith("video/")})
     if browser:
         chromium = browser
         defaults.update({kind: "google-chrome.desktop" for kind in BROWSER_TYPES})

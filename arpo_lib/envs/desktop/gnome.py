@@ -15,8 +15,9 @@ How, in two halves:
   goes back to Ubuntu's values, as Ubuntu's own defaults behave), and the configuration of a
   private system bus (GNOME Shell refuses to start without one; nothing of the host's is reached);
 - the action server starts the session at every reset (`Session.start`), after the home was
-  emptied and the episode's session bus started: the system bus, gnome-shell, the settings
-  daemon's xsettings (GTK's theme and fonts) and media-keys (the shortcuts) plugins. A reset ends
+  emptied and the episode's session bus started: the system bus, PulseAudio (where installed),
+  gnome-shell, the settings daemon's xsettings (GTK's theme and fonts) and media-keys (the
+  shortcuts) plugins. A reset ends
   them with every other process of the episode: nothing the agent did to its desktop (an
   extension, a setting, a killed shell) outlives the episode.
 
@@ -280,6 +281,19 @@ def seed_home(home: Path) -> None:
     marks = home / ".local" / "share" / "gnome-shell"
     marks.mkdir(parents=True, exist_ok=True)
     (marks / "lock-warning-shown").touch()
+    if Path(PULSEAUDIO).exists():  # the session's sound server reads it (Session.start)
+        (home / ".config" / "pulse").mkdir(parents=True, exist_ok=True)
+        (home / ".config" / "pulse" / "default.pa").write_text(PULSE_DEFAULT_PA)
+
+
+PULSEAUDIO = "/usr/bin/pulseaudio"
+PULSE_DEFAULT_PA = f""".include /etc/pulse/default.pa
+.nofail
+set-sink-volume @DEFAULT_SINK@ {int(0.4 * 65536)}
+"""
+"""The sound server's start-up in the sandbox: the system's (a null output: there is no sound card), at 40%. The VM's
+own level is not published; OSWorld's volume task asks to turn a low volume up to the maximum,
+so it is below 100% there too."""
 
 
 class Session:
@@ -315,6 +329,8 @@ class Session:
             self._run("system-bus", ["dbus-daemon", "--nofork", f"--config-file={session_dir / 'system-bus.conf'}"],
                       kwargs)
             self._wait(lambda: os.path.exists(SYSTEM_BUS_SOCKET), "system-bus", deadline)
+            if Path(PULSEAUDIO).exists():  # the VM's session runs its sound server (the shell's volume menu uses it)
+                self._run("pulseaudio", [PULSEAUDIO, "--daemonize=no", "--exit-idle-time=-1"], kwargs)
             self._run("gnome-shell", ["gnome-shell", "--x11", "--sm-disable"], kwargs)
             self._wait(lambda: self._shell_ready(env), "gnome-shell", deadline)
             self._run("gsd-xsettings", ["/usr/libexec/gsd-xsettings"], kwargs)

@@ -60,8 +60,9 @@ NEVER_MATCHES = ("its metric check_left_panel looks for cp:parentcoord in the ur
 DOWNLOAD_GETTERS = {"cloud_file"}
 VSCODE_WORDS = ("code ", "\"code\"", "'code'", "vscode", "code.desktop")
 VSCODE_GETTERS = {"vscode_config"}
-NOT_HERE = {"timedatectl": "needs systemd (timedatectl): the sandbox runs no init system",
-            "pactl": "needs a PulseAudio server: none in the sandbox yet"}
+NOT_HERE = {"timedatectl": "needs systemd (timedatectl): the sandbox runs no init system"}
+if not Path("/usr/bin/pulseaudio").exists():
+    NOT_HERE["pactl"] = "needs a PulseAudio server: install Debian's pulseaudio (./workbench setup does)"
 """What a task file may name that the sandbox lacks, with the reason (column `fails`, not run)."""
 
 
