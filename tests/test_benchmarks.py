@@ -277,3 +277,18 @@ def test_report_renders_every_committed_result_and_a_gpu_goals_table(tmp_path):
     text = report.main(results, tmp_path / "RESULTS.md")
     assert "No GPU figures yet" not in text
     assert "| 7B update fwd+bwd at least 3x the naive path | 1.03x | missed |" in text
+
+
+@pytest.mark.slow
+def test_settle_benchmark_runs_small(tmp_path):
+    from arpo_lib.envs.desktop import gnome
+    from arpo_lib.envs.desktop.sandbox import desktop_unavailable
+    from benchmarks import bench_settle
+
+    if desktop_unavailable() or gnome.unavailable():
+        pytest.skip(desktop_unavailable() or gnome.unavailable())
+    result = bench_settle.main(["--repeats", "1", "--timeout", "4", "--out", str(tmp_path)])
+    rows = {r["set-up"]: r for r in result["rows"]}
+    assert set(rows) == set(bench_settle.SETUPS)
+    assert rows["a command, no window"]["before_s"] >= 4  # the old wait ran out: nothing opened a window
+    assert (tmp_path / "settle.json").is_file()
