@@ -198,3 +198,35 @@ def test_the_osworld_export_reads_through_the_store(spare, tmp_path):
     _edit_meta(spare, lambda m: m.update(status="done"))
     with pytest.raises(TrajectoryFormatError, match="'status'"):
         export_osworld_results(tmp_path / "eval", tmp_path / "results", "m")
+
+
+@pytest.mark.parametrize("policy_name", ["run", "skip"])
+def test_a_failed_set_up_is_kept_with_the_trajectory_and_skip_is_counted_apart(written, tmp_path, policy_name):
+    """The reset's set-up failures go into the trajectory (meta.json, read back); with
+    on_setup_failure=skip the episode is not played, its status is setup_failed, and the step's
+    metrics count it apart from infrastructure failures."""
+    from arpo_lib.training.metrics import rollout_metrics
+    from arpo_lib.types import EpisodeStatus
+
+    policy, _, _ = written
+    config = load_fake_task("fake-type")
+    config["fake"] = {"setup_failures": ["activate_window Terminal: no window matched 'Terminal'"]}
+    pool = InlinePool(lambda: OSWorldEnv(config, provider="fake", desktop_env_class=FakeDesktopEnv,
+                                         cache_root=tmp_path / "cache", download_cache=None, pause_s=0, backoff_s=0,
+                                         screen_size=(448, 252), max_steps=5, on_setup_failure=policy_name))
+    FakeDesktopEnv.clear()
+    try:
+        (traj,) = RolloutEngine(_Fixed(policy, RESPONSES), pool, max_steps=5).run(
+            [EpisodeRequest("osworld/fake-type", 7, 1)], out_dir=tmp_path / "eval", progress=False)
+    finally:
+        pool.close()
+        FakeDesktopEnv.clear()
+    assert traj.setup_failures == ["activate_window Terminal: no window matched 'Terminal'"]
+    assert read_trajectory(traj.directory).trajectory.setup_failures == traj.setup_failures
+    metrics = rollout_metrics(["osworld/fake-type"], [traj], [])
+    if policy_name == "run":
+        assert traj.ok and traj.num_steps == 2 and metrics["setup_failures"] == 1 and metrics["setup_failed"] == 0
+    else:
+        assert traj.status == EpisodeStatus.SETUP_FAILED and traj.num_steps == 0 and not traj.ok
+        assert "no window matched" in traj.error
+        assert metrics["setup_failed"] == 1 and metrics["env_errors"] == 0

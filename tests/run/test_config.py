@@ -69,6 +69,8 @@ def test_suggestion_for_typo():
     (["rollout.backend=server", "rollout.server_url=[h:1/v1]"], "rollout.server_url"),
     (["rollout.backend=server", "rollout.server_url=[]"], "rollout.server_url"),
     (["serve.device=tpu"], "serve.device"),
+    (["env.on_setup_failure=ignore"], "env.on_setup_failure"),
+    (["env.on_setup_failure=skip"], "env.on_setup_failure"),  # the smoke's MiniWoB tasks have no observed set-up
 ])
 def test_impossible_values_fail_naming_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
@@ -131,3 +133,23 @@ def test_registered_names_are_checked_naming_the_key_and_the_registered_choices(
     message = str(info.value)
     assert message.startswith(f"{key}: unknown {known.kind} ")
     assert message.endswith(f"registered: {', '.join(known)}") and len(known) >= 1
+
+
+def test_on_setup_failure_reaches_the_osworld_environments():
+    from arpo_lib import build
+
+    cfg = load_config("configs/osworld_sandbox.yaml", ["env.on_setup_failure=skip", "env.python=null"])
+    assert cfg.env.on_setup_failure == "skip"
+    seen = {}
+
+    def fake_pool(n, opts, *args, **kwargs):
+        seen.update(opts)
+
+    import arpo_lib.envs.pool as pool_module
+    original = pool_module.make_pool
+    pool_module.make_pool = fake_pool
+    try:
+        build.env_pool(cfg)
+    finally:
+        pool_module.make_pool = original
+    assert seen["on_setup_failure"] == "skip" and seen["provider"] == "sandbox"

@@ -36,7 +36,10 @@ Fault injection, to exercise retries and infrastructure failures:
   `checker_raises: true` (evaluate raises KeyError, as a checker missing its result file does;
   `checker_raises: k`: the first k evaluations of this task id in this process raise),
   `clipboard: false` (the VM has no clipboard tool: code that copies stops there, as `python -c`
-  would on pyperclip's exception, and the clipboard probe says so).
+  would on pyperclip's exception, and the clipboard probe says so), `setup_failures: [...]` (what
+  the set-up did not do, as the sandbox provider reports it in its `setup_failures` attribute),
+  `refuse_setup: true` (reset raises as desktop_env's SetupController does for a step type it
+  does not know).
 - `controller.execute_python_command` (OSWorld's PythonController, which the workbench calls
   directly for its clipboard probe): answers only that probe (`arpo_lib.envs.osworld.env.CLIPBOARD_PROBE`).
 - environment variable ARPO_FAKE_OSWORLD_BOOT_FAILURES=k: the first k constructions in this
@@ -222,6 +225,7 @@ class FakeDesktopEnv:
         self.clipboard = ""
         self.closed = False
         self.dead = False
+        self.setup_failures: list[str] = []
         self.paused = False
         self._step_no = 0
         self.controller = FakeController(self)
@@ -243,6 +247,9 @@ class FakeDesktopEnv:
         if self.task_config is None:
             raise ValueError("reset() without a task_config before any task was set")
         self._check_running("reset")
+        if self._fault("refuse_setup", False):
+            raise AssertionError("Setup controller cannot find init function _no_such_step_setup")
+        self.setup_failures = list(self._fault("setup_failures", []))
         self._download_setup()
         task_id = self.task_config["id"]
         FakeDesktopEnv._resets_by_task[task_id] += 1

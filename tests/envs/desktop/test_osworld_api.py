@@ -321,3 +321,35 @@ def _wait_for(check, what: str, timeout: float = 30.0):
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not within {timeout:.0f} s")
         time.sleep(0.3)
+
+
+@pytest.mark.slow
+def test_every_set_up_step_that_did_not_do_what_it_asked_is_reported(fresh):
+    """The set-up as OSWorld's SetupController sends it; /setup/report names each step that failed
+    (a `pkill` that finds nothing is not one; the provider's own calls before /setup/begin do not
+    count)."""
+    box, _, base = fresh
+    requests.post(f"{base}/execute", json={"command": "false", "shell": True}, timeout=30)  # before the set-up
+    requests.post(f"{base}/setup/begin", timeout=30)
+    calls = [("/execute", {"command": "echo password | sudo -S apt-get install -y no-such-package", "shell": True}),
+             ("/execute", {"command": ["pkill", "no-such-program"]}),
+             ("/setup/execute", {"command": "true", "shell": True}),
+             ("/setup/activate_window", {"window_name": "Terminal"}),
+             ("/setup/close_window", {"window_name": "Terminal", "by_class": True}),
+             ("/setup/open_file", {"path": "/home/user/missing.txt"}),
+             ("/setup/launch", {"command": ["sh", "-c", "echo dying >&2; exit 3"]}),
+             ("/setup/launch", {"command": ["sleep", "30"]})]
+    for path, body in calls:
+        requests.post(f"{base}{path}", json=body, timeout=60)
+    time.sleep(1.0)  # the dying program has exited
+    report = requests.get(f"{base}/setup/report", timeout=30).json()
+    assert [s["step"] for s in report["steps"]] == ["execute", "execute", "execute", "activate_window",
+                                                    "close_window", "open", "launch", "launch"]
+    failures = report["failures"]
+    assert len(failures) == 5, failures
+    assert "exited with code 100" in failures[0] and "Unable to locate package no-such-package" in failures[0]
+    assert "no window matched 'Terminal'" in failures[1] and "close_window" in failures[2]
+    assert "open /home/user/missing.txt: the file does not exist" in failures[3]
+    assert "exited with code 3: dying" in failures[4]
+    requests.post(f"{base}/setup/begin", timeout=30)
+    assert requests.get(f"{base}/setup/report", timeout=30).json() == {"steps": [], "failures": []}

@@ -156,7 +156,7 @@ def test_reset_boots_lazily_and_returns_the_screen(tmp_path):
     assert isinstance(obs.screenshot, Image.Image) and obs.screenshot.mode == "RGB"
     assert obs.screenshot.size == (1920, 1080)
     assert obs.instruction == "Click the blue 'Submit' button." and obs.step == 0
-    assert info == {"task_id": "fake-click", "domain": "fake"}
+    assert info == {"task_id": "fake-click", "domain": "fake", "setup_failures": []}
     assert env.name == "osworld/fake-click"
     (init,) = calls("__init__")
     assert init.args == {
@@ -746,5 +746,62 @@ def test_default_loader_reads_the_fetched_task_data(tmp_path, monkeypatch):
     monkeypatch.setattr(osworld_tasks, "task_domain", lambda task_id: "chrome")
     env = OSWorldEnv("fake-click", provider="fake", desktop_env_class=FAKE_DESKTOP_ENV, cache_root=tmp_path,
                      pause_s=0)
-    assert env.reset()[1] == {"task_id": "fake-click", "domain": "chrome"}
+    assert env.reset()[1] == {"task_id": "fake-click", "domain": "chrome", "setup_failures": []}
     env.close()
+
+
+# ---- set-up failures: named, and what an episode does about them -----------------------------
+
+@pytest.mark.parametrize("policy", ["run", "skip", "error"])
+def test_a_failed_set_up_is_named_and_the_policy_decides(tmp_path, policy):
+    """`on_setup_failure`: run plays the episode (the failures in the reset's info), skip ends it
+    at once (info says setup_skipped; a step is refused), error stops the run (a ValueError:
+    environment workers report it as a set-up error)."""
+    failed = ["execute apt-get install sysstat: exited with code 100", "activate_window Terminal: no window"]
+    env = fake_env(tmp_path, with_faults(setup_failures=failed), on_setup_failure=policy)
+    try:
+        if policy == "error":
+            with pytest.raises(ValueError, match="the task's set-up failed") as raised:
+                env.reset()
+            assert "exited with code 100" in str(raised.value)
+            return
+        obs, info = env.reset()
+        assert info["setup_failures"] == failed
+        if policy == "run":
+            assert "setup_skipped" not in info
+            env.step(Action("click", point=BOX_CENTRE))
+        else:
+            assert info["setup_skipped"] is True
+            with pytest.raises(RuntimeError, match="episode is over"):
+                env.step(Action("click", point=BOX_CENTRE))
+    finally:
+        env.close()
+
+
+def test_on_setup_failure_and_desktop_are_checked(tmp_path):
+    with pytest.raises(ValueError, match="on_setup_failure must be one of"):
+        fake_env(tmp_path, on_setup_failure="ignore")
+    with pytest.raises(ValueError, match="desktop must be one of"):
+        fake_env(tmp_path, desktop="kde")
+    with pytest.raises(ValueError, match="provider='sandbox'"):
+        fake_env(tmp_path, desktop="openbox")
+    with pytest.raises(ValueError, match="provider='sandbox'"):
+        fake_env(tmp_path, network="user")
+
+
+def test_a_task_file_desktop_env_refuses_is_not_retried(tmp_path):
+    """A step type desktop_env does not know: a retry cannot help, so no boot loop (before: 4 boots
+    and the back-off, ~85 s, then an EnvError as if the VM had failed)."""
+    from arpo_lib.envs.osworld.env import OSWorldTaskFileError, _task_file_refused
+
+    env = fake_env(tmp_path, with_faults(refuse_setup=True), backoff_s=30)
+    try:
+        with pytest.raises(OSWorldTaskFileError, match="refuses the task file: unknown set-up step type"):
+            env.reset()
+        assert len(calls("reset")) == 1
+    finally:
+        env.close()
+    wrapped = Exception("Setup step 2 failed: _launch_setup - x")
+    wrapped.__cause__ = TypeError("_launch_setup() got an unexpected keyword argument 'comand'")
+    assert "parameter it does not take" in _task_file_refused(wrapped)
+    assert _task_file_refused(ConnectionError("the VM is not up")) is None

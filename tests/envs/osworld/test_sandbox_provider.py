@@ -292,3 +292,21 @@ def test_a_document_that_unpacks_to_gigabytes_costs_the_host_no_more_than_the_wo
         # it did unpack (a truncated file would fail at once, costing nothing), and held at most its limit
         assert before["peak_rss_mib"] + 256 < after["peak_rss_mib"] < 3072, (before, after)
         worker.call("reset", (f"osworld/{task['id']}", 1))  # the next episode is served as before
+
+
+@pytest.mark.slow
+def test_sandbox_check_reports_a_refused_task_file_and_goes_on(osworld_python, task_files, tmp_path):
+    """A task file desktop_env refuses (a set-up step type it does not know) is reported on its line,
+    at once (no boot retries), and the check goes on; --noop runs a file without a solution."""
+    bad = json.loads(task_files[0].read_text())
+    bad.update(id="arpo-refused", config=[{"type": "no_such_step", "parameters": {}}])
+    bad.pop("x_solution", None)
+    (tmp_path / "arpo-refused.json").write_text(json.dumps(bad))
+    done = _in_osworld(osworld_python, ["-m", "arpo_lib.envs.osworld.sandbox_check", "--noop",
+                                        f"--screen={SCREEN[0]}x{SCREEN[1]}", str(tmp_path / "arpo-refused.json"),
+                                        str(task_files[0])])
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"task"')]
+    assert [line["task"] for line in lines] == ["arpo-refused", "arpo-sandbox-editor-save"], done.stderr[-3000:]
+    assert "refuses the task file: unknown set-up step type" in lines[0]["error"]
+    assert lines[1]["error"] is None and lines[1]["noop"] == 0.0 and lines[1]["solved"] is None
+    assert done.returncode == 1  # not every file passed
