@@ -942,7 +942,7 @@ def test_what_gnome_adds_opens_no_way_out(canaries, monkeypatch, tmp_path):
             assert time.monotonic() < deadline, "GNOME Shell did not load the agent's extension"
             time.sleep(0.3)
         out = box.read_file("~/ext-out.txt").decode(errors="replace")
-        assert secret not in out and "WROTE" in out and "noconnect" in out and f"ENV null" in out, out
+        assert secret not in out and "WROTE" in out and "noconnect" in out and "ENV null" in out, out
         assert not Path(host_file).exists(), "GNOME Shell wrote to the host"
         # D-Bus: the shell's Eval, a service of the agent's, the system bus
         evaluated = box.execute(["gdbus", "call", "--session", "-d", "org.gnome.Shell", "-o", "/org/gnome/Shell",
