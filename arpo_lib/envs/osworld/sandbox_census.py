@@ -184,7 +184,9 @@ def solvable(row: dict[str, Any], task: dict[str, Any]) -> str:
     if row["column"] in ("download", "internet"):
         return "network"
     if task.get("evaluator", {}).get("func") == "infeasible":
-        return "FAIL" if row["column"] == "scores" else "no"
+        if row["column"] == "scores":
+            return "FAIL"
+        return "no: " + (row["reason"] if row["column"] == "fails" else "needs VS Code, which Debian does not package")
     if row["task"] in known_solutions():
         return "yes"
     if row["task"] in known_unsolvable():
