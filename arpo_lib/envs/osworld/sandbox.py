@@ -55,11 +55,15 @@ HOME_PROFILES = [
     ("vlc", "timeout 30 vlc -I dummy --reset-config vlc://quit >/dev/null 2>&1; "
             "sed -i -e 's/^#qt-privacy-ask=.*/qt-privacy-ask=0/' -e 's/^#extraintf=.*/extraintf=http/' "
             "-e 's/^#http-password=.*/http-password=password/' ~/.config/vlc/vlcrc"),
+    ("google-chrome", "mkdir -p ~/.config/google-chrome/Default && "
+                      "[ -e ~/.config/google-chrome/Default/Preferences ] || echo '{}' > ~/.config/google-chrome/Default/Preferences"),
 ]
 """(program, shell script) run in the fresh home at every reset where the program is installed.
 VLC: its default vlcrc (VLC writes it), as on OSWorld's VM: no first-run privacy dialog, the web
 interface on (password "password", what OSWorld's vlc_playing_info getter sends). VLC's
-configuration tasks read this file; without it their getter finds nothing."""
+configuration tasks read this file; without it their getter finds nothing. Chrome: a profile
+(the VM image's Chrome has been run: task set-ups edit `Default/Preferences` before starting it,
+with jq); an empty one here, which Chrome fills with its defaults at its first start."""
 
 SETTLE_TIMEOUT_S = 20.0
 """After a set-up that started something, reset waits at most this long for the desktop to be still."""
