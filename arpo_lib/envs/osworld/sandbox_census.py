@@ -181,6 +181,8 @@ def solvable(row: dict[str, Any], task: dict[str, Any]) -> str:
     """The "solvable here" judgement of one census row (see the module's docstring)."""
     from arpo_lib.envs.osworld.tasks import known_solutions, known_unsolvable
 
+    if row["task"] in known_solutions() and task.get("evaluator", {}).get("func") != "infeasible":
+        return "yes"  # a file that names the network may still be solvable offline (its checker reads local state)
     if row["column"] in ("download", "internet"):
         return "network"
     if task.get("evaluator", {}).get("func") == "infeasible":
