@@ -31,7 +31,7 @@ from arpo_lib.run import config as config_module
 from arpo_lib.run.config import ConfigError, RunConfig, server_urls
 from arpo_lib.run.layout import RunDir
 from arpo_lib.run.records import atomic_write_bytes, safe_join
-from arpo_lib.serving.launch import ServerHandle, free_port, start_server
+from arpo_lib.serving.launch import ServerHandle, ServerSpec, free_port, start_server
 from arpo_lib.serving.weight_sync import FollowingServed, ServedPolicy, connect_all, save_for_server
 from arpo_lib.training import checkpoint as ckpt
 from arpo_lib.training.backend import TrainingBackend, training_backend
@@ -49,9 +49,15 @@ log = logging.getLogger(__name__)
 
 # -- the config ----------------------------------------------------------------------------------
 def load_config(path: str | Path | None = None, overrides: Any = None) -> RunConfig:
-    """`run.config.load_config` (YAML + dotted overrides, every field checked) plus the task names
-    checked against the environment registry: a misspelt task fails here, naming the key."""
-    return check_tasks(config_module.load_config(path, overrides))
+    """`run.config.load_config` (YAML + dotted overrides, every field checked) plus what needs the
+    layers above it (`check_config`): a misspelt task fails here, naming the key."""
+    return check_config(config_module.load_config(path, overrides))
+
+
+def check_config(cfg: RunConfig) -> RunConfig:
+    """The checks that need more than the config tree: task names against the environment
+    registry (`check_tasks`), the server's context against what an episode sends (`check_context`)."""
+    return check_context(check_tasks(cfg))
 
 
 def check_tasks(cfg: RunConfig) -> RunConfig:
@@ -67,6 +73,104 @@ def check_tasks(cfg: RunConfig) -> RunConfig:
             except ValueError as exc:
                 raise ConfigError(f"{key}: {exc}") from exc
     return cfg
+
+
+PROMPT_MARGIN_TOKENS = 2048
+"""Context an episode's requests hold beyond screenshots and responses: the system line and the
+prompt (the registered ones are ~1,200 characters, ~350 tokens), the task's instruction, and the
+chat template's ~12 tokens a turn (~180 over 15 turns), with room to spare."""
+
+DEFAULT_SCREEN = (1920, 1080)
+"""The screenshot size assumed where the config names none: the default screen of the OSWorld and
+desktop families (and ARPO's)."""
+
+
+def screenshot_size(cfg: RunConfig) -> tuple[tuple[int, int], str]:
+    """((width, height), where it comes from): the run's screenshots as its config sets them
+    (OSWorld's `screen_size` option, the desktop family's `screen`, MiniWoB's `scale` times its
+    160 x 210 task area), else `DEFAULT_SCREEN`."""
+    # Read here, not asked of the family: EnvFamily has no field for its screen yet.
+    options = cfg.env.options
+    for key in ("screen_size", "screen"):
+        if key in options:
+            size = options[key]
+            if not (isinstance(size, (list, tuple)) and len(size) == 2
+                    and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in size)):
+                raise ConfigError(f"env.options.{key}: expected [width, height] in pixels, got {size!r}")
+            return (size[0], size[1]), f"env.options.{key}"
+    tasks = cfg.env.tasks + (cfg.eval.tasks or []) + (cfg.select.tasks or [])
+    if tasks and all(t.partition("/")[0] == "miniwob" for t in tasks):
+        import inspect
+
+        from arpo_lib.envs.miniwob import TASK_HEIGHT, TASK_WIDTH, MiniWoBEnv  # no browser imported
+
+        scale = options.get("scale", inspect.signature(MiniWoBEnv).parameters["scale"].default)
+        return (TASK_WIDTH * scale, TASK_HEIGHT * scale), f"MiniWoB's task area at scale {scale}"
+    return DEFAULT_SCREEN, "the OSWorld and desktop families' default screen"
+
+
+def check_context(cfg: RunConfig) -> RunConfig:
+    """serve.max_model_len holds an episode's longest request, or ConfigError naming the numbers and
+    the fixes. vLLM refuses (HTTP 400, which the client does not retry: the run stops) a request
+    whose prompt plus max_tokens exceed it. The last step's request holds the screenshots kept
+    (model.history_images, at most env.max_steps), every earlier response as text (all are kept)
+    and room for its own, each at the response cap, and the prompt (`PROMPT_MARGIN_TOKENS`). A
+    screenshot costs what the checkpoint's image processor makes of the run's screen
+    (`screenshot_size`); a checkpoint whose processor config is not on this machine is assumed not
+    to downscale it (UI-TARS's limits). Only vLLM has the limit (serve.backend=vllm)."""
+    if cfg.serve.backend != "vllm":
+        return cfg
+    from arpo_lib.agent.prompt import QWEN_DEFAULT_MAX_PIXELS, checkpoint_image_limits, screenshot_tokens
+
+    (width, height), screen_from = screenshot_size(cfg)
+    limits = checkpoint_image_limits(cfg.model.path) or (28, 3136, QWEN_DEFAULT_MAX_PIXELS)
+    per_image = screenshot_tokens((width, height), limits)
+    cap, cap_key = config_module.longest_response(cfg)
+    steps, kept = cfg.env.max_steps, cfg.model.history_images
+
+    def request(step: int) -> int:  # step `step`'s (from 1): its screenshots, step - 1 responses and its own
+        return min(step, kept) * per_image + step * cap + PROMPT_MARGIN_TOKENS
+
+    needed = request(steps)
+    if needed <= cfg.serve.max_model_len:
+        return cfg
+    first = next(k for k in range(1, steps + 1) if request(k) > cfg.serve.max_model_len)
+    lower = "model.max_new_tokens" if cap_key == "model.max_new_tokens" else "eval.max_new_tokens"
+    raise ConfigError(
+        f"serve.max_model_len: {cfg.serve.max_model_len} tokens cannot hold an episode's last request, "
+        f"{needed} tokens: {min(steps, kept)} screenshots (model.history_images, at most env.max_steps) x "
+        f"{per_image} tokens ({width}x{height}, {screen_from}, under the processor's max_pixels {limits[2]}) "
+        f"+ {steps} responses (env.max_steps) x {cap} tokens ({cap_key}) + {PROMPT_MARGIN_TOKENS} for the "
+        f"prompt. With responses at the cap vLLM refuses the requests from step {first} on (HTTP 400), which "
+        f"stops the run. Raise serve.max_model_len to {needed} or more (vLLM allows up to the model's context: "
+        f"128000 for UI-TARS-1.5-7B), or lower model.history_images or {lower}")
+
+
+def check_gpus(cfg: RunConfig, policy: HFPolicy | None = None) -> None:
+    """A training run on a GPU that starts its own model server on a GPU must say which GPUs the
+    server gets (serve.cuda_devices), or ConfigError: a server that inherits every GPU takes GPU 0,
+    where the first training process holds the model (vLLM at serve.gpu_memory_utilization 0.9
+    then refuses to start; the hf server loads a second copy beside it). `policy`: the trained
+    policy when one is passed in (its device counts instead of model.device)."""
+    if cfg.rollout.backend != "server" or server_urls(cfg) or cfg.serve.cuda_devices is not None:
+        return
+    from arpo_lib.agent.hf_policy import resolve_device
+
+    trains_on = policy.device.type if policy is not None else resolve_device(cfg.model.device).type
+    if cfg.serve.backend == "vllm":
+        serves_on = ServerSpec(cfg.model.path, backend="vllm", options={"device": cfg.serve.device}).vllm_device
+    else:  # our hf server loads the model on model.device, as the trainer does
+        serves_on = resolve_device(cfg.model.device).type
+    if trains_on == "cuda" and serves_on == "cuda":
+        servers = "each of the servers" if cfg.serve.replicas > 1 else "the server"
+        raise ConfigError(
+            f"serve.cuda_devices: this run trains on a GPU and starts its own {cfg.serve.backend} server on a GPU "
+            f"without serve.cuda_devices, so the server would take GPU 0, where the first training process holds "
+            f"the model. Give {servers} GPUs the training does not use (one entry per replica, e.g. "
+            f"serve.cuda_devices=[1] beside one training process on GPU 0, or serve.cuda_devices=[4,5] for two "
+            f"replicas beside four on GPUs 0-3), or serve.cuda_devices=[0] to share GPU 0 on purpose with "
+            f"serve.gpu_memory_utilization lowered to what the trainer leaves; or use rollout.server_url for a "
+            f"server started elsewhere")
 
 
 def resolve_task_sets(cfg: RunConfig) -> RunConfig:
@@ -282,7 +386,8 @@ def trainer(cfg: RunConfig, *, resume: bool = False, policy: HFPolicy | None = N
     passed in (tests, notebooks holding a model) is used instead of loading `model.path`.
     Under torchrun (`ranks`: from its environment variables) this process joins the process
     group and trains its share on its own device (arpo_lib/training/distributed.py)."""
-    cfg = resolve_task_sets(check_tasks(cfg))
+    cfg = resolve_task_sets(check_config(cfg))
+    check_gpus(cfg, policy)
     ranks = Ranks.from_env() if ranks is None else ranks
     if ranks.distributed:
         init_process_group(ranks, torch.device(device_for(ranks, cfg.model.device).replace("auto", "cpu")))
@@ -345,7 +450,7 @@ def engine(cfg: RunConfig, scripted: bool = False, protocol: str = "run") -> Ite
     duration); environment workers as configured (env.backend, env.python). `scripted`: the
     scripted agent acts instead (its tokens scored by the model), an upper-bound baseline.
     `protocol` (evaluation.protocols): its prompt, OSWorld pause, sampling and action rules."""
-    cfg = resolve_task_sets(check_tasks(cfg))
+    cfg = resolve_task_sets(check_config(cfg))
     p = PROTOCOLS[protocol]
     if p.osworld_pause_s is not None and any(t.startswith("osworld/") for t in cfg.env.tasks + (cfg.eval.tasks or [])):
         cfg = copy.deepcopy(cfg)

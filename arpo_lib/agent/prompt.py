@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from PIL import Image
 
-from arpo_lib.actions import MAX_PIXELS, MIN_PIXELS, ParsedResponse, parse_response
+from arpo_lib.actions import MAX_PIXELS, MIN_PIXELS, ParsedResponse, parse_response, smart_resize
 from arpo_lib.agent.prompt_library import PROMPTS, Prompt
 from arpo_lib.types import Segment  # lives in types; `arpo_lib.agent.prompt.Segment` keeps working
 
@@ -256,6 +256,47 @@ def image_processor_limits(processor: Any) -> tuple[int, int, int]:
     max_pixels = getattr(ip, "max_pixels", None) or size.get("longest_edge") or MAX_PIXELS
     factor = int(getattr(ip, "patch_size", 14)) * int(getattr(ip, "merge_size", 2))
     return factor, int(min_pixels), int(max_pixels)
+
+
+QWEN_DEFAULT_MAX_PIXELS = 16384 * 28 * 28
+"""Qwen2.5-VL's and UI-TARS-1.5's max_pixels: a 1080p screenshot is not downscaled."""
+
+
+def checkpoint_image_limits(path: str | Path) -> tuple[int, int, int] | None:
+    """(factor, min_pixels, max_pixels) from a checkpoint's preprocessor_config.json, read without
+    loading the processor or reaching the network (config checks run before anything starts): a
+    local directory, or a hub id already in the Hugging Face cache; None when neither has it."""
+    import json
+
+    file = Path(path) / "preprocessor_config.json"
+    if not file.is_file():
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(str(path), "preprocessor_config.json")
+        except Exception:  # not a hub id (a missing directory, a malformed name)
+            cached = None
+        if not isinstance(cached, str):
+            return None
+        file = Path(cached)
+    try:
+        config, _ = _normalised_image_config(json.loads(file.read_text()))
+    except (OSError, ValueError):
+        return None
+    size = config.get("size") if isinstance(config.get("size"), dict) else {}
+    min_pixels = config.get("min_pixels") or size.get("shortest_edge") or MIN_PIXELS
+    max_pixels = config.get("max_pixels") or size.get("longest_edge") or QWEN_DEFAULT_MAX_PIXELS
+    factor = int(config.get("patch_size", 14)) * int(config.get("merge_size", 2))
+    return factor, int(min_pixels), int(max_pixels)
+
+
+def screenshot_tokens(size: tuple[int, int], limits: tuple[int, int, int]) -> int:
+    """Context tokens one screenshot of `size` (width, height) costs under the image processor's
+    (factor, min_pixels, max_pixels): one token per factor x factor block of the smart-resized
+    image, plus <|vision_start|> and <|vision_end|>. 1920x1080 at UI-TARS's limits: 39 x 69 + 2."""
+    factor, min_pixels, max_pixels = limits
+    height, width = smart_resize(size[1], size[0], factor, min_pixels, max_pixels)
+    return (height // factor) * (width // factor) + 2
 
 
 def special_token_ids(tokenizer: Any) -> tuple[list[int], list[int]]:

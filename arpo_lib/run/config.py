@@ -14,8 +14,9 @@ list of dotted overrides.
 from __future__ import annotations
 
 import dataclasses
-import re
 import difflib
+import math
+import re
 import typing
 import warnings
 from dataclasses import dataclass, field
@@ -155,7 +156,9 @@ class RolloutConfig:
     api_key_env: str | None = None
     """Name of the environment variable holding the endpoint's API key (never the key itself)."""
     request_timeout_s: float = 120.0
-    """Per-request timeout for backend=server."""
+    """Per-request timeout for backend=server. A response at the run's cap (`longest_response`)
+    must fit in it at `SERVER_DECODE_TOKENS_PER_S` (checked at load): a runaway sample at T=1 that
+    times out is retried with the same seed, runs away again, and stops the run."""
     request_retries: int = 3
     """Retries (with exponential back-off) of a failed or timed-out request."""
     constrained: bool = False
@@ -275,7 +278,11 @@ class TrainConfig:
     seed: int = 0
     """Seed of task order, environment seeds and sampling."""
     checkpoint_every: int = 1
-    """Save a checkpoint every this many rollout batches (and always at the end)."""
+    """Save a checkpoint every this many rollout batches (and always at the end). 1 suits the CPU
+    runs, whose checkpoints are megabytes (and whose tests read step 1's). A 7B
+    full fine-tune writes ~93 GiB each time (fp32 weights 31 GiB and AdamW's two moments 62 GiB),
+    so the OSWorld configs save every 10 batches: a crash loses at most 10, and not every step
+    waits on writing that much to a shared file system."""
     keep_checkpoints: int = 2
     """Complete checkpoints kept on disk (older ones are removed)."""
     eval_every: int = 0
@@ -416,7 +423,9 @@ class ServeConfig:
     dtype: str = "auto"
     """Weights dtype for vLLM (`auto`, `bfloat16`, `float16`, `float32`)."""
     max_model_len: int = 32768
-    """Longest context vLLM reserves KV cache for (ARPO's 15 screenshots at 1080p need ~40k)."""
+    """Longest context vLLM reserves KV cache for. It must hold an episode's last request: the
+    screenshots kept, every earlier response, the prompt, and the response cap (checked at load by
+    `arpo_lib.build.check_context`; ARPO's 15 screenshots at 1080p alone are ~40k tokens)."""
     gpu_memory_utilization: float = 0.9
     """Share of GPU memory vLLM may take."""
     startup_timeout_s: float = 900.0
@@ -440,7 +449,9 @@ class ServeConfig:
     """GPUs each vLLM server splits the model over (vLLM's --tensor-parallel-size)."""
     cuda_devices: list[str] | None = None
     """Per replica, the GPUs it may use (CUDA_VISIBLE_DEVICES), e.g. ["4,5", "6,7"] for 2
-    replicas x tensor-parallel 2 beside 4 training processes on GPUs 0-3. None: inherited."""
+    replicas x tensor-parallel 2 beside 4 training processes on GPUs 0-3. None: inherited, so a
+    server would take GPU 0, where the first training process holds the model: a training run on
+    a GPU that starts its own server on a GPU must set it (`arpo_lib.build.check_gpus`)."""
     keep_running: bool = False
     """gpu_inference_server notebook: leave the server running at the end (for evaluation.ipynb with
     rollout.backend=server); stop it later with serving.stop_server(pid from <run>/server.json)."""
@@ -524,6 +535,25 @@ def _fail(key: str, msg: str) -> None:
     raise ConfigError(f"{key}: {msg}")
 
 
+SERVER_DECODE_TOKENS_PER_S = 20.0
+"""A conservative decode rate of one sequence on a model server, for the timeout check: a 7B on
+one GPU decodes ~100 tokens/s for a lone request but far fewer per sequence while it serves a
+batch of episodes (16 to 128 here) and prefills their long multi-image contexts."""
+
+
+def longest_response(cfg: RunConfig) -> tuple[int, str]:
+    """(tokens, key): the longest response a request of this run may ask for, and the key that
+    sets it: model.max_new_tokens, or the evaluation protocol's own cap when larger (`osworld_uitars`
+    asks 4096; eval.max_new_tokens shortens it), since `eval` runs that protocol on the same server."""
+    protocol_cap = getattr(EVAL_PROTOCOLS[cfg.eval.protocol], "max_new_tokens", None)
+    if protocol_cap is not None:
+        eval_cap = cfg.eval.max_new_tokens or protocol_cap
+        if eval_cap > cfg.model.max_new_tokens:
+            return eval_cap, ("eval.max_new_tokens" if cfg.eval.max_new_tokens
+                              else f"the cap of eval.protocol {cfg.eval.protocol}")
+    return cfg.model.max_new_tokens, "model.max_new_tokens"
+
+
 def validate(cfg: RunConfig) -> None:
     """Impossible combinations fail here, naming the key."""
     choices = {
@@ -559,6 +589,7 @@ def validate(cfg: RunConfig) -> None:
         "model.checkpoint_every_n_layers": cfg.model.checkpoint_every_n_layers, "eval.samples_per_task": cfg.eval.samples_per_task,
         "algo.replay.capacity_per_task": cfg.algo.replay.capacity_per_task,
         "train.keep_checkpoints": cfg.train.keep_checkpoints,
+        "train.checkpoint_every": cfg.train.checkpoint_every,
         "select.k": cfg.select.k, "select.min_successes": cfg.select.min_successes,
     }
     for key, value in positive.items():
@@ -623,6 +654,17 @@ def validate(cfg: RunConfig) -> None:
             not (cfg.serve.backend == "vllm" and cfg.serve.weight_sync):
         _fail("rollout.weight_sync", f"{cfg.rollout.weight_sync} needs a vLLM server started with serve.weight_sync=true "
                                      "(serve.backend=vllm); use restart for the hf server")
+    if cfg.rollout.backend == "server":
+        tokens, key = longest_response(cfg)
+        needed = tokens / SERVER_DECODE_TOKENS_PER_S
+        if cfg.rollout.request_timeout_s < needed:
+            lower = "model.max_new_tokens" if key == "model.max_new_tokens" else "eval.max_new_tokens"
+            _fail("rollout.request_timeout_s",
+                  f"{cfg.rollout.request_timeout_s:g} s is too short for a response at the cap ({tokens} tokens, "
+                  f"{key}): at {SERVER_DECODE_TOKENS_PER_S:g} tokens/s per sequence (a server busy with a batch of "
+                  f"episodes) it takes {needed:.0f} s, and a runaway sample that times out is retried with the same "
+                  f"seed until the run stops. Raise rollout.request_timeout_s to {math.ceil(needed)} or more, or "
+                  f"lower {lower}")
     if cfg.rollout.stream_backend not in ("gloo", "nccl"):
         _fail("rollout.stream_backend", f"must be 'gloo' or 'nccl', got {cfg.rollout.stream_backend!r}")
     urls = server_urls(cfg)

@@ -24,6 +24,32 @@ def test_missing_model_path_says_what_to_do(tmp_path):
         HFPolicy(tmp_path, device="cpu")
 
 
+@pytest.mark.parametrize("size", [(1920, 1080), (420, 320), (960, 600), (40, 30)])
+def test_screenshot_tokens_are_what_the_processor_puts_in_the_context(tiny_qwen2vl, size):
+    """The count a config check uses (read from preprocessor_config.json, no processor loaded)
+    equals the processor's: its image pads plus <|vision_start|> and <|vision_end|>."""
+    from arpo_lib.agent.prompt import checkpoint_image_limits, load_processor, screenshot_tokens
+
+    processor = load_processor(tiny_qwen2vl)
+    limits = checkpoint_image_limits(tiny_qwen2vl)
+    assert limits == (28, 3136, 100352)
+    ids = processor(text=["<|vision_start|><|image_pad|><|vision_end|>"], images=[_shot(0, size)],
+                    return_tensors="pt")["input_ids"][0].tolist()
+    assert screenshot_tokens(size, limits) == len(ids)
+
+
+def test_a_1080p_screenshot_is_2693_tokens_at_ui_tars_limits_and_unknown_checkpoints_are_none(tmp_path):
+    from arpo_lib.agent.prompt import QWEN_DEFAULT_MAX_PIXELS, checkpoint_image_limits, screenshot_tokens
+
+    assert screenshot_tokens((1920, 1080), (28, 3136, QWEN_DEFAULT_MAX_PIXELS)) == 39 * 69 + 2  # 1932 x 1092
+    assert screenshot_tokens((1920, 1080), (28, 3136, 2116800)) == 39 * 69 + 2  # ARPO's max_pixels: the same
+    assert checkpoint_image_limits(tmp_path) is None
+    assert checkpoint_image_limits("nobody-has/this-model") is None  # the hub is not asked
+    (tmp_path / "preprocessor_config.json").write_text(  # UI-TARS-1.5's spelling of the limits
+        '{"image_processor_type": "Qwen2_5_VLImageProcessor", "size": {"min_pixels": 3136, "max_pixels": 2116800}}')
+    assert checkpoint_image_limits(tmp_path) == (28, 3136, 2116800)
+
+
 @pytest.mark.parametrize("name", sorted(PROMPTS))
 def test_prompt_holds_instruction_and_every_action(name):
     text = PROMPTS[name].render("Click OK {not a placeholder}")

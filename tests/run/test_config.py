@@ -153,3 +153,35 @@ def test_on_setup_failure_reaches_the_osworld_environments():
     finally:
         pool_module.make_pool = original
     assert seen["on_setup_failure"] == "skip" and seen["provider"] == "sandbox"
+
+
+def test_a_response_at_the_cap_must_fit_in_the_request_timeout():
+    """A runaway sample at T=1 that times out is retried with the same seed and stops the run: a
+    response at the cap must fit in rollout.request_timeout_s at the stated decode rate."""
+    from arpo_lib.run.config import SERVER_DECODE_TOKENS_PER_S
+
+    message = (r"^rollout\.request_timeout_s: 120 s .* \(8192 tokens, model\.max_new_tokens\).* takes 410 s"
+               r".*Raise rollout\.request_timeout_s to 410.*model\.max_new_tokens")
+    with pytest.raises(ConfigError, match=message):
+        load_config("configs/osworld_subset32.yaml", ["rollout.backend=server", "model.max_new_tokens=8192",
+                                                      "rollout.request_timeout_s=120"])
+    # the evaluation protocol's own cap counts too (osworld_uitars: 4096), eval.max_new_tokens shortens it
+    with pytest.raises(ConfigError, match=r"4096 tokens, the cap of eval\.protocol osworld_uitars.*max_new_tokens"):
+        load_config("configs/osworld_smoke4.yaml", ["rollout.backend=server", "rollout.request_timeout_s=120"])
+    load_config("configs/osworld_smoke4.yaml", ["rollout.backend=server", "rollout.request_timeout_s=120",
+                                                "eval.max_new_tokens=1024"])
+    # in-process generation has no request timeout; the shipped configs hold the cap with the server too
+    load_config("configs/osworld_subset32.yaml", ["model.max_new_tokens=8192", "rollout.request_timeout_s=1"])
+    for path in CONFIGS:
+        cfg = load_config(path, ["rollout.backend=server"])
+        assert cfg.rollout.request_timeout_s * SERVER_DECODE_TOKENS_PER_S >= cfg.model.max_new_tokens, path.name
+
+
+def test_the_osworld_runs_do_not_write_a_7b_checkpoint_every_step():
+    """A 7B full fine-tune's checkpoint is ~93 GiB; the CPU runs keep checkpointing every step."""
+    for name in ("osworld_subset32.yaml", "osworld_full128.yaml"):
+        cfg = load_config(f"configs/{name}")
+        assert cfg.train.checkpoint_every >= 5 and cfg.train.steps // cfg.train.checkpoint_every >= 10, name
+    assert load_config("configs/smoke.yaml").train.checkpoint_every == 1
+    with pytest.raises(ConfigError, match=r"train\.checkpoint_every: must be >= 1"):
+        load_config("configs/smoke.yaml", ["train.checkpoint_every=0"])

@@ -29,6 +29,26 @@ CLOSE = ["loss", "grad_norm", "approx_kl", "lr"]
 
 
 # -- the pieces ----------------------------------------------------------------------------------
+def test_the_declared_torch_has_fsdp2_where_the_training_imports_it_and_the_set_up_satisfies_it():
+    """pyproject's torch floor is a release with FSDP2 public (fully_shard, MixedPrecisionPolicy:
+    from torch.distributed.fsdp since 2.6; the floor is 2.7), and the torch scripts/setup.sh
+    installs meets it."""
+    import re
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    root = Path(__file__).resolve().parents[2]
+    deps = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
+    (torch_req,) = [Requirement(d) for d in deps if Requirement(d).name == "torch"]
+    floors = [Version(s.version) for s in torch_req.specifier if s.operator == ">="]
+    assert floors and min(floors) >= Version("2.7"), torch_req
+    installed = re.search(r'"torch==([0-9.]+)"', (root / "scripts" / "setup.sh").read_text()).group(1)
+    assert torch_req.specifier.contains(installed), (torch_req, installed)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: F401 (where training imports them)
+
+
 def test_token_balanced_shares_cover_everything_once_and_are_balanced():
     lengths = [900, 120, 450, 450, 30, 600, 610, 75]
     shares = distributed.split_by_tokens(lengths, 3)
