@@ -698,8 +698,16 @@ class Desktop:
     def window_action(self, name: str, strict: bool, by_class: bool, action: str) -> list[str]:
         """Activate or close the windows OSWorld's rules designate (windows.py): activate the first,
         close every match (as wmctrl -c closes the first; closing all is what the task files mean
-        when they close an application's window by class). Returns the titles acted on."""
-        found = windows.find(windows.list_windows(self.display), name, strict=strict, by_class=by_class)
+        when they close an application's window by class). Returns the titles acted on.
+        Activating waits up to ACTIVATE_WAIT_S for a match: the step usually follows the `launch`
+        of the window's program, and GNOME maps a new window a second or more after the launch
+        (the VM's wmctrl does not wait; there the launched window takes the focus anyway)."""
+        deadline = time.monotonic() + (ACTIVATE_WAIT_S if action == "activate" else 0)
+        while True:
+            found = windows.find(windows.list_windows(self.display), name, strict=strict, by_class=by_class)
+            if found or time.monotonic() >= deadline:
+                break
+            time.sleep(0.2)
         if action == "activate":
             found = found[:1]
         for window in found:
@@ -832,6 +840,8 @@ MAX_UPLOAD_BYTES = 256 * 2**20
 """Largest /setup/upload (OSWorld's task files upload documents, images and short videos)."""
 OPEN_TIMEOUT_S = 30.0
 """/setup/open_file waits this long for the file's window by default (OSWorld's newer server: 1800 s)."""
+ACTIVATE_WAIT_S = 5.0
+"""/setup/activate_window waits this long for a window that matches (window_action)."""
 TUNNEL_PORTS = frozenset({1337, 9222, 8080})
 """Ports inside the sandbox the host may tunnel to (CONNECT): Chrome's DevTools as OSWorld's tasks
 start it (1337, and 9222 where a task runs socat) and VLC's web interface."""

@@ -96,8 +96,8 @@ DESKTOP_PROCESSES = {"bwrap", "python", "python3", "Xvfb", "openbox", "ps", "dbu
 """What runs in a sandbox with no application: the server, the X server, the window manager, the
 episode's session bus and AT-SPI's (a11y.py, where the tree is served), and the `ps` asking."""
 GNOME_PROCESSES = {"gnome-shell", "gsd-xsettings", "gsd-media-keys", "gvfsd", "gvfsd-trash", "gvfsd-metadata",
-                   "dconf-service", "at-spi2-registr", "nautilus", "xkbcomp", "sh"}
-"""... and with GNOME: its session (started anew at every reset), and Nautilus, which the dock
+                   "dconf-service", "at-spi2-registr", "nautilus", "xkbcomp", "pulseaudio", "sh"}
+"""... and with GNOME: its session (started anew at every reset, its sound server included), and Nautilus, which the dock
 starts as the file manager service."""
 
 

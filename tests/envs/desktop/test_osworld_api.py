@@ -256,6 +256,28 @@ def test_windows_are_activated_measured_and_closed_by_osworlds_rules(fresh):
     assert 0 <= x < SCREEN[0] and 0 <= y < SCREEN[1]
 
 
+def test_activate_window_waits_for_the_window_the_step_before_launched(fresh):
+    """A task file launches a program and activates its window in the next step; GNOME maps a
+    new window a second or more after the launch. The step waits for it (ACTIVATE_WAIT_S) and
+    reports no set-up failure; a window that never comes is reported after the wait."""
+    from arpo_lib.envs.desktop import server
+
+    box, bridge, base = fresh
+    requests.post(f"{base}/setup/begin", timeout=30)
+    box.launch(["sh", "-c", "sleep 1.5; exec stterm -t 'Late Window'"])
+    r = requests.post(f"{base}/setup/activate_window", json={"window_name": "Late Window", "strict": True}, timeout=60)
+    assert r.status_code == 200 and r.json()["windows"] == ["Late Window"], r.text
+    _wait_for(lambda: box.active_window().get("name") == "Late Window", "the late window focused")
+    started = time.monotonic()
+    r = requests.post(f"{base}/setup/activate_window", json={"window_name": "Never Window"}, timeout=60)
+    assert r.json()["windows"] == [] and time.monotonic() - started >= server.ACTIVATE_WAIT_S - 0.5
+    r = requests.post(f"{base}/setup/close_window", json={"window_name": "Never Window"}, timeout=60)
+    assert r.json()["windows"] == []
+    report = requests.get(f"{base}/setup/report", timeout=60).json()
+    assert [s["step"] for s in report["steps"] if s["step"] != "launch"] == ["activate_window"] * 2 + ["close_window"]
+    assert len(report["failures"]) == 2 and "no window matched 'Never Window'" in report["failures"][0], report
+
+
 def test_chrome_devtools_through_the_bridge_and_nothing_of_the_host_from_inside(fresh):
     """What OSWorld's chrome getters and set-up steps do (CDP at chromium_port) works; the agent
     reaches neither the bridge's ports nor any other in-sandbox port through the server."""
