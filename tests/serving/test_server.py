@@ -104,6 +104,40 @@ def test_ui_tars_messages_keep_the_newest_screenshots():
 
 
 # -- launcher, without a server --------------------------------------------------------------
+def test_an_episodes_screenshots_are_encoded_once_across_its_requests(monkeypatch):
+    """Step k's request carries the k newest screenshots; each is PNG-encoded once while it lives
+    (the same URL every time), and a new image at a dead one's id is encoded anew."""
+    import gc
+
+    from arpo_lib.agent import client
+
+    saves = []
+    real_save = Image.Image.save
+    monkeypatch.setattr(Image.Image, "save", lambda self, *a, **k: (saves.append(id(self)), real_save(self, *a, **k)))
+    shots, urls = [], []
+    for step in range(4):
+        shots.append(_shot(10 + step))
+        messages = ui_tars_messages(INSTRUCTION, shots, [PREVIOUS] * step, history_images=3)
+        urls.append([p["image_url"]["url"] for m in messages for p in m["content"] if p["type"] == "image_url"])
+    assert len(saves) == 4, "each screenshot is encoded once, not once per request"
+    assert urls[3] == urls[2][1:] + [encode_image(shots[3])] and urls[2][:2] == urls[1]
+    assert urls[3][-1] == f"data:image/png;base64,{__import__('base64').b64encode(_png(shots[3])).decode()}"
+    dead = id(shots[0])
+    del shots[0], messages, urls
+    gc.collect()
+    assert dead not in client._ENCODED  # gone with its image
+    other = _shot(99)
+    assert decode_data_url(encode_image(other)).tobytes() == other.tobytes()
+
+
+def _png(image: Image.Image) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
 def test_vllm_command_has_the_flags_ui_tars_needs():
     spec = ServerSpec("/models/UI-TARS-1.5-7B", backend="vllm", port=8123, options={"max_images": 15, "device": "cuda"},
                       extra_args=("--seed", "0"), python="/venvs/vllm/bin/python")
