@@ -31,7 +31,8 @@ from arpo_lib.run import config as config_module
 from arpo_lib.run.config import ConfigError, RunConfig, server_urls
 from arpo_lib.run.layout import RunDir
 from arpo_lib.run.records import atomic_write_bytes, safe_join
-from arpo_lib.serving.launch import ServerHandle, ServerSpec, free_port, start_server
+from arpo_lib.serving.gateway import announce_host, spans_nodes
+from arpo_lib.serving.launch import ServerHandle, ServerSpec, api_key_from_env, free_port, start_server
 from arpo_lib.serving.weight_sync import FollowingServed, ServedPolicy, connect_all, save_for_server
 from arpo_lib.training import checkpoint as ckpt
 from arpo_lib.training.backend import TrainingBackend, training_backend
@@ -351,10 +352,14 @@ def served_policy(cfg: RunConfig, trained: HFPolicy, backend: TrainingBackend) -
         return backend.full_weights()
 
     wire = getattr(torch, cfg.serve.dtype, None) if cfg.serve.dtype in ("float32", "bfloat16", "float16") else None
+    # Over several nodes the other ranks reach the servers at an address of this node, not loopback.
+    announce = announce_host(cfg.serve.announce_host) if spans_nodes() else None
+    key = api_key_from_env(r.api_key_env or cfg.serve.api_key_env) if announce else None
     return ServedPolicy(connect=lambda url: server_policy(cfg, url), save_weights=save, sync=r.weight_sync,
                         url=r.server_url, start=start if r.server_url is None else None,
                         initial_model=trained.path, replicas=cfg.serve.replicas, weights=weights,
-                        wire_dtype=wire, stream_host=r.stream_host, stream_backend=r.stream_backend)
+                        wire_dtype=wire, stream_host=r.stream_host, stream_backend=r.stream_backend,
+                        announce_host=announce, api_key=key)
 
 
 class RunEvaluation:

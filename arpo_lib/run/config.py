@@ -418,6 +418,10 @@ class ServeConfig:
     clients name theirs in `rollout.api_key_env` (a server the run starts uses this one)."""
     port: int = 0
     """Port; 0 picks a free one."""
+    announce_host: str | None = None
+    """A training run over several nodes: the address of rank 0's node that the other nodes reach
+    its servers at (None: torchrun's MASTER_ADDR). A loopback server (every `weight_sync` one) is
+    reached through a gateway there that passes on only its /v1 API, so `api_key_env` is required."""
     served_model_name: str | None = None
     """Name clients use in requests (default: the model path's last component)."""
     dtype: str = "auto"

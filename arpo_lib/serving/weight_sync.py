@@ -34,6 +34,7 @@ import json
 import logging
 import shutil
 import time
+import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
@@ -42,6 +43,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from arpo_lib.agent.client import post_json
+from arpo_lib.run.net import is_loopback
+from arpo_lib.serving.gateway import Gateway, reachable_url
 from arpo_lib.serving.vllm_ext.arpo_vllm_ext import WeightsDigest, broadcast, digest_of_directory, open_group
 
 log = logging.getLogger(__name__)
@@ -234,13 +237,18 @@ class ServedPolicy:
         start: (model directory, replica index) -> a started, healthy server handle.
         initial_model: what servers started with `sync=none` load (the run's model path).
         replicas: how many servers to start (serve.replicas); started and synced in parallel.
+        announce_host: a run over several nodes: the address the other nodes reach this one at.
+            The URLs announced to them (`urls`) lead there: a loopback server through a `Gateway`
+            that passes on its OpenAI API only, with `api_key` (see serving/gateway.py).
+        api_key: the key the other ranks' clients send (for the gateways).
     """
 
     def __init__(self, *, connect: Callable[[str], Any], save_weights: Callable[[], str], sync: str,
                  url: str | Sequence[str] | None = None, start: Callable[[str, int], Any] | None = None,
                  initial_model: str = "", replicas: int = 1,
                  weights: Callable[[], Sequence[tuple[str, torch.Tensor]]] | None = None,
-                 wire_dtype: torch.dtype | None = None, stream_host: str = "127.0.0.1", stream_backend: str = "gloo"):
+                 wire_dtype: torch.dtype | None = None, stream_host: str = "127.0.0.1", stream_backend: str = "gloo",
+                 announce_host: str | None = None, api_key: str | None = None):
         if sync not in SYNC_MODES:
             raise ValueError(f"sync must be one of {SYNC_MODES}, not {sync!r}")
         if url is None and start is None:
@@ -252,6 +260,9 @@ class ServedPolicy:
             raise ValueError("ServedPolicy got an empty list of server urls")
         if sync == "stream" and weights is None:
             raise ValueError("weight sync 'stream' needs the trainer's weights (weights=)")
+        if announce_host is not None and not api_key:
+            raise ValueError("a run over several nodes reaches the servers through a gateway that only passes on "
+                             "requests with the run's API key: set serve.api_key_env (or rollout.api_key_env)")
         if replicas < 1 or (urls is not None and replicas != 1):
             raise ValueError(f"replicas must be >= 1 (and 1 for servers given by url: their number is the "
                              f"urls'), not {replicas}")
@@ -270,6 +281,8 @@ class ServedPolicy:
         self._stream: WeightStream | None = None
         self.last_push: dict[str, Any] = {}
         """What the last push reported (seconds, and the checksum the servers confirmed)."""
+        self._announce_host, self._api_key = announce_host, api_key
+        self._gateways: dict[str, Gateway] = {}  # by the base URL of the server behind it
         self._carried = dict.fromkeys(_COUNTERS, 0)  # counts of clients replaced by restarts
         self._carried_by_replica = [0] * self.replicas
 
@@ -281,8 +294,22 @@ class ServedPolicy:
     @property
     def urls(self) -> list[str] | None:
         """The base URLs of the servers generating now (None before the first `policy`); rank 0
-        of a distributed run announces them to the other ranks."""
-        return None if self.client is None else list(self.client.base_urls)
+        of a distributed run announces them to the other ranks. Over several nodes
+        (`announce_host`), URLs the other nodes reach: a loopback server's gateway."""
+        if self.client is None:
+            return None
+        if self._announce_host is None:
+            return list(self.client.base_urls)
+        for url in set(self._gateways) - set(self.client.base_urls):  # servers gone (restarted)
+            self._gateways.pop(url).close()
+        return [self._reachable(url) for url in self.client.base_urls]
+
+    def _reachable(self, url: str) -> str:
+        if not is_loopback(urllib.parse.urlsplit(url).hostname or ""):
+            return reachable_url(url, self._announce_host)
+        if url not in self._gateways:
+            self._gateways[url] = Gateway(_root(url), self._announce_host, self._api_key)
+        return self._gateways[url].base_url
 
     def policy(self, version: int) -> Any:
         """The client policy, its servers holding weight version `version` (unless sync is none)."""
@@ -360,6 +387,9 @@ class ServedPolicy:
         if self._stream is not None:
             self._stream.close()
             self._stream = None
+        for gateway in self._gateways.values():
+            gateway.close()
+        self._gateways = {}
         if self.client is not None:
             self.client.close()
             self.client = None

@@ -1,0 +1,191 @@
+"""Servers of a run over several nodes (arpo_lib/serving/gateway.py): what rank 0 announces is
+reachable from another host, here a network namespace joined to this machine by a veth pair, and
+leads only to the OpenAI API of a server that stays on loopback (its weight-sync endpoints do not)."""
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+import urllib.parse
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from arpo_lib.agent.client import ServerError
+from arpo_lib.run.net import is_loopback
+from arpo_lib.serving.gateway import Gateway, announce_host, reachable_url, spans_nodes
+from arpo_lib.serving.weight_sync import ServedPolicy
+
+KEY = "k" * 32
+
+
+def test_a_run_spans_nodes_when_fewer_processes_are_local_than_in_all():
+    assert not spans_nodes({})
+    assert not spans_nodes({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"})
+    assert spans_nodes({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"})
+
+
+def test_the_announced_host_is_the_option_else_master_addr_never_loopback():
+    assert announce_host(None, {"MASTER_ADDR": "node0"}) == "node0"
+    assert announce_host("10.0.0.5", {"MASTER_ADDR": "node0"}) == "10.0.0.5"
+    for bad in ({"MASTER_ADDR": "127.0.0.1"}, {"MASTER_ADDR": "localhost"}, {"MASTER_ADDR": "0.0.0.0"}, {}):
+        with pytest.raises(ServerError, match="serve.announce_host"):
+            announce_host(None, bad)
+    assert reachable_url("http://0.0.0.0:8000/v1", "10.0.0.5") == "http://10.0.0.5:8000/v1"
+    assert reachable_url("http://node3:8000/v1", "10.0.0.5") == "http://node3:8000/v1"
+
+
+def test_a_gateway_needs_a_key_that_can_protect_it():
+    with pytest.raises(ServerError, match="serve.api_key_env"):
+        Gateway("http://127.0.0.1:1", "10.0.0.5", None)
+    with pytest.raises(ServerError, match="at least"):
+        Gateway("http://127.0.0.1:1", "10.0.0.5", "empty")
+    with pytest.raises(ValueError, match="api_key_env"):
+        ServedPolicy(connect=_Client, save_weights=str, sync="none", url="http://127.0.0.1:1/v1",
+                     announce_host="10.0.0.5")
+
+
+class _Client:
+    def __init__(self, url):
+        self.base_url = url
+        self.requests = self.prompt_mismatches = self.inexact = 0
+
+    @property
+    def base_urls(self):
+        return [self.base_url]
+
+    def close(self):
+        pass
+
+
+class _Upstream(BaseHTTPRequestHandler):
+    """A model server on loopback: its OpenAI API wants the key; /collective_rpc does not."""
+
+    def _serve(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if self.path.startswith("/v1/") and self.headers.get("Authorization") != f"Bearer {KEY}":
+            status, answer = 401, {"error": "Unauthorized"}
+        else:
+            status, answer = 200, {"path": self.path, "method": self.command, "body": body.decode()}
+        raw = json.dumps(answer).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    do_GET = do_POST = _serve
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def other_host():
+    """(this machine's address as the other host sees it, a function running Python there)."""
+    ip = shutil.which("ip") or "/usr/sbin/ip"
+    tag = uuid.uuid4().hex[:6]
+    net = f"10.{random.randint(200, 250)}.{random.randint(0, 250)}"
+    ns, outer, inner = f"arpo-gw-{tag}", f"arpog{tag}", f"arpon{tag}"
+
+    def run(*args: str) -> None:
+        subprocess.run(list(args), check=True, capture_output=True, timeout=30)
+
+    try:
+        run(ip, "netns", "add", ns)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        pytest.skip(f"no network namespaces here (root and iproute2 needed): {exc}")
+    try:
+        run(ip, "link", "add", outer, "type", "veth", "peer", "name", inner)
+        run(ip, "link", "set", inner, "netns", ns)
+        run(ip, "addr", "add", f"{net}.1/24", "dev", outer)
+        run(ip, "link", "set", outer, "up")
+        run(ip, "netns", "exec", ns, ip, "addr", "add", f"{net}.2/24", "dev", inner)
+        run(ip, "netns", "exec", ns, ip, "link", "set", inner, "up")
+
+        def there(code: str) -> str:
+            done = subprocess.run([ip, "netns", "exec", ns, sys.executable, "-c", textwrap.dedent(code)],
+                                  capture_output=True, text=True, timeout=30)
+            assert done.returncode == 0, done.stderr
+            return done.stdout.strip()
+
+        yield f"{net}.1", there
+    finally:
+        subprocess.run([ip, "link", "del", outer], capture_output=True)
+        subprocess.run([ip, "netns", "del", ns], capture_output=True)
+
+
+_FETCH = """\
+import json, sys, urllib.error, urllib.request
+def fetch(url, key=None, data=None):
+    headers = {{"Authorization": "Bearer " + key}} if key else {{}}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data=data, headers=headers), timeout=5) as r:
+            return [r.status, json.loads(r.read())]
+    except urllib.error.HTTPError as e:
+        return [e.code, None]
+    except OSError as e:
+        return ["unreachable", str(e)]
+print(json.dumps([{calls}]))
+"""
+
+
+def test_the_announced_url_reaches_the_servers_api_from_another_host_and_nothing_else(other_host):
+    this_host, there = other_host
+    upstream = ThreadingHTTPServer(("127.0.0.1", 0), _Upstream)
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    server_url = f"http://127.0.0.1:{upstream.server_port}/v1"
+    served = ServedPolicy(connect=_Client, save_weights=str, sync="none", url=server_url,
+                          announce_host=this_host, api_key=KEY)
+    try:
+        assert served.policy(0).base_url == server_url  # rank 0 itself stays on loopback
+        (announced,) = served.urls
+        parts = urllib.parse.urlsplit(announced)
+        assert parts.hostname == this_host and not is_loopback(parts.hostname)
+        root = f"http://{parts.netloc}"
+        calls = (f'fetch("{announced}/models", "{KEY}"), fetch("{announced}/chat/completions", "{KEY}", b"{{}}"), '
+                 f'fetch("{announced}/models"), fetch("{announced}/models", "wrong"), '
+                 f'fetch("{root}/collective_rpc", "{KEY}", b"{{}}"), '
+                 f'fetch("http://{this_host}:{upstream.server_port}/v1/models", "{KEY}")')
+        models, chat, keyless, wrong, rpc, direct = json.loads(there(_FETCH.format(calls=calls)))
+        assert models == [200, {"path": "/v1/models", "method": "GET", "body": ""}]
+        assert chat == [200, {"path": "/v1/chat/completions", "method": "POST", "body": "{}"}]
+        assert keyless[0] == wrong[0] == 401 and rpc[0] == 404  # the weight-sync endpoints stay private
+        assert direct[0] == "unreachable"  # the server itself is on loopback only
+        assert served.urls == [announced]  # one gateway per server, kept while it runs
+    finally:
+        served.close()
+        upstream.shutdown()
+        upstream.server_close()
+    (gone,) = json.loads(there(_FETCH.format(calls=f'fetch("{announced}/models", "{KEY}")')))
+    assert gone[0] == "unreachable"
+
+
+def test_a_trainer_over_several_nodes_announces_through_a_gateway_or_says_what_is_missing(monkeypatch):
+    """build.served_policy on rank 0 of a torchrun job with a second node."""
+    from types import SimpleNamespace
+
+    from arpo_lib import build
+    from arpo_lib.run.config import load_config
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setenv("ARPO_TEST_GATEWAY_KEY", KEY)
+    cfg = load_config("configs/smoke.yaml", ["rollout.backend=server", "serve.backend=vllm", "serve.weight_sync=true",
+                                             "rollout.weight_sync=reload"])
+    trained = SimpleNamespace(path="models/base")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    with pytest.raises(ServerError, match="serve.announce_host"):
+        build.served_policy(cfg, trained, backend=None)
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.5")
+    with pytest.raises(ValueError, match="serve.api_key_env"):
+        build.served_policy(cfg, trained, backend=None)
+    cfg.serve.api_key_env = "ARPO_TEST_GATEWAY_KEY"
+    assert build.served_policy(cfg, trained, backend=None)._announce_host == "10.0.0.5"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # one node: loopback as before
+    assert build.served_policy(cfg, trained, backend=None)._announce_host is None
