@@ -187,8 +187,16 @@ class HFPolicy(UITarsConversations):
         self.cached.release(key)
 
     def autocast(self):
-        """The forward-pass precision context (`model.compute_dtype` over fp32 weights)."""
-        return autocast(self.device, self.compute_dtype)
+        """The forward-pass precision context (`model.compute_dtype` over fp32 weights).
+
+        Autocast's cast cache is kept only where a backward will use it. A forward without
+        gradients (generation, the update's old log-probs) has none, yet the weights still
+        require grad, so the cache would hold a bf16 copy of the whole model beside the fp32 one
+        until the context exits: through the whole of `model.generate`, through every prefill
+        and decode step of the KV-cached path (7B: ~14 GiB beside 30.9 GiB, issue 52). Without
+        it one weight's copy exists at a time; each forward casts the weights it uses again
+        (as the KV-cached path's decode steps already did, one context per step)."""
+        return autocast(self.device, self.compute_dtype, keep_casts=torch.is_grad_enabled())
 
     # -- generation ------------------------------------------------------------------------
     @torch.no_grad()

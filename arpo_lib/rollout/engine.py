@@ -67,9 +67,13 @@ class RolloutEngine:
     """Runs episodes of a policy over an `EnvPool`."""
 
     def __init__(self, policy: Policy, pool: WorkerPool, *, max_steps: int = 15, format_coef: float = 0.5,
-                 format_penalty: float = -1.0, rules: RolloutRules = TRAINING_RULES):
+                 format_penalty: float = -1.0, rules: RolloutRules = TRAINING_RULES, keep_pixels: bool = True):
         """`rules`: training's unless an evaluation protocol gives its own
-        (`evaluation.protocols.EvalProtocol.rollout_rules`)."""
+        (`evaluation.protocols.EvalProtocol.rollout_rules`). `keep_pixels=False`: a finished
+        episode's segments drop their pixels once its trajectory is written (`run(out_dir=...)`),
+        for a caller that re-encodes them where it needs them (`store.load_pixels`, as the policy
+        update does): a 1080p screenshot is ~50 MB of fp32 pixels, up to 15 per episode, and a
+        rollout batch held every finished episode's until the update (~130 GB at 32x8 episodes)."""
         if rules.parse_attempts < 1:
             raise ValueError(f"parse_attempts must be >= 1, got {rules.parse_attempts}")
         self.policy = policy
@@ -78,6 +82,7 @@ class RolloutEngine:
         self.format_coef = format_coef
         self.format_penalty = format_penalty
         self.rules = rules
+        self.keep_pixels = keep_pixels
         self.env_steps = 0
         self._last_task: dict[int, str] = {}
 
@@ -290,3 +295,6 @@ class RolloutEngine:
             domain, _, name = traj.task.rpartition("/")
             directory = safe_join(out_dir, domain or "default", name, str(traj.sample))
             write_trajectory(traj, directory, ep.screenshots)
+            if not self.keep_pixels:
+                for seg in traj.segments:
+                    seg.pixel_values = []

@@ -16,11 +16,12 @@ advantages arrive with the groups (the trainer's `make_groups`).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -31,7 +32,7 @@ from arpo_lib.run.seeding import stable_seed
 from arpo_lib.training.backend import Plan, TrainingBackend
 from arpo_lib.training.metrics import UpdateMetrics, is_weight_stats
 from arpo_lib.training.optim import make_optimizer, warmup_schedule
-from arpo_lib.types import Group, TrainablePolicy
+from arpo_lib.types import Group, Segment, TrainablePolicy
 
 log = logging.getLogger(__name__)
 
@@ -77,10 +78,8 @@ class PolicyUpdate:
         # Old log-probs before any update (ratio starts at 1, as ARPO), and with
         # algo.replay.correction=tis the truncated importance weights of replayed members.
         ran = [item for item in items if id(item[0]) in mine]
-        for seg, _, traj in ran:
-            if seg.screenshot_steps and not seg.pixel_values:  # another rank's episode: its tokens only
-                load_pixels(seg, traj.directory, self.policy.processor)
-        recomputed = self.backend.old_logprobs(plans, self.temperature) if a.old_logprobs == "recompute" else {}
+        directories = {id(seg): traj.directory for seg, _, traj in items}
+        recomputed = self._old_logprobs(plans, directories) if a.old_logprobs == "recompute" else {}
         old: dict[int, torch.Tensor] = {}
         is_weights: dict[int, torch.Tensor] = {}
         for seg, _, traj in ran:
@@ -96,7 +95,7 @@ class PolicyUpdate:
                 continue
             n_tok = sum(sum(seg.loss_mask) for seg, _, _ in mb)
             self.optimizer.zero_grad(set_to_none=True)
-            sums = self._gradients(plan, len(mb), n_tok, old, is_weights)
+            sums = self._gradients(plan, len(mb), n_tok, old, is_weights, directories)
             norm = self.backend.clip_grad_norm(self.optimizer, t.grad_clip)
             if math.isfinite(norm):
                 self.optimizer.step()
@@ -108,36 +107,65 @@ class PolicyUpdate:
         self.backend.after_update(stepped=stats.optimizer_steps > 0)
         return stats.result()
 
+    @contextlib.contextmanager
+    def _pixels(self, segs: list[Segment], directories: dict[int, str | None]) -> Iterator[None]:
+        """The screenshots of one micro-batch as pixels while it runs. A segment without them (its
+        episode's were dropped once written to disk, or it is another rank's episode) is
+        re-encoded from its trajectory directory and dropped again after: the update holds one
+        micro-batch's pixels, not the batch's (a 1080p screenshot is ~50 MB of fp32 pixels, up to 15
+        per episode: ~130 GB at 32x8 episodes, issue 52)."""
+        loaded = [s for s in segs if s.screenshot_steps and not s.pixel_values]
+        try:
+            for seg in loaded:
+                load_pixels(seg, directories[id(seg)], self.policy.processor)
+            yield
+        finally:
+            for seg in loaded:
+                seg.pixel_values = []
+
+    def _old_logprobs(self, plans: list[Plan], directories: dict[int, str | None]) -> dict[int, torch.Tensor]:
+        """The backend's old log-probs, one micro-batch at a time (each with its pixels loaded),
+        in the plans' order; a sequence's first micro-batch gives its log-probs."""
+        out: dict[int, torch.Tensor] = {}
+        for plan in plans:
+            for micro, live in plan:
+                with self._pixels([s for s, _ in micro], directories):
+                    for key, lp in self.backend.old_logprobs([[(micro, live)]], self.temperature).items():
+                        out.setdefault(key, lp)
+        return out
+
     def _gradients(self, plan: Plan, n_seq: int, n_tok: int, old: dict[int, torch.Tensor],
-                   is_weights: dict[int, torch.Tensor]) -> list[float]:
+                   is_weights: dict[int, torch.Tensor], directories: dict[int, str | None]) -> list[float]:
         """One mini-batch's clipped loss into the gradients, micro-batch by micro-batch; returns its
         loss, clip fraction, approx. KL and KL to the reference (token means, summed over ranks)."""
         a, temperature = self.cfg.algo, self.temperature
         sums = [0.0, 0.0, 0.0, 0.0]
         for micro, live in plan:
             segs = [s for s, _ in micro]
-            new = self.backend.logprobs(segs, temperature)
-            logprobs = _pad(new)
-            old_lp = _pad([old[id(s)].to(logprobs.device) for s in segs])
-            mask = _pad([torch.ones_like(t) for t in new])
-            advs = torch.tensor([adv for _, adv in micro], dtype=logprobs.dtype, device=logprobs.device)
-            ref_lp = weights = None
-            if self.reference is not None:
-                with torch.no_grad():
-                    ref_lp = _pad(self.policy.sequence_logprobs(segs, temperature, model=self.reference))
-            if is_weights:
-                weights = _pad([is_weights.get(id(s), torch.ones(len(o))).to(logprobs.device)
-                                for s, o in zip(segs, new)])
-            loss, m = POLICY_LOSSES[a.policy_loss](logprobs, old_lp, advs, mask, a, ref_logprobs=ref_lp,
-                                                   is_weights=weights)
-            # Exact aggregation across micro-batches (and ranks): weight by this micro-batch's
-            # share of the whole mini-batch.
-            share = float(mask.sum()) / n_tok if a.aggregation == "token-mean" else len(micro) / n_seq
-            self.backend.backward(loss, share, live)
-            if live:  # the metrics: token means over the mini-batch, whatever its partition
-                tokens = float(mask.sum()) / n_tok
-                part = [loss.item() * share] + [m.get(k, 0.0) * tokens for k in ("clip_fraction", "approx_kl", "kl")]
-                sums = [s + p for s, p in zip(sums, part)]
+            with self._pixels(segs, directories):
+                new = self.backend.logprobs(segs, temperature)
+                logprobs = _pad(new)
+                old_lp = _pad([old[id(s)].to(logprobs.device) for s in segs])
+                mask = _pad([torch.ones_like(t) for t in new])
+                advs = torch.tensor([adv for _, adv in micro], dtype=logprobs.dtype, device=logprobs.device)
+                ref_lp = weights = None
+                if self.reference is not None:
+                    with torch.no_grad():
+                        ref_lp = _pad(self.policy.sequence_logprobs(segs, temperature, model=self.reference))
+                if is_weights:
+                    weights = _pad([is_weights.get(id(s), torch.ones(len(o))).to(logprobs.device)
+                                    for s, o in zip(segs, new)])
+                loss, m = POLICY_LOSSES[a.policy_loss](logprobs, old_lp, advs, mask, a, ref_logprobs=ref_lp,
+                                                       is_weights=weights)
+                # Exact aggregation across micro-batches (and ranks): weight by this micro-batch's
+                # share of the whole mini-batch.
+                share = float(mask.sum()) / n_tok if a.aggregation == "token-mean" else len(micro) / n_seq
+                self.backend.backward(loss, share, live)
+                if live:  # the metrics: token means over the mini-batch, whatever its partition
+                    tokens = float(mask.sum()) / n_tok
+                    part = [loss.item() * share] + [m.get(k, 0.0) * tokens
+                                                    for k in ("clip_fraction", "approx_kl", "kl")]
+                    sums = [s + p for s, p in zip(sums, part)]
         return self.backend.all_reduce_sum(sums)
 
     def _skip_step(self, norm: float, step: int) -> None:

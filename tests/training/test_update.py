@@ -201,3 +201,40 @@ def test_without_correction_replayed_data_is_treated_as_on_policy(tmp_path, tiny
         groups[0].trajectories[0].replayed = True
         stats = trainer.update(groups)
     assert "is_weight_mean" not in stats and stats["replay_age_mean"] == 0
+
+
+@pytest.mark.slow
+def test_a_rollout_batch_keeps_no_pixels_and_the_update_trains_as_with_them(tmp_path, tiny_qwen2vl):
+    """Issue 52: every finished episode kept its fp32 pixels until the update (~50 MB per 1080p
+    screenshot, ~130 GB at 32x8 episodes). With `keep_pixels=False` the engine drops them once the
+    trajectory is written; the update re-encodes each micro-batch's from disk and drops them after,
+    with the same loss, metrics and weights as from pixels held in memory."""
+    from arpo_lib.rollout.store import load_trajectory
+
+    policy = build.hf_policy(_cfg(tmp_path, tiny_qwen2vl))
+    click = "Action: click(start_box='(500,500)')"
+    options = {"provider": "fake", "desktop_env_class": FAKE_DESKTOP_ENV, "task_loader": FAKE_TASK_LOADER,
+               "cache_root": str(tmp_path / "vm"), "pause_s": 0, "max_steps": 3}
+    with EnvPool(1, options, timeout_s=120) as pool:
+        engine = RolloutEngine(_FixedResponses(policy, [RESPONSES[1], click, "Action: finished()"]), pool,
+                               max_steps=3, keep_pixels=False)
+        trajs = engine.run([EpisodeRequest("osworld/fake-click", i, i) for i in range(2)], progress=False,
+                           out_dir=tmp_path / "out")
+    segs = [s for t in trajs for s in t.segments]
+    assert all(t.ok for t in trajs) and len(segs) == 2
+    assert all(s.screenshot_steps and s.pixel_values == [] for s in segs)  # before: 3 screenshots' pixels each
+    held = [load_trajectory(t.directory, policy.processor) for t in trajs]  # as the update saw them before
+    assert all(len(s.pixel_values) == 3 for t in held for s in t.segments)
+
+    def update(trajectories, name):
+        # Two optimizer steps: the second one's ratios (and loss) come from weights the first changed.
+        with build.trainer(_cfg(tmp_path / name, tiny_qwen2vl, "train.updates_per_batch=2")) as trainer:
+            stats = trainer.update([Group("osworld/fake-click", trajectories, [1.0, -0.5], False, False)])
+            return stats, _params(trainer)
+
+    stats, params = update(trajs, "dropped")
+    want_stats, want_params = update(held, "held")
+    assert stats["optimizer_steps"] == 2 and stats["loss"] == want_stats["loss"] != 0.0
+    assert {k: stats[k] for k in want_stats} == want_stats
+    assert all(torch.equal(a, b) for a, b in zip(params, want_params))
+    assert all(s.pixel_values == [] for s in segs)  # dropped again after their micro-batch

@@ -15,6 +15,10 @@ from __future__ import annotations
 import torch
 
 
-def autocast(device: torch.device, dtype: torch.dtype):
-    """The forward-pass precision context: `dtype` under autocast, a no-op for float32."""
-    return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+def autocast(device: torch.device, dtype: torch.dtype, keep_casts: bool = True):
+    """The forward-pass precision context: `dtype` under autocast, a no-op for float32.
+
+    `keep_casts`: autocast's cast cache, which holds the `dtype` copy of every fp32 weight that
+    requires grad until the context exits, so that a backward finds the copy its forward used.
+    Without it each weight is cast where an operation uses it and freed after."""
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32, cache_enabled=keep_casts)
