@@ -38,17 +38,24 @@ def _torchrun(args: argparse.Namespace, nproc: int, command: list[str]) -> int:
     joins the process group and trains its share (arpo_lib/training/distributed.py)."""
     import subprocess
 
+    from arpo_lib.training.distributed import socket_interface_env
+
     launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    env = dict(os.environ)
     if args.nnodes > 1:
         # c10d rendezvous: the nodes meet at the master's address, each gets its rank as it joins
         # (no node ranks to hand out); the node at that address hosts the store.
         launch += [f"--nnodes={args.nnodes}", "--rdzv-backend=c10d",
                    f"--rdzv-endpoint={args.master_addr}:{args.master_port}", f"--rdzv-id={args.rdzv_id}",
                    "--rdzv-conf=join_timeout=1800"]
+        # gloo (the control group) and NCCL on the interface that reaches the master, unless set
+        env.update(interfaces := socket_interface_env(args.master_addr, env))
+        if interfaces:
+            print("socket interfaces:", " ".join(f"{k}={v}" for k, v in interfaces.items()), flush=True)
     else:
         launch += ["--standalone"]
     print("launching:", " ".join(launch + ["-m", "arpo_lib", *command]), flush=True)
-    return subprocess.run(launch + ["-m", "arpo_lib", *command]).returncode
+    return subprocess.run(launch + ["-m", "arpo_lib", *command], env=env).returncode
 
 
 def _processes(args: argparse.Namespace, cfg: Any) -> int:

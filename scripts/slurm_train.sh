@@ -34,6 +34,8 @@ gpus="${gpus##*:}"   # "h100:8" -> 8
 # hanging it, and --kill-on-bad-exit then ends every node's processes; NCCL_DEBUG=INFO to debug.
 export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
+# GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME: each node's launch (--nnodes > 1) sets them to the interface
+# that reaches $master, unless exported here (gloo on an unreachable address waits 2 h).
 # srun starts one copy per node; they meet by c10d rendezvous at the first node (rendezvous id: the
 # job id, so a re-queued job, which resumes, meets again). --kill-on-bad-exit: one failed node ends all.
 srun --kill-on-bad-exit=1 bash -c "exec '$python' -m arpo_lib train --config '$config' --resume \

@@ -44,13 +44,19 @@ def test_train_then_resume_a_run_without_steps(tmp_path, tiny_qwen2vl, capsys):
 
 def _launched(monkeypatch, argv):
     """The torchrun command `arpo <argv>` starts (subprocess.run captured, nothing run)."""
+    return _launched_with_env(monkeypatch, argv)[0]
+
+
+def _launched_with_env(monkeypatch, argv):
+    """The torchrun command `arpo <argv>` starts and the environment it gets."""
     import subprocess
 
     from arpo_lib import cli
 
     seen = []
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: seen.append(cmd) or subprocess.CompletedProcess(cmd, 0))
+    monkeypatch.setattr(subprocess, "run",
+                        lambda cmd, **kw: seen.append((cmd, kw.get("env"))) or subprocess.CompletedProcess(cmd, 0))
     assert cli.main(argv) == 0
     return seen[0]
 
@@ -98,6 +104,40 @@ def test_the_slurm_script_launches_every_node_into_one_c10d_rendezvous(tmp_path,
     assert "--nproc-per-node=8" in launch and "--rdzv-backend=c10d" in launch
     assert "--rdzv-endpoint=gpu-a:29500" in launch and "--rdzv-id=4242" in launch
     assert launch[-5:] == ["train", "--config", "configs/osworld_full128.yaml", "--resume", "train.steps=60"]
+
+
+def test_on_several_nodes_gloo_and_nccl_get_the_interface_that_reaches_the_master(tmp_path, monkeypatch):
+    """Issue 52: without GLOO_SOCKET_IFNAME the control group of a two-node run can bind to an
+    address the other node cannot reach and wait 2 hours. Each node's launch (slurm_train.sh's
+    command on every node) sets it, and NCCL_SOCKET_IFNAME, to the interface that reaches the
+    master, here from a fake route table; a value the user exported is kept; one node: unset."""
+    import os
+    import shlex
+    import subprocess
+
+    from arpo_lib.training import distributed
+
+    monkeypatch.setattr(distributed, "interface_towards", lambda host, interfaces=None: {"gpu-a": "ib0"}.get(host))
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\nprintf 'gpu-a\\ngpu-b\\n'\n")
+    (bin_dir / "srun").write_text(f"#!/bin/sh\nprintf '%s' \"$4\" > {tmp_path}/cmd\n")  # srun OPT bash -c CMD
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu-[a-b]",
+           "SLURM_NNODES": "2", "SLURM_GPUS_PER_NODE": "8", "SLURM_JOB_ID": "4242"}
+    subprocess.run(["bash", "scripts/slurm_train.sh"], env=env, check=True)
+    argv = shlex.split((tmp_path / "cmd").read_text())[4:]
+    _, launched_env = _launched_with_env(monkeypatch, argv)
+    assert launched_env["GLOO_SOCKET_IFNAME"] == "ib0" and launched_env["NCCL_SOCKET_IFNAME"] == "ib0"
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "eth1")
+    _, launched_env = _launched_with_env(monkeypatch, argv)
+    assert launched_env["GLOO_SOCKET_IFNAME"] == "ib0" and launched_env["NCCL_SOCKET_IFNAME"] == "eth1"
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME")
+    _, one_node = _launched_with_env(monkeypatch, ["train", "--config", "configs/smoke.yaml", "--nproc-per-node", "2"])
+    assert "GLOO_SOCKET_IFNAME" not in one_node and "NCCL_SOCKET_IFNAME" not in one_node
 
 
 def _slurm_checkout(tmp_path, venv: bool):

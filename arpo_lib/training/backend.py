@@ -122,7 +122,11 @@ class TrainingBackend(abc.ABC):
 
     def join_full_weights(self) -> None:
         """A rank other than 0: its part in rank 0's pass over `full_weights` (nothing to do where
-        every rank holds the full model)."""
+        every rank holds the full model); raises `distributed.RankFailed` when rank 0 stops it."""
+
+    def stop_weights_pass(self) -> None:
+        """Rank 0, failing: the other ranks waiting in a pass over the weights it left unfinished
+        (a push that failed mid-way) raise now (nothing to do where every rank holds the full model)."""
 
     def save_policy(self, directory: Path) -> None:
         """The policy in the Hugging Face layout, written by rank 0 into `directory`. Every rank calls
@@ -162,10 +166,9 @@ class TrainingBackend(abc.ABC):
         dist_.barrier(self.ranks)
 
     def on_main(self, work: Callable[[], T]) -> T | None:
-        """`work()` on rank 0 while the other ranks wait for it (they get None)."""
-        result = work() if self.is_main else None
-        self.barrier()
-        return result
+        """`work()` on rank 0 while the other ranks wait for it (they get None, or raise
+        `distributed.RankFailed` when it fails: `distributed.on_main`)."""
+        return dist_.on_main(work, self.ranks)
 
     def close(self, failed: bool = False) -> None:
         """Leave the process group; `failed`: without waiting for the others (they may be stuck in
@@ -218,6 +221,8 @@ class FSDP2(TrainingBackend):
         self.keeps_full_model = keep_full_model
         self.full_model_released = False
         """keep_full_model=False: the full model is on the meta device now."""
+        self.weights_pass: dist_.WeightPass | None = None
+        """Rank 0: its latest pass over the shards' weights (`stop_weights_pass`)."""
 
     def release_full_model(self) -> None:
         """Without keep_full_model: drop every rank's full copy (to the meta device; its structure,
@@ -272,19 +277,27 @@ class FSDP2(TrainingBackend):
         dist_.load_full_into_sharded(self.policy.model, self._net)
 
     def full_weights(self) -> list[tuple[str, torch.Tensor]]:
-        return super().full_weights() if self.keeps_full_model else dist_.full_weights(self._net)
+        if self.keeps_full_model:
+            return super().full_weights()
+        self.weights_pass = dist_.WeightPass(self._net, self.ranks)
+        return self.weights_pass.weights
 
     def join_full_weights(self) -> None:
         if not self.keeps_full_model:
-            dist_.join_full_weights(self._net)
+            dist_.join_full_weights(self._net, self.ranks)
+
+    def stop_weights_pass(self) -> None:
+        if self.weights_pass is not None:
+            self.weights_pass.stop()
 
     def save_policy(self, directory: Path) -> None:
         if self.keeps_full_model:
             return super().save_policy(directory)
         if self.is_main:
-            self.policy.save(directory, state_dict=dist_.gather_to_host(self._net))
+            self.weights_pass = dist_.WeightPass(self._net, self.ranks)
+            self.policy.save(directory, state_dict=dist_.gather_to_host(self.weights_pass))
         else:
-            dist_.join_full_weights(self._net)
+            dist_.join_full_weights(self._net, self.ranks)
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any] | Path) -> None:
         load_optimizer_state(state, optimizer, self.policy.model, sharded=self._net)

@@ -33,7 +33,7 @@ from arpo_lib.algo import ReplayBuffer
 from arpo_lib.run import layout
 from arpo_lib.run.layout import RunDir
 from arpo_lib.run.records import atomic_write_text, fsync_dir, read_jsonl
-from arpo_lib.training.distributed import load_full_optimizer_state
+from arpo_lib.training.distributed import control_group, load_full_optimizer_state
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
@@ -63,23 +63,27 @@ def begin_checkpoint(ckpt_dir: Path, step: int) -> Path:
 def save_optimizer_shards(tmp: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Every rank writes its shard of the optimizer state (FSDP2: DTensors keyed by parameter
     name) into `tmp/optimizer_shards/` with torch.distributed.checkpoint, in parallel: nothing is
-    gathered. A collective: all ranks call it."""
+    gathered. A collective: all ranks call it. Its planning (pickled plans and metadata, object
+    collectives) goes on the gloo control group: on the default group they would run on NCCL,
+    through GPU memory and under NCCL's timeout."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=tmp / layout.OPTIMIZER_SHARDS)
+    dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=tmp / layout.OPTIMIZER_SHARDS,
+             process_group=control_group())
 
 
 def load_optimizer_shards(shards: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Read `optimizer_shards/` into `optimizer` (its parameters named as in `model`), re-sharded
     for however many processes load it: each reads only the pieces of its own shard; one
-    process (no process group) reads whole tensors. A collective when distributed."""
+    process (no process group) reads whole tensors. A collective when distributed, planned on the
+    gloo control group (as `save_optimizer_shards`)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     state = get_optimizer_state_dict(model, optimizer)  # the layout to fill (creates the state)
-    dcp.load(state, checkpoint_id=shards, no_dist=not dist.is_initialized())
+    dcp.load(state, checkpoint_id=shards, no_dist=not dist.is_initialized(), process_group=control_group())
     set_optimizer_state_dict(model, optimizer, optim_state_dict=state)
 
 

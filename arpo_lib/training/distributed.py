@@ -30,23 +30,31 @@ at a time, every rank taking part (`full_weights`, `join_full_weights`, `gather_
 FSDP2 all-gathers inside every forward, so all ranks must run the same number of forwards: a rank
 with fewer micro-batches than the busiest runs the shortest sequence with its loss times 0.
 
+Where rank 0 works alone (the warm start, the evaluation, a push it leads), the others wait on the
+gloo control group, whose timeout is long, never in an NCCL collective, and they raise as soon as
+rank 0 fails (`on_main`, `WeightPass`) instead of at a timeout (NCCL's: 30 minutes).
+
 This module holds the low-level pieces; the trainer reaches them through `training.backend.FSDP2`.
 
 Multi-node: the run directory must be on storage every node sees (ranks read each other's
-trajectory directories for replay).
+trajectory directories for replay); gloo and NCCL are told which network interface reaches the
+master node (`socket_interface_env`, set by the launch).
 """
 from __future__ import annotations
 
 import copy
 import datetime
+import logging
 import os
+import socket
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import torch
 
 from arpo_lib.agent.model.logprobs import LogprobNet
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
@@ -89,6 +97,16 @@ evaluation, and a slow OSWorld episode keeps the others waiting at the gather, f
 
 _control_group: Any = None
 """The gloo side group of the control traffic on GPUs (None: the default group, gloo on the CPU)."""
+
+
+class RankFailed(RuntimeError):
+    """Raised on the other ranks when rank 0 failed in work they were waiting for."""
+
+
+def control_group() -> Any:
+    """The process group of the control traffic, gloo: the side group on GPUs, the default group
+    (None) on the CPU. torch.distributed.checkpoint's planning (object collectives) goes on it too."""
+    return _control_group
 
 
 def init_process_group(ranks: Ranks, device: torch.device) -> None:
@@ -190,36 +208,113 @@ def sync_full_model(sharded: LogprobNet, full: torch.nn.Module) -> None:
         raise RuntimeError(f"sharded and full model differ: not trained in the shards: {sorted(trainable - seen)[:3]}")
 
 
-def full_weights(sharded: LogprobNet) -> list[tuple[str, torch.Tensor]]:
+def full_weights(sharded: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """(name in the full model, parameter) of every parameter of the shards, in the same order on
-    every rank; DTensors not yet gathered. Whoever writes or sends them gathers each in turn
-    (`serving.weight_sync.full_tensors`), and every other rank must take part in each gather
-    (`join_full_weights`): the server-mode path, where no rank keeps a full copy of the model."""
+    every rank; DTensors not yet gathered. A pass over them that rank 0 consumes while every other
+    rank takes part in each gather is a `WeightPass`: the server-mode path, where no rank keeps a
+    full copy of the model."""
     return [(_full_name(name), param) for name, param in sharded.named_parameters()]
 
 
-def gathered(sharded: LogprobNet) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, whole tensor) of each of `full_weights`, one gathered at a time (a collective per
-    DTensor: every rank iterates it, in the same order); drop each before asking for the next."""
+_GO, _STOP = 1, 0
+"""What rank 0 announces before each gather of a `WeightPass`."""
+
+
+class WeightPass:
+    """Rank 0's pass over the shards' weights (a push to the servers, a saved model), which every
+    other rank joins gather for gather (`join_full_weights`). `weights` is what rank 0 hands its
+    consumer (`serving.weight_sync.full_tensors` gathers each in its turn): the shards under
+    their full-model names, each of whose `full_tensor()` first announces the gather over the
+    control group. After a failure on rank 0 between two gathers (a server that stops answering
+    mid-push), `stop` tells the others, and they raise `RankFailed` at once instead of waiting in
+    the next gather until NCCL's timeout (30 minutes) or rank 0's exit. A rank 0 that hangs
+    rather than fails keeps them waiting (on gloo) until its own timeout ends the hang.
+
+    Cost: one broadcast of one integer on gloo per parameter (some 700 at 7B)."""
+
+    def __init__(self, sharded: torch.nn.Module, ranks: Ranks):
+        self.ranks = ranks
+        entries = full_weights(sharded)
+        self.weights: list[tuple[str, Any]] = [(name, _Announced(param, self)) for name, param in entries]
+        self.total, self.gathered, self.stopped = len(entries), 0, False
+
+    @property
+    def open(self) -> bool:
+        """The other ranks may be waiting for the next gather's announcement."""
+        return not self.stopped and self.gathered < self.total
+
+    def gather(self, param: torch.Tensor) -> torch.Tensor:
+        """`param` whole: announced, then gathered with every rank."""
+        from torch.distributed.tensor import DTensor
+
+        if not self.open:  # the others joined for exactly `total` gathers
+            raise RuntimeError(f"this pass over the weights is over ({self.gathered} of {self.total} gathered)")
+        _announce(self.ranks, _GO)
+        self.gathered += 1
+        with torch.no_grad():
+            return param.full_tensor() if isinstance(param, DTensor) else param
+
+    def stop(self) -> None:
+        """Rank 0, after a failure: the ranks waiting for the next gather raise. Best effort (the
+        others may be gone already: then nothing waits); idempotent."""
+        if not self.open:
+            return
+        self.stopped = True
+        try:
+            _announce(self.ranks, _STOP)
+        except Exception as exc:  # rank 0 is failing already: its own error is the one to see
+            log.warning("could not tell the other ranks that the pass over the weights stopped: %s", exc)
+
+
+class _Announced:
+    """One of a `WeightPass`'s shards as rank 0's consumer sees it: the DTensor's attributes
+    (shape, dtype), and a `full_tensor()` that the other ranks are told of first."""
+
+    def __init__(self, param: torch.Tensor, weights_pass: WeightPass):
+        self._param, self._pass = param, weights_pass
+
+    def full_tensor(self) -> torch.Tensor:
+        return self._pass.gather(self._param)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # not the shard's internals (and no recursion before __init__ ran)
+            raise AttributeError(name)
+        return getattr(self._param, name)
+
+
+def _announce(ranks: Ranks, signal: int | None = None) -> int:
+    """Rank 0's `signal` on every rank (the control group)."""
+    import torch.distributed as dist
+
+    box = torch.tensor([signal if ranks.is_main else -1], dtype=torch.int64)
+    dist.broadcast(box, src=0, group=_control_group)
+    return int(box.item())
+
+
+def join_full_weights(sharded: torch.nn.Module, ranks: Ranks) -> None:
+    """A rank other than 0: its part in rank 0's `WeightPass`, the same gathers in the same order,
+    each dropped at once; raises `RankFailed` when rank 0 stops the pass."""
     from torch.distributed.tensor import DTensor
 
+    entries = full_weights(sharded)
     with torch.no_grad():
-        for name, param in full_weights(sharded):
-            yield name, param.full_tensor() if isinstance(param, DTensor) else param
+        for done, (_, param) in enumerate(entries):
+            if _announce(ranks) == _STOP:
+                raise RankFailed(f"rank 0 stopped its pass over the weights after {done} of {len(entries)} "
+                                 "gathers: its own error says why")
+            if isinstance(param, DTensor):
+                param.full_tensor()  # this rank's part; the whole tensor is dropped at once
 
 
-def join_full_weights(sharded: LogprobNet) -> None:
-    """This rank's part in a pass over `full_weights` that rank 0 consumes: the same gathers, in
-    the same order, each dropped at once."""
-    for _ in gathered(sharded):
-        pass
-
-
-def gather_to_host(sharded: LogprobNet) -> dict[str, torch.Tensor]:
-    """Every weight of the shards whole, in host memory, by full-model name (rank 0 writing the
-    model without a full copy on the device): one parameter gathered on the device at a time.
-    A collective: the other ranks call `join_full_weights`."""
-    return {name: whole.detach().to("cpu", copy=True) for name, whole in gathered(sharded)}
+def gather_to_host(weights: WeightPass) -> dict[str, torch.Tensor]:
+    """Every weight of the pass whole, in host memory, by full-model name (rank 0 writing the model
+    without a full copy on the device): one parameter gathered on the device at a time. The other
+    ranks call `join_full_weights`; they are released if this fails."""
+    try:
+        return {name: w.full_tensor().detach().to("cpu", copy=True) for name, w in weights.weights}
+    except BaseException:
+        weights.stop()
+        raise
 
 
 # -- splitting the work --------------------------------------------------------------------------
@@ -315,12 +410,42 @@ def broadcast_object(obj: T, ranks: Ranks) -> T:
     return box[0]
 
 
+def on_main(work: Callable[[], T], ranks: Ranks) -> T | None:
+    """`work()` on rank 0 while the other ranks wait for it on the control group (gloo, its long
+    timeout: rank 0's work may outlast NCCL's); they get None. When `work` raises on rank 0 the
+    others raise `RankFailed` at once, with its error, rather than at their next collective when
+    it times out or rank 0 has exited; rank 0 raises its own."""
+    if not ranks.distributed:
+        return work()
+    result, failure = None, None
+    if ranks.is_main:
+        try:
+            result = work()
+        except BaseException as exc:
+            failure = exc
+    try:
+        error = broadcast_object(None if failure is None else f"{type(failure).__name__}: {failure}", ranks)
+    except Exception:
+        if failure is None:
+            raise
+        error = None  # the others are gone: rank 0's own error is the one to see
+    if failure is not None:
+        raise failure
+    if error is not None:
+        raise RankFailed(f"rank 0 failed while the others waited for it: {error}")
+    return result
+
+
 def broadcast_model(model: torch.nn.Module, ranks: Ranks) -> None:
-    """Rank 0's weights and buffers into every rank's copy of `model`, in place."""
+    """Rank 0's weights and buffers into every rank's copy of `model`, in place. Every rank first
+    waits at the control group's barrier: rank 0 comes from work it did alone (the warm start, up
+    to hours), and that wait must be on gloo's long timeout, not in an NCCL broadcast whose
+    watchdog aborts the waiting ranks after `COLLECTIVE_TIMEOUT`."""
     import torch.distributed as dist
 
     if not ranks.distributed:
         return
+    barrier(ranks)
     with torch.no_grad():
         for tensor in model.state_dict().values():
             dist.broadcast(tensor, src=0)
@@ -341,3 +466,59 @@ def close_process_group(ranks: Ranks) -> None:
         dist.barrier(group=_control_group)
         dist.destroy_process_group()  # every group, the side group too
         _control_group = None
+
+
+# -- several nodes -------------------------------------------------------------------------------
+SOCKET_IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def socket_interface_env(master_addr: str, environ: Mapping[str, str],
+                         interfaces: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The socket interface variables for a run on several nodes that `environ` leaves unset: the
+    interface this node reaches `master_addr` through. Without GLOO_SOCKET_IFNAME gloo binds to
+    whatever address the hostname resolves to (often 127.0.1.1 or a management network the other
+    nodes cannot reach), and the control group's first collective waits for `CONTROL_TIMEOUT`.
+    Empty when the interface cannot be found (logged: set the variables by hand).
+    `interfaces`: name -> IPv4 address (default: this machine's)."""
+    unset = [v for v in SOCKET_IFNAME_VARIABLES if not environ.get(v)]
+    if not unset:
+        return {}
+    name = interface_towards(master_addr, interfaces)
+    if name is None:
+        log.warning("no network interface found that reaches %s: set %s to the one the nodes talk over",
+                    master_addr, " and ".join(unset))
+        return {}
+    return {v: name for v in unset}
+
+
+def interface_towards(host: str, interfaces: Mapping[str, str] | None = None) -> str | None:
+    """The network interface holding the local address a connection to `host` leaves from (on
+    the master node itself: the interface of its own address, which the others reach it at);
+    None when `host` does not resolve or no interface holds that address."""
+    try:
+        address = socket.gethostbyname(host)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((address, 9))  # a UDP connect sends nothing: the kernel only picks the route
+            local = probe.getsockname()[0]
+    except OSError:
+        return None
+    table = ipv4_interfaces() if interfaces is None else interfaces
+    return next((name for name, addr in table.items() if addr == local), None)
+
+
+def ipv4_interfaces() -> dict[str, str]:
+    """This machine's network interfaces with an IPv4 address: name -> address (the primary one of
+    each; Linux's SIOCGIFADDR ioctl)."""
+    import fcntl
+    import struct
+
+    out = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            except OSError:  # no IPv4 address on this one
+                continue
+            out[name] = socket.inet_ntoa(raw[20:24])
+    return out
+

@@ -155,11 +155,9 @@ class WarmStart:
         """The successful scripted demonstrations (collected on the first call)."""
         if self._demos is None:
             n = max(self.demos_per_task, self.demo_replay)
-            demos = None
-            if self.backend.is_main:
-                demos = collect_demonstrations(self.policy, self.pool(), self.tasks, n, seed=self.seed,
-                                               out_dir=self.run.demos, max_steps=self.max_steps,
-                                               progress=self.progress) if n > 0 else []
+            demos = self.backend.on_main(lambda: collect_demonstrations(
+                self.policy, self.pool(), self.tasks, n, seed=self.seed, out_dir=self.run.demos,
+                max_steps=self.max_steps, progress=self.progress) if n > 0 else [])
             self._demos = self.backend.broadcast(demos)
         return self._demos
 
@@ -169,11 +167,12 @@ class WarmStart:
         if self.steps <= 0 or self.warm_started:
             return None
         demos = self.demonstrations()
-        losses = []
-        if self.backend.is_main:
-            losses = warm_start(self.policy, demos, per_task=self.demos_per_task, steps=self.steps, lr=self.lr,
-                                batch_size=self.batch_size, seed=self.seed, record=self.run.warm_start_log,
-                                progress=self.progress)
+        # rank 0 alone, for as long as it takes; the others wait on the control group (gloo, its
+        # long timeout) and raise at once if it fails, before anyone posts the weights' broadcast
+        losses = self.backend.on_main(lambda: warm_start(
+            self.policy, demos, per_task=self.demos_per_task, steps=self.steps, lr=self.lr,
+            batch_size=self.batch_size, seed=self.seed, record=self.run.warm_start_log,
+            progress=self.progress)) or []
         self.backend.after_warm_start()
         self.warm_started = True
         return losses

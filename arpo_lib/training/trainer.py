@@ -89,6 +89,8 @@ class Trainer:
     def close(self, failed: bool = False) -> None:
         """Close the environments, the servers, the tracker and (distributed) the process group;
         `failed`: leave the group without waiting for the other ranks."""
+        if failed:  # first: closing the environments can take minutes, and the others may wait for rank 0
+            self.backend.stop_weights_pass()
         self.rollouts.close()
         self.records.close()
         self.backend.close(failed)

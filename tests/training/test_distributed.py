@@ -366,3 +366,111 @@ def test_on_gpus_the_control_traffic_goes_on_a_gloo_side_group(monkeypatch):
     calls.clear()
     dist_.init_process_group(ranks, torch.device("cpu"))  # the CPU: one gloo group, the long timeout
     assert calls == [("init", "gloo", dist_.CONTROL_TIMEOUT)] and dist_._control_group is None
+
+
+# -- waiting for rank 0, and rank 0 failing (2 gloo ranks; gloo stands in for NCCL) -------------
+HANG_RANKS = Path(__file__).resolve().parent / "hang_ranks.py"
+
+
+def _hang_ranks(scenario: str, collective_timeout_s: float, out: Path) -> list[dict]:
+    """What each rank of `tests/training/hang_ranks.py SCENARIO` reported (rank 0, rank 1)."""
+    import os
+
+    root = HANG_RANKS.parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           str(HANG_RANKS), scenario, str(collective_timeout_s), str(out)],
+                          capture_output=True, text=True, timeout=180, cwd=root, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_a_warm_start_longer_than_the_collective_timeout_still_reaches_every_rank(tmp_path):
+    """Issue 52: rank 0 warm-starts alone (hours at 7B) while the others wait to receive the
+    weights. They wait on the gloo control group, not in the broadcast: with a 3 s collective
+    timeout and a 6 s warm start, the broadcast on the old code timed out on rank 1."""
+    from tests.training.hang_ranks import WARM_START_S
+
+    zero, one = _hang_ranks("late-warm-start", 3, tmp_path)
+    assert zero["raised"] is None and one["raised"] is None, (zero, one)
+    assert one["seconds"] > 3 and zero["seconds"] >= WARM_START_S  # rank 1 waited past the collective timeout
+    assert zero["weights"] == one["weights"] == [7.0] * 15  # rank 0's trained weights on both
+    assert zero["losses"] == [0.25] and one["losses"] == []
+
+
+def test_a_warm_start_that_fails_on_rank_0_makes_every_rank_raise_at_once(tmp_path):
+    """Rank 0's warm start raises after 1 s and rank 0 stays alive for 10 s more (a trainer
+    closing its environments): rank 1 raises within seconds, naming rank 0's error. On the old
+    code it waited in the broadcast until rank 0 had gone (on GPUs: NCCL's 30 minutes)."""
+    zero, one = _hang_ranks("failed-warm-start", 60, tmp_path)
+    assert zero["raised"] == "RuntimeError: CUDA out of memory (injected)"
+    assert one["raised"].startswith("RankFailed") and "CUDA out of memory (injected)" in one["raised"], one
+    assert one["seconds"] < 5, one
+
+
+@pytest.fixture(scope="module")
+def push_ranks(tmp_path_factory):
+    return _hang_ranks("push", 60, tmp_path_factory.mktemp("push"))
+
+
+def test_a_push_that_fails_mid_way_makes_every_rank_raise_at_once(push_ranks):
+    """Server mode without a full copy: rank 0 consumes a pass over the shards' weights, each
+    gathered with every rank. A whole pass hands rank 0 every weight under its full-model name;
+    one whose consumer fails at the third tensor (rank 0 then lingers 10 s) releases rank 1 at
+    once with `RankFailed`, where on the old code it waited in the fourth gather."""
+    zero, one = push_ranks
+    assert zero["pass_names"] and zero["pass_gap"] == 0.0
+    assert zero["raised"] == "ConnectionError: the server went away (injected)"
+    assert one["raised"] == ("RankFailed: rank 0 stopped its pass over the weights after 3 of 6 gathers: its own "
+                             "error says why")
+    assert one["seconds"] < 5, one
+
+
+def test_the_optimizer_shards_are_planned_on_the_control_group_and_round_trip(push_ranks):
+    """torch.distributed.checkpoint plans with object collectives (pickles): on the gloo control
+    group, not the default group (NCCL on GPUs). Spied on `dcp.save`/`dcp.load`; the state loads
+    back exactly."""
+    for report in push_ranks:
+        assert report["dcp_on_control_group"] == [["save", True], ["load", True]], report
+        assert report["optimizer_state_gap"] == 0.0 and report["optimizer_state_moved"] > 1e-3
+
+
+def test_the_weight_pass_is_gathered_once_and_stops_once(monkeypatch):
+    """A pass announces exactly as many gathers as the others join; `stop` after the end (or a
+    second `stop`) announces nothing, since no rank is waiting for it. The consumer sees each
+    shard's shape and dtype."""
+    net = torch.nn.Linear(2, 2)
+    sent = []
+    monkeypatch.setattr(distributed, "_announce", lambda ranks, signal=None: sent.append(signal) or signal)
+    weights = distributed.WeightPass(net, distributed.Ranks(rank=0, world_size=2))
+    assert [n for n, _ in weights.weights] == ["weight", "bias"]
+    assert weights.weights[0][1].shape == (2, 2) and weights.weights[1][1].dtype == torch.float32
+    torch.testing.assert_close(weights.weights[0][1].full_tensor(), net.weight)
+    assert weights.open
+    weights.weights[1][1].full_tensor()
+    assert not weights.open
+    with pytest.raises(RuntimeError, match="over"):
+        weights.weights[1][1].full_tensor()
+    weights.stop()
+    stopped = distributed.WeightPass(net, distributed.Ranks(rank=0, world_size=2))
+    stopped.stop()
+    stopped.stop()
+    assert sent == [distributed._GO, distributed._GO, distributed._STOP]
+
+
+# -- several nodes: the socket interface ---------------------------------------------------------
+def test_the_socket_interface_is_the_one_that_reaches_the_master():
+    """gloo and NCCL are told the interface this node reaches the master through; a variable the
+    user set is kept. 127.0.0.1 leaves through `lo` on any Linux machine; a fake table names
+    what a cluster node would have."""
+    assert distributed.interface_towards("127.0.0.1") == "lo"
+    assert distributed.interface_towards("127.0.0.1", {"ib0": "10.1.0.7", "lo": "127.0.0.1"}) == "lo"
+    assert distributed.interface_towards("127.0.0.1", {"ib0": "10.1.0.7"}) is None
+    assert distributed.interface_towards("no-such-host.invalid") is None
+    assert distributed.socket_interface_env("127.0.0.1", {}) == {"GLOO_SOCKET_IFNAME": "lo",
+                                                                 "NCCL_SOCKET_IFNAME": "lo"}
+    assert distributed.socket_interface_env("127.0.0.1", {"NCCL_SOCKET_IFNAME": "ib0"}) == {
+        "GLOO_SOCKET_IFNAME": "lo"}
+    assert distributed.socket_interface_env("127.0.0.1", {"GLOO_SOCKET_IFNAME": "eth1",
+                                                          "NCCL_SOCKET_IFNAME": "ib0"}) == {}
+    assert distributed.socket_interface_env("no-such-host.invalid", {}) == {}  # logged; nothing guessed

@@ -357,3 +357,23 @@ def test_demonstrations_for_fixed_instances_come_from_fresh_layouts(tiny_qwen2vl
     assert [d.task for d in demos] == ["miniwob/click-test"] * 2
     # Episode seeds of the task itself (each its own layout), none of the instances' seeds.
     assert len({d.seed for d in demos}) == 2 and not {d.seed for d in demos} & {0, 1}
+
+
+def test_a_failing_trainer_releases_the_ranks_waiting_for_it_before_closing_anything_else():
+    """Issue 52: on rank 0, a push that failed mid-way leaves the others waiting in its pass over
+    the weights; closing the environments can take minutes, so they are released first."""
+    from types import SimpleNamespace
+
+    from arpo_lib.training.trainer import Trainer
+
+    calls = []
+    fake = SimpleNamespace(rollouts=SimpleNamespace(close=lambda: calls.append("rollouts")),
+                           records=SimpleNamespace(close=lambda: calls.append("records")),
+                           backend=SimpleNamespace(stop_weights_pass=lambda: calls.append("stop pass"),
+                                                   close=lambda failed: calls.append(("backend", failed))))
+    Trainer.close(fake, failed=True)  # type: ignore[arg-type]
+    assert calls == ["stop pass", "rollouts", "records", ("backend", True)]
+    calls.clear()
+    Trainer.close(fake)  # type: ignore[arg-type]
+    assert calls == ["rollouts", "records", ("backend", False)]
+
