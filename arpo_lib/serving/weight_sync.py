@@ -45,7 +45,8 @@ import torch
 from arpo_lib.agent.client import post_json
 from arpo_lib.run.net import is_loopback
 from arpo_lib.serving.gateway import Gateway, reachable_url
-from arpo_lib.serving.vllm_ext.arpo_vllm_ext import WeightsDigest, broadcast, digest_of_directory, open_group
+from arpo_lib.serving.vllm_ext.arpo_vllm_ext import (WeightsDigest, broadcast, digest_of_directory, open_group,
+                                                     runtime_versions)
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,8 @@ class WeightStream:
     Args:
         urls: the servers' base URLs.
         host: the address the servers reach this process at (it hosts the group's TCPStore).
-        backend: `gloo` (tensors go through host memory; any server) or `nccl` (GPU to GPU).
+        backend: `gloo` (tensors go through host memory; any server) or `nccl` (GPU to GPU; first
+            checks that every server links this process's NCCL, `check_same_nccl`).
         timeout_s: how long a broadcast or the group's start may wait for a server.
     """
 
@@ -104,6 +106,8 @@ class WeightStream:
 
         self.roots = [_root(u) for u in urls]
         self.backend, self.timeout_s = backend, timeout_s
+        if backend == "nccl":  # before any group: NCCL aborts (not raises) on a version mismatch
+            check_same_nccl(self.roots, runtime_versions())
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         sizes = [int((_get_json(root + "/get_world_size?include_dp=true") or {}).get("world_size", 1))
                  for root in self.roots]
@@ -169,6 +173,23 @@ class WeightStream:
             except Exception as exc:  # the server may be gone already
                 log.debug("shutting down the weight stream of %s: %s", root, exc)
         self.group = None
+
+
+def check_same_nccl(roots: Sequence[str], ours: dict[str, Any]) -> None:
+    """Raise WeightSyncError unless every worker of the servers at `roots` links the NCCL that
+    `ours` (this process's `runtime_versions()`) names: the trainer's torch and vLLM's torch live in
+    different environments, and NCCL aborts a group whose members' versions differ."""
+    for root in map(_root, roots):
+        reports = (post_json(root + "/collective_rpc", {"method": "arpo_runtime_versions"}, timeout_s=60,
+                             retries=1) or {}).get("results", [])
+        theirs = [r if isinstance(r, dict) else {} for r in reports] or [{}]
+        if ours.get("nccl") is None or any(r.get("nccl") != ours["nccl"] for r in theirs):
+            described = ", ".join(f"torch {r.get('torch', '?')} with NCCL {r.get('nccl') or 'none'}" for r in theirs)
+            raise WeightSyncError(
+                f"rollout.stream_backend=nccl needs the same NCCL on both ends: this trainer has torch "
+                f"{ours.get('torch')} with NCCL {ours.get('nccl') or 'none'}, the server at {root} has {described}. "
+                "Install the same torch build (hence the same NCCL) in the trainer's and vLLM's environments, or "
+                "send the weights another way: rollout.stream_backend=gloo, or rollout.weight_sync=reload")
 
 
 def full_tensors(params: Sequence[tuple[str, torch.Tensor]], device: torch.device,

@@ -278,6 +278,7 @@ class _FakeVLLM(BaseHTTPRequestHandler):
     mode = "honest"
     world = 1
     state: dict = {}
+    versions: dict = {"torch": "2.9.0+cu128", "nccl": "2.27.3"}
 
     def _send(self, payload):
         raw = json.dumps(payload).encode()
@@ -318,6 +319,8 @@ class _FakeVLLM(BaseHTTPRequestHandler):
             st["loaded"] = {"version": version, "checksum": digest.hexdigest(), "tensors": digest.count}
         elif path == "/finish_weight_update":
             st["weight_version"] = body["weight_version"]
+        elif path == "/collective_rpc" and body["method"] == "arpo_runtime_versions":
+            return self._send({"results": [type(self).versions] * type(self).world})
         elif path == "/collective_rpc":
             assert body["method"] == "arpo_weight_state"
             return self._send({"results": [st.get("loaded", {})]})
@@ -410,3 +413,29 @@ def test_served_policy_streams_each_new_version_and_records_the_checksum(fake_vl
     assert handler.state["calls"][-1] == "/shutdown_weight_transfer_engine"
     with pytest.raises(ValueError, match="stream"):
         ServedPolicy(connect=_Client, save_weights=str, sync="stream", url=url)
+
+
+def test_an_nccl_stream_first_checks_that_both_ends_link_the_same_nccl(fake_vllms, monkeypatch):
+    """Different NCCL builds abort the process ("Mismatched NCCL version") when their group forms:
+    the trainer asks each server's workers first and refuses with both versions and the fix."""
+    from arpo_lib.serving import weight_sync
+
+    (url, handler), (other, _) = fake_vllms
+    handler.world = 2  # a tensor-parallel server: each worker answers
+    monkeypatch.setattr(weight_sync, "runtime_versions", lambda: {"torch": "2.10.0+cu130", "nccl": "2.28.9"})
+    with pytest.raises(WeightSyncError, match=r"NCCL 2\.28\.9.*torch 2\.9\.0\+cu128 with NCCL 2\.27\.3.*"
+                                              r"same torch build.*stream_backend=gloo.*weight_sync=reload"):
+        WeightStream([other, url], backend="nccl")
+    assert "/init_weight_transfer_engine" not in handler.state.get("calls", [])  # no group was started
+
+    handler.versions = {"torch": "2.10.0+cu130", "nccl": "2.28.9"}
+    weight_sync.check_same_nccl([url], weight_sync.runtime_versions())  # the same: the stream may start
+    handler.versions = {"torch": "2.10.0+cpu", "nccl": None}
+    with pytest.raises(WeightSyncError, match="with NCCL none"):
+        weight_sync.check_same_nccl([url], weight_sync.runtime_versions())
+    with pytest.raises(WeightSyncError, match="this trainer has torch 2.10.0 with NCCL none"):
+        weight_sync.check_same_nccl([url], {"torch": "2.10.0", "nccl": None})
+
+    handler.world, asked = 1, handler.state["calls"].count("/collective_rpc")
+    WeightStream([url]).close()  # gloo: no NCCL, nothing asked
+    assert handler.state["calls"].count("/collective_rpc") == asked

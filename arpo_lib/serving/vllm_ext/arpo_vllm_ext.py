@@ -100,6 +100,23 @@ def refresh_packed_outputs(model: torch.nn.Module) -> int:
     return refreshed
 
 
+def nccl_version() -> str | None:
+    """The NCCL this torch links, `major.minor.patch`; None where it has none (a CPU build). Both
+    ends of an NCCL group must agree: NCCL aborts a group of different versions."""
+    if not torch.distributed.is_available() or not torch.distributed.is_nccl_available():
+        return None
+    try:
+        version = torch.cuda.nccl.version()
+    except (AttributeError, RuntimeError):
+        return None
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+
+
+def runtime_versions() -> dict[str, Any]:
+    """What the two ends of a weight stream compare before building a group of their own."""
+    return {"torch": torch.__version__, "nccl": nccl_version()}
+
+
 def open_group(*, master_address: str, master_port: int, rank: int, world_size: int, backend: str,
                timeout_s: float) -> Any:
     """A torch process group of the trainer (rank 0) and the servers' workers, built from a
@@ -237,6 +254,10 @@ class WeightSyncExtension:
         refreshed = refresh_packed_outputs(self.model_runner.get_model())
         read = digest_of_directory(weights_path) if weights_path else {}
         return {"refreshed": refreshed, **read}
+
+    def arpo_runtime_versions(self) -> dict[str, Any]:
+        """This worker's torch and NCCL versions (the trainer checks them before an NCCL stream)."""
+        return runtime_versions()
 
     def arpo_weight_state(self) -> dict[str, Any]:
         """What the last streamed update loaded: {version, checksum, tensors} ({} before one)."""
