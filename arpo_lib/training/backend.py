@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
 import torch
 
+from arpo_lib.agent.model.lora import merged_weights
 from arpo_lib.training import distributed as dist_
 from arpo_lib.training.checkpoint import load_optimizer_state, save_optimizer_shards
 from arpo_lib.training.distributed import SINGLE, Ranks
@@ -117,7 +118,10 @@ class TrainingBackend(abc.ABC):
     def full_weights(self) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor) of every weight, in checkpoint naming, tied weights once, for rank 0 to
         write or send: the full model's parameters, or (no full copy) the shards' DTensors, each
-        gathered in its turn by the consumer while every other rank runs `join_full_weights`."""
+        gathered in its turn by the consumer while every other rank runs `join_full_weights`.
+        With LoRA, the merged weights under the base model's names, each merged in its turn."""
+        if getattr(self.policy, "peft_model", None) is not None:
+            return merged_weights(self.policy.model)
         return list(self.policy.model.named_parameters())
 
     def join_full_weights(self) -> None:

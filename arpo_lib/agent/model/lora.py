@@ -85,6 +85,41 @@ def merged_state_dict(model: Any) -> dict[str, torch.Tensor]:
     return state
 
 
+class MergedWeight:
+    """A LoRA layer's weight with its delta folded in, computed only when asked for: it has the
+    shape, dtype and `full_tensor()` of an FSDP2 shard, which `serving.weight_sync.full_tensors`
+    materialises one at a time, so a push holds one merged weight at once, never all of them."""
+
+    def __init__(self, layer: Any):
+        self.layer = layer
+        self.shape = layer.get_base_layer().weight.shape
+        self.dtype = torch.float32  # the merge's dtype (see merged_state_dict)
+
+    def full_tensor(self) -> torch.Tensor:
+        with torch.no_grad():
+            return self.layer.get_base_layer().weight.float() + self.layer.get_delta_weight(ADAPTER).float()
+
+
+def merged_weights(model: Any) -> list[tuple[str, Any]]:
+    """(name, tensor) of the model's parameters, in module order, tied ones once, under the base
+    model's names (the `merged_state_dict` names, which a server's loader accepts, unlike peft's
+    `base_layer` and `lora_A`): a LoRA layer's weight as a `MergedWeight`, merged when read."""
+    from peft.tuners.lora import LoraLayer
+
+    layers = {name: module for name, module in model.named_modules() if isinstance(module, LoraLayer)}
+    out: list[tuple[str, Any]] = []
+    for name, param in model.named_parameters():
+        if "lora_" in name:
+            continue
+        owner, _, leaf = name.rpartition(".")
+        layer = owner.removesuffix(".base_layer")
+        if layer != owner and layer in layers:
+            out.append((f"{layer}.{leaf}", MergedWeight(layers[layer]) if leaf == "weight" else param))
+        else:
+            out.append((name, param))
+    return out
+
+
 def adapter_state_dict(peft_model: Any) -> dict[str, torch.Tensor]:
     from peft import get_peft_model_state_dict
 

@@ -140,6 +140,33 @@ def test_lora_trains_only_adapters_and_saves_merged_weights(tiny_qwen2vl, tmp_pa
         torch.testing.assert_close(torch.cat(fresh.sequence_logprobs(segs)), trained, atol=1e-5, rtol=1e-5)
 
 
+def test_lora_weights_for_a_server_carry_the_base_names_and_are_merged_one_at_a_time(tiny_qwen2vl):
+    """What `rollout.weight_sync=stream` sends with LoRA (`TrainingBackend.full_weights`): the plain
+    model's names in its order (a server's loader rejects peft's `base_layer`/`lora_A` names) and
+    the merged values, each adapted weight merged only when the stream reads it."""
+    from arpo_lib.agent.model.lora import MergedWeight, merged_state_dict
+    from arpo_lib.training.backend import training_backend
+    from arpo_lib.training.distributed import SINGLE
+
+    plain = HFPolicy(tiny_qwen2vl, device="cpu")
+    policy = HFPolicy(tiny_qwen2vl, device="cpu", lora_rank=4, lora_alpha=8)
+    torch.manual_seed(0)
+    with torch.no_grad():  # a trained adapter: B is zero at the start
+        for name, p in policy.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.1)
+    sent = training_backend(policy, SINGLE, micro_batch_size=1, token_budget=0, pack=False).full_weights()
+    assert [n for n, _ in sent] == [n for n, _ in plain.model.named_parameters()]
+    lazy = [n for n, t in sent if isinstance(t, MergedWeight)]
+    assert len(lazy) == sum(n.endswith("lora_A.default.weight") for n, _ in policy.model.named_parameters())
+    merged = merged_state_dict(policy.model)
+    for name, t in sent:
+        value = t.full_tensor() if isinstance(t, MergedWeight) else t
+        assert value.shape == t.shape and value.dtype == t.dtype and torch.equal(value, merged[name]), name
+    q_proj = next(n for n in lazy if n.endswith("layers.0.self_attn.q_proj.weight"))
+    assert not torch.equal(dict(sent)[q_proj].full_tensor(), dict(plain.model.named_parameters())[q_proj])
+
+
 def test_adafactor_keeps_far_less_state_than_adamw(policy):
     segs = _segments(policy, n=1, steps=1)
     sizes = {}
