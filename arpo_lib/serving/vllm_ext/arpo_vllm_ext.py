@@ -114,7 +114,7 @@ def nccl_version() -> str | None:
 
 def runtime_versions() -> dict[str, Any]:
     """What the two ends of a weight stream compare before building a group of their own."""
-    return {"torch": torch.__version__, "nccl": nccl_version()}
+    return {"torch": str(torch.__version__), "nccl": nccl_version()}  # TorchVersion: vLLM cannot serialize it
 
 
 def open_group(*, master_address: str, master_port: int, rank: int, world_size: int, backend: str,
