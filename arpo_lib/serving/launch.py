@@ -239,7 +239,7 @@ class ServerSpec:
             raise VLLMNotInstalledError(
                 f"vLLM is not installed in this environment ({self.python}{': ' + detail if detail else ''}): "
                 "backend='vllm' needs it. "
-                "Use backend='hf' (the transformers server); or on a GPU machine `pip install vllm` (its own "
+                "Use backend='hf' (the transformers server); or on a GPU machine `pip install vllm==0.32.0` (its own "
                 "virtual environment is best) and pass python='<that venv>/bin/python' or set ARPO_VLLM_PYTHON; "
                 "on a CPU machine `bash scripts/setup_vllm_cpu.sh` builds vLLM's CPU environment, found automatically.")
 

@@ -114,10 +114,11 @@ class RolloutSource:
         self.backend.broadcast(self.served.passes_over_weights(version))
         self.served.policy(version)
 
-    def engine(self, version: int, announce: bool = True) -> RolloutEngine:
-        """A rollout engine over this process's environments (see `acting`)."""
+    def engine(self, version: int, announce: bool = True, keep_pixels: bool = True) -> RolloutEngine:
+        """A rollout engine over this process's environments (see `acting`). `keep_pixels=False`:
+        finished episodes drop their pixels once written (the update re-encodes them from disk)."""
         return RolloutEngine(self.acting(version, announce), self.pool, max_steps=self.max_steps,
-                             format_coef=self.format_coef, format_penalty=self.format_penalty)
+                             format_coef=self.format_coef, format_penalty=self.format_penalty, keep_pixels=keep_pixels)
 
     def sample(self, tasks: list[str], step: int, version: int) -> tuple[list[Trajectory], int]:
         """Rollout batch `step`: G seeded episodes of every task, played by weight version
@@ -129,7 +130,7 @@ class RolloutSource:
             shutil.rmtree(out_dir)
         self.backend.barrier()
         torch.manual_seed(stable_seed(self.seed, "sample", step))
-        engine = self.engine(version)
+        engine = self.engine(version, keep_pixels=False)  # a batch's pixels: ~50 MB per 1080p screenshot
         mine = engine.run(self.backend.share(requests), temperature=self.temperature, top_p=self.top_p,
                           out_dir=out_dir, progress=self.progress, description=f"rollout {step}",
                           policy_version=version)

@@ -199,6 +199,27 @@ def test_vllm_backend_without_vllm_is_a_clear_error(tiny_qwen2vl):
         start_server(tiny_qwen2vl, backend="vllm", python=sys.executable)
 
 
+def test_a_vllm_without_the_weight_transfer_api_is_refused_by_name_at_the_servers_start(tmp_path):
+    """Issue 52: the extension skipped its registration silently on a vLLM without the
+    weight-transfer API, and the first push failed later with vLLM's own words. Imported in a
+    server (vllm loaded) it now raises naming the version it needs; in a trainer (no vllm) it
+    imports as before."""
+    from arpo_lib.serving.launch import VLLM_EXTENSION_DIR as EXT_DIR
+
+    fake = tmp_path / "vllm"
+    fake.mkdir()
+    (fake / "__init__.py").write_text('__version__ = "0.31.0"\n')
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{EXT_DIR}"}
+    server = subprocess.run([sys.executable, "-c", "import vllm, arpo_vllm_ext"], env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert server.returncode != 0
+    assert "ImportError: arpo_vllm_ext (serve.weight_sync=true) needs vLLM's weight-transfer API" in server.stderr
+    assert "this server's vLLM is 0.31.0: install vllm==0.32.0" in server.stderr
+    trainer = subprocess.run([sys.executable, "-c", "import arpo_vllm_ext"], env=env, capture_output=True,
+                             text=True, timeout=120)
+    assert trainer.returncode == 0, trainer.stderr
+
+
 def test_taken_port_is_refused_before_starting(tiny_qwen2vl):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

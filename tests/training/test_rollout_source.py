@@ -198,3 +198,27 @@ def test_ranks_exchange_tokens_not_pixels_and_re_encode_the_pixels_exactly(tmp_p
     load_pixels(other, got[0].directory, processor)
     assert torch.equal(other.pixel_values[0], theirs.segments[0].pixel_values[0])
     assert torch.equal(other.image_grid_thw[0], theirs.segments[0].image_grid_thw[0])
+
+
+def test_a_rollout_batch_drops_its_pixels_once_written_and_rank_0s_evaluation_keeps_them(tmp_path, monkeypatch):
+    """Issue 52: a batch held every finished episode's fp32 pixels until the update (~130 GB at
+    32x8 1080p episodes); the training batch's engine drops them once written (the update
+    re-encodes them per micro-batch), the evaluation's keeps its default."""
+    from arpo_lib.training import rollout_source
+
+    made = []
+
+    class Engine:
+        env_steps = 0
+
+        def __init__(self, policy: Any, pool: Any, **kwargs: Any) -> None:
+            made.append(kwargs)
+
+        def run(self, requests: list, **kwargs: Any) -> list:
+            return []
+
+    monkeypatch.setattr(rollout_source, "RolloutEngine", Engine)
+    source = _source(None, SingleProcess(policy=None), tmp_path)
+    assert source.sample(["miniwob/click-test"], step=1, version=1) == ([], 0)
+    source.engine(1, announce=False)
+    assert [kw["keep_pixels"] for kw in made] == [False, True]

