@@ -59,20 +59,20 @@ def _cfg(tmp_path, *extra):
     return load_config(SMOKE, ["logging.wandb=offline", f"out_dir={tmp_path}", "name=w", *extra])
 
 
-def _settled_tables(run_dir: Path, data_dir: Path, names: set[str], timeout_s: float = 60) -> dict[str, dict]:
+def _settled_tables(run: Path, data_dir: Path, names: set[str], timeout_s: float = 60) -> dict[str, dict]:
     """_offline_tables once it holds `names`: wandb's service process may still be writing the
     record file after finish() returns (seen twice in clean-clone runs of the suite, on a loaded
     machine: the table was not named there yet)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            tables = _offline_tables(run_dir, data_dir)
+            tables = _offline_tables(run, data_dir)
         except (AssertionError, ValueError, StopIteration):  # a table named before its images
             tables = {}
         if names <= tables.keys():
             return tables
         time.sleep(1)
-    return _offline_tables(run_dir, data_dir)
+    return _offline_tables(run, data_dir)
 
 
 def _offline_tables(run_dir: Path, data_dir: Path) -> dict[str, dict]:
