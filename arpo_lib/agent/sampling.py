@@ -2,7 +2,9 @@
 
 Each row of a batch samples with its own generator, so an episode's tokens do not depend on
 which other episodes share the batch: runs and resumes reproduce whatever order the
-environments answer in.
+environments answer in. The generators live on the logits' device, so the noise is drawn there
+(no B x vocab host-to-device copy per token); on the CPU the draws are those of a CPU generator
+with the same seed, and on an accelerator its own generator's stream (same seed, other numbers).
 """
 from __future__ import annotations
 
@@ -20,7 +22,9 @@ class SeededGumbelSampler:
     """
 
     def __init__(self, seeds: Sequence[int], temperature: float, top_p: float, suppress_ids: Sequence[int]):
-        self.generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
+        self.seeds = [int(s) for s in seeds]
+        self.generators: list[torch.Generator] = []
+        """One per row, made on the first call on the device of the logits."""
         self.temperature = temperature
         self.top_p = top_p
         self.suppress_ids = list(suppress_ids)
@@ -35,6 +39,9 @@ class SeededGumbelSampler:
             cum = sorted_logp.exp().cumsum(dim=-1)
             drop_sorted = (cum - sorted_logp.exp()) >= self.top_p  # keep the smallest set reaching top_p
             logp = logp.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
-        uniform = torch.stack([torch.rand(logp.shape[-1], generator=g) for g in self.generators]).to(logp.device)
+        if not self.generators:
+            self.generators = [torch.Generator(device=logp.device).manual_seed(s) for s in self.seeds]
+        vocab = logp.shape[-1]
+        uniform = torch.stack([torch.rand(vocab, generator=g, device=logp.device) for g in self.generators])
         gumbel = -torch.log(-torch.log(uniform.clamp(1e-20, 1.0 - 1e-7)))
         return logp + gumbel

@@ -74,6 +74,23 @@ class SlabLayer(DynamicLayer):
         return self.keys, self.values
 
 
+EOS_CHECK_EVERY = 8
+"""Decoded tokens between two host reads of the batch's end-of-sequence mask (each read syncs)."""
+
+
+def decode_mask(model: Any, attention: torch.Tensor, padded: bool) -> torch.Tensor | dict | None:
+    """The attention mask of one decoded token over a left-padded batch (`attention`: (B, L) ones
+    and zeros), built here because transformers would read the padding on the host (a device sync
+    per token) to decide whether it may drop the mask. What its own mask functions give: none
+    without padding; with padding, under SDPA, the (B, 1, 1, L) boolean padding mask."""
+    if not padded:
+        return None
+    text = model.config.get_text_config()
+    if text._attn_implementation != "sdpa" or set(getattr(text, "layer_types", None) or []) - {"full_attention"}:
+        return attention  # transformers builds it (and syncs)
+    return {"full_attention": attention.bool()[:, None, None, :]}
+
+
 @dataclass
 class _Entry:
     """What one episode keeps between steps."""
@@ -182,6 +199,7 @@ class CachedGenerator:
         attention = torch.zeros(batch, width, dtype=torch.long, device=device)
         for row, n in enumerate(lengths):
             attention[row, width - n:] = 1
+        padded = min(lengths) < width
         next_pos = torch.tensor([pos for _, _, pos in rows], device=device)  # (B,)
         logits = torch.stack([lg for _, lg, _ in rows])  # (B, V)
 
@@ -197,7 +215,6 @@ class CachedGenerator:
         logprobs: list[torch.Tensor] = []
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
         counts = torch.zeros_like(logits) if frequency_penalty else None  # (B, V) tokens generated so far
-        fed = 0  # decode forward passes done = generated tokens now in the cache
         for step in range(max_new_tokens):
             if policy.suppress_ids:
                 logits[:, policy.suppress_ids] = float("-inf")
@@ -211,24 +228,33 @@ class CachedGenerator:
             if counts is not None:
                 counts[torch.arange(batch, device=device), token] += (~finished).float()
             finished |= torch.isin(token, eos)
-            if bool(finished.all()) or step == max_new_tokens - 1:
+            if step == max_new_tokens - 1:
+                break
+            # Reading `finished` on the host waits for the device, so look only every few tokens;
+            # the steps decoded past the last row's end are cut off below.
+            if step % EOS_CHECK_EVERY == EOS_CHECK_EVERY - 1 and bool(finished.all()):
                 break
             attention = torch.cat([attention, torch.ones(batch, 1, dtype=torch.long, device=device)], dim=1)
             positions = (next_pos + step).view(1, batch, 1).expand(3, batch, 1)
             with policy.autocast():
-                hidden = model.model(input_ids=token[:, None], position_ids=positions, attention_mask=attention,
+                hidden = model.model(input_ids=token[:, None], position_ids=positions,
+                                     attention_mask=decode_mask(model, attention, padded),
                                      past_key_values=cache, use_cache=True).last_hidden_state
                 logits = model.lm_head(hidden[:, -1]).float()
-            fed += 1
-        self.stats["decode_tokens"] += batch * len(tokens)
 
         all_tokens = torch.stack(tokens, dim=1).tolist()  # (B, N)
         all_logprobs = torch.stack(logprobs, dim=1).tolist()
-        results = []
         eos_set = set(policy.eos_ids)
+        ends = [next((i + 1 for i, t in enumerate(toks) if t in eos_set), len(toks)) for toks in all_tokens]
+        # As if decoding had stopped at the step where the last row ended: the same tokens, and the
+        # same generated tokens kept in the cache (the last one sampled is never fed).
+        n_steps = max(ends)
+        fed = n_steps - 1
+        self.stats["decode_tokens"] += batch * n_steps
+
+        results = []
         for row, (segment, key) in enumerate(zip(segments, keys)):
-            toks = all_tokens[row]
-            n = next((i + 1 for i, t in enumerate(toks) if t in eos_set), len(toks))
+            toks, n = all_tokens[row], ends[row]
             results.append(GenerationResult(toks[:n], all_logprobs[row][:n]))
             kept = min(fed, n)  # generated tokens whose keys/values are in the cache
             lo, hi = width - lengths[row], width + kept

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from arpo_lib.agent.model.kv_generation import SlabLayer
+from arpo_lib.agent.model.kv_generation import EOS_CHECK_EVERY, SlabLayer, decode_mask
 from arpo_lib.types import SamplingParams
 from benchmarks.common import screenshot as _shot
 
@@ -101,3 +101,83 @@ def test_slab_layer_appends_in_place_and_grows():
     more = torch.randn(2, 3, 5, 8)
     keys, values = layer.update(more, more)
     assert layer.get_seq_length() == 8 and torch.equal(keys, torch.cat([k, more], dim=2))
+
+
+def _padded_batch(policy, n_envs=3):
+    convs = [policy.new_conversation("Click" + " the button" * i) for i in range(n_envs)]  # unequal lengths
+    for i, c in enumerate(convs):
+        c.add_observation(_shot(i))
+    return convs
+
+
+def test_rows_ending_at_different_steps_match_reprefill(policy, monkeypatch):
+    """Rows that end early (the end-of-sequence check runs every few tokens, the extra steps are
+    cut off): the same tokens and log-probs as the naive path, and each episode's cache holds what
+    a loop that stopped at the last row's end would have left (the last sampled token unfed)."""
+    probe = _episodes(policy, 3, 1, cached=True, temperature=1.0)[0]
+    ends = [3, 9, 5]  # made end-of-sequence tokens, so the rows stop there or earlier
+    monkeypatch.setattr(policy, "eos_ids", list(policy.eos_ids) + [g.token_ids[e] for g, e in zip(probe, ends)])
+    naive = _episodes(policy, 3, 3, cached=False, temperature=1.0)
+    cached = _episodes(policy, 3, 3, cached=True, temperature=1.0)
+    for a_step, b_step in zip(naive, cached):
+        for a, b in zip(a_step, b_step):
+            assert a.token_ids == b.token_ids
+            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=2e-4)
+    lengths = [len(g.token_ids) for g in cached[0]]
+    assert max(lengths) <= 10 and len(set(lengths)) > 1  # ended early, at different steps
+
+    convs = _padded_batch(policy)
+    keys = [("end", i) for i in range(3)]
+    gens = policy.generate([c.current for c in convs], seeds=[0, 1000, 2000], cache_keys=keys,
+                           sampling=SamplingParams(temperature=1.0))
+    last = max(len(g.token_ids) for g in gens)
+    for c, g, key in zip(convs, gens, keys):
+        kept = min(last - 1, len(g.token_ids))
+        assert policy.cached.entries[key].ids == list(c.current.input_ids) + g.token_ids[:kept]
+        policy.release(key)
+
+
+def _host_reads(policy, monkeypatch, max_new_tokens):
+    """Tensor-to-host reads (each one a device sync off the CPU) during one cached generate."""
+    reads = []
+    for name in ("__bool__", "item", "tolist"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _real=real, **k: reads.append(1) or _real(self, *a, **k))
+    convs = _padded_batch(policy)
+    keys = [("reads", i) for i in range(len(convs))]
+    gens = policy.generate([c.current for c in convs], seeds=[1, 2, 3], cache_keys=keys,
+                           sampling=SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens))
+    monkeypatch.undo()
+    for key in keys:
+        policy.release(key)
+    assert all(len(g.token_ids) == max_new_tokens for g in gens)  # no row ended: every step decoded
+    return len(reads)
+
+
+def test_decoding_reads_the_device_every_few_tokens_not_every_token(policy, monkeypatch):
+    """Neither the end-of-sequence check nor the attention mask reads the device per token
+    (the old loop read `finished.all()`, and transformers the padding mask, at every token)."""
+    extra = _host_reads(policy, monkeypatch, 24) - _host_reads(policy, monkeypatch, 8)
+    assert extra <= 16 // EOS_CHECK_EVERY
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_decode_mask_is_the_one_transformers_builds(policy, padded):
+    from transformers.cache_utils import DynamicCache
+    from transformers.masking_utils import create_causal_mask
+
+    config = policy.model.config.get_text_config()
+    attention = torch.ones(3, 7, dtype=torch.long)
+    if padded:
+        attention[0, :2] = attention[2, :4] = 0
+    cache = DynamicCache(config=config)
+    head_dim = config.hidden_size // config.num_attention_heads
+    past = torch.zeros(3, config.num_key_value_heads, 6, head_dim)
+    cache.update(past, past, 0)
+    theirs = create_causal_mask(config=config, inputs_embeds=torch.zeros(3, 1, config.hidden_size),
+                                attention_mask=attention, past_key_values=cache,
+                                position_ids=torch.full((1, 1), 6))
+    ours = decode_mask(policy.model, attention, padded)
+    if isinstance(ours, dict):
+        ours = ours["full_attention"]
+    assert (ours is None and theirs is None) or torch.equal(ours, theirs)
