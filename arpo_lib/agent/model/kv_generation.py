@@ -8,7 +8,10 @@ the vision tower 120 times for 15 screenshots.
 Here every live episode keeps the keys/values of the tokens it has already been through. A step
 prefills only what was added since (the end of the last response and the new screenshot turn),
 so each screenshot passes through the vision tower once; then all episodes decode together in one
-left-padded batch over a preallocated cache.
+left-padded batch over a preallocated cache. That cache (`BatchSlab`, sized by the longest
+sequence plus the response cap) is the step's only one: each prefill writes its row in place,
+decoding appends to it, and each episode then keeps a compact copy of its row (not a view: the
+slab's unused response slots would otherwise stay reserved between steps).
 
 Correct by construction: an entry is reused only when its tokens are a prefix of the new sequence.
 A history-limit re-render (a new segment), a different episode or anything unexpected is a miss
@@ -74,6 +77,56 @@ class SlabLayer(DynamicLayer):
         return self.keys, self.values
 
 
+class BatchSlab:
+    """One generate call's cache, per decoder layer: keys and values of shape (B, H_kv, W + N, D)
+    for B left-padded rows of at most W tokens and N new ones, zeroed (padding is masked, and must
+    not be NaN). Each row's prefill writes into it in place through `row` and decoding appends to
+    it: one allocation per layer and step, no per-row cache beside it."""
+
+    def __init__(self, batch: int, capacity: int):
+        self.batch, self.capacity = batch, capacity
+        self.key_buf: torch.Tensor | None = None
+        self.value_buf: torch.Tensor | None = None
+
+    def allocate(self, like: torch.Tensor) -> None:
+        if self.key_buf is None:
+            _, heads, _, dim = like.shape
+            self.key_buf = like.new_zeros(self.batch, heads, self.capacity, dim)
+            self.value_buf = torch.zeros_like(self.key_buf)
+
+    def row(self, row: int, offset: int, keys: torch.Tensor | None = None,
+            values: torch.Tensor | None = None) -> RowLayer:
+        return RowLayer(self, row, offset, keys, values)
+
+    def layer(self, length: int) -> SlabLayer:
+        """The whole batch as one cache layer, `length` (= W) positions filled."""
+        layer = SlabLayer(self.capacity)
+        layer.dtype, layer.device = self.key_buf.dtype, self.key_buf.device
+        layer.key_buf, layer.value_buf, layer.length = self.key_buf, self.value_buf, length
+        layer.keys, layer.values = self.key_buf[:, :, :length], self.value_buf[:, :, :length]
+        layer.is_initialized = True
+        return layer
+
+
+class RowLayer(SlabLayer):
+    """Row `row` of a `BatchSlab` from position `offset` (its left padding) on, as a batch-of-one
+    cache layer: a prefill writes the row's keys and values straight into the batch."""
+
+    def __init__(self, slab: BatchSlab, row: int, offset: int, keys: torch.Tensor | None = None,
+                 values: torch.Tensor | None = None):
+        self.slab, self.row, self.offset = slab, row, offset
+        super().__init__(slab.capacity - offset, keys, values)
+
+    def _allocate(self, like: torch.Tensor) -> None:
+        if self.is_initialized:
+            raise RuntimeError("a row of a BatchSlab cannot grow: size the slab for the whole call")
+        self.slab.allocate(like)
+        self.dtype, self.device = like.dtype, like.device
+        self.key_buf = self.slab.key_buf[self.row:self.row + 1, :, self.offset:]
+        self.value_buf = self.slab.value_buf[self.row:self.row + 1, :, self.offset:]
+        self.is_initialized = True
+
+
 EOS_CHECK_EVERY = 8
 """Decoded tokens between two host reads of the batch's end-of-sequence mask (each read syncs)."""
 
@@ -135,9 +188,11 @@ class CachedGenerator:
         return None
 
     @torch.no_grad()
-    def _prefill(self, segment: Any, entry: _Entry | None) -> tuple[list[torch.Tensor], torch.Tensor, int]:
-        """Run the not-yet-cached tail of one sequence. Returns (per-layer K, V list, logits of
-        the last position (V,), next text position)."""
+    def _prefill(self, segment: Any, entry: _Entry | None, slabs: list[BatchSlab], row: int,
+                 offset: int) -> tuple[torch.Tensor, int]:
+        """Run the not-yet-cached tail of one sequence, its keys and values written into row `row`
+        of `slabs` (one per layer) from `offset` on. Returns (logits of the last position (V,),
+        next text position)."""
         policy, model = self.policy, self.policy.model
         start = len(entry.ids) if entry else 0
         n_cached_images = entry.n_images if entry else 0
@@ -148,12 +203,10 @@ class CachedGenerator:
         if new_pixels:
             inputs["pixel_values"] = torch.cat(new_pixels).to(policy.device)
             inputs["image_grid_thw"] = torch.stack(segment.image_grid_thw[n_cached_images:]).to(policy.device)
-        n_layers = model.config.get_text_config().num_hidden_layers
-        total = len(segment.input_ids)
         if entry:
-            layers = [SlabLayer(total, k, v) for k, v in entry.kv]
+            layers = [slab.row(row, offset, k, v) for slab, (k, v) in zip(slabs, entry.kv)]
         else:
-            layers = [SlabLayer(total) for _ in range(n_layers)]
+            layers = [slab.row(row, offset) for slab in slabs]
         cache = Cache(layers=layers)
         with policy.autocast():
             hidden = model.model(input_ids=new_ids, position_ids=positions[:, :, start:].to(policy.device),
@@ -162,8 +215,7 @@ class CachedGenerator:
         self.stats["prefill_tokens"] += new_ids.shape[1]
         self.stats["images_encoded"] += len(new_pixels)
         self.stats["cache_hits" if entry else "cache_misses"] += 1
-        kv = [(layer.keys, layer.values) for layer in layers]
-        return kv, logits[0].float(), int(positions.max()) + 1
+        return logits[0].float(), int(positions.max()) + 1
 
     @torch.no_grad()
     def generate(self, segments: Sequence[Any], keys: Sequence[Hashable], *, temperature: float, top_p: float,
@@ -172,36 +224,24 @@ class CachedGenerator:
         policy, model = self.policy, self.policy.model
         if len(set(keys)) != len(keys):
             raise ValueError("cache keys must be distinct within one call (one per live episode)")
-        rows = []
-        for segment, key in zip(segments, keys):
-            entry = self._reusable(key, segment.input_ids)
-            rows.append(self._prefill(segment, entry))
-        batch = len(rows)
+        batch = len(segments)
         lengths = [len(s.input_ids) for s in segments]
         width = max(lengths)
-        n_layers = len(rows[0][0])
-
-        # Merge the rows' caches into one left-padded batch, layer by layer, freeing as we go.
-        merged = []
-        for layer in range(n_layers):
-            k0 = rows[0][0][layer][0]
-            keys_b = k0.new_zeros(batch, k0.shape[1], width, k0.shape[3])  # (B, H_kv, W, D)
-            values_b = torch.zeros_like(keys_b)
-            for row, (kv, _, _) in enumerate(rows):
-                k, v = kv[layer]
-                keys_b[row, :, width - k.shape[2]:] = k[0]
-                values_b[row, :, width - v.shape[2]:] = v[0]
-                kv[layer] = None
-            merged.append(SlabLayer(width + max_new_tokens, keys_b, values_b))
-            del keys_b, values_b
+        n_layers = model.config.get_text_config().num_hidden_layers
+        slabs = [BatchSlab(batch, width + max_new_tokens) for _ in range(n_layers)]
+        rows = []
+        for row, (segment, key) in enumerate(zip(segments, keys)):
+            entry = self._reusable(key, segment.input_ids)
+            rows.append(self._prefill(segment, entry, slabs, row, width - lengths[row]))
+        merged = [slab.layer(width) for slab in slabs]
         cache = Cache(layers=merged)
         device = policy.device
         attention = torch.zeros(batch, width, dtype=torch.long, device=device)
         for row, n in enumerate(lengths):
             attention[row, width - n:] = 1
         padded = min(lengths) < width
-        next_pos = torch.tensor([pos for _, _, pos in rows], device=device)  # (B,)
-        logits = torch.stack([lg for _, lg, _ in rows])  # (B, V)
+        next_pos = torch.tensor([pos for _, pos in rows], device=device)  # (B,)
+        logits = torch.stack([lg for lg, _ in rows])  # (B, V)
 
         greedy = temperature <= 0
         sampler = None
@@ -258,7 +298,7 @@ class CachedGenerator:
             results.append(GenerationResult(toks[:n], all_logprobs[row][:n]))
             kept = min(fed, n)  # generated tokens whose keys/values are in the cache
             lo, hi = width - lengths[row], width + kept
-            kv = [(layer.key_buf[row:row + 1, :, lo:hi].clone(), layer.value_buf[row:row + 1, :, lo:hi].clone())
-                  for layer in merged]
+            kv = [(slab.key_buf[row:row + 1, :, lo:hi].clone(), slab.value_buf[row:row + 1, :, lo:hi].clone())
+                  for slab in slabs]
             self.entries[key] = _Entry(list(segment.input_ids) + toks[:kept], len(segment.pixel_values), kv)
         return results

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from arpo_lib.agent.model.kv_generation import EOS_CHECK_EVERY, SlabLayer, decode_mask
+from arpo_lib.agent.model.kv_generation import EOS_CHECK_EVERY, BatchSlab, RowLayer, SlabLayer, decode_mask
 from arpo_lib.types import SamplingParams
 from benchmarks.common import screenshot as _shot
 
@@ -181,3 +181,44 @@ def test_decode_mask_is_the_one_transformers_builds(policy, padded):
     if isinstance(ours, dict):
         ours = ours["full_attention"]
     assert (ours is None and theirs is None) or torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("n_envs", [1, 3])
+def test_one_kv_slab_per_step_sized_by_the_response_cap(policy, monkeypatch, n_envs):
+    """A step allocates one cache per layer, (B, H_kv, W + max_new_tokens, D) for B episodes of at
+    most W tokens (one episode: its length + the cap), and every row's prefill writes into it in
+    place: no per-row cache beside it. (The old path prefilled into per-row caches, then merged
+    them into a batch cache: n_envs + 1 allocations per layer.) Episodes keep compact copies."""
+    slabs, allocations = [], []
+    real_allocate, real_slab_allocate = SlabLayer._allocate, BatchSlab.allocate
+
+    def allocate(self, like):
+        allocations.append(self)
+        return real_allocate(self, like)
+
+    def slab_allocate(self, like):
+        new = self.key_buf is None
+        real_slab_allocate(self, like)
+        if new:
+            slabs.append(self.value_buf.shape)
+
+    monkeypatch.setattr(SlabLayer, "_allocate", allocate)
+    monkeypatch.setattr(BatchSlab, "allocate", slab_allocate)
+    cap = 5
+    convs = _padded_batch(policy, n_envs)
+    keys = [("slab", i) for i in range(n_envs)]
+    gens = policy.generate([c.current for c in convs], seeds=list(range(n_envs)), cache_keys=keys,
+                           sampling=SamplingParams(temperature=1.0, max_new_tokens=cap))
+    monkeypatch.undo()
+    width = max(len(c.current.input_ids) for c in convs)
+    config = policy.model.config.get_text_config()
+    n_layers = config.num_hidden_layers
+    assert len(slabs) == n_layers
+    assert {shape[:3] for shape in slabs} == {(n_envs, config.num_key_value_heads, width + cap)}
+    assert all(isinstance(layer, RowLayer) for layer in allocations)  # only views of the slab
+    last = max(len(g.token_ids) for g in gens)
+    for c, g, key in zip(convs, gens, keys):  # compact: the slab's unused slots are not kept
+        kept = len(c.current.input_ids) + min(last - 1, len(g.token_ids))
+        k = policy.cached.entries[key].kv[0][0]
+        assert k.shape[2] == kept and k.untyped_storage().nbytes() == k.numel() * k.element_size()
+        policy.release(key)
