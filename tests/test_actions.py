@@ -385,25 +385,35 @@ ADVERSARIAL = [
 ]
 
 
+def _fastest_parse_s(text: str, tries: int = 3) -> float:
+    """The fastest of `tries` parses of `text`: a guard against catastrophic backtracking (a
+    regex gone exponential takes minutes, not one second), not a speed measurement, so a stall
+    of the machine during one try (seen once in a loaded CI run: 1.4 s for a 14 ms parse) does
+    not count."""
+    best = math.inf
+    for _ in range(tries):
+        start = time.perf_counter()
+        try:
+            parse(text)
+        except ActionParseError:
+            pass
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 @pytest.mark.parametrize("text", ADVERSARIAL, ids=range(len(ADVERSARIAL)))
 def test_adversarial_inputs_are_fast(text):
     assert len(text) <= MAX_RESPONSE_CHARS
-    start = time.perf_counter()
-    try:
-        parse(text)
-    except ActionParseError:
-        pass
-    assert time.perf_counter() - start < 1.0
+    assert _fastest_parse_s(text) < 1.0
 
 
 def test_one_megabyte_is_rejected_fast():
     for text in ["Action: click(start_box='" + "(" * 1_000_000,
                  "Thought: " + "a" * 1_000_000 + "\nAction: wait()",
                  "\x00\xff" * 500_000]:
-        start = time.perf_counter()
         with pytest.raises(ActionParseError):
             parse(text)
-        assert time.perf_counter() - start < 1.0
+        assert _fastest_parse_s(text) < 1.0
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

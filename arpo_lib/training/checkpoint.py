@@ -178,21 +178,18 @@ class Checkpointer:
 
     def save(self, step: int, *, policy: "TrainablePolicy", optimizer: torch.optim.Optimizer, scheduler: "LRScheduler",
              replay: ReplayBuffer, config: dict[str, Any], state: dict[str, Any]) -> Path:
-        """Write step `step`'s checkpoint (all ranks call this together); returns its directory."""
+        """Write step `step`'s checkpoint (all ranks call this together); returns its directory.
+        Rank 0's own parts run under `on_main`: when one fails (a full disk) the other ranks
+        raise at once with its error instead of waiting at the next collective until it times out."""
         ckpt_dir, backend = self.run.checkpoints, self.backend
         if backend.sharded_optimizer:
-            if backend.is_main:
-                begin_checkpoint(ckpt_dir, step)
-            backend.barrier()
+            backend.on_main(lambda: begin_checkpoint(ckpt_dir, step))
             backend.save_optimizer_shards(tmp_checkpoint_dir(ckpt_dir, step), optimizer)
             backend.save_policy(tmp_checkpoint_dir(ckpt_dir, step) / layout.MODEL)  # rank 0 writes
-        path = ckpt_dir / layout.step_name(step)
-        if backend.is_main:
-            path = save_checkpoint(ckpt_dir, step, policy=policy, optimizer=optimizer, scheduler=scheduler,
-                                   replay=replay, config=config, keep=self.keep, sharded=backend.sharded_optimizer,
-                                   state=state)
-        backend.barrier()
-        return path
+        backend.on_main(lambda: save_checkpoint(
+            ckpt_dir, step, policy=policy, optimizer=optimizer, scheduler=scheduler, replay=replay, config=config,
+            keep=self.keep, sharded=backend.sharded_optimizer, state=state))
+        return ckpt_dir / layout.step_name(step)
 
 
 # -- optimizer states written by another number of processes -------------------------------------

@@ -90,13 +90,17 @@ class RolloutSource:
         if announce and self._gathered:
             self._bring_servers_to(version)
         if isinstance(self.served, FollowingWeights):
+            self.backend.on_main(lambda: None)  # rank 0 brings its servers to the version meanwhile
             return self.served.follow(self.backend.broadcast(None))
         if self._gathered and not announce and self.served.passes_over_weights(version):
             raise RuntimeError(f"rank 0 alone cannot bring the servers to weight version {version}: the weights "
                                "exist only as shards, gathered with every rank (weights_changed first)")
-        policy = self.served.policy(version)
-        if announce:
-            self.backend.broadcast(self.served.urls)
+        if not announce:
+            return self.served.policy(version)
+        # under on_main: when rank 0's servers fail (a start, a confirmation) the other ranks raise
+        # at once with its error instead of waiting for the announcement until rank 0 has gone
+        policy = self.backend.on_main(lambda: self.served.policy(version))
+        self.backend.broadcast(self.served.urls)
         return policy
 
     @property
@@ -110,9 +114,10 @@ class RolloutSource:
         if isinstance(self.served, FollowingWeights):
             if self.backend.broadcast(None):
                 self.backend.join_full_weights()
+            self.backend.on_main(lambda: None)  # rank 0's servers confirm the version (or fail: raises here too)
             return
         self.backend.broadcast(self.served.passes_over_weights(version))
-        self.served.policy(version)
+        self.backend.on_main(lambda: self.served.policy(version))  # the others take part in its gathers first
 
     def engine(self, version: int, announce: bool = True, keep_pixels: bool = True) -> RolloutEngine:
         """A rollout engine over this process's environments (see `acting`). `keep_pixels=False`:

@@ -10,6 +10,8 @@ OUT/rank<R>.json. Scenarios:
 - late-warm-start: rank 0's warm start outlasts the collective timeout; the weights still arrive.
 - failed-warm-start: rank 0's warm start raises, then rank 0 lingers (a trainer closing its
   environments); rank 1 raises at once, with rank 0's error.
+- failed-checkpoint: rank 0's part of a checkpoint fails (a full disk) and rank 0 lingers; rank 1
+  raises at once, with rank 0's error.
 - push: a DCP checkpoint of a sharded optimizer round-trips, planned on the control group; a
   whole pass over the shards' weights; then a pass whose consumer fails at its third tensor
   (a server gone mid-push) while rank 0 lingers: rank 1 raises at once.
@@ -87,6 +89,25 @@ def warm_start_on_rank_0(ranks: Ranks, out: Path, fail: bool) -> dict[str, Any]:
         return {"raised": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - t0}
     return {"raised": None, "seconds": time.monotonic() - t0, "losses": losses,
             "weights": [float(v) for p in model.parameters() for v in p.detach().flatten()]}
+
+
+def failed_checkpoint(ranks: Ranks, out: Path) -> dict[str, Any]:
+    """`Checkpointer.save` whose rank-0 part fails (a full disk): every rank raises at once."""
+    from arpo_lib.training import checkpoint
+
+    def full_disk(*_: Any, **__: Any) -> None:
+        time.sleep(1.0)
+        raise OSError("No space left on device (injected)")
+
+    checkpoint.save_checkpoint = full_disk
+    backend = FullModelBackend(SimpleNamespace(model=torch.nn.Linear(4, 3)), ranks)  # type: ignore[arg-type]
+    saver = checkpoint.Checkpointer(RunDir(out / "run"), backend, every=1, keep=1, last_step=1)
+    t0 = time.monotonic()
+    try:
+        saver.save(1, policy=None, optimizer=None, scheduler=None, replay=None, config={}, state={})  # type: ignore[arg-type]
+    except Exception as exc:
+        return {"raised": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - t0}
+    return {"raised": None, "seconds": time.monotonic() - t0}
 
 
 def push(ranks: Ranks, out: Path) -> dict[str, Any]:
@@ -168,6 +189,8 @@ def main(scenario: str, collective_timeout_s: float, out: str) -> None:
     distributed._control_group = dist.new_group(backend="gloo", timeout=distributed.CONTROL_TIMEOUT)
     if scenario == "push":
         report = push(ranks, out_dir)
+    elif scenario == "failed-checkpoint":
+        report = failed_checkpoint(ranks, out_dir)
     else:
         report = warm_start_on_rank_0(ranks, out_dir, fail=scenario == "failed-warm-start")
     (out_dir / f"rank{ranks.rank}.json").write_text(json.dumps(report))

@@ -408,6 +408,16 @@ def test_a_warm_start_that_fails_on_rank_0_makes_every_rank_raise_at_once(tmp_pa
     assert one["seconds"] < 5, one
 
 
+def test_a_checkpoint_that_fails_on_rank_0_makes_every_rank_raise_at_once(tmp_path):
+    """Rank 0 writes the checkpoint's shared parts alone; when that fails (a full disk) and rank 0
+    lingers, rank 1 raises within seconds with its error. On the old code it waited at the
+    barrier after the write until rank 0 had gone."""
+    zero, one = _hang_ranks("failed-checkpoint", 60, tmp_path)
+    assert zero["raised"] == "OSError: No space left on device (injected)"
+    assert one["raised"].startswith("RankFailed") and "No space left on device (injected)" in one["raised"], one
+    assert one["seconds"] < 5, one
+
+
 @pytest.fixture(scope="module")
 def push_ranks(tmp_path_factory):
     return _hang_ranks("push", 60, tmp_path_factory.mktemp("push"))

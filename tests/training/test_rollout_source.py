@@ -10,6 +10,7 @@ import pytest
 from arpo_lib.run.layout import RunDir
 from arpo_lib.serving.weight_sync import FollowingServed
 from arpo_lib.training.backend import SingleProcess, TrainingBackend
+from arpo_lib.training.distributed import RankFailed
 from arpo_lib.training.rollout_source import RolloutSource
 
 URLS = ["http://10.0.0.5:8000/v1"]
@@ -96,6 +97,17 @@ class _ShardsOnly(Announcing):
     def join_full_weights(self) -> None:
         self.joined += 1
 
+    def on_main(self, work: Any) -> Any:
+        """Rank 0 runs `work`; a rank 0 failure reaches the others as `failed_on_main` says."""
+        self.sent.append("on_main")
+        if self.ranks.is_main:
+            return work()
+        if getattr(self, "failed_on_main", None):
+            from arpo_lib.training.distributed import RankFailed
+
+            raise RankFailed(f"rank 0 failed while the others waited for it: {self.failed_on_main}")
+        return None
+
 
 class _Pushing(Leading):
     """Rank 0's servers: a pass over the weights when the version they hold is not the one asked for."""
@@ -120,10 +132,11 @@ def test_without_a_full_copy_every_rank_takes_part_in_each_pass_over_the_weights
     lead, zero = _Pushing(), _ShardsOnly(0)
     source = _source(lead, zero, tmp_path)
     assert source.acting(3) == "client" and lead.passes == 1
-    assert zero.sent == [True, URLS]  # "a pass follows", then the servers' URLs
+    # "a pass follows", rank 0's servers brought to it under on_main, the same confirmed, the URLs
+    assert zero.sent == [True, "on_main", "on_main", URLS]
     source.weights_changed(3)  # nothing new: no pass
     source.weights_changed(5)
-    assert lead.passes == 2 and zero.sent[2:] == [False, True]
+    assert lead.passes == 2 and zero.sent[4:] == [False, "on_main", True, "on_main"]
     assert source.acting(5, announce=False) == "client"  # rank 0's evaluation alone: nothing to gather
     lead.held = 4
     with pytest.raises(RuntimeError, match="rank 0 alone cannot"):  # it would wait for the others forever
@@ -137,6 +150,15 @@ def test_without_a_full_copy_every_rank_takes_part_in_each_pass_over_the_weights
     follower.weights_changed(3)
     follower.weights_changed(5)
     assert one.joined == 2 and one.from_rank_0 == []
+    assert one.sent.count("on_main") == 4  # where rank 0 ran its servers' part, rank 1 waited for its outcome
+
+    # rank 0's servers fail after a pass (a confirmation that does not match): rank 1 raises at
+    # once with its error, never reaching the announcement it would otherwise wait for
+    one = _ShardsOnly(1, [True])
+    one.failed_on_main = "WeightSyncError: the server at http://10.0.0.5:8000 confirmed another checksum"
+    with pytest.raises(RankFailed, match="confirmed another checksum"):
+        _source(FollowingServed(connect=str), one, tmp_path).acting(7)
+    assert one.joined == 1 and one.sent == [None, "on_main"]
 
 
 class _SecondOfTwo(SingleProcess):
