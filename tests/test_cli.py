@@ -83,10 +83,10 @@ def test_several_processes_start_torchrun_with_the_same_command(monkeypatch, cap
     assert "--nproc-per-node=2" in _launched(monkeypatch, ["resume", "--run", str(run), "--nproc-per-node", "2"])
 
 
-def test_the_slurm_script_launches_every_node_into_one_c10d_rendezvous(tmp_path, monkeypatch):
+def _fake_slurm(tmp_path, gpus_per_node: str) -> dict[str, str]:
+    """The environment of a two-node SLURM job (gpu-a, gpu-b) whose `srun` writes the command it
+    would run on each node to tmp_path/cmd instead."""
     import os
-    import shlex
-    import subprocess
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -94,8 +94,16 @@ def test_the_slurm_script_launches_every_node_into_one_c10d_rendezvous(tmp_path,
     (bin_dir / "srun").write_text(f"#!/bin/sh\nprintf '%s' \"$4\" > {tmp_path}/cmd\n")  # srun OPT bash -c CMD
     for f in bin_dir.iterdir():
         f.chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu-[a-b]",
-           "SLURM_NNODES": "2", "SLURM_GPUS_PER_NODE": "h100:8", "SLURM_JOB_ID": "4242"}
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu-[a-b]",
+            "SLURM_NNODES": "2", "SLURM_GPUS_PER_NODE": gpus_per_node, "SLURM_JOB_ID": "4242"}
+
+
+def test_the_slurm_script_launches_every_node_into_one_c10d_rendezvous(tmp_path, monkeypatch):
+    import os
+    import shlex
+    import subprocess
+
+    env = _fake_slurm(tmp_path, gpus_per_node="h100:8")
     subprocess.run(["bash", "scripts/slurm_train.sh", "configs/osworld_full128.yaml", "train.steps=60"],
                    env=env, check=True)
     cmd = shlex.split((tmp_path / "cmd").read_text().replace("$SLURM_NODEID", "1"))
@@ -111,7 +119,6 @@ def test_on_several_nodes_gloo_and_nccl_get_the_interface_that_reaches_the_maste
     address the other node cannot reach and wait 2 hours. Each node's launch (slurm_train.sh's
     command on every node) sets it, and NCCL_SOCKET_IFNAME, to the interface that reaches the
     master, here from a fake route table; a value the user exported is kept; one node: unset."""
-    import os
     import shlex
     import subprocess
 
@@ -120,14 +127,7 @@ def test_on_several_nodes_gloo_and_nccl_get_the_interface_that_reaches_the_maste
     monkeypatch.setattr(distributed, "interface_towards", lambda host, interfaces=None: {"gpu-a": "ib0"}.get(host))
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text("#!/bin/sh\nprintf 'gpu-a\\ngpu-b\\n'\n")
-    (bin_dir / "srun").write_text(f"#!/bin/sh\nprintf '%s' \"$4\" > {tmp_path}/cmd\n")  # srun OPT bash -c CMD
-    for f in bin_dir.iterdir():
-        f.chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu-[a-b]",
-           "SLURM_NNODES": "2", "SLURM_GPUS_PER_NODE": "8", "SLURM_JOB_ID": "4242"}
+    env = _fake_slurm(tmp_path, gpus_per_node="8")
     subprocess.run(["bash", "scripts/slurm_train.sh"], env=env, check=True)
     argv = shlex.split((tmp_path / "cmd").read_text())[4:]
     _, launched_env = _launched_with_env(monkeypatch, argv)

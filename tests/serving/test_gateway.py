@@ -4,14 +4,12 @@ leads only to the OpenAI API of a server that stays on loopback (its weight-sync
 from __future__ import annotations
 
 import json
-import random
 import shutil
 import subprocess
 import sys
 import textwrap
 import threading
 import urllib.parse
-import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -20,6 +18,7 @@ from arpo_lib.agent.client import ServerError
 from arpo_lib.run.net import is_loopback
 from arpo_lib.serving.gateway import Gateway, announce_host, reachable_url, spans_nodes
 from arpo_lib.serving.weight_sync import ServedPolicy
+from tests.netns import NamespaceUnavailable, veth_namespace
 
 KEY = "k" * 32
 
@@ -89,35 +88,17 @@ class _Upstream(BaseHTTPRequestHandler):
 def other_host():
     """(this machine's address as the other host sees it, a function running Python there)."""
     ip = shutil.which("ip") or "/usr/sbin/ip"
-    tag = uuid.uuid4().hex[:6]
-    net = f"10.{random.randint(200, 250)}.{random.randint(0, 250)}"
-    ns, outer, inner = f"arpo-gw-{tag}", f"arpog{tag}", f"arpon{tag}"
-
-    def run(*args: str) -> None:
-        subprocess.run(list(args), check=True, capture_output=True, timeout=30)
-
     try:
-        run(ip, "netns", "add", ns)
-    except (OSError, subprocess.CalledProcessError) as exc:
-        pytest.skip(f"no network namespaces here (root and iproute2 needed): {exc}")
-    try:
-        run(ip, "link", "add", outer, "type", "veth", "peer", "name", inner)
-        run(ip, "link", "set", inner, "netns", ns)
-        run(ip, "addr", "add", f"{net}.1/24", "dev", outer)
-        run(ip, "link", "set", outer, "up")
-        run(ip, "netns", "exec", ns, ip, "addr", "add", f"{net}.2/24", "dev", inner)
-        run(ip, "netns", "exec", ns, ip, "link", "set", inner, "up")
+        with veth_namespace(ip, "gw") as (ns, net):
+            def there(code: str) -> str:
+                done = subprocess.run([ip, "netns", "exec", ns, sys.executable, "-c", textwrap.dedent(code)],
+                                      capture_output=True, text=True, timeout=30)
+                assert done.returncode == 0, done.stderr
+                return done.stdout.strip()
 
-        def there(code: str) -> str:
-            done = subprocess.run([ip, "netns", "exec", ns, sys.executable, "-c", textwrap.dedent(code)],
-                                  capture_output=True, text=True, timeout=30)
-            assert done.returncode == 0, done.stderr
-            return done.stdout.strip()
-
-        yield f"{net}.1", there
-    finally:
-        subprocess.run([ip, "link", "del", outer], capture_output=True)
-        subprocess.run([ip, "netns", "del", ns], capture_output=True)
+            yield f"{net}.1", there
+    except NamespaceUnavailable as exc:
+        pytest.skip(str(exc))
 
 
 _FETCH = """\

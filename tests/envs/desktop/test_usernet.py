@@ -4,17 +4,16 @@ addresses. "Outside" here is a test host the test makes in a network namespace o
 from __future__ import annotations
 
 import json
-import random
 import socket
 import subprocess
 import textwrap
 import threading
-import uuid
 
 import pytest
 
 from arpo_lib.envs.desktop import usernet
 from arpo_lib.envs.desktop.sandbox import Sandbox, desktop_unavailable, network_mode
+from tests.netns import veth_namespace
 
 REASON = desktop_unavailable() or usernet.unavailable()
 SCREEN = (800, 600)
@@ -31,23 +30,9 @@ def test_network_modes_are_named_and_the_old_booleans_keep_their_meaning():
 @pytest.fixture
 def test_host():
     """An outside host: a network namespace with a veth pair to this machine, an HTTP server in it."""
-    tag = uuid.uuid4().hex[:6]
-    net = f"10.{random.randint(200, 250)}.{random.randint(0, 250)}"
-    ns, outer, inner = f"arpo-th-{tag}", f"arpoh{tag}", f"arpot{tag}"
     ip = usernet._tool("ip")
-
-    def run(*args: str) -> None:
-        subprocess.run(list(args), check=True, capture_output=True, timeout=30)
-
-    run(ip, "netns", "add", ns)
-    try:
-        run(ip, "link", "add", outer, "type", "veth", "peer", "name", inner)
-        run(ip, "link", "set", inner, "netns", ns)
-        run(ip, "addr", "add", f"{net}.1/24", "dev", outer)
-        run(ip, "link", "set", outer, "up")
-        run(ip, "netns", "exec", ns, ip, "addr", "add", f"{net}.2/24", "dev", inner)
-        run(ip, "netns", "exec", ns, ip, "link", "set", inner, "up")
-        run(ip, "netns", "exec", ns, ip, "link", "set", "lo", "up")
+    with veth_namespace(ip, "th") as (ns, net):
+        tag = ns.rsplit("-", 1)[1]
         server = subprocess.Popen([ip, "netns", "exec", ns, "python3", "-c", textwrap.dedent(f"""\
             import http.server
             class H(http.server.BaseHTTPRequestHandler):
@@ -56,12 +41,11 @@ def test_host():
                 def log_message(self, *a): pass
             http.server.HTTPServer(("{net}.2", 8080), H).serve_forever()
             """)])
-        yield f"{net}.2", tag
-        server.kill()
-        server.wait()
-    finally:
-        subprocess.run([ip, "link", "del", outer], capture_output=True)
-        subprocess.run([ip, "netns", "del", ns], capture_output=True)
+        try:
+            yield f"{net}.2", tag
+        finally:
+            server.kill()
+            server.wait()
 
 
 @pytest.fixture
