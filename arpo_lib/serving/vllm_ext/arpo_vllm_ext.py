@@ -270,6 +270,14 @@ class WeightSyncExtension:
         """This worker's torch and NCCL versions (the trainer checks them before an NCCL stream)."""
         return runtime_versions()
 
+    def arpo_serving_dtype(self) -> str:
+        """The dtype this worker's model holds its weights in (`bfloat16`, ...): a streamed push
+        sends its tensors in it, so the wire carries what the server keeps (half of fp32)."""
+        dtype = getattr(getattr(self, "model_config", None), "dtype", None)
+        if dtype is None:
+            dtype = next(self.model_runner.get_model().parameters()).dtype
+        return str(dtype).removeprefix("torch.")
+
     def arpo_weight_state(self) -> dict[str, Any]:
         """What the last streamed update loaded: {version, checksum, tensors} ({} before one)."""
         engine = getattr(self, "weight_transfer_engine", None)
