@@ -15,9 +15,10 @@ import copy
 import json
 import logging
 import math
+import os
 import threading
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
 
@@ -153,11 +154,15 @@ def check_gpus(cfg: RunConfig, policy: HFPolicy | None = None) -> None:
     where the first training process holds the model (vLLM at serve.gpu_memory_utilization 0.9
     then refuses to start; the hf server loads a second copy beside it). `policy`: the trained
     policy when one is passed in (its device counts instead of model.device)."""
-    if cfg.rollout.backend != "server" or server_urls(cfg) or cfg.serve.cuda_devices is not None:
+    if cfg.rollout.backend != "server" or server_urls(cfg):
         return
     from arpo_lib.agent.hf_policy import resolve_device
 
     trains_on = policy.device.type if policy is not None else resolve_device(cfg.model.device).type
+    if cfg.serve.cuda_devices is not None:
+        if trains_on == "cuda":
+            check_server_gpus_are_free(cfg)
+        return
     if cfg.serve.backend == "vllm":
         serves_on = ServerSpec(cfg.model.path, backend="vllm", options={"device": cfg.serve.device}).vllm_device
     else:  # our hf server loads the model on model.device, as the trainer does
@@ -172,6 +177,26 @@ def check_gpus(cfg: RunConfig, policy: HFPolicy | None = None) -> None:
             f"replicas beside four on GPUs 0-3), or serve.cuda_devices=[0] to share GPU 0 on purpose with "
             f"serve.gpu_memory_utilization lowered to what the trainer leaves; or use rollout.server_url for a "
             f"server started elsewhere")
+
+
+def check_server_gpus_are_free(cfg: RunConfig, environ: Mapping[str, str] | None = None) -> None:
+    """ConfigError when the GPUs serve.cuda_devices gives the run's own servers are ones this node's
+    training processes use (process k of a node takes its k-th visible GPU): `--nproc-per-node 8`
+    beside servers on GPUs 6 and 7 puts two trainers and two vLLM servers on the same GPUs."""
+    environ = os.environ if environ is None else environ
+    local = int(environ.get("LOCAL_WORLD_SIZE", 0) or 0)
+    if local < 1:
+        return  # not under torchrun: one process, on the GPU model.device names
+    visible = [d.strip() for d in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    training = visible[:local] if visible else [str(i) for i in range(local)]
+    serving = {d.strip() for entry in cfg.serve.cuda_devices for d in str(entry).split(",") if d.strip()}
+    shared = sorted(serving & set(training), key=str)
+    if shared and cfg.serve.device != "cpu":
+        raise ConfigError(
+            f"serve.cuda_devices: the run's servers would share GPU(s) {', '.join(shared)} with this node's "
+            f"{local} training processes (on GPUs {', '.join(training)}). Start fewer training processes "
+            f"(--nproc-per-node {local - len(shared)}, train.nproc_per_node; under scripts/slurm_train.sh "
+            f"ARPO_NPROC_PER_NODE={local - len(shared)}) or give the servers other GPUs")
 
 
 def resolve_task_sets(cfg: RunConfig) -> RunConfig:

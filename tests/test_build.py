@@ -141,6 +141,31 @@ def test_the_shipped_configs_load_with_their_rollouts_on_vllm(path):
     assert cfg.serve.backend == "vllm"
 
 
+def test_the_shipped_osworld_runs_generate_on_their_own_vllm_servers_beside_the_training_ranks(monkeypatch):
+    """Issue 52: a 7B full fine-tune with in-process generation keeps a full fp32 copy on every rank
+    beside its shard (over 80 GB); the shipped OSWorld runs train on GPUs 0-5 and generate on two
+    vLLM replicas on GPUs 6 and 7, and a launch whose trainers would take the servers' GPUs is
+    refused naming the number of processes that fits."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name in ("osworld_subset32.yaml", "osworld_full128.yaml"):
+        cfg = load_config(f"configs/{name}")
+        assert (cfg.rollout.backend, cfg.rollout.weight_sync, cfg.serve.backend) == ("server", "stream", "vllm")
+        assert cfg.serve.weight_sync and cfg.serve.cuda_devices == ["6", "7"] and cfg.train.nproc_per_node == 6
+        build.check_gpus(cfg)  # not under torchrun: nothing to compare
+        build.check_server_gpus_are_free(cfg, {"LOCAL_WORLD_SIZE": "6"})
+        with pytest.raises(ConfigError, match=r"^serve\.cuda_devices: .*share GPU\(s\) 6, 7 with this node's 8 "
+                                              r"training processes.*--nproc-per-node 6.*ARPO_NPROC_PER_NODE=6"):
+            build.check_server_gpus_are_free(cfg, {"LOCAL_WORLD_SIZE": "8"})
+        # the training processes' GPUs as CUDA_VISIBLE_DEVICES maps them
+        build.check_server_gpus_are_free(cfg, {"LOCAL_WORLD_SIZE": "2", "CUDA_VISIBLE_DEVICES": "0,1,6,7"})
+        with pytest.raises(ConfigError, match=r"share GPU\(s\) 6 with"):
+            build.check_server_gpus_are_free(cfg, {"LOCAL_WORLD_SIZE": "2", "CUDA_VISIBLE_DEVICES": "3,6"})
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # what build.trainer's check sees on each rank
+    with pytest.raises(ConfigError, match="share GPU"):
+        build.check_gpus(load_config("configs/osworld_full128.yaml"))
+    build.check_gpus(load_config("configs/osworld_full128.yaml", ["model.device=cpu"]))  # CPU training: no clash
+
+
 def test_a_gpu_training_run_does_not_start_its_server_on_the_training_gpu(tmp_path, monkeypatch, tiny_qwen2vl):
     """Without serve.cuda_devices a server the run starts inherits every GPU and takes GPU 0, where
     the first training process holds the model: refused before anything starts, naming the fix."""

@@ -104,6 +104,10 @@ def test_the_slurm_script_launches_every_node_into_one_c10d_rendezvous(tmp_path,
     import subprocess
 
     env = _fake_slurm(tmp_path, gpus_per_node="h100:8")
+    # fewer training processes than GPUs when the run's own servers take some (osworld_full128.yaml: 6 of 8)
+    subprocess.run(["bash", "scripts/slurm_train.sh", "configs/osworld_full128.yaml"],
+                   env={**env, "ARPO_NPROC_PER_NODE": "6"}, check=True)
+    six = shlex.split((tmp_path / "cmd").read_text().replace("$SLURM_NODEID", "1"))
     subprocess.run(["bash", "scripts/slurm_train.sh", "configs/osworld_full128.yaml", "train.steps=60"],
                    env=env, check=True)
     cmd = shlex.split((tmp_path / "cmd").read_text().replace("$SLURM_NODEID", "1"))
@@ -112,6 +116,7 @@ def test_the_slurm_script_launches_every_node_into_one_c10d_rendezvous(tmp_path,
     assert "--nproc-per-node=8" in launch and "--rdzv-backend=c10d" in launch
     assert "--rdzv-endpoint=gpu-a:29500" in launch and "--rdzv-id=4242" in launch
     assert launch[-5:] == ["train", "--config", "configs/osworld_full128.yaml", "--resume", "train.steps=60"]
+    assert "--nproc-per-node=6" in _launched(monkeypatch, six[4:])
 
 
 def test_on_several_nodes_gloo_and_nccl_get_the_interface_that_reaches_the_master(tmp_path, monkeypatch):

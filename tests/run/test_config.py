@@ -171,7 +171,8 @@ def test_a_response_at_the_cap_must_fit_in_the_request_timeout():
     load_config("configs/osworld_smoke4.yaml", ["rollout.backend=server", "rollout.request_timeout_s=120",
                                                 "eval.max_new_tokens=1024"])
     # in-process generation has no request timeout; the shipped configs hold the cap with the server too
-    load_config("configs/osworld_subset32.yaml", ["model.max_new_tokens=8192", "rollout.request_timeout_s=1"])
+    load_config("configs/osworld_subset32.yaml", ["rollout.backend=hf", "model.max_new_tokens=8192",
+                                                  "rollout.request_timeout_s=1"])
     for path in CONFIGS:
         cfg = load_config(path, ["rollout.backend=server"])
         assert cfg.rollout.request_timeout_s * SERVER_DECODE_TOKENS_PER_S >= cfg.model.max_new_tokens, path.name
