@@ -286,7 +286,7 @@ def hf_policy(cfg: RunConfig, path: str | Path | None = None, *, lora: bool = Tr
         history_images=m.history_images, max_new_tokens=m.max_new_tokens,
         gradient_checkpointing=m.gradient_checkpointing,
         checkpoint_every_n_layers=m.checkpoint_every_n_layers, freeze_vision_tower=m.freeze_vision_tower,
-        kv_cache=m.kv_cache, vision_attention=m.vision_attention,
+        kv_cache=m.kv_cache, prefill_batch_tokens=m.prefill_batch_tokens, vision_attention=m.vision_attention,
         logprob_chunk=m.logprob_chunk, lora_rank=m.lora_rank if lora else 0, lora_alpha=m.lora_alpha,
         lora_dropout=m.lora_dropout, lora_seed=cfg.train.seed, frozen_weights_dtype=m.frozen_weights_dtype,
         prompt=prompt or cfg.agent.prompt)

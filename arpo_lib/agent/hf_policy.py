@@ -116,6 +116,7 @@ class HFPolicy(UITarsConversations):
         checkpoint_every_n_layers: int = 1,
         freeze_vision_tower: bool = False,
         kv_cache: bool = True,
+        prefill_batch_tokens: int | None = None,
         vision_attention: str = "batched",
         logprob_chunk: int = 1024,
         lora_rank: int = 0,
@@ -179,12 +180,21 @@ class HFPolicy(UITarsConversations):
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[-1]
         self.resize = image_processor_limits(self.processor)
         self.kv_cache = kv_cache
-        self.cached = CachedGenerator(self)
+        self.cached = CachedGenerator(self, "auto" if prefill_batch_tokens is None else prefill_batch_tokens)
         """Per-episode KV caches for rollouts (used when `generate` gets `cache_keys`)."""
 
     def release(self, key: Any) -> None:
         """Forget an episode's KV cache (the rollout engine calls this when an episode ends)."""
         self.cached.release(key)
+
+    def free_generation_memory(self) -> None:
+        """After a rollout batch, before the update: forget every episode's KV cache (an episode
+        that ended on an infrastructure failure may not have released its own), and on a GPU hand
+        the allocator's cached blocks back, so the update's activations are not refused memory that
+        the rollouts' caches left split into blocks of the wrong sizes."""
+        self.cached.clear()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def autocast(self):
         """The forward-pass precision context (`model.compute_dtype` over fp32 weights).

@@ -109,6 +109,10 @@ class ModelConfig:
     kv_cache: bool = True
     """Rollouts keep each episode's KV cache between steps and prefill only the new turn
     (arpo_lib/agent/model/kv_generation.py); false = re-prefill the whole history every step."""
+    prefill_batch_tokens: int | None = None
+    """With kv_cache: the episodes' new turns are prefilled together, in one forward per group of
+    rows whose count x longest new part stays within this many tokens (0: one forward per episode;
+    null: 8192 on a GPU, 0 on the CPU, where batching saves nothing). Same tokens, up to rounding."""
     vision_attention: str = "batched"
     """`batched`: the vision tower's window attention in a few SDPA calls
     (arpo_lib/agent/model/vision_attention.py); `loop`: transformers' one call per window."""
@@ -603,6 +607,7 @@ def validate(cfg: RunConfig) -> None:
         _fail("train.steps", f"must be >= 0, got {cfg.train.steps}")
     for key, value in (("model.logprob_chunk", cfg.model.logprob_chunk), ("model.lora_rank", cfg.model.lora_rank),
                        ("train.token_budget", cfg.train.token_budget),
+                       ("model.prefill_batch_tokens", cfg.model.prefill_batch_tokens or 0),
                        ("env.instances_per_task", cfg.env.instances_per_task)):
         if value < 0:
             _fail(key, f"must be >= 0, got {value}")

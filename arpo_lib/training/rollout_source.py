@@ -139,6 +139,9 @@ class RolloutSource:
         mine = engine.run(self.backend.share(requests), temperature=self.temperature, top_p=self.top_p,
                           out_dir=out_dir, progress=self.progress, description=f"rollout {step}",
                           policy_version=version)
+        free = getattr(self.policy, "free_generation_memory", None)
+        if self.served is None and free is not None:  # it generated here: its caches go before the update
+            free()
         return self.gather(mine), int(self.backend.all_reduce_sum([engine.env_steps])[0])
 
     def gather(self, mine: list[Trajectory]) -> list[Trajectory]:

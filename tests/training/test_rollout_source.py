@@ -244,3 +244,46 @@ def test_a_rollout_batch_drops_its_pixels_once_written_and_rank_0s_evaluation_ke
     assert source.sample(["miniwob/click-test"], step=1, version=1) == ([], 0)
     source.engine(1, announce=False)
     assert [kw["keep_pixels"] for kw in made] == [False, True]
+
+
+def test_the_rollouts_caches_are_freed_before_the_update(tmp_path, monkeypatch):
+    """Issue 52: nothing returned the rollouts' memory before the update: episodes' KV caches left
+    by an episode that did not release its own, and the GPU allocator's cached blocks. After an
+    in-process batch the policy forgets every cache and, on a GPU, empties the allocator's cache;
+    with servers generating there is nothing of ours to free."""
+    import torch
+
+    from arpo_lib.agent.hf_policy import HFPolicy
+    from arpo_lib.training import rollout_source
+
+    class Engine:
+        env_steps = 0
+
+        def __init__(self, policy: Any, pool: Any, **kwargs: Any) -> None:
+            pass
+
+        def run(self, requests: list, **kwargs: Any) -> list:
+            order.append("rollouts")
+            return []
+
+    class Policy:
+        device = torch.device("cuda")  # as far as the release sees
+        cached = type("Cached", (), {"clear": lambda self: order.append("caches cleared")})()
+        free_generation_memory = HFPolicy.free_generation_memory
+
+    order: list[str] = []
+    monkeypatch.setattr(rollout_source, "RolloutEngine", Engine)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: order.append("allocator emptied"))
+    source = _source(None, SingleProcess(policy=None), tmp_path)
+    source.policy = Policy()
+    source.sample(["miniwob/click-test"], step=1, version=1)
+    assert order == ["rollouts", "caches cleared", "allocator emptied"]
+    order.clear()
+    Policy.device = torch.device("cpu")
+    source.sample(["miniwob/click-test"], step=2, version=1)
+    assert order == ["rollouts", "caches cleared"]  # no allocator on the CPU
+    order.clear()
+    served = _source(Leading(), SingleProcess(policy=None), tmp_path)
+    served.policy = Policy()
+    served.sample(["miniwob/click-test"], step=3, version=1)
+    assert order == ["rollouts"]

@@ -127,6 +127,69 @@ class RowLayer(SlabLayer):
         self.is_initialized = True
 
 
+class _Rows:
+    """Rows [lo, hi) of a `BatchSlab`, as a slab of their own (views: writes go to the batch's)."""
+
+    def __init__(self, slab: BatchSlab, lo: int, hi: int):
+        self.slab, self.lo, self.hi = slab, lo, hi
+        self.capacity = slab.capacity
+
+    def allocate(self, like: torch.Tensor) -> None:
+        self.slab.allocate(like)
+
+    @property
+    def key_buf(self) -> torch.Tensor:
+        return self.slab.key_buf[self.lo:self.hi]
+
+    @property
+    def value_buf(self) -> torch.Tensor:
+        return self.slab.value_buf[self.lo:self.hi]
+
+
+class PrefillLayer(SlabLayer):
+    """The whole `BatchSlab` as the cache of one batched prefill: the batch's T new positions
+    (left-padded: row r's n_r new tokens are its last) land at slab positions [W - T, W), of which
+    row r keeps only its own last n_r, [W - n_r, W), where they follow its cached tokens; the
+    padding's keys never overwrite them. Attention sees [0, W) under `prefill_mask`."""
+
+    def __init__(self, slab: BatchSlab | _Rows, width: int, new_mask: torch.Tensor):
+        super().__init__(slab.capacity)
+        self.slab, self.width, self.new_mask = slab, width, new_mask  # new_mask: (B, T) bool, the real tokens
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        slab = self.slab
+        slab.allocate(key_states)
+        t = key_states.shape[-2]
+        keep = self.new_mask[:, None, :, None]  # (B, 1, T, 1)
+        lo, hi = self.width - t, self.width
+        slab.key_buf[:, :, lo:hi] = torch.where(keep, key_states.to(slab.key_buf.dtype), slab.key_buf[:, :, lo:hi])
+        slab.value_buf[:, :, lo:hi] = torch.where(keep, value_states.to(slab.value_buf.dtype),
+                                                  slab.value_buf[:, :, lo:hi])
+        return slab.key_buf[:, :, :hi], slab.value_buf[:, :, :hi]
+
+
+def prefill_mask(lengths: Sequence[int], new: Sequence[int], width: int, device: torch.device) -> torch.Tensor:
+    """(B, 1, T, W) boolean SDPA mask of a batched prefill (T = max(new)): row r's query j, at slab
+    position W - T + j, sees its row's tokens [W - lengths[r], W - T + j]. A padding query (j <
+    T - new[r]) sees only the row's last token, so that no row of the softmax is empty (NaN); its
+    output is never used."""
+    t = max(new)
+    length = torch.tensor(lengths, device=device)[:, None, None]  # (B, 1, 1)
+    n_new = torch.tensor(new, device=device)[:, None, None]
+    query = torch.arange(t, device=device)[None, :, None]  # (1, T, 1)
+    key = torch.arange(width, device=device)[None, None, :]  # (1, 1, W)
+    real = query >= t - n_new  # (B, T, 1)
+    sees = (key >= width - length) & (key <= width - t + query)
+    return torch.where(real, sees, key == width - 1)[:, None]
+
+
+PREFILL_BATCH_TOKENS_CUDA = 8192
+"""`prefill_batch_tokens="auto"` on a GPU: new tokens per batched prefill (rows x the longest)."""
+PREFILL_MASK_ELEMENTS = 2**28
+"""At most this many entries in a batched prefill's (B, 1, T, W) mask (256 MiB of booleans; SDPA
+may widen it to the compute dtype): past ~100k-token histories a batch of long turns would not
+fit beside the KV caches, and such rows go one by one, as a single row's prefill builds a mask too."""
+
 EOS_CHECK_EVERY = 8
 """Decoded tokens between two host reads of the batch's end-of-sequence mask (each read syncs)."""
 
@@ -165,8 +228,12 @@ class GenerationResult:
 class CachedGenerator:
     """Per-episode KV caches and batched decoding for an `HFPolicy` (see the module docstring)."""
 
-    def __init__(self, policy: Any):
+    def __init__(self, policy: Any, prefill_batch_tokens: int | str = "auto"):
         self.policy = policy
+        self.prefill_batch_tokens = prefill_batch_tokens
+        """Rows prefilled together in one forward while rows x their longest new part stays within
+        this many tokens (0: one forward per row; `auto`: `PREFILL_BATCH_TOKENS_CUDA` on a GPU, 0
+        on the CPU, where a batch saves no time). Needs SDPA over full attention (else per row)."""
         self.entries: dict[Hashable, _Entry] = {}
         self.stats: Counter = Counter()
         """prefill_tokens, decode_tokens, images_encoded, cache_hits, cache_misses (cumulative)."""
@@ -217,6 +284,84 @@ class CachedGenerator:
         self.stats["cache_hits" if entry else "cache_misses"] += 1
         return logits[0].float(), int(positions.max()) + 1
 
+    def _budget(self) -> int:
+        budget = self.prefill_batch_tokens
+        if budget == "auto":
+            budget = PREFILL_BATCH_TOKENS_CUDA if self.policy.device.type == "cuda" else 0
+        text = self.policy.model.config.get_text_config()
+        if text._attn_implementation != "sdpa" or set(getattr(text, "layer_types", None) or []) - {"full_attention"}:
+            return 0  # the batched mask is SDPA's boolean one over full attention
+        return int(budget)
+
+    def _batches(self, new: Sequence[int], width: int) -> list[list[int]]:
+        """Rows grouped for prefill, in order: each group's size x its longest new part within
+        the budget, and its mask (size x longest x `width` booleans) within
+        `PREFILL_MASK_ELEMENTS` (a row over either alone: today's one forward per row)."""
+        budget, groups, current = self._budget(), [], []
+        for row, n in enumerate(new):
+            longest = max(n, *(new[r] for r in current)) if current else n
+            if current and ((len(current) + 1) * longest > budget
+                            or (len(current) + 1) * longest * width > PREFILL_MASK_ELEMENTS):
+                groups.append(current)
+                current = []
+            current.append(row)
+        return groups + [current] if current else groups
+
+    @torch.no_grad()
+    def _prefill_rows(self, rows: Sequence[int], segments: Sequence[Any], entries: Sequence[_Entry | None],
+                      slabs: list[BatchSlab], lengths: Sequence[int], width: int) -> list[tuple[torch.Tensor, int]]:
+        """`_prefill` of several rows in one forward: their new tokens left-padded to the longest
+        (T), each row's cached keys written into the slab first, the vision tower run once over
+        their new screenshots, the mask `prefill_mask`. Same outputs as row by row, up to
+        floating-point rounding (different matmul shapes)."""
+        if len(rows) == 1:
+            r = rows[0]
+            return [self._prefill(segments[r], entries[r], slabs, r, width - lengths[r])]
+        policy, model = self.policy, self.policy.model
+        device = policy.device
+        starts = [len(entries[r].ids) if entries[r] else 0 for r in rows]
+        new = [lengths[r] - start for r, start in zip(rows, starts)]
+        t = max(new)
+        ids = torch.full((len(rows), t), policy.pad_id, dtype=torch.long)  # (b, T), left-padded
+        positions = torch.zeros(3, len(rows), t, dtype=torch.long)
+        pixels, grids, next_pos = [], [], []
+        for i, (r, start, n) in enumerate(zip(rows, starts, new)):
+            segment, entry = segments[r], entries[r]
+            ids[i, t - n:] = torch.tensor(segment.input_ids[start:])
+            rope = rope_positions(model, segment.input_ids, segment.mm_token_type_ids, segment.image_grid_thw)
+            positions[:, i, t - n:] = rope[:, 0, start:]
+            next_pos.append(int(rope.max()) + 1)
+            cached = entry.n_images if entry else 0
+            pixels += segment.pixel_values[cached:]
+            grids += segment.image_grid_thw[cached:]
+            if entry:  # its keys and values so far, right before its new tokens
+                lo = width - lengths[r]
+                for slab, (k, v) in zip(slabs, entry.kv):
+                    slab.allocate(k)
+                    slab.key_buf[r, :, lo:lo + start] = k[0]
+                    slab.value_buf[r, :, lo:lo + start] = v[0]
+        sub = [_Rows(slab, rows[0], rows[-1] + 1) for slab in slabs]  # groups are consecutive rows
+        real = torch.zeros(len(rows), t, dtype=torch.bool, device=device)
+        for i, n in enumerate(new):
+            real[i, t - n:] = True
+        layers = [PrefillLayer(s, width, real) for s in sub]
+        mask = prefill_mask([lengths[r] for r in rows], new, width, device)
+        inputs: dict[str, Any] = {}
+        if pixels:
+            inputs["pixel_values"] = torch.cat(pixels).to(device)
+            inputs["image_grid_thw"] = torch.stack(grids).to(device)
+        with policy.autocast():
+            hidden = model.model(input_ids=ids.to(device), position_ids=positions.to(device),
+                                 attention_mask={"full_attention": mask}, past_key_values=Cache(layers=layers),
+                                 use_cache=True, **inputs).last_hidden_state
+            logits = model.lm_head(hidden[:, -1])  # (b, V)
+        self.stats["prefill_tokens"] += sum(new)
+        self.stats["images_encoded"] += len(pixels)
+        self.stats["cache_hits"] += sum(1 for r in rows if entries[r])
+        self.stats["cache_misses"] += sum(1 for r in rows if not entries[r])
+        self.stats["batched_prefills"] += 1
+        return [(logits[i].float(), next_pos[i]) for i in range(len(rows))]
+
     @torch.no_grad()
     def generate(self, segments: Sequence[Any], keys: Sequence[Hashable], *, temperature: float, top_p: float,
                  max_new_tokens: int, seeds: Sequence[int] | None,
@@ -229,10 +374,11 @@ class CachedGenerator:
         width = max(lengths)
         n_layers = model.config.get_text_config().num_hidden_layers
         slabs = [BatchSlab(batch, width + max_new_tokens) for _ in range(n_layers)]
-        rows = []
-        for row, (segment, key) in enumerate(zip(segments, keys)):
-            entry = self._reusable(key, segment.input_ids)
-            rows.append(self._prefill(segment, entry, slabs, row, width - lengths[row]))
+        entries = [self._reusable(key, segment.input_ids) for segment, key in zip(segments, keys)]
+        new = [n - (len(e.ids) if e else 0) for n, e in zip(lengths, entries)]
+        rows: list[tuple[torch.Tensor, int]] = []
+        for group in self._batches(new, width):
+            rows += self._prefill_rows(group, segments, entries, slabs, lengths, width)
         merged = [slab.layer(width) for slab in slabs]
         cache = Cache(layers=merged)
         device = policy.device

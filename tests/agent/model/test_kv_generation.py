@@ -222,3 +222,60 @@ def test_one_kv_slab_per_step_sized_by_the_response_cap(policy, monkeypatch, n_e
         k = policy.cached.entries[key].kv[0][0]
         assert k.shape[2] == kept and k.untyped_storage().nbytes() == k.numel() * k.element_size()
         policy.release(key)
+
+
+@pytest.mark.parametrize("budget", [10**6, 700])
+def test_batched_prefill_draws_what_the_naive_path_draws(policy, monkeypatch, budget):
+    """Issue 52: the rows' new turns prefilled together (left-padded, each row's cached keys before
+    its new ones, one vision-tower call for the batch's screenshots) rather than one forward per
+    episode: the same tokens and log-probs as re-prefilling every history, with 3 episodes of 4
+    steps (a budget of 700 tokens splits the first step's long prompts, not the later turns)."""
+    naive = _episodes(policy, 3, 4, cached=False, temperature=1.0)
+    monkeypatch.setattr(policy.cached, "prefill_batch_tokens", budget)
+    policy.cached.stats.clear()
+    batched = _episodes(policy, 3, 4, cached=True, temperature=1.0)
+    for step, (a_step, b_step) in enumerate(zip(naive, batched)):
+        for a, b in zip(a_step, b_step):
+            assert a.token_ids == b.token_ids, f"step {step}"
+            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=2e-4)
+    stats = policy.cached.stats
+    assert stats["cache_misses"] == 3 and stats["cache_hits"] == 9 and stats["images_encoded"] == 12
+    assert 3 <= stats["batched_prefills"] <= 4  # one forward for the rows of each later step (and the first)
+
+
+def test_prefill_rows_are_grouped_within_the_token_budget(policy, monkeypatch):
+    from arpo_lib.agent.model import kv_generation
+
+    monkeypatch.setattr(policy.cached, "prefill_batch_tokens", 100)
+    assert policy.cached._batches([30, 40, 20, 120, 10], 500) == [[0, 1], [2], [3], [4]]
+    # the mask counts too: 2 rows x 40 x 5000 keys = 400k entries over a limit of 300k
+    monkeypatch.setattr(kv_generation, "PREFILL_MASK_ELEMENTS", 300_000)
+    assert policy.cached._batches([30, 40, 20], 5000) == [[0], [1], [2]]
+    assert policy.cached._batches([30, 40, 20], 3000) == [[0, 1], [2]]
+    monkeypatch.setattr(policy.cached, "prefill_batch_tokens", "auto")  # the CPU: one forward per row
+    assert policy.cached._batches([3, 4], 10) == [[0], [1]]
+    monkeypatch.setattr(policy.cached, "prefill_batch_tokens", 0)
+    assert policy.cached._batches([3, 4], 10) == [[0], [1]]
+
+
+def test_the_batched_prefill_mask_sees_each_rows_own_tokens():
+    from arpo_lib.agent.model.kv_generation import prefill_mask
+
+    # width 6; row 0: 5 tokens, 2 new (at slab 4, 5); row 1: 3 tokens, all new (3..5); T = 3
+    mask = prefill_mask([5, 3], [2, 3], 6, torch.device("cpu"))[:, 0].int().tolist()
+    assert mask[0] == [[0, 0, 0, 0, 0, 1],   # padding query: the row's last token only
+                       [0, 1, 1, 1, 1, 0],   # slab 4: its cached 1..3 and itself
+                       [0, 1, 1, 1, 1, 1]]
+    assert mask[1] == [[0, 0, 0, 1, 0, 0], [0, 0, 0, 1, 1, 0], [0, 0, 0, 1, 1, 1]]
+
+
+def test_the_prefill_budget_is_a_config_key(tiny_qwen2vl):
+    from arpo_lib import build
+    from arpo_lib.run.config import ConfigError, load_config
+
+    cfg = load_config("configs/smoke.yaml", [f"model.path={tiny_qwen2vl}", "model.prefill_batch_tokens=4096"])
+    assert build.hf_policy(cfg).cached.prefill_batch_tokens == 4096
+    assert build.hf_policy(load_config("configs/smoke.yaml", [f"model.path={tiny_qwen2vl}"])).cached.prefill_batch_tokens \
+        == "auto"
+    with pytest.raises(ConfigError, match=r"model\.prefill_batch_tokens: must be >= 0"):
+        load_config("configs/smoke.yaml", ["model.prefill_batch_tokens=-1"])
