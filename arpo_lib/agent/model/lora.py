@@ -64,18 +64,26 @@ def cast_frozen_linears(model: Any, dtype: torch.dtype) -> int:
     return saved
 
 
-def merged_state_dict(model: Any) -> dict[str, torch.Tensor]:
+def _merged(layer: Any) -> torch.Tensor:
+    """One LoRA layer's weight with its delta folded in, on the layer's device. In fp32 whatever
+    the stored base dtype: a bf16 sum would round small updates away."""
+    with torch.no_grad():
+        return layer.get_base_layer().weight.float() + layer.get_delta_weight(ADAPTER).float()
+
+
+def merged_state_dict(model: Any, host: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     """The model's weights with every LoRA delta folded in, under the base model's own names:
-    what `save_pretrained` of an un-adapted model would write. Weights are not modified."""
+    what `save_pretrained` of an un-adapted model would write. Weights are not modified. Each
+    merged weight is made on the model's device and moved to `host` before the next is made: on a
+    GPU one fp32 merged weight exists at a time (all of them at once: ~26 GB at 7B, at every
+    checkpoint); the merged weights live in host memory, where the save writes them from."""
     from peft.tuners.lora import LoraLayer
 
     state = {}
     for name, module in model.named_modules():
         if isinstance(module, LoraLayer):
             base = module.get_base_layer()
-            with torch.no_grad():
-                # In fp32 whatever the stored base dtype: a bf16 sum would round small updates away.
-                state[f"{name}.weight"] = base.weight.float() + module.get_delta_weight(ADAPTER).float()
+            state[f"{name}.weight"] = _merged(module).to(host, copy=True)
             if getattr(base, "bias", None) is not None:
                 state[f"{name}.bias"] = base.bias.detach()
     for key, value in model.state_dict().items():
@@ -96,8 +104,7 @@ class MergedWeight:
         self.dtype = torch.float32  # the merge's dtype (see merged_state_dict)
 
     def full_tensor(self) -> torch.Tensor:
-        with torch.no_grad():
-            return self.layer.get_base_layer().weight.float() + self.layer.get_delta_weight(ADAPTER).float()
+        return _merged(self.layer)
 
 
 def merged_weights(model: Any) -> list[tuple[str, Any]]:

@@ -167,6 +167,37 @@ def test_lora_weights_for_a_server_carry_the_base_names_and_are_merged_one_at_a_
     assert not torch.equal(dict(sent)[q_proj].full_tensor(), dict(plain.model.named_parameters())[q_proj])
 
 
+def test_a_lora_checkpoint_merges_one_weight_at_a_time_on_the_device(tiny_qwen2vl, monkeypatch):
+    """Issue 52: the save's merge held an fp32 merged copy of every adapted weight on the model's
+    device at once (~26 GB at 7B, at every checkpoint). Each is now moved to host memory before
+    the next is made: when a merge starts, no earlier merge's device tensor is alive. The saved
+    values are the merge's, exactly."""
+    import weakref
+
+    from arpo_lib.agent.model import lora
+
+    policy = HFPolicy(tiny_qwen2vl, device="cpu", lora_rank=4, lora_alpha=8)
+    with torch.no_grad():
+        for name, p in policy.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.1)
+    real, made, alive_at_start = lora._merged, [], []
+
+    def spy(layer):
+        alive_at_start.append(sum(ref() is not None for ref in made))
+        out = real(layer)
+        made.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(lora, "_merged", spy)
+    state = lora.merged_state_dict(policy.model)
+    assert len(made) > 10 and max(alive_at_start) == 0
+    monkeypatch.setattr(lora, "_merged", real)
+    layer = next(m for n, m in policy.model.named_modules() if n.endswith("layers.0.self_attn.q_proj"))
+    name = next(n for n in state if n.endswith("layers.0.self_attn.q_proj.weight"))
+    assert torch.equal(state[name], real(layer)) and state[name].device.type == "cpu"
+
+
 def test_adafactor_keeps_far_less_state_than_adamw(policy):
     segs = _segments(policy, n=1, steps=1)
     sizes = {}
