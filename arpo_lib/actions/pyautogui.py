@@ -1,0 +1,231 @@
+"""The pyautogui converter: one action -> the code OSWorld runs (or `WAIT`/`DONE`/`FAIL`).
+
+Where we depart from the original `ui-tars` package's generator: it has scaling bugs (a default
+`scale_factor`, scroll points not scaled), drops `wait`, and types through the clipboard. Here
+every point goes through the same conversion and is clipped into the screen, `wait` becomes
+OSWorld's `'WAIT'`, text is typed with `pyautogui.write` on a `repr()`-escaped literal (so text
+cannot break out of the string) and pasted only where pyautogui cannot type it, and the code
+holds only whitelisted calls with literal arguments (what `safety.check_action_code` accepts).
+Under ARPO's action rules the converter does what ARPO's does (the package docstring).
+"""
+from __future__ import annotations
+
+import ast
+import math
+import re
+import warnings
+
+from arpo_lib.actions.space import (
+    ACTION_RULES, KEY_ALIASES, SCROLL_AMOUNT, SCROLL_DIRECTIONS, TYPE_INTERVAL, Action, ActionParseError, _check_keys,
+    action_rules,
+)
+
+PYAUTOGUI_FUNCTIONS = frozenset({
+    "click", "doubleClick", "rightClick", "moveTo", "dragTo", "mouseDown", "mouseUp",
+    "hotkey", "press", "write", "typewrite", "scroll", "keyDown", "keyUp",
+})
+"""The only pyautogui functions generated code calls (plus time.sleep and pyperclip.copy)."""
+GENERATED_CALLS = frozenset({("pyautogui", f) for f in PYAUTOGUI_FUNCTIONS} | {("time", "sleep"), ("pyperclip", "copy")})
+"""Every (module, function) generated code may call, always with literal arguments."""
+_TYPEABLE = re.compile(r"[\x20-\x7e\n\t]+")
+"""What pyautogui.write can type on Linux/X11: it has key names for printable ASCII, newline and
+tab, and silently skips everything else ("café 日本語" arrives as "caf ")."""
+PASTE_PAUSE_S = 0.2
+"""Wait after a paste: the application reads the clipboard asynchronously."""
+CLIPBOARD_SETTLE_S = 0.3
+"""Wait between the copy and the paste. pyperclip returns when xclip's parent exits, before the
+clipboard has changed hands: xclip's background child sends the ownership request when it first
+runs, and the application learns of the new owner from an event of its own (Chromium pastes its
+cached copy until then). Pasting at once lost the text, or pasted the previous one, in about one
+episode of nine on a loaded 2-core machine (tests/test_actions_on_a_screen.py)."""
+DETACH_OUTPUT = (
+    "os.dup2(os.open(os.devnull, os.O_WRONLY), 1)",
+    "os.dup2(os.open(os.devnull, os.O_WRONLY), 2)",
+)
+"""Run once before the first clipboard copy. pyperclip hands the text to xclip, which stays in the
+background serving the clipboard with the caller's stdout and stderr still open; OSWorld's VM
+server runs `python -c` with both piped and waits for them to close, so without this every paste
+would hang the step until the server's 120 s timeout (and the client's retries would paste again).
+The fork's own agents turn the clipboard off for this reason and lose non-ASCII text instead.
+These two exact lines are the only non-call statements generated code contains."""
+SPECIAL_ACTIONS = {"wait": "WAIT", "finished": "DONE", "call_user": "FAIL", "error_env": "FAIL"}
+"""OSWorld's special action strings. call_user means "I cannot do this": OSWorld scores an
+infeasible task 1 only when the episode ends with FAIL."""
+MAX_ACTION_SECONDS = 45.0
+"""What the declared sleeps, drag durations and typing intervals of one action may add up to (the
+action server gives an action 60 s)."""
+MAX_TYPED_CHARS = 4_000
+"""pyautogui.write types at most this many characters (at TYPE_INTERVAL: 40 s); longer texts are
+pasted through the clipboard (`_type_lines`)."""
+
+
+def _screen_xy(point: tuple[float, float] | None, screen_size: tuple[int, int],
+               what: str) -> tuple[int, int]:
+    if point is None:
+        raise ActionParseError(f"{what} action has no point")
+    width, height = screen_size
+    x, y = (float(v) for v in point)
+    if not (math.isfinite(x) and math.isfinite(y)):
+        raise ActionParseError(f"{what}: non-finite point {point!r}")
+    # Clip: the model may overshoot the edge slightly; pyautogui must stay on screen.
+    return (int(round(min(max(x, 0.0), width - 1))), int(round(min(max(y, 0.0), height - 1))))
+
+
+def to_pyautogui(action: Action, screen_size: tuple[int, int] = (1920, 1080), *, clipboard: bool = True) -> str:
+    """OSWorld pyautogui code for one action, or 'WAIT' / 'DONE' / 'FAIL', under the action's
+    rules (`Action.rules`).
+
+    Points are taken as screen pixels (OSWorld's screenshot is the screen at full resolution).
+    Only calls from :data:`PYAUTOGUI_FUNCTIONS` and ``time.sleep`` appear, all with literal
+    arguments. A trailing newline in typed text is pressed as Enter. Horizontal scrolls are
+    shift + wheel (pyautogui.hscroll does not work on Linux/X11 in most applications; ARPO's
+    rules: nothing). A step that does nothing is ``import pyautogui`` alone.
+    Unknown keys raise ActionParseError instead of being dropped, so a bad hotkey counts as a
+    format failure rather than silently doing something else.
+    `clipboard=False`: the machine has no clipboard tool (`lost_without_clipboard`), so text that
+    would be pasted is typed as far as pyautogui can type it.
+    """
+    rules = action_rules(action.rules)
+    kind = action.kind
+    if kind in SPECIAL_ACTIONS:
+        return SPECIAL_ACTIONS[kind]
+    lines = ["import pyautogui"]
+    if kind in ("click", "left_double", "right_single", "hover"):
+        x, y = _screen_xy(action.point, screen_size, kind)
+        func = {"click": "click", "left_double": "doubleClick", "right_single": "rightClick", "hover": "moveTo"}[kind]
+        lines.append(f"pyautogui.{func}({x}, {y})")
+    elif kind == "drag":
+        x1, y1 = _screen_xy(action.point, screen_size, kind)
+        x2, y2 = _screen_xy(action.end_point, screen_size, kind)
+        lines.append(f"pyautogui.moveTo({x1}, {y1})")
+        lines.append(f"pyautogui.dragTo({x2}, {y2}, duration={rules.drag_duration!r}, button='left')")
+    elif kind in ("hotkey", "keydown", "keyup"):
+        keys = [KEY_ALIASES.get(str(k).lower(), str(k).lower()) for k in action.keys]
+        _check_keys(keys, kind)
+        if kind != "hotkey":
+            if len(keys) != 1:
+                raise ActionParseError(f"{kind} takes one key, got {len(keys)}")
+            lines.append(f"pyautogui.{'keyDown' if kind == 'keydown' else 'keyUp'}({keys[0]!r})")
+        elif len(keys) == 1:
+            lines.append(f"pyautogui.press({keys[0]!r})")
+        else:
+            lines.append(f"pyautogui.hotkey({', '.join(repr(k) for k in keys)})")
+    elif kind == "type":
+        lines += _typing(action, clipboard)[0]
+    elif kind == "scroll":
+        if action.direction not in SCROLL_DIRECTIONS:
+            raise ActionParseError(f"scroll direction must be one of {SCROLL_DIRECTIONS}, "
+                                   f"got {action.direction!r}")
+        amount = SCROLL_AMOUNT if action.direction in ("up", "left") else -SCROLL_AMOUNT
+        where = ""
+        if action.point is not None:
+            x, y = _screen_xy(action.point, screen_size, kind)
+            where = f", x={x}, y={y}"
+        call = f"pyautogui.scroll({amount}{where})"
+        if action.direction in ("left", "right"):
+            if rules.sideways_scroll:
+                lines += ["pyautogui.keyDown('shift')", call, "pyautogui.keyUp('shift')"]
+        else:
+            lines.append(call)
+    elif kind != "noop":
+        raise ActionParseError(f"unknown action kind {kind!r}")
+    if any(line.startswith("pyperclip.") for line in lines):
+        first = next(i for i, line in enumerate(lines) if line.startswith("pyperclip."))
+        lines[first:first] = list(DETACH_OUTPUT)
+        lines[1:1] = ["import os", "import pyperclip", "import time"]
+    elif any(line.startswith("time.") for line in lines):
+        lines[1:1] = ["import time"]
+    return "\n".join(lines)
+
+
+def _type_lines(text: str, clipboard: bool = True) -> tuple[list[str], str]:
+    """Type `text` (ours): if pyautogui can type all of it, pyautogui.write; otherwise (accents,
+    CJK, emoji) the whole text through the clipboard and one ctrl+v, as UI-TARS's own code types
+    (one paste, not one per run: back-to-back clipboard hand-overs drop characters). A text longer
+    than MAX_TYPED_CHARS is pasted too: typed, it would outlast the action's time. A trailing
+    newline is an Enter. Without a clipboard, what pyautogui can type of it is typed.
+    Returns (the lines, the text left untyped for want of a clipboard)."""
+    enter = text.endswith("\n")
+    body = text[:-1] if enter else text
+    lines, lost = [], ""
+    if body and _TYPEABLE.fullmatch(body) and len(body) <= MAX_TYPED_CHARS:
+        lines.append(f"pyautogui.write({body!r}, interval={TYPE_INTERVAL!r})")
+    elif body and clipboard:
+        lines += _paste(body)
+    elif body:
+        typed, lost = _split_typeable(body)
+        if typed:
+            lines.append(f"pyautogui.write({typed!r}, interval={TYPE_INTERVAL!r})")
+    if enter:
+        lines.append("pyautogui.press('enter')")
+    return lines, lost
+
+
+def _split_typeable(text: str) -> tuple[str, str]:
+    """(what pyautogui.write can type of `text`, at most MAX_TYPED_CHARS; the rest, in order)."""
+    typed = "".join(ch for ch in text if _TYPEABLE.fullmatch(ch))[:MAX_TYPED_CHARS]
+    lost, i = [], 0
+    for ch in text:  # the characters `typed` leaves out, in order
+        if i < len(typed) and ch == typed[i]:
+            i += 1
+        else:
+            lost.append(ch)
+    return typed, "".join(lost)
+
+
+def _arpo_typed(text: str) -> tuple[str, bool] | None:
+    r"""(what ARPO's generated code types, whether it then presses Enter) for a type action's text,
+    or None when its code does not compile (nothing is typed).
+
+    ARPO's converter escapes the text's unescaped single quotes, strips a trailing newline (with
+    `rstrip("\\n").rstrip("\n")`, which also eats 'n's and backslashes before a literal `\n`) and
+    pastes the rest between single quotes into `pyautogui.write('...')`: Python then reads escape
+    sequences in it, and a line break inside ends the string literal (a SyntaxError: the VM runs
+    nothing). The same literal is read here with ast.literal_eval, which evaluates nothing: text that
+    would make ARPO's code run anything but a write types nothing."""
+    escaped = re.sub(r"(?<!\\)'", r"\\'", text)
+    enter = escaped.endswith("\n") or escaped.endswith("\\n")
+    body = escaped.rstrip("\\n").rstrip("\n") if enter else escaped
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # invalid escapes such as "\d" stay as typed, as in the VM
+        try:
+            value = ast.literal_eval("'" + body + "'")
+        except (ValueError, SyntaxError, MemoryError, RecursionError):
+            return None
+    return (value, enter) if isinstance(value, str) else None
+
+
+def _arpo_type_lines(text: str, clipboard: bool = True) -> tuple[list[str], str]:
+    """Type `text` as ARPO's converter does: pyautogui.write at its pace (characters pyautogui has
+    no key for are skipped in the VM), its pause, then Enter. A text too long to type at that pace
+    within an action's time (MAX_ACTION_SECONDS) is typed as ours types it."""
+    rules = ACTION_RULES["arpo"]
+    typed = _arpo_typed(text) if text else None
+    if typed is None:
+        return [], ""
+    value, enter = typed
+    if len(value) * rules.type_interval + rules.type_pause_s > MAX_ACTION_SECONDS or len(value) > MAX_TYPED_CHARS:
+        return _type_lines(value + ("\n" if enter else ""), clipboard)
+    lines = [f"pyautogui.write({value!r}, interval={rules.type_interval!r})"] if value else []
+    lines.append(f"time.sleep({rules.type_pause_s!r})")
+    if enter:
+        lines.append("pyautogui.press('enter')")
+    return lines, ""
+
+
+def _typing(action: Action, clipboard: bool) -> tuple[list[str], str]:
+    type_lines = _arpo_type_lines if action_rules(action.rules).write_everything else _type_lines
+    return type_lines(action.text or "", clipboard)
+
+
+def lost_without_clipboard(action: Action) -> str | None:
+    """The text a type action would leave untyped on a machine without a clipboard tool (pyperclip
+    finds neither xclip nor xsel): None when it does not paste at all (ASCII text; ARPO's rules)."""
+    if action.kind != "type":
+        return None
+    return _typing(action, clipboard=False)[1] or None
+
+
+def _paste(text: str) -> list[str]:
+    return [f"pyperclip.copy({text!r})", f"time.sleep({CLIPBOARD_SETTLE_S!r})", "pyautogui.hotkey('ctrl', 'v')",
+            f"time.sleep({PASTE_PAUSE_S!r})"]
