@@ -12,6 +12,8 @@ OUT/rank<R>.json. Scenarios:
   environments); rank 1 raises at once, with rank 0's error.
 - failed-checkpoint: rank 0's part of a checkpoint fails (a full disk) and rank 0 lingers; rank 1
   raises at once, with rank 0's error.
+- other-fails-mid-pass: rank 1 fails in a pass over the weights (its own error, mid-gather);
+  rank 0, inside that gather, is stopped when rank 1 exits.
 - push: a DCP checkpoint of a sharded optimizer round-trips, planned on the control group; a
   whole pass over the shards' weights; then a pass whose consumer fails at its third tensor
   (a server gone mid-push) while rank 0 lingers: rank 1 raises at once.
@@ -182,12 +184,55 @@ def push(ranks: Ranks, out: Path) -> dict[str, Any]:
     return report
 
 
+def other_rank_fails_mid_pass(ranks: Ranks, out: Path) -> dict[str, Any]:
+    """Rank 1's third gather of a pass over the weights fails (its own out-of-memory) while rank 0
+    is in that gather: rank 1 closes (3 s) and exits with an error; rank 0 is not released by any
+    announcement of ours, only by rank 1's exit (torchrun stops the others; gloo also sees the
+    peer gone). Rank 0 records how far it got."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from arpo_lib.serving.weight_sync import full_tensors
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 4), torch.nn.Linear(4, 2))
+    mesh = init_device_mesh("cpu", (ranks.world_size,))
+    for layer in net:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    t0 = time.monotonic()
+    if ranks.is_main:
+        weights = distributed.WeightPass(net, ranks)
+        for sent, _ in enumerate(full_tensors(weights.weights, torch.device("cpu"), [p.dtype for _, p in weights.weights])):
+            (out / "rank0.progress").write_text(str(sent + 1))
+        return {"raised": None, "seconds": time.monotonic() - t0}
+    real, calls = DTensor.full_tensor, [0]
+
+    def failing(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("CUDA out of memory (injected)")
+        return real(self, *args, **kwargs)
+
+    DTensor.full_tensor = failing  # type: ignore[method-assign]
+    try:
+        distributed.join_full_weights(net, ranks)
+    except RuntimeError as exc:
+        (out / "rank1.json").write_text(json.dumps({"raised": str(exc), "seconds": time.monotonic() - t0}))
+        time.sleep(3.0)  # a trainer closing its environments
+        sys.exit(1)
+    return {"raised": None, "seconds": time.monotonic() - t0}
+
+
 def main(scenario: str, collective_timeout_s: float, out: str) -> None:
     ranks = Ranks.from_env()
     out_dir = Path(out)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=collective_timeout_s))
     distributed._control_group = dist.new_group(backend="gloo", timeout=distributed.CONTROL_TIMEOUT)
-    if scenario == "push":
+    if scenario == "other-fails-mid-pass":
+        report = other_rank_fails_mid_pass(ranks, out_dir)
+    elif scenario == "push":
         report = push(ranks, out_dir)
     elif scenario == "failed-checkpoint":
         report = failed_checkpoint(ranks, out_dir)

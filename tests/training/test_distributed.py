@@ -436,6 +436,31 @@ def test_a_push_that_fails_mid_way_makes_every_rank_raise_at_once(push_ranks):
     assert one["seconds"] < 5, one
 
 
+def test_a_rank_other_than_0_failing_mid_pass_ends_the_run_when_it_exits(tmp_path):
+    """Issue 52: a rank other than 0 whose gather fails (its own out-of-memory) leaves rank 0 inside
+    that gather; nothing of ours can announce it (rank 0 is in the collective, not waiting for an
+    announcement). The failing rank leaves the group without waiting (`backend.close(failed=True)`),
+    closes its environments and exits: rank 0 is then stopped (torchrun ends the other processes of a
+    failed run; on gloo it also sees the peer gone), long before the collective timeout (120 s)."""
+    import os
+    import time
+
+    root = HANG_RANKS.parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           str(HANG_RANKS), "other-fails-mid-pass", "120", str(tmp_path)],
+                          capture_output=True, text=True, timeout=180, cwd=root, env=env)
+    seconds = time.monotonic() - t0
+    assert done.returncode != 0  # the run failed ...
+    one = json.loads((tmp_path / "rank1.json").read_text())
+    assert one["raised"] == "CUDA out of memory (injected)"
+    progress = tmp_path / "rank0.progress"
+    assert not (tmp_path / "rank0.json").exists() or json.loads((tmp_path / "rank0.json").read_text())["raised"]
+    assert int(progress.read_text()) < 3 if progress.exists() else True  # rank 0 never got the third weight
+    assert seconds < 60, seconds  # ... at rank 1's exit, not at the 120 s timeout
+
+
 def test_the_optimizer_shards_are_planned_on_the_control_group_and_round_trip(push_ranks):
     """torch.distributed.checkpoint plans with object collectives (pickles): on the gloo control
     group, not the default group (NCCL on GPUs). Spied on `dcp.save`/`dcp.load`; the state loads
