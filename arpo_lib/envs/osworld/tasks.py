@@ -1,8 +1,8 @@
 """OSWorld task data: the ARPO fork's `evaluation_examples/`, fetched once, validated, cached.
 
 ARPO trains and evaluates on task files from its authors' OSWorld fork (FanbinLu/OSWorld, the
-commit pinned by ARPO's `OSWorld` submodule). This module brings exactly that directory onto the
-machine and names the task sets the workbench uses. Standard library only: no torch, no OSWorld.
+commit pinned by ARPO's `OSWorld` submodule). These modules bring exactly that directory onto the
+machine and name the task sets the workbench uses. Standard library only: no torch, no OSWorld.
 
 Layout of the fork's `evaluation_examples/` (and of `test_data/osworld/evaluation_examples/`):
 
@@ -11,83 +11,48 @@ Layout of the fork's `evaluation_examples/` (and of `test_data/osworld/evaluatio
     test_success_uitars1.5_wo_impossible.json   ARPO's 128 training tasks (same format)
     test_small.json, ...                  other meta lists
 
-The cache, `~/.cache/arpo-workbench/osworld-tasks/<commit12>/` (root overridable with
-`$ARPO_OSWORLD_TASKS`), holds `evaluation_examples/` and `manifest.json` (source, commit, archive
-sha256, per-domain counts, sha256 of every file). A fetch extracts into a staging directory,
-validates everything, writes the manifest and only then renames the directory into place: a
-failed fetch leaves the previous cache (or none), never a partial one.
+Three modules: `task_cache` (where the data lives, its manifest, `verify_cache`), `task_sets`
+(`train128`, `subset32`, ...: `task_set`, `expand_task_names`) and this one: fetching the data
+into the cache and validating it (`fetch_tasks`, `validate_task`), and reading one task
+(`load_task`, `task_domain`). Every name of the three is importable from here.
 
-Task sets (`task_set(name)` -> `["osworld/<task_id>", ...]`, in the meta list's order):
-
-- `train128`: ARPO's 128 training tasks (`test_success_uitars1.5_wo_impossible.json`).
-- `test_all`: all 369 OSWorld test tasks (`test_all.json`).
-- `subset32`: ARPO's subset run (`examples/osworld_subset32.sh`) trains on
-  `test_success_middle_difficult.json`. Where the fetched tree has that file, `subset32` is that
-  list. Where it does not, `subset32` is drawn from `train128` by a fixed rule: each domain gets
-  32 x (its share of train128) tasks, rounded down, and the remaining places go to the domains
-  with the largest fractional parts (ties: domain name order); within a domain the tasks with the
-  smallest sha256("arpo-workbench/subset32:<task_id>") are taken. On ARPO's 128 this gives
-  chrome 4, gimp 5, libreoffice_calc 3, libreoffice_impress 3, libreoffice_writer 3,
-  multi_apps 3, os 3, thunderbird 2, vlc 1, vs_code 5.
-- `smoke4`: 2 os + 2 chrome tasks of train128 that are quick to set up: feasible (evaluator is
-  not `infeasible`) and set up only with local steps (launch, execute, command, open,
-  activate_window, sleep: no download, no web tabs, no accounts), fewest setup steps first, then
-  task id. On ARPO's 128 (resolved against a third-party copy of the list and task files, as the
-  fork itself could not be reached when this was written) these are chrome 2ad9387a (new
-  bookmarks folder), chrome 2ae9ba84 (rename the Chrome profile), os 94d95f96 (install Spotify),
-  os 28cc3b7e (turn the volume up).
-- `chrome10`: 10 of train128's 18 chrome tasks, those with the smallest
-  sha256("arpo-workbench/chrome10:<task_id>").
-
-A rule-based set takes all candidates when there are fewer than its size (small fixtures); a
-fetch of the pinned commit checks that every set has exactly its size.
-
-Note on the data: "wo_impossible" notwithstanding, the 128 list holds infeasible tasks
-(evaluator func "infeasible": 26 of 128 in the copy checked), which score 1 when the agent's
-last action is FAIL.
+A fetch extracts into a staging directory, validates everything, writes the manifest and only
+then renames the directory into place: a failed fetch leaves the previous cache (or none), never
+a partial one. A fetch of the pinned commit checks that every task set has exactly its size.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import functools
-import hashlib
-import logging
 import json
+import logging
 import os
-import re
 import shutil
 import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from arpo_lib.envs.osworld import fetch
+from arpo_lib.envs.osworld.task_cache import (  # noqa: F401 - names of the task data, importable from here
+    ACTIVE, ENV_PREFIX, ENV_VAR, EXAMPLES, FETCH_HINT, MANIFEST, MANIFEST_FORMAT, OSWORLD_TASKS_COMMIT,
+    OSWORLD_TASKS_REPO, OSWORLD_TASKS_URL, _activate, _read_manifest, _strip_prefix, cache_root, cached_task_ids,
+    examples_dir, is_fetched, pinned_root, provenance, read_manifest, slot_for, tasks_root, verify_cache,
+)
+from arpo_lib.envs.osworld.task_sets import (  # noqa: F401
+    LOCAL_SETUP_STEPS, SOLUTIONS, SUBSET32_LISTS, TASK_SETS, TEST_ALL_LIST, TRAIN_LIST, UNSOLVABLE, _resolve_set,
+    expand_task_names, known_solutions, known_unsolvable, proportional_quota, stable_subset, task_set,
+    task_set_by_domain, task_set_source,
+)
 from arpo_lib.run.records import atomic_write_text
 
 log = logging.getLogger(__name__)
 
-OSWORLD_TASKS_REPO = "FanbinLu/OSWorld"
-OSWORLD_TASKS_COMMIT = "7a6409d7f54e335181398b10038ddf3beda9ab33"
-"""The `OSWorld` submodule commit of dvlab-research/ARPO (its only commit touching the submodule)."""
-OSWORLD_TASKS_URL = f"https://codeload.github.com/{OSWORLD_TASKS_REPO}/tar.gz/{OSWORLD_TASKS_COMMIT}"
-ENV_VAR = "ARPO_OSWORLD_TASKS"
-"""Overrides the cache root (the directory holding one `<commit12>/` per pinned commit)."""
-MANIFEST = "manifest.json"
-MANIFEST_FORMAT = 1
-EXAMPLES = "evaluation_examples"
-ENV_PREFIX = "osworld"
-
-TEST_ALL_LIST = "test_all.json"
-TRAIN_LIST = "test_success_uitars1.5_wo_impossible.json"
-SUBSET32_LISTS = ("test_subset32.json", "test_success_middle_difficult.json")
-"""ARPO's 32-task subset: the fork holds `test_subset32.json` (32 tasks of the 128, none
-infeasible); ARPO's examples/osworld_subset32.sh names `test_success_middle_difficult.json`,
-which no public copy of the fork has. The first present is used."""
 REQUIRED_LISTS = (TEST_ALL_LIST, TRAIN_LIST)
 """Meta lists a fetched tree must have. These and the subset lists (when present) are checked
 strictly; problems in other meta lists are recorded as warnings in the manifest."""
@@ -95,13 +60,8 @@ TRAIN128_DOMAINS = {"chrome": 18, "gimp": 19, "libreoffice_calc": 12, "libreoffi
                     "libreoffice_writer": 11, "multi_apps": 11, "os": 12, "thunderbird": 7, "vlc": 6, "vs_code": 19}
 """ARPO's 128 training tasks per domain: checked for any source (a different list is not ARPO's)."""
 
-FETCH_HINT = ("fetch it with `./workbench osworld-tasks fetch` (or `python -m arpo_lib osworld-tasks "
-              "fetch`; offline: `--source <OSWorld tarball or checkout>`)")
-
 MAX_EXAMPLES_BYTES = 256 << 20
 """evaluation_examples/ is a few MB; more than this is not OSWorld task data."""
-LOCAL_SETUP_STEPS = frozenset({"launch", "execute", "command", "open", "activate_window", "sleep"})
-"""Setup steps that need nothing outside the VM (smoke4's criterion)."""
 
 
 class TaskDataError(RuntimeError):
@@ -131,114 +91,8 @@ PINNED_EXPECTATIONS = Expectations(
 )
 """The ARPO paper's numbers; applied when the data is known to be the pinned commit."""
 
-TASK_SETS: dict[str, str] = {
-    "train128": f"ARPO's 128 training tasks ({TRAIN_LIST})",
-    "subset32": f"ARPO's 32-task subset ({SUBSET32_LISTS[0]}, else {SUBSET32_LISTS[1]}); without either, "
-                "the workbench's own per-domain draw of 32 feasible train128 tasks (not ARPO's)",
-    "smoke4": "2 os + 2 chrome tasks of train128 with quick, local-only setup",
-    "chrome10": "10 chrome tasks of train128 (fixed hash draw)",
-    "test_all": f"all OSWorld test tasks ({TEST_ALL_LIST}, 369)",
-    "sandbox_solved": "the OSWorld tasks with a scripted solution for the desktop sandbox "
-                      "(arpo_lib/envs/osworld/sandbox_solutions.json): run offline, set up and scored there",
-}
-"""Task-set name -> what it is; `task_set(name)` resolves it against the cache."""
-
-_UUID = re.compile(r"^[0-9a-fA-F]{8}(-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}$")
-_SET_LIKE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-
-
-# ---- where the cache is ---------------------------------------------------------------------
-
-def cache_root() -> Path:
-    """The directory holding one `<commit12>/` per pinned commit (`$ARPO_OSWORLD_TASKS` or
-    `~/.cache/arpo-workbench/osworld-tasks`)."""
-    override = os.environ.get(ENV_VAR)
-    if override:
-        return Path(override).expanduser()
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "arpo-workbench" / "osworld-tasks"
-
-
-ACTIVE = "active.json"
-"""In the cache root: which slot the runs read (the last one fetched)."""
-
-
-def pinned_root() -> Path:
-    """The slot of the pinned commit's data."""
-    return cache_root() / OSWORLD_TASKS_COMMIT[:12]
-
-
-def slot_for(commit: str | None, tree_sha256: str) -> Path:
-    """Where fetched data lives: one slot per commit (`<commit12>`), and data of unknown origin
-    (a checkout or an archive that names no commit) in `unknown-<tree12>`, never in a commit's slot."""
-    return cache_root() / (commit[:12] if commit else f"unknown-{tree_sha256[:12]}")
-
-
-def tasks_root() -> Path:
-    """The task data runs read: the slot the last fetch made active, else the pinned commit's.
-    Holds `manifest.json` and `evaluation_examples/`."""
-    try:
-        slot = json.loads((cache_root() / ACTIVE).read_text())["slot"]
-        if isinstance(slot, str) and slot and "/" not in slot and not slot.startswith("."):
-            return cache_root() / slot
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    return pinned_root()
-
-
-def provenance(manifest: dict[str, Any]) -> str:
-    """Where the cached data came from, in words: the commit, or that it is unknown."""
-    if manifest.get("commit"):
-        return f"commit {manifest['commit'][:12]}" + (" (ARPO's pinned commit)"
-                                                      if manifest["commit"] == OSWORLD_TASKS_COMMIT else "")
-    return f"unknown commit (from {manifest.get('source')})"
-
-
-def examples_dir(root: Path | None = None) -> Path:
-    """`evaluation_examples/` of the cache (what OSWorld's scripts call the examples root)."""
-    return Path(root or tasks_root()) / EXAMPLES
-
-
-def _read_manifest(root: Path) -> dict[str, Any]:
-    path = root / MANIFEST
-    if not path.is_file():
-        raise FileNotFoundError(f"OSWorld task data is not fetched (no {path}): {FETCH_HINT}")
-    try:
-        manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        manifest = None
-    usable = (isinstance(manifest, dict) and manifest.get("format") == MANIFEST_FORMAT
-              and isinstance(manifest.get("tasks"), dict))
-    if not usable:
-        raise FileNotFoundError(f"{path} is not a usable manifest (format {MANIFEST_FORMAT}): "
-                                "fetch again with `arpo osworld-tasks fetch --force`")
-    return manifest
-
-
-def is_fetched(root: Path | None = None) -> bool:
-    """Whether a complete cache (one with a manifest) exists. Never raises."""
-    try:
-        _read_manifest(Path(root or tasks_root()))
-        return True
-    except Exception:  # noqa: BLE001 - a yes/no question about the disk
-        return False
-
-
-def cached_task_ids(root: Path | None = None) -> list[str]:
-    """Every task id under `examples/` of the cache, sorted; [] when nothing is fetched.
-    Never raises (the environment registry calls it to list `osworld/<id>` names)."""
-    try:
-        tasks = _read_manifest(Path(root or tasks_root()))["tasks"]
-        return sorted(str(t) for t in tasks)
-    except Exception:  # noqa: BLE001 - listing must not break the registry
-        return []
-
 
 # ---- reading tasks --------------------------------------------------------------------------
-
-def _strip_prefix(task_id: str) -> str:
-    return task_id[len(ENV_PREFIX) + 1:] if task_id.startswith(ENV_PREFIX + "/") else task_id
-
 
 def task_domain(task_id: str, root: Path | None = None) -> str:
     """The domain (examples/ subdirectory) of a task id or `osworld/<id>` name."""
@@ -365,166 +219,7 @@ def validate_task(d: Any) -> list[str]:
     return problems
 
 
-# ---- task sets ------------------------------------------------------------------------------
-
-def _stable_rank(salt: str, task_id: str) -> str:
-    return hashlib.sha256(f"{salt}:{task_id}".encode()).hexdigest()
-
-
-def proportional_quota(counts: Mapping[str, int], k: int) -> dict[str, int]:
-    """How many of k places each domain gets: k x its share rounded down, then one more for the
-    domains with the largest remainders (ties: domain name). k >= total gives every task."""
-    total = sum(counts.values())
-    if k >= total:
-        return dict(counts)
-    quota = {d: k * n // total for d, n in counts.items()}
-    by_remainder = sorted(counts, key=lambda d: (-(k * counts[d] % total), d))
-    for d in by_remainder[: k - sum(quota.values())]:
-        quota[d] += 1
-    return quota
-
-
-def stable_subset(by_domain: Mapping[str, Sequence[str]], k: int, salt: str) -> dict[str, list[str]]:
-    """A reproducible k-task subset, proportional per domain (`proportional_quota`); within a
-    domain the tasks with the smallest sha256(f"{salt}:{task_id}"). Keeps the input order."""
-    quota = proportional_quota({d: len(ids) for d, ids in by_domain.items()}, k)
-    out = {}
-    for domain, ids in by_domain.items():
-        keep = set(sorted(ids, key=lambda t: _stable_rank(salt, t))[: quota[domain]])
-        if keep:
-            out[domain] = [t for t in ids if t in keep]
-    return out
-
-
-def _read_meta(ee: Path, name: str) -> dict[str, list[str]]:
-    path = ee / name
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist")
-    return json.loads(path.read_text())
-
-
-def _is_feasible(ee: Path, domain: str, task_id: str) -> bool:
-    task = json.loads((ee / "examples" / domain / f"{task_id}.json").read_text())
-    return task.get("evaluator", {}).get("func") != "infeasible"
-
-
-def _is_quick_local(task: dict[str, Any]) -> bool:
-    feasible = task.get("evaluator", {}).get("func") != "infeasible"
-    return feasible and all(step.get("type") in LOCAL_SETUP_STEPS for step in task.get("config", []))
-
-
-def _resolve_set(ee: Path, name: str) -> dict[str, list[str]]:
-    """domain -> task ids of a set, read from an `evaluation_examples/` directory."""
-    if name == "train128":
-        return _read_meta(ee, TRAIN_LIST)
-    if name == "test_all":
-        return _read_meta(ee, TEST_ALL_LIST)
-    if name == "subset32":
-        for listed in SUBSET32_LISTS:
-            if (ee / listed).is_file():
-                return _read_meta(ee, listed)
-        feasible = {d: [t for t in ids if _is_feasible(ee, d, t)] for d, ids in _read_meta(ee, TRAIN_LIST).items()}
-        return stable_subset({d: ids for d, ids in feasible.items() if ids}, 32, "arpo-workbench/subset32")
-    if name == "chrome10":
-        chrome = _read_meta(ee, TRAIN_LIST).get("chrome", [])
-        return stable_subset({"chrome": chrome}, 10, "arpo-workbench/chrome10") if chrome else {}
-    if name == "smoke4":
-        train = _read_meta(ee, TRAIN_LIST)
-        out = {}
-        for domain in ("os", "chrome"):
-            tasks = {t: json.loads((ee / "examples" / domain / f"{t}.json").read_text())
-                     for t in train.get(domain, [])}
-            quick = sorted((t for t, task in tasks.items() if _is_quick_local(task)),
-                           key=lambda t: (len(tasks[t].get("config", [])), t))[:2]
-            if quick:
-                out[domain] = [t for t in train[domain] if t in quick]
-        return {d: out[d] for d in train if d in out}
-    if name == "sandbox_solved":
-        solved = known_solutions()
-        out = {}
-        for domain, ids in _read_meta(ee, TEST_ALL_LIST).items():
-            kept = [t for t in ids if t in solved]
-            if kept:
-                out[domain] = kept
-        return out
-    raise ValueError(f"unknown OSWorld task set {name!r}; sets: {', '.join(TASK_SETS)}")
-
-
-UNSOLVABLE = Path(__file__).with_name("sandbox_unsolvable.json")
-SOLUTIONS = Path(__file__).with_name("sandbox_solutions.json")
-"""Our scripted solutions of OSWorld's own task files (they carry none), by task id."""
-
-
-@functools.lru_cache(maxsize=1)
-def known_solutions() -> dict[str, dict[str, Any]]:
-    """sandbox_solutions.json's entries by task id (read once)."""
-    return {k: v for k, v in json.loads(SOLUTIONS.read_text()).items() if not k.startswith("_")}
-
-
-def known_unsolvable() -> dict[str, str]:
-    """sandbox_unsolvable.json: feasible, network-free OSWorld task files that cannot be solved in
-    the sandbox, by task id, with the reason (the census's "solvable here" column)."""
-    return {k: v for k, v in json.loads(UNSOLVABLE.read_text()).items() if not k.startswith("_")}
-
-
-def task_set_by_domain(name: str, root: Path | None = None) -> dict[str, list[str]]:
-    """domain -> task ids of a set (`train128`, `subset32`, ...; `osworld/<set>` works too)."""
-    name = _strip_prefix(name)
-    if name not in TASK_SETS:
-        close = difflib.get_close_matches(name, list(TASK_SETS), n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"unknown OSWorld task set {name!r}.{hint} Sets: {', '.join(TASK_SETS)}")
-    root = Path(root or tasks_root())
-    _read_manifest(root)  # FileNotFoundError with the fetch hint when nothing is fetched
-    return _resolve_set(examples_dir(root), name)
-
-
-def task_set_source(name: str, root: Path | None = None) -> str:
-    """Where a set comes from in this cache: its meta-list file, or the rule that draws it."""
-    name = _strip_prefix(name)
-    sources = {"train128": TRAIN_LIST, "test_all": TEST_ALL_LIST,
-               "subset32": f"the workbench's own draw, NOT ARPO's subset: 32 feasible tasks per domain from "
-                           f"{TRAIN_LIST} (neither {' nor '.join(SUBSET32_LISTS)} is in this data)",
-               "smoke4": f"rule: 2 os + 2 chrome quick local-setup tasks of {TRAIN_LIST}",
-               "chrome10": f"rule: 10 chrome tasks of {TRAIN_LIST} by sha256 rank",
-               "sandbox_solved": f"the tasks of {TEST_ALL_LIST} with a scripted solution in sandbox_solutions.json"}
-    if name == "subset32":
-        for listed in SUBSET32_LISTS:
-            if (examples_dir(root) / listed).is_file():
-                return listed
-    if name not in sources:
-        raise ValueError(f"unknown OSWorld task set {name!r}; sets: {', '.join(TASK_SETS)}")
-    return sources[name]
-
-
-def task_set(name: str, root: Path | None = None) -> list[str]:
-    """Env names `osworld/<task_id>` of a set, in its meta list's order (domain by domain)."""
-    return [f"{ENV_PREFIX}/{t}" for ids in task_set_by_domain(name, root).values() for t in ids]
-
-
-def expand_task_names(names: Sequence[str], root: Path | None = None) -> list[str]:
-    """Replace every `osworld/<set>` by the set's env names, in place in the list.
-
-    `osworld/<task_id>` and names of other families (`miniwob/...`) pass through untouched, as do
-    duplicates. An `osworld/` name that looks like a set name (letters, digits, underscores)
-    but is not one raises ValueError listing the sets; the data is read only for set names.
-    """
-    out: list[str] = []
-    for name in names:
-        family, _, rest = name.partition("/")
-        if family == ENV_PREFIX and rest in TASK_SETS:
-            out += task_set(rest, root)
-        elif family == ENV_PREFIX and _SET_LIKE.match(rest) and not _UUID.match(rest):
-            close = difflib.get_close_matches(rest, list(TASK_SETS), n=1)
-            hint = f" Did you mean 'osworld/{close[0]}'?" if close else ""
-            raise ValueError(f"unknown OSWorld task set {name!r}.{hint} Sets: "
-                             f"{', '.join(f'osworld/{s}' for s in TASK_SETS)}; or name a task as osworld/<task_id>")
-        else:
-            out.append(name)
-    return out
-
-
-# ---- validation and manifest ----------------------------------------------------------------
+# ---- validating and fetching a tree ---------------------------------------------------------
 
 def _meta_shape_problem(data: Any) -> str | None:
     if not isinstance(data, dict) or not all(
@@ -642,31 +337,6 @@ def _validate_tree(ee: Path, expect: Expectations) -> dict[str, Any]:
             "meta_lists": meta_lists, "warnings": warnings, "id_mismatches": dict(sorted(id_mismatches.items()))}
 
 
-def verify_cache(root: Path | None = None) -> list[str]:
-    """Re-check the cache against its manifest: every file present with its sha256, no extra
-    files, the tree hash, the task index. Returns the problems (empty: intact)."""
-    root = Path(root or tasks_root())
-    try:
-        manifest = _read_manifest(root)
-        want = manifest["files"]
-    except (FileNotFoundError, KeyError) as exc:
-        return [f"no usable manifest: {exc}"]
-    ee = examples_dir(root)
-    got = fetch.file_hashes(ee, EXAMPLES) if ee.is_dir() else {}
-    problems = [f"{p}: missing" for p in want if p not in got]
-    problems += [f"{p}: modified (sha256 {got[p][:12]}..., manifest {want[p][:12]}...)"
-                 for p in want if p in got and got[p] != want[p]]
-    problems += [f"{p}: not in the manifest" for p in got if p not in want]
-    if fetch.tree_sha256(want) != manifest.get("tree_sha256"):
-        problems.append("manifest: its tree_sha256 does not match its own file list")
-    for task_id, domain in manifest.get("tasks", {}).items():
-        if f"{EXAMPLES}/examples/{domain}/{task_id}.json" not in want:
-            problems.append(f"manifest: task {domain}/{task_id} has no file entry")
-    return problems
-
-
-# ---- fetching -------------------------------------------------------------------------------
-
 def _resolve_source(source: str | os.PathLike[str] | None) -> tuple[str, str | Path]:
     """("url", url) | ("tar", path) | ("dir", evaluation_examples path)."""
     if source is None:
@@ -782,13 +452,3 @@ def fetch_tasks(
     if dest is None or Path(dest).parent == root:
         _activate(target)
     return target
-
-
-def _activate(slot: Path) -> None:
-    """Make `slot` the data runs read (tasks_root)."""
-    atomic_write_text(cache_root() / ACTIVE, json.dumps({"slot": slot.name}) + "\n")
-
-
-def read_manifest(root: Path | None = None) -> dict[str, Any]:
-    """The cache's manifest (FileNotFoundError with the fetch command when nothing is fetched)."""
-    return _read_manifest(Path(root or tasks_root()))
