@@ -4,7 +4,7 @@ running sandbox, with 1 and with N environments side by side (threads, one sandb
 
     python benchmarks/bench_desktop.py                      # 1 and 4 environments, 1920x1080
     python benchmarks/bench_desktop.py --envs 1 2 --screen 960x600
-    # as an ordinary user (the system Python with this environment's packages), the README's second row:
+    # as an ordinary user (the system Python with this environment's packages; docs/desktop.md's "ordinary user" rows):
     setpriv --reuid 65534 --regid 65534 --clear-groups env -i PATH=/usr/bin:/bin HOME=/tmp \
         PYTHONPATH=.venv/lib/python3.11/site-packages:. /usr/bin/python3 benchmarks/bench_desktop.py \
         --out /tmp/bench --name desktop_envs_ordinary_user

@@ -115,7 +115,7 @@ def goals(gpu: list[dict]) -> str:
 
 def main(results_dir: Path = RESULTS_DIR, out: Path = ROOT / "benchmarks" / "RESULTS.md") -> str:
     """RESULTS.md from the update and rollout results in `results_dir` (the memory table and the
-    desktop benchmark have their own sections in the README)."""
+    desktop benchmark have their own sections in docs/several-gpus.md and docs/desktop.md)."""
     parts = [HEADER]
     results = [json.loads(p.read_text()) for p in sorted(Path(results_dir).glob("*.json"))]
     results = [r for r in results if r.get("benchmark") in ("update", "rollout")]

@@ -13,7 +13,7 @@ copy the JSON into benchmarks/results/ and run `python benchmarks/report.py`.
 
 The estimates are minutes measured on an H100 on 2026-11-25 (benchmarks/results/h100_logs/), rounded
 up; the steps not run that day (2B Adafactor, 7B Adafactor with the tower frozen) are guesses. Device session
-(the `run` recipe is in the README, "Speed and memory on one GPU"):
+(the `run` recipe is in docs/speed-and-memory.md, "Running the benchmarks on a lent device"):
   part 1  update fwd+bwd naive vs ours, 7B and 2B, 15 screenshots (goal: 3x, 40% MFU); 2B with half
           the layers checkpointed and with cuDNN attention
   part 2  complete updates: 2B AdamW and Adafactor (goal < 40 GB), 7B LoRA AdamW, 7B Adafactor with the

@@ -150,8 +150,9 @@ def test_keyed_server_serves_only_requests_with_the_key(keyed_server, tiny_qwen2
 
 @pytest.mark.slow
 def test_gpu_machine_and_vm_machine_flow(tiny_qwen2vl, tmp_path, monkeypatch, chromium_available):
-    """The README's two-machine flow on one machine: the server notebook listens beyond loopback
-    with a key and stays up; the evaluation notebook reaches it by URL with the key; then it stops."""
+    """The two-machine flow of docs/osworld.md ("A GPU on one machine, the VMs on another") on one
+    machine: the server notebook listens beyond loopback with a key and stays up; the evaluation
+    notebook reaches it by URL with the key; then it stops."""
     from arpo_lib.serving.launch import stop_server
     from arpo_lib.workflows import execute_notebook
 

@@ -173,7 +173,7 @@ def test_a_smoke_training_step_logs_its_episodes_to_an_offline_run(offline_wandb
 
 
 def _picture(table: dict) -> Image.Image:
-    """The table as read back, drawn row by row (the README's picture of it; wandb's own page
+    """The table as read back, drawn row by row (docs/notebooks.md's picture of it; wandb's own page
     needs its server): the staged screenshot, then the other columns."""
     from PIL import ImageDraw
 
