@@ -148,6 +148,12 @@ def check_context(cfg: RunConfig) -> RunConfig:
         f"128000 for UI-TARS-1.5-7B), or lower model.history_images or {lower}")
 
 
+def engine_options(cfg: RunConfig) -> dict[str, Any]:
+    """How a rollout engine schedules its episodes (`rollout.mode`, `gather_window_s`, `max_batch`)."""
+    r = cfg.rollout
+    return {"mode": r.mode, "gather_window_s": r.gather_window_s, "max_batch": r.max_batch}
+
+
 def check_gpus(cfg: RunConfig, policy: HFPolicy | None = None) -> None:
     """A training run on a GPU that starts its own model server on a GPU must say which GPUs the
     server gets (serve.cuda_devices), or ConfigError: a server that inherits every GPU takes GPU 0,
@@ -453,7 +459,8 @@ def trainer(cfg: RunConfig, *, resume: bool = False, policy: HFPolicy | None = N
     rollouts = RolloutSource(trained, cfg.env.tasks, lambda: env_pool(cfg, ranks.world_size), backend, served=served,
                              run=run, group_size=r.group_size, temperature=r.temperature, top_p=r.top_p,
                              max_steps=cfg.env.max_steps, format_coef=cfg.algo.format_coef,
-                             format_penalty=cfg.algo.format_penalty, seed=t.seed, progress=records.progress)
+                             format_penalty=cfg.algo.format_penalty, seed=t.seed, progress=records.progress,
+                             engine_options=engine_options(cfg))
     ws = cfg.warm_start
     sft = WarmStart(trained, backend, lambda: rollouts.pool, run=run, tasks=cfg.env.tasks,
                     demos_per_task=ws.demos_per_task, steps=ws.steps, lr=ws.lr, batch_size=ws.batch_size,
@@ -504,7 +511,8 @@ def engine(cfg: RunConfig, scripted: bool = False, protocol: str = "run") -> Ite
     try:
         with env_pool(cfg) as pool:
             yield RolloutEngine(acting, pool, max_steps=cfg.env.max_steps, format_coef=cfg.algo.format_coef,
-                                format_penalty=cfg.algo.format_penalty, rules=p.rollout_rules(response_cap(cfg, p)))
+                                format_penalty=cfg.algo.format_penalty, rules=p.rollout_rules(response_cap(cfg, p)),
+                                **engine_options(cfg))
     finally:
         if cfg.rollout.backend == "server":
             acting.close()

@@ -305,6 +305,9 @@ class Worker(Protocol):
 
     def recv(self) -> Any: ...
 
+    # Optional: `ready() -> bool`, the answer is in (recv will not block). Asynchronous rollouts
+    # (`rollout.mode=async`) poll it; a worker without it is waited for, as in lockstep.
+
 
 class WorkerPool(Protocol):
     """Environment workers: `arpo_lib.envs.pool.EnvPool` (local processes) or

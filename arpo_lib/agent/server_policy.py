@@ -53,6 +53,10 @@ ACTION_REGEX = r"(Thought: [^\n]{1,400}\n)?Action: (" + "|".join(_CALLS) + ")"
 class ServerPolicy(UITarsConversations):
     """UI-TARS generation through an OpenAI-compatible endpoint, for the rollout engine."""
 
+    concurrent_requests = True
+    """Safe to call from several threads: an asynchronous rollout sends each episode's request as
+    soon as its observation is in, and the server batches them."""
+
     def __init__(
         self,
         base_url: str,
@@ -202,11 +206,12 @@ class FleetPolicy:
             raise ValueError("a fleet needs at least one server")
         self.clients = list(clients)
         self._server_of: dict[Any, int] = {}
+        self._lock = threading.Lock()  # asynchronous rollouts call from several threads
         self._turn = first % len(self.clients)  # where the next tie-break starts: episodes in turn rotate
         self._pool = ThreadPoolExecutor(max_workers=len(self.clients), thread_name_prefix="arpo-fleet")
 
     def __getattr__(self, name: str) -> Any:  # processor, parse, new_conversation, history_images, ...
-        if name in ("clients", "_server_of", "_turn", "_pool"):
+        if name in ("clients", "_server_of", "_turn", "_pool", "_lock"):
             raise AttributeError(name)
         return getattr(self.clients[0], name)
 
@@ -221,6 +226,10 @@ class FleetPolicy:
     def server_for(self, key: Any) -> int:
         """The server of episode `key`: its own once chosen, else the one with fewest live
         episodes (ties: the next in turn)."""
+        with self._lock:
+            return self._choose(key)
+
+    def _choose(self, key: Any) -> int:
         if key not in self._server_of:
             n = len(self.clients)
             load = [0] * n
@@ -231,7 +240,8 @@ class FleetPolicy:
         return self._server_of[key]
 
     def release(self, key: Any) -> None:
-        self._server_of.pop(key, None)
+        with self._lock:
+            self._server_of.pop(key, None)
         self.clients[0].release(key)
 
     def generate(self, segments: Sequence[Segment], *, sampling: SamplingParams = SamplingParams(),
@@ -245,8 +255,9 @@ class FleetPolicy:
         for i, key in enumerate(keys):
             by_server.setdefault(self.server_for(key), []).append(i)
         if cache_keys is None:  # one-off requests: nothing to keep
-            for key in keys:
-                self._server_of.pop(key, None)
+            with self._lock:
+                for key in keys:
+                    self._server_of.pop(key, None)
 
         def pick(values: Sequence[Any] | None, idx: list[int]) -> list[Any] | None:
             return None if values is None else [values[i] for i in idx]

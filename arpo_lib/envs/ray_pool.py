@@ -126,6 +126,15 @@ class RayEnvWorker:
             self.restart()
             raise EnvError(f"environment actor unreachable: {exc}") from exc
 
+    def ready(self) -> bool:
+        """The last command's answer is in (or there is none): `recv` does not block."""
+        import ray
+
+        if self._ref is None:
+            return True
+        done, _ = ray.wait([self._ref], timeout=0)
+        return bool(done)
+
     def recv(self) -> Any:
         """The answer to the last command; raises EnvError (after recreating the actor) when the
         actor died or did not answer in time, EnvError/EnvSetupError as EnvWorker for the rest."""

@@ -457,10 +457,20 @@ class EnvWorker:
     def send(self, cmd: str, payload: Any = None) -> None:
         try:
             self.conn.send((cmd, payload))
-            self.busy = True
+            self.busy, self.sent_at = True, time.monotonic()
         except (BrokenPipeError, OSError) as exc:
             self.restart()
             raise EnvError(f"worker pipe broken: {exc}") from exc
+
+    def ready(self) -> bool:
+        """The answer to the last command is in, or `recv` would raise at once (the process died):
+        `recv` then does not block. An asynchronous rollout asks this of every busy worker."""
+        if time.monotonic() - getattr(self, "sent_at", 0.0) > self.timeout_s:
+            return True  # recv raises its timeout (after waiting once more)
+        try:
+            return self.conn.poll(0) or not self.process.is_alive()
+        except (OSError, ValueError):  # a closed connection: recv raises
+            return True
 
     def recv(self) -> Any:
         """The answer to the last command; raises EnvError (after restarting) on crash or timeout."""

@@ -1,8 +1,15 @@
 """Rollouts: run many episodes over a pool of environment workers, batching model calls.
 
-Each tick sends every waiting environment its command (reset or step) so the browsers work in
-parallel, collects the answers, then asks the policy for the next action of every live episode
-in ONE batched generate call. Finished episodes are written by the trajectory store
+`lockstep` (the default, ARPO's loop): each tick sends every waiting environment its command
+(reset or step) so the browsers work in parallel, collects ALL the answers, then asks the policy
+for the next action of every live episode in ONE batched generate call: each tick waits for the
+slowest environment. `async`: an episode's next action is asked for as soon as its own
+observation is in. A policy in this process generates for whatever episodes are waiting, once
+`max_batch` of them are or the first has waited `gather_window_s` (or no other answer can come);
+a policy behind a server (`concurrent_requests`) gets one request per episode, in threads, and
+the server batches them (vLLM's continuous batching). Each episode samples with its own seed
+stream either way, so an episode draws the same tokens in both modes (up to the rounding of a
+different batch). Finished episodes are written by the trajectory store
 (`arpo_lib.rollout.store`: OSWorld's result layout plus the token data training needs), so a
 trajectory can be reloaded for training from its directory alone (the replay buffer keeps only
 the path).
@@ -16,9 +23,11 @@ from __future__ import annotations
 import time
 import zlib
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from arpo_lib.actions import Action, ActionParseError, ConverterError
 from arpo_lib.algo import trajectory_reward
@@ -42,6 +51,49 @@ DONE = action_payload([Action("finished")])
 """What a malformed response sends the environment: end the episode (OSWorld's DONE)."""
 
 
+POLL_S = 0.05
+"""An asynchronous rollout with nothing to do looks at its environments again after this long."""
+
+
+class BusyClock:
+    """How much of a rollout's wall time the environments and the generator were busy: per
+    worker, the time a command was in flight; for the generator, the time inside `_act`."""
+
+    def __init__(self, workers: int = 0):
+        self.t0 = time.monotonic()
+        self.wall = 0.0
+        self.env_seconds = [0.0] * workers
+        self.generator_seconds = 0.0
+        self._since: dict[int, float] = {}
+
+    def env_started(self, worker: int) -> None:
+        self._since.setdefault(worker, time.monotonic())
+
+    def env_stopped(self, worker: int) -> None:
+        since = self._since.pop(worker, None)
+        if since is not None:
+            self.env_seconds[worker] += time.monotonic() - since
+
+    @contextmanager
+    def generating(self) -> Iterator[None]:
+        t = time.monotonic()
+        try:
+            yield
+        finally:
+            self.generator_seconds += time.monotonic() - t
+
+    def stop(self) -> None:
+        for worker in list(self._since):
+            self.env_stopped(worker)
+        self.wall = time.monotonic() - self.t0
+
+    def fractions(self) -> dict[str, float]:
+        """env_busy_fraction (mean over workers), generator_busy_fraction, of the last run's wall time."""
+        wall = self.wall or (time.monotonic() - self.t0)
+        envs = sum(self.env_seconds) / max(1, len(self.env_seconds)) / wall if wall else 0.0
+        return {"env_busy_fraction": envs, "generator_busy_fraction": self.generator_seconds / wall if wall else 0.0}
+
+
 @dataclass
 class _Episode:
     request: EpisodeRequest
@@ -61,13 +113,16 @@ class _Episode:
     """What the rules keep about this episode between its steps (`RolloutRules.actions`)."""
     discarded: list[str] = field(default_factory=list)
     """This step's responses sampled again because they could not be parsed."""
+    ready_at: float = 0.0
+    """When its last observation came in (asynchronous rollouts batch the longest waiting first)."""
 
 
 class RolloutEngine:
     """Runs episodes of a policy over an `EnvPool`."""
 
     def __init__(self, policy: Policy, pool: WorkerPool, *, max_steps: int = 15, format_coef: float = 0.5,
-                 format_penalty: float = -1.0, rules: RolloutRules = TRAINING_RULES, keep_pixels: bool = True):
+                 format_penalty: float = -1.0, rules: RolloutRules = TRAINING_RULES, keep_pixels: bool = True,
+                 mode: str = "lockstep", gather_window_s: float = 0.05, max_batch: int = 0):
         """`rules`: training's unless an evaluation protocol gives its own
         (`evaluation.protocols.EvalProtocol.rollout_rules`). `keep_pixels=False`: a finished
         episode's segments drop their pixels once its trajectory is written (`run(out_dir=...)`),
@@ -76,6 +131,9 @@ class RolloutEngine:
         rollout batch held every finished episode's until the update (~130 GB at 32x8 episodes)."""
         if rules.parse_attempts < 1:
             raise ValueError(f"parse_attempts must be >= 1, got {rules.parse_attempts}")
+        if mode not in ("lockstep", "async"):
+            raise ValueError(f"mode must be 'lockstep' or 'async', not {mode!r}")
+        self.mode, self.gather_window_s, self.max_batch = mode, gather_window_s, max_batch
         self.policy = policy
         self.pool = pool
         self.max_steps = max_steps
@@ -85,6 +143,8 @@ class RolloutEngine:
         self.keep_pixels = keep_pixels
         self.env_steps = 0
         self._last_task: dict[int, str] = {}
+        self.busy = BusyClock()
+        """How long the environments and the generator were busy during the last `run`."""
 
     def run(
         self,
@@ -102,6 +162,10 @@ class RolloutEngine:
         `policy_version` (the trainer's weight version, for the age of replayed data)."""
         from tqdm.auto import tqdm
 
+        self.busy = BusyClock(len(self.pool))
+        if self.mode == "async":
+            return self._run_async(requests, temperature=temperature, top_p=top_p, out_dir=out_dir, progress=progress,
+                                   description=description, on_finish=on_finish, policy_version=policy_version)
         queue = deque(enumerate(requests))
         results: dict[int, Trajectory] = {}
         slots: dict[int, tuple[int, _Episode]] = {}
@@ -132,12 +196,92 @@ class RolloutEngine:
                             on_finish(ep.traj)
                 live = [ep for _, ep in slots.values() if not ep.pending and not ep.done]
                 if live:
-                    self._act(live, temperature, top_p)
+                    with self.busy.generating():
+                        self._act(live, temperature, top_p)
         finally:
             bar.close()
             for _, ep in slots.values():  # an exception left episodes open: drop their caches
                 self._release(ep)
+            self.busy.stop()
         return [results[i] for i in range(len(requests))]
+
+    def _run_async(self, requests: Sequence[EpisodeRequest], *, temperature: float, top_p: float,
+                   out_dir: str | Path | None, progress: bool, description: str,
+                   on_finish: Callable[[Trajectory], None] | None, policy_version: int) -> list[Trajectory]:
+        """`run` without ticks (see the module docstring): episodes never wait for each other."""
+        from tqdm.auto import tqdm
+
+        queue = deque(enumerate(requests))
+        results: dict[int, Trajectory] = {}
+        slots: dict[int, tuple[int, _Episode]] = {}
+        acting: dict[int, Future] = {}  # worker -> its episode's request in flight (server policies)
+        threads = ThreadPoolExecutor(max_workers=max(1, len(self.pool)), thread_name_prefix="arpo-act") \
+            if getattr(self.policy, "concurrent_requests", False) else None
+        bar = tqdm(total=len(requests), desc=description, disable=not progress, leave=False)
+        try:
+            while queue or slots:
+                for w in range(len(self.pool)):  # every idle worker starts the next episode
+                    if w not in slots and queue:
+                        idx, req = self._next_for(w, queue)
+                        ep = _Episode(req, w, Trajectory(task=req.task, seed=req.seed, sample=req.sample,
+                                                         policy_version=policy_version), started=time.monotonic())
+                        slots[w] = (idx, ep)
+                        self._send(ep, "reset", (req.task, req.seed))
+                waiting = [ep for w, (_, ep) in slots.items() if not ep.pending and not ep.done and w not in acting]
+                pending = [ep for w, (_, ep) in slots.items() if ep.pending and w not in acting]
+                until = time.monotonic() + POLL_S
+                if waiting and threads is None and not self._batch_due(waiting, pending):
+                    until = min(ep.ready_at for ep in waiting) + self.gather_window_s
+                elif waiting or any(f.done() for f in acting.values()):
+                    until = time.monotonic()  # something to do now: only take what is already in
+                for ep in self._answers(pending, acting, until):
+                    self._receive(ep)
+                    ep.ready_at = time.monotonic()
+                for w, future in list(acting.items()):
+                    if future.done():
+                        del acting[w]
+                        future.result()  # an exception in the request thread stops the run, as in lockstep
+                for w, (idx, ep) in list(slots.items()):
+                    if ep.done and w not in acting:
+                        self._release(ep)
+                        self._finish(ep, out_dir)
+                        results[idx] = ep.traj
+                        del slots[w]
+                        bar.update(1)
+                        if on_finish:
+                            on_finish(ep.traj)
+                waiting = [ep for w, (_, ep) in slots.items() if not ep.pending and not ep.done and w not in acting]
+                pending = [ep for w, (_, ep) in slots.items() if ep.pending and w not in acting]
+                if threads is not None:
+                    for ep in waiting:
+                        acting[ep.worker] = threads.submit(self._act, [ep], temperature, top_p)
+                elif waiting and self._batch_due(waiting, pending):
+                    batch = sorted(waiting, key=lambda e: e.ready_at)[:self.max_batch or None]
+                    with self.busy.generating():
+                        self._act(batch, temperature, top_p)
+        finally:
+            bar.close()
+            if threads is not None:
+                threads.shutdown(wait=True, cancel_futures=True)
+            for _, ep in slots.values():
+                self._release(ep)
+            self.busy.stop()
+        return [results[i] for i in range(len(requests))]
+
+    def _batch_due(self, waiting: list[_Episode], pending: list[_Episode]) -> bool:
+        """Generate now: enough episodes wait, the first has waited the window, or no other
+        answer can come to join them."""
+        return (not pending or (self.max_batch and len(waiting) >= self.max_batch)
+                or time.monotonic() - min(ep.ready_at for ep in waiting) >= self.gather_window_s)
+
+    def _answers(self, pending: list[_Episode], acting: dict[int, Future], until: float) -> list[_Episode]:
+        """The pending episodes whose environments have answered, waiting until `until` at most
+        for a first one (or a finished request). A worker that cannot say (no `ready`) is waited for."""
+        while True:
+            ready = [ep for ep in pending if getattr(self.pool.workers[ep.worker], "ready", lambda: True)()]
+            if ready or time.monotonic() >= until or any(f.done() for f in acting.values()):
+                return ready
+            time.sleep(min(0.002, max(0.0, until - time.monotonic())))
 
     # -- internals ---------------------------------------------------------------------------
     def _next_for(self, worker: int, queue: deque) -> tuple[int, EpisodeRequest]:
@@ -160,6 +304,7 @@ class RolloutEngine:
             self.pool.workers[ep.worker].send(cmd, payload)
             ep.pending = cmd
             ep.step_started = time.monotonic()
+            self.busy.env_started(ep.worker)
         except EnvError as exc:
             self._env_failure(ep, exc)
 
@@ -171,6 +316,7 @@ class RolloutEngine:
 
     def _receive(self, ep: _Episode) -> None:
         cmd, ep.pending = ep.pending, None
+        self.busy.env_stopped(ep.worker)
         try:
             value = self.pool.workers[ep.worker].recv()
         except EnvError as exc:

@@ -178,6 +178,19 @@ class RolloutConfig:
     stream_backend: str = "gloo"
     """weight_sync=stream: `gloo` (through host memory; works everywhere) or `nccl` (GPU to GPU;
     trainer and servers need NCCL builds that talk to each other, not tried here)."""
+    mode: str = "lockstep"
+    """`lockstep` (ARPO's loop): every live episode's next action in one batch once ALL the
+    environments have answered, so each step waits for the slowest. `async`: an episode's next
+    action is asked for as soon as its own observation is in (arpo_lib/rollout/engine.py): in this
+    process for whatever episodes wait (`gather_window_s`, `max_batch`), through a server one
+    request per episode (the server batches). Same seeds per episode, so the same tokens up to the
+    rounding of a different batch; lockstep stays the default."""
+    gather_window_s: float = 0.05
+    """mode=async, generation in this process: how long the first waiting episode waits for others
+    to join its batch (0: generate for whoever is waiting at once)."""
+    max_batch: int = 0
+    """mode=async, generation in this process: at most this many episodes per generate call (0:
+    no limit)."""
 
 
 @dataclass
@@ -605,7 +618,12 @@ def validate(cfg: RunConfig) -> None:
             _fail(key, f"must be >= 1, got {value}")
     if cfg.train.steps < 0:
         _fail("train.steps", f"must be >= 0, got {cfg.train.steps}")
+    if cfg.rollout.mode not in ("lockstep", "async"):
+        _fail("rollout.mode", f"must be 'lockstep' or 'async', got {cfg.rollout.mode!r}")
+    if cfg.rollout.gather_window_s < 0:
+        _fail("rollout.gather_window_s", f"must be >= 0, got {cfg.rollout.gather_window_s}")
     for key, value in (("model.logprob_chunk", cfg.model.logprob_chunk), ("model.lora_rank", cfg.model.lora_rank),
+                       ("rollout.max_batch", cfg.rollout.max_batch),
                        ("train.token_budget", cfg.train.token_budget),
                        ("model.prefill_batch_tokens", cfg.model.prefill_batch_tokens or 0),
                        ("env.instances_per_task", cfg.env.instances_per_task)):

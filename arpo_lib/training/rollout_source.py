@@ -62,18 +62,21 @@ class RolloutSource:
         format_coef, format_penalty: the reward's format term (algo.*).
         seed: the run's seed (train.seed): episodes and sampling are seeded by (seed, step).
         progress: progress bars.
+        engine_options: `RolloutEngine`'s scheduling (rollout.mode, gather_window_s, max_batch).
     """
 
     def __init__(self, policy: TrainablePolicy, tasks: list[str], make_pool: Callable[[], WorkerPool],
                  backend: TrainingBackend, *, served: ServedWeights | None, run: RunDir, group_size: int,
                  temperature: float, top_p: float, max_steps: int, format_coef: float, format_penalty: float, seed: int,
-                 progress: bool):
+                 progress: bool, engine_options: dict[str, Any] | None = None):
         self.policy, self.tasks, self.backend, self.served, self.run = policy, tasks, backend, served, run
         self.group_size, self.temperature, self.top_p, self.seed = group_size, temperature, top_p, seed
         self.max_steps, self.format_coef, self.format_penalty, self.progress = (max_steps, format_coef,
                                                                                 format_penalty, progress)
         self._make_pool = make_pool
         self._pool: WorkerPool | None = None
+        self.engine_options = dict(engine_options or {})
+        """How the engine schedules episodes (`RolloutEngine`'s mode, gather_window_s, max_batch)."""
 
     @property
     def pool(self) -> WorkerPool:
@@ -123,7 +126,8 @@ class RolloutSource:
         """A rollout engine over this process's environments (see `acting`). `keep_pixels=False`:
         finished episodes drop their pixels once written (the update re-encodes them from disk)."""
         return RolloutEngine(self.acting(version, announce), self.pool, max_steps=self.max_steps,
-                             format_coef=self.format_coef, format_penalty=self.format_penalty, keep_pixels=keep_pixels)
+                             format_coef=self.format_coef, format_penalty=self.format_penalty, keep_pixels=keep_pixels,
+                             **self.engine_options)
 
     def sample(self, tasks: list[str], step: int, version: int) -> tuple[list[Trajectory], int]:
         """Rollout batch `step`: G seeded episodes of every task, played by weight version

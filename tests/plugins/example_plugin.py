@@ -47,11 +47,13 @@ class BoxEnv(GUIEnv):
     """Click the red box: the layout (where the box is) drawn from the episode's seed; one click
     inside it solves the task, `finished` or the step cap ends it unsolved."""
 
-    def __init__(self, task: str, max_steps: int = 5):
+    def __init__(self, task: str, max_steps: int = 5, slow_seeds: tuple[int, ...] = (), slow_step_s: float = 0.0):
         if task not in TASKS:
             raise ValueError(f"unknown example task {task!r}")
         self.name = f"example/{task}"
         self.max_steps = max_steps
+        self.slow_seeds, self.slow_step_s, self.seed = tuple(slow_seeds), slow_step_s, None
+        """Episodes of these seeds take `slow_step_s` per step (asynchronous rollouts' tests)."""
         self.size = 50 if task == "click-box" else 20
         self.box = (0, 0, 0, 0)
         self.steps = 0
@@ -65,17 +67,21 @@ class BoxEnv(GUIEnv):
     def reset(self, seed: int | None = None) -> tuple[Observation, dict[str, Any]]:
         rng = random.Random(seed)
         x, y = rng.randrange(SCREEN[0] - self.size), rng.randrange(SCREEN[1] - self.size)
-        self.box, self.steps = (x, y, x + self.size, y + self.size), 0
-        return self._observation(), {"box": self.box}
+        self.box, self.steps, self.seed = (x, y, x + self.size, y + self.size), 0, seed
+        return self._observation(), {"box": self.box, "seed": seed}
 
     def step(self, action: Action) -> tuple[Observation, float, bool, bool, dict[str, Any]]:
+        if self.seed in self.slow_seeds:
+            import time
+
+            time.sleep(self.slow_step_s)
         self.steps += 1
         x1, y1, x2, y2 = self.box
         hit = action.kind == "click" and action.point is not None and \
             x1 <= action.point[0] <= x2 and y1 <= action.point[1] <= y2
         terminated = hit or action.kind in ("finished", "call_user")
         truncated = not terminated and self.steps >= self.max_steps
-        return self._observation(), float(hit), terminated, truncated, {"box": self.box}
+        return self._observation(), float(hit), terminated, truncated, {"box": self.box, "seed": self.seed}
 
 
 def demonstrate(task: str, instruction: str, info: dict[str, Any], step: int,
