@@ -31,23 +31,20 @@ workspaces, and the attention kernel chosen (the CPU flash-attention kernel's sh
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any, Iterator
+from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from arpo_lib.training.memory_model import (GIB, PHASES, measure_fwd_bwd, measure_step,  # noqa: E402
+                                            with_index_tensors)
 from benchmarks.common import (RESULTS_DIR, meta_model, synthetic_trajectory, table, tiny_model_dir,  # noqa: E402
                                use_uitars_pixel_limits)
 
-GIB = 2 ** 30
-PHASES = ("start-up", "old log-probs", "update", "weight push")
 _WARM: set[tuple[str, int]] = set()
 """(shape, world size) measured once with one layer first: the first sharding in a process counts
 ~2 of the largest parameter more at start-up than every later one (one-time scratch tensors of a
@@ -59,179 +56,38 @@ def trajectory_batch(shape: str, screenshots: int, size: tuple[int, int] = (1920
     """One training micro-batch: a trajectory of `screenshots` screenshots at `size`, through the
     real chat template and image processor at UI-TARS's pixel limits (a 1080p screenshot is not
     downscaled), padded as `HFPolicy.sequence_logprobs` pads it; plus the index tensors the model
-    would derive from it (3D rope positions, vision windows), computed here with the model's own
-    functions outside FakeTensorMode, where their data-dependent shapes can be evaluated."""
-    from transformers.vision_utils import get_vision_cu_seqlens, get_vision_window_index
-
+    would derive from it (arpo_lib/training/memory_model.py: `with_index_tensors`)."""
     from arpo_lib.agent.hf_policy import HFPolicy, pad_segments
 
     variant = "qwen25vl" if shape != "2b" else "qwen2vl"
     policy = HFPolicy(tiny_model_dir(variant), device="cpu")
     use_uitars_pixel_limits(policy)
     segment = synthetic_trajectory(policy, screenshots, size)
-    batch = pad_segments([segment], policy.pad_id, side="right")
-    shell = meta_model(shape)  # its functions, no weights
-    grid = batch["image_grid_thw"]
-    batch["position_ids"] = shell.model.get_rope_index(
-        batch["input_ids"], batch["mm_token_type_ids"], image_grid_thw=grid,
-        attention_mask=batch["attention_mask"])[0]
-    vc = shell.config.vision_config
-    batch["cu_seqlens"] = get_vision_cu_seqlens(grid)
-    if getattr(vc, "window_size", None):  # Qwen2.5-VL's windowed vision attention
-        batch["window_index"], batch["cu_window_seqlens"] = get_vision_window_index(
-            grid, spatial_merge_size=vc.spatial_merge_size, window_size=vc.window_size, patch_size=vc.patch_size)
+    batch = with_index_tensors(pad_segments([segment], policy.pad_id, side="right"), meta_model(shape))
     batch["suppress_ids"] = policy.suppress_ids
     return batch
-
-
-@contextlib.contextmanager
-def fake_ranks(world_size: int) -> Iterator[None]:
-    """Torch's fake process group: this process is rank 0 of `world_size`."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-@contextlib.contextmanager
-def fake_tensors() -> Iterator[Any]:
-    """FakeTensorMode in which small integer tensors made `constant` keep their values through
-    the operations on them (token ids, grid sizes, window boundaries: the model reads them with
-    `.tolist()`), so the model's data-dependent steps run while every large tensor stays fake."""
-    import torch._subclasses.fake_tensor as ft
-
-    limit = ft.CONSTANT_NUMEL_LIMIT
-    ft.CONSTANT_NUMEL_LIMIT = 10 ** 7
-    try:
-        with ft.FakeTensorMode(allow_non_fake_inputs=True) as mode:
-            yield mode
-    finally:
-        ft.CONSTANT_NUMEL_LIMIT = limit
-
-
-class _ScalarsReadAsOne(TorchDispatchMode):
-    """Inside FakeTensorMode, a fake tensor's value read on the host (`float(t)`, `.tolist()`) is 1:
-    the optimizer's norms (ShardedAdafactor reads each parameter's) scale the update, they do not
-    change what is allocated. Only around the optimizer's step; a data-dependent *shape* still fails."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch._subclasses.fake_tensor import FakeTensor
-
-        if (func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor)
-                and args[0].constant is None):
-            return True if args[0].dtype == torch.bool else 1.0 if args[0].is_floating_point() else 1
-        return func(*args, **(kwargs or {}))
-
-
-def _training_forward(suppress_ids: Any) -> Any:
-    """`HFPolicy.forward_logprobs` as the policy runs it (bf16 autocast, log-probs in chunks of 1024)."""
-    from arpo_lib.agent.hf_policy import HFPolicy
-
-    stub = SimpleNamespace(autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16),
-                           suppress_ids=suppress_ids, logprob_chunk=1024)
-    return lambda net, b, targets, temperature: HFPolicy.forward_logprobs(stub, net, b, targets, temperature)
-
-
-def _fake_batch(mode: Any, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """(inputs, target mask) inside `mode`: the pixels fake, the small integer tensors constants."""
-    conv = mode.fake_tensor_converter
-    fake = {k: (mode.from_tensor(v) if k == "pixel_values" else conv.from_real_tensor(mode, v, make_constant=True))
-            for k, v in batch.items()}
-    return fake, fake.pop("loss_mask").bool()
-
-
-def _peak(tracker: Any) -> dict[str, float]:
-    """The tracker's peak on the CPU device (where the fake tensors live), by kind, in bytes."""
-    snapshot = tracker.get_tracker_snapshot("peak")
-    by_kind = next(iter(snapshot.values()))
-    return {str(getattr(k, "value", k)): float(v) for k, v in by_kind.items()}
 
 
 def measure(shape: str, world_size: int, optimizer: str = "adamw", screenshots: int = 15,
             batch: dict[str, torch.Tensor] | None = None, text_layers: int | None = None,
             vision_layers: int | None = None, freeze_vision: bool = False) -> dict[str, Any]:
-    """Rank 0's peak bytes in each phase of one training step at `world_size` ranks.
+    """Rank 0's peak bytes in each phase of one training step at `world_size` ranks
+    (`memory_model.measure_step` on the shape's meta model).
     `batch`: from `trajectory_batch` (made once for several measurements); `text_layers` /
     `vision_layers`: fewer layers of the real widths (a quick check); `freeze_vision`: the vision
     tower not trained (`set_vision_tower_trainable(False)`, as EasyR1's `freeze_vision_tower`)."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import MemTracker
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from arpo_lib.agent.hf_policy import enable_activation_checkpointing, set_vision_tower_trainable
-    from arpo_lib.agent.model.vision_attention import use_batched_vision_attention
-    from arpo_lib.serving.weight_sync import full_tensors
-    from arpo_lib.training import distributed as dist_
-    from arpo_lib.training.optim import make_optimizer
-
     t0 = time.monotonic()
     if (shape, world_size) not in _WARM:  # see _WARM
         _WARM.add((shape, world_size))
         measure(shape, world_size, optimizer, 1, batch=trajectory_batch(shape, 1, (224, 224)),
                 text_layers=1, vision_layers=1)
-    batch = dict(batch if batch is not None else trajectory_batch(shape, screenshots))
-    suppress = batch.pop("suppress_ids")
-    model = meta_model(shape, text_layers, vision_layers)
-    use_batched_vision_attention(model)
-    enable_activation_checkpointing(model)
-    if freeze_vision:
-        set_vision_tower_trainable(model, False)
-    forward = _training_forward(suppress)
-    phases: dict[str, dict[str, float]] = {}
-    with fake_ranks(world_size):
-        mesh = init_device_mesh("cpu", (world_size,))  # outside FakeTensorMode: it reads a tensor's values
-        with fake_tensors() as mode:
-            with MemTracker() as startup:
-                model.to_empty(device="cpu")  # the full fp32 model every rank keeps today
-                model.tie_weights()  # to_empty unties them (2B's LM head is its input embedding)
-                net = dist_.shard_for_training(model, forward, compute_dtype=torch.bfloat16, mesh=mesh)
-            phases["start-up"] = _peak(startup)
-            full_copy = float(sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())))
-            params = [p for p in net.parameters() if p.requires_grad]
-            if optimizer == "adamw":  # make_optimizer fuses it on CUDA (no temporaries); fused under
-                # FakeTensorMode counts its functional outputs as new memory: one parameter at a time here
-                opt = torch.optim.AdamW(params, lr=1e-6, weight_decay=0.0, foreach=False)
-            else:
-                opt = make_optimizer(optimizer, params, lr=1e-6, weight_decay=0.0)
-            for p in params:  # the optimizer's state as after the first step: the steady state is measured
-                p.grad = torch.zeros_like(p)
-            with _ScalarsReadAsOne():
-                opt.step()
-            opt.zero_grad(set_to_none=True)
-            fake, targets = _fake_batch(mode, batch)
-
-            def tracked() -> Any:
-                tracker = FSDPMemTracker(net, opt)  # the full copy is added to these, not tracked
-                tracker.track_inputs((fake, targets))
-                return tracker
-
-            with tracked() as t, torch.no_grad():
-                net(dict(fake), targets, 1.0)
-            phases["old log-probs"] = _peak(t)
-            net.train()
-            with tracked() as t:
-                net(dict(fake), targets, 1.0).sum().backward()
-                with _ScalarsReadAsOne():
-                    opt.step()
-                opt.zero_grad(set_to_none=True)
-            phases["update"] = _peak(t)
-            net.eval()
-            trainable = [(n, p) for n, p in net.named_parameters() if p.requires_grad]
-            with tracked() as t:
-                for _, whole in full_tensors(trainable, torch.device("cpu"), [torch.bfloat16] * len(trainable)):
-                    del whole
-            phases["weight push"] = _peak(t)
-            largest = max(p.numel() for _, p in trainable) * 2
-            shards = float(sum(p.to_local().numel() * p.element_size() for p in net.parameters()))
+    batch = batch if batch is not None else trajectory_batch(shape, screenshots)
+    r = measure_step(meta_model(shape, text_layers, vision_layers), batch, world_size, optimizer, freeze_vision)
     return {"shape": shape, "text_layers": text_layers, "vision_layers": vision_layers,
             "freeze_vision": freeze_vision, "world_size": world_size, "optimizer": optimizer, "screenshots": screenshots,
-            "tokens": int(batch["input_ids"].shape[1]), "patches": int(batch["pixel_values"].shape[0]),
-            "full_copy_bytes": full_copy, "shard_bytes": shards, "largest_bf16_param_bytes": float(largest),
-            "phases": phases, "seconds": round(time.monotonic() - t0, 1)}
+            "tokens": r["tokens"], "patches": r["patches"], "full_copy_bytes": r["full_copy_bytes"],
+            "shard_bytes": r["shard_bytes"], "largest_bf16_param_bytes": r["largest_bf16_param_bytes"],
+            "phases": r["phases"], "seconds": round(time.monotonic() - t0, 1)}
 
 
 def one_gpu_fwd_bwd(shape: str, batch: dict[str, torch.Tensor]) -> float:
@@ -240,24 +96,7 @@ def one_gpu_fwd_bwd(shape: str, batch: dict[str, torch.Tensor]) -> float:
     bf16 weights, checkpointing; results/update_7b_15shots.json: 55.84 GiB by
     `torch.cuda.max_memory_allocated`): measured here the same way as the table, it is the check
     of this method against a real GPU."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    from arpo_lib.agent.hf_policy import enable_activation_checkpointing
-    from arpo_lib.agent.model.vision_attention import use_batched_vision_attention
-
-    batch = dict(batch)
-    forward = _training_forward(batch.pop("suppress_ids"))
-    model = meta_model(shape).to(torch.bfloat16)
-    use_batched_vision_attention(model)
-    enable_activation_checkpointing(model)
-    model.train()
-    with fake_tensors() as mode, MemTracker() as tracker:
-        model.to_empty(device="cpu")
-        model.tie_weights()
-        fake, targets = _fake_batch(mode, batch)
-        logprobs = forward(model, fake, targets, 1.0)
-        (-logprobs.mean()).backward()
-    return _peak(tracker)["Total"]
+    return measure_fwd_bwd(meta_model(shape), batch)
 
 
 def without(result: dict[str, Any], phase: str) -> float:

@@ -27,55 +27,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from arpo_lib.agent.model.lora import LORA_TARGETS  # noqa: E402
+from arpo_lib.training.memory_model import Counts, count  # noqa: E402,F401  (Counts: the tests' import)
 from benchmarks.common import REAL_SHAPES, RESULTS_DIR, meta_model, table  # noqa: E402
 
 GIB = 2 ** 30
-
-
-@dataclass(frozen=True)
-class Counts:
-    """Parameter counts of a model that decide its update's memory."""
-
-    total: int
-    root: int
-    """Outside every decoder layer and vision block (embeddings, LM head, final norm, merger)."""
-    largest_unit: int
-    """The largest decoder layer or vision block."""
-    text_linear: int
-    """Weights of the language model's Linear layers (stored in bf16 when frozen under LoRA)."""
-    factored: int
-    """Adafactor's state: rows + cols per matrix, the size of every vector parameter."""
-    lora_per_rank: int
-    """LoRA adapter parameters per unit of rank: sum of (in + out) over the target projections."""
-
-
-def count(model: Any) -> Counts:
-    """Counts of a (meta-device) Qwen2-VL / Qwen2.5-VL model."""
-    import torch
-
-    from arpo_lib.training.distributed import shard_units
-
-    units = shard_units(model)
-    in_units = {id(p) for u in units for p in u.parameters()}
-    params = list(model.parameters())
-    text_linear = lora = 0
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and "language_model.layers" in name:
-            text_linear += module.weight.numel()
-            if name.rsplit(".", 1)[-1] in LORA_TARGETS:
-                lora += module.in_features + module.out_features
-    return Counts(total=sum(p.numel() for p in params),
-                  root=sum(p.numel() for p in params if id(p) not in in_units),
-                  largest_unit=max(sum(p.numel() for p in u.parameters()) for u in units),
-                  text_linear=text_linear,
-                  factored=sum(sum(p.shape[-2:]) if p.dim() >= 2 else p.numel() for p in params),
-                  lora_per_rank=lora)
 
 
 def per_gpu_bytes(c: Counts, gpus: int, mode: str, lora_rank: int = 16) -> dict[str, float]:
