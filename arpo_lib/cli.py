@@ -9,6 +9,7 @@
     build-warm-start [--out DIR] [--config F]               make a warm-started model once (the smoke's)
     notebook NAME [config=F] [overrides='[k=v, ...]'] [run_name=N]   execute any notebook headlessly
     config  [--config FILE] [key=value ...]                 print the resolved config and field docs
+    plan    --config F [--gpu-memory 40GB] [--gpus N] [--write OUT.yaml] [key=value ...]   will it fit the GPU?
     osworld-tasks fetch [--source S] [--force] | list [SET] [--ids] | verify | prefetch [SET]   OSWorld task data
     select-tasks --config F [--out DIR] [key=value ...]      ARPO's task selection (select.k rollouts per task)
     export-osworld EVAL_DIR [--model NAME] [--out DIR]     an evaluation in OSWorld's result layout
@@ -209,6 +210,26 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from arpo_lib import build
+    from arpo_lib.training import plan as planner
+
+    cfg = build.load_config(args.config, args.overrides)
+    screen = tuple(int(v) for v in args.screen.lower().split("x"))
+    result = planner.plan(cfg, planner.parse_memory(args.gpu_memory), args.gpus, screen)
+    print(result.report())
+    if args.json:
+        planner.save_plan(result, args.json)
+    if args.write:
+        if not result.fits and not result.levers:
+            print("error: nothing the planner knows brings it under the budget", file=sys.stderr)
+            return 1
+        out = planner.write_config(cfg, result, args.write, screen)
+        print(f"wrote {out}" + (f" ({' '.join(result.overrides)})" if result.overrides else " (unchanged: it fits)"))
+        return 0
+    return 0 if result.fits else 1
+
+
 def _cmd_osworld_tasks(args: argparse.Namespace) -> int:
     from arpo_lib.envs.osworld import tasks as ot
 
@@ -377,6 +398,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--docs", action="store_true")
     p.add_argument("overrides", nargs="*")
     p.set_defaults(func=_cmd_config)
+
+    p = sub.add_parser("plan", help="each phase's peak GPU memory for a config, whether it fits, the levers")
+    p.add_argument("--config", default="configs/smoke.yaml")
+    p.add_argument("--gpu-memory", default="80GB", help="memory of one GPU: 16GB, 24GB, 40GB, 80GB (read as GiB)")
+    p.add_argument("--gpus", type=int, default=None, help="training GPUs (default: train.nproc_per_node)")
+    p.add_argument("--screen", default="1920x1080", help="screenshot size WxH (OSWorld: 1920x1080)")
+    p.add_argument("--write", default=None, help="write the config with the levers applied (one that fits) here")
+    p.add_argument("--json", default=None, help="write the plan as JSON here")
+    p.add_argument("overrides", nargs="*")
+    p.set_defaults(func=_cmd_plan)
 
     p = sub.add_parser("osworld-tasks", help="OSWorld task data (ARPO's fork, pinned): fetch, list task sets, verify")
     tasks_sub = p.add_subparsers(dest="action", required=True)

@@ -1,0 +1,558 @@
+"""The planner: before a run, each phase's peak memory per GPU, whether it fits, and what to change.
+
+    ./workbench plan --config configs/osworld_sandbox.yaml --gpu-memory 40GB [--gpus 1] [--write fits.yaml]
+
+From the model's config.json (no weights: the model is built on torch's meta device and its
+parameters counted) and the run's config, in bytes per GPU, for the phases of one training step:
+
+- generation (in-process rollouts, `rollout.backend=hf`): what stays resident (weights, the
+  optimizer's state) + the KV cache + one prefill's working set. The cache is counted twice over:
+  each episode's compact copy and the step's batch slab of every row (kv_generation.py), both in
+  the keys' dtype, fp32 under autocast here (RoPE's fp32 cos/sin promote them; the 2B rollout on
+  an H100 bears it out). Per token: layers x 2 x kv_heads x head_dim x 4 bytes. Rows: every live
+  episode (tasks_per_batch x group_size), or `rollout.max_batch` in async mode. With
+  `rollout.backend=server` generation runs in the servers' own processes, not on these GPUs.
+- old log-probs: resident + one micro-batch's forward without gradients.
+- update: resident + gradients + one micro-batch's forward and backward (activations).
+- weight push (server mode): resident + the largest trainable tensor gathered whole in bf16.
+
+The activations of one micro-batch are counted per token and per vision patch, with activation
+checkpointing as the trainer runs it: each decoder layer's and vision block's input kept (bf16),
+plus one layer's recomputed working set and the LM head's chunk of logits. Their coefficients
+(`ACTIVATION_COEFFICIENTS`) come from the H100 runs committed in benchmarks/results
+(update_7b_15shots*.json, update_2b_15shots*.json): the planner reproduces those peaks within 10%
+(tests/training/test_plan.py), and that is all the confidence it claims. It cannot see the
+allocator's fragmentation, kernels' workspaces or the CUDA context: the budget it fits against
+is the card's memory less `RESERVE_BYTES` and `FRAGMENTATION`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+GIB = 2 ** 30
+RESERVE_BYTES = 1.5 * GIB
+"""The CUDA context, cuBLAS and attention workspaces: memory the card has that tensors never get."""
+FRAGMENTATION = 0.05
+"""Share of the card kept free for the caching allocator's fragmentation."""
+KV_BYTES = 4
+"""Bytes per cached key/value element: fp32 (see the module docstring)."""
+RESPONSE_TOKENS = 128
+"""Tokens of a typical response in a trained trajectory (the cap, `model.max_new_tokens`, bounds
+each generation step's slab; a trajectory whose every response reaches a cap of 4096 is rare)."""
+TURN_TEXT_TOKENS = 30
+"""Text tokens of a step besides its screenshot and response (role markers, vision start/end)."""
+PROMPT_TOKENS = 300
+"""The system prompt and the instruction."""
+
+ACTIVATION_COEFFICIENTS = {
+    "text_working": 2.67,
+    "lora_working": 4.87,
+    "qwen2_5_vl": 2.22,
+    "qwen2_vl": 3.05,
+}
+"""Fitted to the H100 runs (module docstring). `text_working`: bytes per token per (hidden +
+intermediate) element of the one decoder layer recomputed in the backward; `lora_working`: what
+the adapters add to it (fitted to the one LoRA run, r16). The others: bytes per
+vision patch per (depth x embed) element of the vision tower's kept activations, by architecture
+(Qwen2-VL attends over a whole screenshot in every block, Qwen2.5-VL in windows)."""
+
+# Published config.json values of the models the configs name, for a machine that has not
+# downloaded them (a local directory or the Hugging Face cache is read first).
+PUBLISHED = {
+    "qwen2_vl": dict(vocab_size=151936, hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+                     num_key_value_heads=2, intermediate_size=8960, tie_word_embeddings=True,
+                     vision=dict(depth=32, embed_dim=1280, hidden_size=1536, num_heads=16, mlp_ratio=4)),
+    "qwen2_5_vl": dict(vocab_size=152064, hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, intermediate_size=18944, tie_word_embeddings=False,
+                       vision=dict(depth=32, hidden_size=1280, out_hidden_size=3584, num_heads=16,
+                                   intermediate_size=3420, fullatt_block_indexes=[7, 15, 23, 31], window_size=112)),
+}
+KNOWN_MODELS = {
+    "ByteDance-Seed/UI-TARS-1.5-7B": "qwen2_5_vl",
+    "Qwen/Qwen2.5-VL-7B-Instruct": "qwen2_5_vl",
+    "bytedance-research/UI-TARS-2B-SFT": "qwen2_vl",
+    "Qwen/Qwen2-VL-2B-Instruct": "qwen2_vl",
+}
+
+
+# ---- the model and the workload -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What of a model decides its memory: parameter counts and the widths activations scale with."""
+
+    model_type: str
+    """`qwen2_vl` or `qwen2_5_vl`."""
+    params: int
+    vision_params: int
+    text_linear: int
+    """The language model's Linear weights (kept in the compute dtype when frozen under LoRA)."""
+    lora_per_rank: int
+    """LoRA parameters per unit of rank (q/k/v/o/gate/up/down of every decoder layer)."""
+    factored: int
+    """Adafactor's state in elements: rows + columns per matrix."""
+    largest_param: int
+    """Elements of the largest parameter (the weight push gathers one at a time)."""
+    largest_text_linear: int
+    root: int
+    largest_unit: int
+    layers: int
+    hidden: int
+    intermediate: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    vision_depth: int
+    vision_embed: int
+    patch: int
+    merge: int
+
+
+def model_config(path: str) -> Any:
+    """The transformers config of `path`: a local directory, else the Hugging Face cache, else the
+    published values of a model the workbench knows (KNOWN_MODELS). Nothing is downloaded."""
+    from transformers import AutoConfig, Qwen2_5_VLConfig, Qwen2VLConfig
+
+    if (Path(path) / "config.json").is_file():
+        return AutoConfig.from_pretrained(path)
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError):
+        pass
+    if path not in KNOWN_MODELS:
+        raise FileNotFoundError(f"model.path {path!r}: no config.json here or in the Hugging Face cache, and not "
+                                f"one of {sorted(KNOWN_MODELS)}: download it first (only config.json is read)")
+    kind = KNOWN_MODELS[path]
+    values = dict(PUBLISHED[kind])
+    vision = values.pop("vision")
+    text = dict(values, max_window_layers=values["num_hidden_layers"],
+                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]})
+    cls = Qwen2_5_VLConfig if kind == "qwen2_5_vl" else Qwen2VLConfig
+    return cls(text_config=text, vision_config=vision, tie_word_embeddings=values["tie_word_embeddings"])
+
+
+def model_shape(path: str) -> ModelShape:
+    """`path`'s shape, from its config on the meta device (a few seconds at 7B)."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from arpo_lib.training.memory_model import count
+
+    config = model_config(path)
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config)
+    c = count(model)
+    text, vision = config.get_text_config(), config.vision_config
+    heads = text.num_attention_heads
+    largest_linear = max((m.weight.numel() for n, m in model.named_modules()
+                          if isinstance(m, torch.nn.Linear) and "language_model.layers" in n), default=0)
+    return ModelShape(
+        model_type=config.model_type, params=c.total, vision_params=c.vision, text_linear=c.text_linear,
+        lora_per_rank=c.lora_per_rank, factored=c.factored,
+        largest_param=max(p.numel() for p in model.parameters()), largest_text_linear=largest_linear,
+        root=c.root, largest_unit=c.largest_unit, layers=text.num_hidden_layers, hidden=text.hidden_size,
+        intermediate=text.intermediate_size, kv_heads=text.num_key_value_heads,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads, vocab=text.vocab_size,
+        vision_depth=vision.depth, vision_embed=getattr(vision, "embed_dim", None) or vision.hidden_size,
+        patch=vision.patch_size, merge=vision.spatial_merge_size)
+
+
+def cache_dir() -> Path:
+    """Where shapes are kept between calls (~/.cache/arpo-workbench/plan, or $ARPO_PLAN_CACHE)."""
+    import os
+
+    return Path(os.environ.get("ARPO_PLAN_CACHE", Path.home() / ".cache" / "arpo-workbench" / "plan"))
+
+
+def cached_shape(path: str) -> ModelShape:
+    """`model_shape`, kept in `cache_dir()` keyed by the config's content: a repeat is instant."""
+    import hashlib
+
+    config = model_config(path)
+    key = hashlib.sha256(config.to_json_string(use_diff=False).encode()).hexdigest()[:16]
+    file = cache_dir() / f"shape-{key}.json"
+    if file.is_file():
+        return ModelShape(**json.loads(file.read_text()))
+    shape = model_shape(path)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    file.write_text(json.dumps(dataclasses.asdict(shape)) + "\n")
+    return shape
+
+
+def screenshot_tokens(shape: ModelShape, size: tuple[int, int], max_pixels: int = 16384 * 28 * 28) -> int:
+    """LM tokens of one screenshot at `size` (W, H) under UI-TARS's pixel limits (smart resize to
+    multiples of patch x merge; a 1080p screenshot is not downscaled: 2,691 tokens)."""
+    unit = shape.patch * shape.merge
+    w, h = size
+    if w * h > max_pixels:
+        scale = math.sqrt(max_pixels / (w * h))
+        w, h = w * scale, h * scale
+    return max(1, round(w / unit)) * max(1, round(h / unit))
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One trajectory as the update sees it, and the generation batch."""
+
+    tokens: int
+    """Tokens of one trajectory (every kept screenshot, the text, the responses)."""
+    patches: int
+    """Vision patches of its screenshots (tokens x merge^2 per screenshot)."""
+    trained: int
+    """Response tokens (the LM head's positions)."""
+    rows: int = 1
+    """Trajectories per micro-batch."""
+    generation_rows: int = 0
+    """Episodes generating together (0: generation is not on these GPUs)."""
+    generation_context: int = 0
+    """Tokens of an episode's context at its last step."""
+    max_new_tokens: int = 0
+    """The response cap (the slab's extra room)."""
+    prefill_tokens: int = 0
+    """Tokens prefilled in one forward (new turns of a group of rows)."""
+    prefill_patches: int = 0
+
+
+def workload(cfg: Any, shape: ModelShape, screen: tuple[int, int] = (1920, 1080)) -> Workload:
+    """The workload a config asks for: `model.history_images` screenshots of `screen` kept per
+    trajectory (at most `env.max_steps`), responses of RESPONSE_TOKENS (at most the cap)."""
+    steps = cfg.env.max_steps
+    images = min(cfg.model.history_images, steps)
+    per_image = screenshot_tokens(shape, screen)
+    response = min(cfg.model.max_new_tokens, RESPONSE_TOKENS) + 1
+    tokens = PROMPT_TOKENS + images * per_image + steps * (TURN_TEXT_TOKENS + response)
+    patches = images * per_image * shape.merge ** 2
+    if cfg.train.token_budget:
+        rows = max(1, cfg.train.token_budget // tokens)
+    else:
+        rows = cfg.train.micro_batch_size
+    gen_rows = 0
+    if cfg.rollout.backend == "hf":
+        gen_rows = cfg.train.tasks_per_batch * cfg.rollout.group_size
+        if cfg.rollout.mode == "async" and cfg.rollout.max_batch:
+            gen_rows = min(gen_rows, cfg.rollout.max_batch)
+    budget = cfg.model.prefill_batch_tokens
+    budget = 8192 if budget is None else budget
+    turn = per_image + TURN_TEXT_TOKENS + response
+    group = max(1, min(gen_rows, budget // turn)) if gen_rows else 0
+    return Workload(tokens=tokens, patches=patches, trained=steps * response, rows=rows,
+                    generation_rows=gen_rows, generation_context=tokens, max_new_tokens=cfg.model.max_new_tokens,
+                    prefill_tokens=group * turn, prefill_patches=group * per_image * shape.merge ** 2)
+
+
+# ---- the arithmetic -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Training:
+    """What of the config decides the update's memory."""
+
+    lora_rank: int = 0
+    optimizer: str = "adamw"
+    freeze_vision: bool = False
+    checkpointing: bool = True
+    weights_bytes: int = 4
+    """Master weights' bytes per element (4: fp32, as the trainer keeps them)."""
+    compute_bytes: int = 2
+    """Activations' bytes per element (2: bf16 autocast on a GPU; 4 on the CPU)."""
+    frozen_bytes: int = 2
+    """Frozen Linear weights under LoRA (model.frozen_weights_dtype=auto: the compute dtype)."""
+    logprob_chunk: int = 1024
+    gpus: int = 1
+    in_process: bool = True
+    """Rollouts generate with this process's model (rollout.backend=hf)."""
+
+
+def training_of(cfg: Any, gpus: int | None = None, device: str = "cuda") -> Training:
+    on_gpu = device != "cpu"
+    return Training(lora_rank=cfg.model.lora_rank, optimizer=cfg.train.optimizer,
+                    freeze_vision=cfg.model.freeze_vision_tower, checkpointing=cfg.model.gradient_checkpointing,
+                    compute_bytes=2 if on_gpu else 4,
+                    frozen_bytes=2 if on_gpu and cfg.model.frozen_weights_dtype == "auto" else 4,
+                    logprob_chunk=cfg.model.logprob_chunk or 10 ** 9,
+                    gpus=gpus or cfg.train.nproc_per_node, in_process=cfg.rollout.backend == "hf")
+
+
+def _resident(shape: ModelShape, t: Training) -> dict[str, float]:
+    """Bytes that stay on a GPU through the whole step: weights and the optimizer's state."""
+    n = t.gpus
+    if t.lora_rank:
+        trained = t.lora_rank * shape.lora_per_rank
+        weights = t.frozen_bytes * shape.text_linear + t.weights_bytes * (shape.params - shape.text_linear)
+        weights += 4 * trained
+    else:
+        trained = shape.params - (shape.vision_params if t.freeze_vision else 0)
+        weights = t.weights_bytes * shape.params
+    if t.optimizer == "adamw":
+        state = 8 * trained
+    elif t.optimizer == "adafactor":  # factored second moments of the trained matrices
+        state = 4 * shape.factored * (trained / shape.params)
+    else:  # "none": a forward and backward only (the benchmarks' fwd+bwd)
+        state = 0
+    parts = {"weights": weights / n, "optimizer state": state / n}
+    if n > 1:
+        parts["gathered units (bf16)"] = 2 * (shape.root + 2 * shape.largest_unit)
+        if t.in_process:  # every rank keeps the whole model to generate with
+            parts["full copy for rollouts"] = weights
+    return parts
+
+
+def _trained_params(shape: ModelShape, t: Training) -> int:
+    if t.lora_rank:
+        return t.lora_rank * shape.lora_per_rank
+    return shape.params - (shape.vision_params if t.freeze_vision else 0)
+
+
+def activation_bytes(shape: ModelShape, w: Workload, t: Training, backward: bool = True) -> dict[str, float]:
+    """One micro-batch's activations at their peak, by part. Without `backward`: a forward under
+    no_grad (one layer's working set, no kept inputs)."""
+    k = ACTIVATION_COEFFICIENTS
+    scale = t.compute_bytes / 2  # the coefficients are for bf16
+    tokens, patches = w.tokens * w.rows, w.patches * w.rows
+    working = k["text_working"] * tokens * (shape.hidden + shape.intermediate) * scale
+    logits = min(t.logprob_chunk, w.trained * w.rows) * shape.vocab * (10 if backward else 6)
+    if not backward:
+        vision = k[shape.model_type] * patches * shape.vision_embed * 2 * scale  # one block's working set
+        return {"text layer working set": working, "LM head chunk": logits, "vision block working set": vision}
+    kept_layers = shape.layers if t.checkpointing else shape.layers * 8  # an uncheckpointed layer keeps ~8 of its inputs
+    parts = {"kept layer inputs": 2 * scale * tokens * shape.hidden * kept_layers,
+             "text layer working set": working, "LM head chunk": logits}
+    # LoRA freezes the tower, but the gradient of the adapters' inputs still flows back through
+    # it (peft's input hook): its activations are kept (the 7B LoRA H100 run measures it).
+    if t.lora_rank:
+        parts["LoRA adapters' working set"] = k["lora_working"] * tokens * (shape.hidden + shape.intermediate) * scale
+    if t.lora_rank or not t.freeze_vision:
+        parts["vision tower"] = k[shape.model_type] * patches * shape.vision_depth * shape.vision_embed * scale
+    return parts
+
+
+@dataclass
+class Phase:
+    name: str
+    parts: dict[str, float]
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+
+def phases(shape: ModelShape, w: Workload, t: Training) -> list[Phase]:
+    """Each phase of one step with its parts, in bytes per GPU."""
+    resident = _resident(shape, t)
+    grad_bytes = 4 if t.lora_rank else t.weights_bytes  # a gradient has its parameter's dtype
+    grads = {"gradients": grad_bytes * _trained_params(shape, t) / t.gpus}
+    out = []
+    if w.generation_rows:
+        per_token = shape.layers * 2 * shape.kv_heads * shape.head_dim * KV_BYTES
+        cached = per_token * w.generation_rows * w.generation_context
+        slab = per_token * w.generation_rows * (w.generation_context + w.max_new_tokens)
+        prefill = activation_bytes(shape, Workload(tokens=w.prefill_tokens, patches=w.prefill_patches, trained=1), t,
+                                   backward=False)
+        out.append(Phase("generation", {**resident, "KV cache (episodes' copies)": cached,
+                                        "KV cache (the step's slab)": slab, "prefill": sum(prefill.values())}))
+    out.append(Phase("old log-probs", {**resident, **activation_bytes(shape, w, t, backward=False)}))
+    out.append(Phase("update", {**resident, **grads, **activation_bytes(shape, w, t)}))
+    if not t.in_process:
+        largest = shape.largest_text_linear if t.lora_rank else shape.largest_param
+        out.append(Phase("weight push", {**resident, "one tensor gathered (bf16)": 2 * largest}))
+    return out
+
+
+def usable(gpu_memory: float) -> float:
+    """What of a card's memory the planner lets tensors have."""
+    return gpu_memory * (1 - FRAGMENTATION) - RESERVE_BYTES
+
+
+# ---- the levers -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Lever:
+    name: str
+    cost: str
+    """What it costs, in speed or in fidelity to ARPO's setting."""
+
+
+LEVERS = (
+    Lever("train.micro_batch_size=1 train.token_budget=0", "none: gradient-exact, more micro-batches"),
+    Lever("model.gradient_checkpointing=true", "speed: the forward runs twice (~30% slower update); exact"),
+    Lever("rollout.mode=async rollout.max_batch=N", "speed: fewer episodes generate at once; same tokens up to rounding"),
+    Lever("train.optimizer=adafactor", "fidelity: factored second moments instead of AdamW's"),
+    Lever("model.freeze_vision_tower=true", "fidelity: the vision tower is not trained (ARPO trains it); faster"),
+    Lever("model.lora_rank=16", "fidelity: LoRA adapters on the language model instead of a full fine-tune"),
+    Lever("model.history_images=N", "fidelity: fewer screenshots in the context (ARPO keeps 15)"),
+)
+"""In order of cost: free first, then speed, then fidelity."""
+
+
+def _candidates(cfg: Any, lever: Lever) -> list[list[str]]:
+    """Override sets that apply `lever` to `cfg`, gentlest first; [] when it is already applied."""
+    m, tr, ro = cfg.model, cfg.train, cfg.rollout
+    if lever.name.startswith("train.micro_batch_size"):
+        return [] if tr.micro_batch_size == 1 and not tr.token_budget else [["train.micro_batch_size=1", "train.token_budget=0"]]
+    if lever.name.startswith("model.gradient_checkpointing"):
+        return [] if m.gradient_checkpointing else [["model.gradient_checkpointing=true"]]
+    if lever.name.startswith("rollout.mode"):
+        rows = tr.tasks_per_batch * ro.group_size
+        if ro.backend != "hf":
+            return []
+        current = min(rows, ro.max_batch) if ro.mode == "async" and ro.max_batch else rows
+        sizes = sorted({n for n in (current // 2, current // 4, 2, 1) if 1 <= n < current}, reverse=True)
+        return [["rollout.mode=async", f"rollout.max_batch={n}"] for n in sizes]
+    if lever.name.startswith("train.optimizer"):
+        return [] if tr.optimizer == "adafactor" or m.lora_rank else [["train.optimizer=adafactor"]]
+    if lever.name.startswith("model.freeze_vision_tower"):
+        return [] if m.freeze_vision_tower or m.lora_rank else [["model.freeze_vision_tower=true"]]
+    if lever.name.startswith("model.lora_rank"):
+        return [] if m.lora_rank else [["model.lora_rank=16", "train.optimizer=adamw", "model.freeze_vision_tower=false"]]
+    if lever.name.startswith("model.history_images"):
+        return [[f"model.history_images={n}"] for n in (10, 8, 5, 3, 2, 1) if n < m.history_images]
+    return []
+
+
+@dataclass
+class Plan:
+    """The planner's answer for one config on one kind of GPU."""
+
+    model: str
+    gpu_memory: float
+    gpus: int
+    workload: Workload
+    phases: list[Phase]
+    overrides: list[str] = field(default_factory=list)
+    """Overrides the config was planned with (the levers applied)."""
+    levers: list[tuple[Lever, list[str], float]] = field(default_factory=list)
+    """Levers tried in order: (lever, the overrides it adds, the peak after it)."""
+
+    @property
+    def peak(self) -> Phase:
+        return max(self.phases, key=lambda p: p.total)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak.total <= usable(self.gpu_memory)
+
+    def table(self) -> str:
+        rows = ["| phase | GiB per GPU | largest parts |", "|---|---|---|"]
+        for p in self.phases:
+            big = sorted(p.parts.items(), key=lambda kv: -kv[1])[:3]
+            rows.append(f"| {p.name} | {p.total / GIB:.1f} | "
+                        + ", ".join(f"{k} {v / GIB:.1f}" for k, v in big) + " |")
+        return "\n".join(rows)
+
+    def report(self) -> str:
+        w = self.workload
+        lines = [f"{self.model} on {self.gpus} GPU(s) of {self.gpu_memory / GIB:.0f} GiB "
+                 f"(usable {usable(self.gpu_memory) / GIB:.1f} GiB: {RESERVE_BYTES / GIB:.1f} GiB reserve, "
+                 f"{FRAGMENTATION:.0%} fragmentation)",
+                 f"trajectory: {w.tokens:,} tokens, {w.patches:,} patches, {w.trained:,} trained; "
+                 f"{w.rows} per micro-batch; generation rows: {w.generation_rows or 'on the servers'}",
+                 "", self.table(), "",
+                 f"peak: {self.peak.name}, {self.peak.total / GIB:.1f} GiB: "
+                 + ("fits" if self.fits else "does NOT fit")]
+        if self.levers:
+            lines.append("")
+            lines.append("levers, in order of cost (cumulative):" if not self.fits or self.overrides else "")
+            for lever, added, peak in self.levers:
+                lines.append(f"- {' '.join(added)}: peak {peak / GIB:.1f} GiB ({lever.cost})")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "gpu_memory_gib": self.gpu_memory / GIB, "gpus": self.gpus,
+                "workload": dataclasses.asdict(self.workload), "fits": self.fits, "overrides": self.overrides,
+                "phases": {p.name: {"total_gib": p.total / GIB, "parts_gib": {k: v / GIB for k, v in p.parts.items()}}
+                           for p in self.phases},
+                "levers": [{"overrides": added, "cost": lever.cost, "peak_gib": peak / GIB}
+                           for lever, added, peak in self.levers]}
+
+
+def plan(cfg: Any, gpu_memory: float, gpus: int | None = None, screen: tuple[int, int] = (1920, 1080),
+         shape: ModelShape | None = None, device: str = "cuda") -> Plan:
+    """The phases of `cfg` on `gpus` GPUs of `gpu_memory` bytes; if they do not fit, the levers
+    (LEVERS, in order) applied one after another until they do, each with the peak after it."""
+    from arpo_lib.run.config import config_from_dict
+
+    shape = shape or cached_shape(cfg.model.path)
+    gpus = gpus or cfg.train.nproc_per_node
+
+    def evaluate(c: Any) -> list[Phase]:
+        return phases(shape, workload(c, shape, screen), training_of(c, gpus, device))
+
+    first = Plan(cfg.model.path, gpu_memory, gpus, workload(cfg, shape, screen), evaluate(cfg))
+    if first.fits:
+        return first
+    current, applied, tried = cfg, [], []
+    peak = first.peak.total
+    for lever in LEVERS:
+        for candidate in _candidates(current, lever):
+            trial = config_from_dict(_with_overrides(current, candidate))
+            after = max(p.total for p in evaluate(trial))
+            if after >= peak * 0.995:  # it does not lower the peak (another phase holds it): not worth its cost
+                continue
+            tried.append((lever, candidate, after))
+            current, applied, peak = trial, applied + candidate, after
+            if peak <= usable(gpu_memory):
+                break
+        if peak <= usable(gpu_memory):
+            break
+    first.levers = tried
+    first.overrides = applied
+    return first
+
+
+def fitted(cfg: Any, p: Plan) -> Any:
+    """`cfg` with the plan's levers applied."""
+    from arpo_lib.run.config import config_from_dict
+
+    return config_from_dict(_with_overrides(cfg, p.overrides))
+
+
+def _with_overrides(cfg: Any, overrides: list[str]) -> dict[str, Any]:
+    from arpo_lib.run.config import parse_overrides
+
+    data = cfg.to_dict()
+    for key, value in _flatten(parse_overrides(overrides)).items():
+        node = data
+        *parents, last = key.split(".")
+        for part in parents:
+            node = node[part]
+        node[last] = value
+    return data
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def write_config(cfg: Any, p: Plan, path: str | Path, screen: tuple[int, int] = (1920, 1080),
+                 shape: ModelShape | None = None, device: str = "cuda") -> Path:
+    """The fitted config as YAML, the planner's table and the levers in its header comment."""
+    import yaml
+
+    after = plan(fitted(cfg, p), p.gpu_memory, p.gpus, screen, shape, device)
+    header = ["Written by `./workbench plan`: " + (" ".join(p.overrides) or "no change"),
+              *after.report().splitlines()]
+    text = "".join(f"# {line}".rstrip() + "\n" for line in header)
+    path = Path(path)
+    path.write_text(text + yaml.safe_dump(fitted(cfg, p).to_dict(), sort_keys=False))
+    return path
+
+
+def parse_memory(text: str) -> float:
+    """'40GB', '40GiB', '24g' or '80' (GiB) -> bytes. A card sold as 40 GB holds 40 GiB-ish:
+    both units are read as GiB, the planner's unit."""
+    t = text.strip().lower().removesuffix("ib").removesuffix("b").removesuffix("g").strip()
+    return float(t) * GIB
+
+
+def save_plan(p: Plan, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(p.to_dict(), indent=1) + "\n")

@@ -1,0 +1,127 @@
+"""The planner (arpo_lib/training/plan.py) against the H100 runs committed in benchmarks/results,
+and its advice: a configuration that does not fit is explained, the config it writes fits."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from arpo_lib.run.config import load_config
+from arpo_lib.training import plan as P
+
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "benchmarks" / "results"
+GIB = P.GIB
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory) -> dict[str, P.ModelShape]:
+    """UI-TARS-1.5-7B and UI-TARS-2B from their published config values (meta device, no weights)."""
+    return {"7b": P.model_shape("ByteDance-Seed/UI-TARS-1.5-7B"), "2b": P.model_shape("bytedance-research/UI-TARS-2B-SFT")}
+
+
+def _h100(name: str, update: bool = False) -> float:
+    """A committed H100 peak (GiB): the `ours` path's fwd+bwd, or the complete update's."""
+    record = json.loads((RESULTS / name).read_text())
+    if update:
+        return record["update"]["peak GiB"]
+    return next(r for r in record["rows"] if r["path"] == "ours")["peak GiB"]
+
+
+def _frozen_vision_h100() -> float:
+    record = json.loads((RESULTS / "update_7b_15shots_sdpa_vision.json").read_text())
+    return next(r for r in record["rows"] if r["path"] == "ours+frozenvision")["peak GiB"]
+
+
+# The benchmarks' trajectory: 15 1080p screenshots through the real chat template (41,814 tokens,
+# 161,460 patches, 735 trained), one micro-batch, activation checkpointing, bf16 autocast.
+BENCH = P.Workload(tokens=41814, patches=161460, trained=735)
+CASES = [  # (shape, Training, H100 peak GiB, what)
+    ("7b", dict(weights_bytes=2, optimizer="none"), lambda: _h100("update_7b_15shots.json"), "7B fwd+bwd, bf16 weights"),
+    ("7b", dict(weights_bytes=2, optimizer="none", freeze_vision=True), _frozen_vision_h100, "7B fwd+bwd, vision frozen"),
+    ("7b", dict(lora_rank=16, optimizer="adamw"), lambda: _h100("update_7b_15shots_lora16_adamw.json", True),
+     "7B LoRA r16 AdamW update (48.5 GiB)"),
+    ("2b", dict(weights_bytes=2, optimizer="none"), lambda: _h100("update_2b_15shots.json"), "2B fwd+bwd, bf16 weights"),
+    ("2b", dict(optimizer="adamw"), lambda: _h100("update_2b_15shots_adamw.json", True), "2B AdamW update (56.1 GiB)"),
+]
+
+
+@pytest.mark.parametrize("shape,training,reference,what", CASES, ids=[c[3] for c in CASES])
+def test_the_planner_reproduces_the_h100_peaks_within_10_percent(shapes, shape, training, reference, what):
+    update = next(p for p in P.phases(shapes[shape], BENCH, P.Training(in_process=False, **training))
+                  if p.name == "update")
+    assert update.total / GIB == pytest.approx(reference(), rel=0.10), what
+
+
+def test_the_7b_full_update_with_adafactor_is_over_80gb_as_the_h100_ran_out_of_memory(shapes):
+    update = next(p for p in P.phases(shapes["7b"], BENCH, P.Training(in_process=False, optimizer="adafactor"))
+                  if p.name == "update")
+    assert update.total > P.usable(80 * GIB)
+
+
+def test_generation_matches_the_2b_rollout_on_the_h100(shapes):
+    """bench_rollout.py --shape 2b --envs 8 --steps 15 --max-new-tokens 48: kv-cached, 46.3 GiB;
+    fp32 weights, 8 rows of 41.8k tokens at the last step, prefill groups of 8192 tokens."""
+    record = json.loads((RESULTS / "rollout_2b_8x15.json").read_text())
+    measured = next(r for r in record["rows"] if r["path"] == "kv-cached")["peak GiB"]
+    context = record["final_context_tokens"] // record["envs"]
+    turn = P.screenshot_tokens(shapes["2b"], (1920, 1080)) + P.TURN_TEXT_TOKENS + 49
+    w = P.Workload(tokens=context, patches=0, trained=1, generation_rows=8, generation_context=context,
+                   max_new_tokens=48, prefill_tokens=2 * turn, prefill_patches=2 * 4 * (turn - 79))
+    generation = P.phases(shapes["2b"], w, P.Training(optimizer="none"))[0]
+    assert generation.name == "generation"
+    assert generation.total / GIB == pytest.approx(measured, rel=0.10)
+
+
+def test_a_1080p_screenshot_is_2691_tokens(shapes):
+    assert P.screenshot_tokens(shapes["7b"], (1920, 1080)) == 40365 // 15
+
+
+def test_a_7b_full_fine_tune_with_in_process_rollouts_does_not_fit_80gb_and_names_the_levers(shapes):
+    cfg = load_config(REPO / "configs" / "osworld_sandbox.yaml",
+                      ["rollout.backend=hf", "model.gradient_checkpointing=true", "model.lora_rank=0"])
+    result = P.plan(cfg, 80 * GIB, 1, shape=shapes["7b"])
+    assert not result.fits
+    assert result.peak.total > 80 * GIB
+    named = " ".join(" ".join(added) for _, added, _ in result.levers)
+    assert "train.optimizer=adafactor" in named and "model.freeze_vision_tower=true" in named
+    assert result.levers[-1][2] <= P.usable(80 * GIB)  # the last lever brings it under
+    peaks = [peak for _, _, peak in result.levers]
+    assert peaks == sorted(peaks, reverse=True)  # every lever taken lowers the peak
+    report = result.report()
+    assert "does NOT fit" in report and "fidelity" in report
+
+
+def test_the_written_config_loads_and_fits(shapes, tmp_path):
+    cfg = load_config(REPO / "configs" / "osworld_sandbox.yaml", ["rollout.backend=hf"])
+    result = P.plan(cfg, 40 * GIB, 1, shape=shapes["7b"])
+    assert not result.fits and result.overrides
+    out = P.write_config(cfg, result, tmp_path / "fits.yaml", shape=shapes["7b"])
+    again = P.plan(load_config(out), 40 * GIB, 1, shape=shapes["7b"])
+    assert again.fits and not again.levers
+    assert "model.lora_rank=16" in result.overrides
+    text = out.read_text()
+    assert text.startswith("# Written by `./workbench plan`") and "| update |" in text
+
+
+def test_server_mode_has_no_generation_phase_and_a_push(shapes):
+    cfg = load_config(REPO / "configs" / "osworld_sandbox.yaml", ["rollout.backend=server", "model.lora_rank=16"])
+    names = [p.name for p in P.plan(cfg, 80 * GIB, 1, shape=shapes["7b"]).phases]
+    assert names == ["old log-probs", "update", "weight push"]
+
+
+def test_memory_sizes_parse():
+    assert P.parse_memory("40GB") == P.parse_memory("40GiB") == P.parse_memory("40") == 40 * GIB
+
+
+def test_the_cli_plans_and_writes(tmp_path, monkeypatch, capsys):
+    from arpo_lib.cli import main
+
+    monkeypatch.setenv("ARPO_PLAN_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "fits.yaml"
+    assert main(["plan", "--config", str(REPO / "configs" / "smoke.yaml"), "--gpu-memory", "16GB",
+                 "--write", str(out), "--json", str(tmp_path / "plan.json")]) == 0
+    assert "fits" in capsys.readouterr().out
+    assert out.is_file() and json.loads((tmp_path / "plan.json").read_text())["fits"]
+    assert list((tmp_path / "cache").glob("shape-*.json"))  # a repeat reads the shape from here
