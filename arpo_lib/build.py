@@ -425,6 +425,10 @@ def trainer(cfg: RunConfig, *, resume: bool = False, policy: HFPolicy | None = N
     cfg = resolve_task_sets(check_config(cfg))
     check_gpus(cfg, policy)
     ranks = Ranks.from_env() if ranks is None else ranks
+    if ranks.distributed and cfg.rollout.max_staleness:
+        raise ConfigError("rollout.max_staleness: rollouts ahead of the update run in one training process for now "
+                          "(the other ranks' servers would change version under requests they cannot see); "
+                          "train with --nproc-per-node 1 or rollout.max_staleness=0")
     if ranks.distributed:
         init_process_group(ranks, torch.device(device_for(ranks, cfg.model.device).replace("auto", "cpu")))
     run = RunDir(cfg.run_dir)
@@ -460,7 +464,7 @@ def trainer(cfg: RunConfig, *, resume: bool = False, policy: HFPolicy | None = N
                              run=run, group_size=r.group_size, temperature=r.temperature, top_p=r.top_p,
                              max_steps=cfg.env.max_steps, format_coef=cfg.algo.format_coef,
                              format_penalty=cfg.algo.format_penalty, seed=t.seed, progress=records.progress,
-                             engine_options=engine_options(cfg))
+                             engine_options=engine_options(cfg), max_staleness=r.max_staleness)
     ws = cfg.warm_start
     sft = WarmStart(trained, backend, lambda: rollouts.pool, run=run, tasks=cfg.env.tasks,
                     demos_per_task=ws.demos_per_task, steps=ws.steps, lr=ws.lr, batch_size=ws.batch_size,

@@ -165,6 +165,9 @@ class Generation:
     token_ids: list[int]
     logprobs: list[float]
     """Log-prob of each sampled token under the distribution it was sampled from (the behaviour policy)."""
+    weights_version: int | None = None
+    """The trainer's weight version that produced it, where a server's version can change between
+    requests (asynchronous training: `serving.weight_sync.ServedPolicy.versioned`); None: the batch's."""
 
 
 @dataclass
@@ -183,6 +186,9 @@ class StepRecord:
     discarded: list[str] = field(default_factory=list)
     """Responses sampled before `response` and thrown away because they could not be parsed (a
     protocol that samples again, as the OSWorld fork's agent does); the model never saw them."""
+    weights_version: int | None = None
+    """The weight version that produced `response` when it may differ from the trajectory's
+    `policy_version` (rollouts overlapping an update, `rollout.max_staleness`); None: the same."""
 
 
 @dataclass

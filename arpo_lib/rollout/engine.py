@@ -94,6 +94,11 @@ class BusyClock:
         return {"env_busy_fraction": envs, "generator_busy_fraction": self.generator_seconds / wall if wall else 0.0}
 
 
+def _version(gen: Any) -> int | None:
+    """The weight version a response says produced it (a versioned server policy's), or None."""
+    return getattr(gen, "weights_version", None)
+
+
 @dataclass
 class _Episode:
     request: EpisodeRequest
@@ -396,7 +401,7 @@ class RolloutEngine:
             # Lost to the exception: the response is recorded, the environment never stepped.
             ep.conv.add_response(gen.text, gen.token_ids, gen.logprobs)
             ep.traj.steps.append(StepRecord(step, gen.text, [], str(exc)[:500], 0.0, False, False, 0.0,
-                                            discarded=ep.discarded))
+                                            discarded=ep.discarded, weights_version=_version(gen)))
             ep.discarded = []
             self._unfinished(ep, why)
             ep.done = True
@@ -408,7 +413,8 @@ class RolloutEngine:
             return self._format_failure(ep, gen, step, exc)
         ep.conv.add_response(gen.text, gen.token_ids, gen.logprobs)
         actions = self.rules.actions(actions, step=step, max_steps=self.max_steps, memory=ep.rule_memory)
-        ep.pending_record = StepRecord(step, gen.text, actions, None, 0.0, False, False, 0.0, discarded=ep.discarded)
+        ep.pending_record = StepRecord(step, gen.text, actions, None, 0.0, False, False, 0.0, discarded=ep.discarded,
+                                       weights_version=_version(gen))
         ep.discarded = []
         self._send(ep, "step", actions)
         return True
@@ -419,7 +425,8 @@ class RolloutEngine:
         # response still counts); the format penalty comes on top.
         ep.conv.add_response(gen.text, gen.token_ids, gen.logprobs)
         ep.traj.format_ok = False
-        ep.pending_record = StepRecord(step, gen.text, [], str(exc)[:500], 0.0, False, False, 0.0, discarded=ep.discarded)
+        ep.pending_record = StepRecord(step, gen.text, [], str(exc)[:500], 0.0, False, False, 0.0, discarded=ep.discarded,
+                                       weights_version=_version(gen))
         ep.discarded = []
         self._send(ep, "step", DONE)
         return True

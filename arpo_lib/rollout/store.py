@@ -77,11 +77,13 @@ STEP_LINE = (
     Field("seconds", _NUMBER, 0.0),
     Field("action_error", _TEXT_OR_NONE, None),
     Field("discarded_responses", (list,), ()),
+    Field("weights_version", (int, type(None)), None),
 )
 """A line of traj.jsonl. `step_num` counts from 1; `action` holds the actions sent (dicts of
 `arpo_lib.actions.Action`, empty for a format failure); `done` is terminated or truncated;
 `screenshot_file` is the screen after the step (OSWorld's convention); `discarded_responses` are
-responses sampled before `response` and thrown away unparsed (the model never saw them)."""
+responses sampled before `response` and thrown away unparsed (the model never saw them);
+`weights_version` (only where rollouts overlap an update) the weight version that produced it."""
 
 META = (
     Field("task", (str,)),
@@ -145,6 +147,7 @@ def step_line(rec: StepRecord) -> dict[str, Any]:
         "parse_error": rec.parse_error, "reward": rec.reward, "done": rec.terminated or rec.truncated,
         "truncated": rec.truncated, "screenshot_file": layout.screenshot_name(rec.step),
         "seconds": round(rec.seconds, 3), "action_error": rec.action_error, "discarded_responses": rec.discarded,
+        **({"weights_version": rec.weights_version} if rec.weights_version is not None else {}),
     }
 
 
@@ -227,7 +230,8 @@ def read_trajectory(directory: str | Path, *, tokens: bool = False) -> StoredTra
         traj.steps.append(StepRecord(
             step=line["step_num"], response=line["response"], actions=actions, parse_error=line["parse_error"],
             reward=line["reward"], terminated=line["done"] and not line["truncated"], truncated=line["truncated"],
-            seconds=line["seconds"], action_error=line["action_error"], discarded=line["discarded_responses"]))
+            seconds=line["seconds"], action_error=line["action_error"], discarded=line["discarded_responses"],
+            weights_version=line.get("weights_version")))
     if meta["num_steps"] != len(traj.steps):
         raise TrajectoryFormatError(f"{meta_path}: 'num_steps' is {meta['num_steps']} but {steps_path} has "
                                     f"{len(traj.steps)} lines")

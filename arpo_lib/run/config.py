@@ -178,6 +178,12 @@ class RolloutConfig:
     stream_backend: str = "gloo"
     """weight_sync=stream: `gloo` (through host memory; works everywhere) or `nccl` (GPU to GPU;
     trainer and servers need NCCL builds that talk to each other, not tried here)."""
+    max_staleness: int = 0
+    """Rollout batches the servers play ahead while the trainer updates (0: ARPO's synchronous
+    loop, rollouts then update). At 1 the next batch starts before this step's update, on the
+    weights the servers hold, and each push lands between two requests (never within a response);
+    every step records the version that produced it and `algo.stale_correction` weighs the stale
+    ones. Needs rollout.backend=server with a weight_sync, one training process."""
     mode: str = "lockstep"
     """`lockstep` (ARPO's loop): every live episode's next action in one batch once ALL the
     environments have answered, so each step waits for the slowest. `async`: an episode's next
@@ -248,6 +254,12 @@ class AlgoConfig:
     old_logprobs: str = "recompute"
     """`recompute`: old log-probs from the current policy before the update, as ARPO (replayed data
     treated as on-policy); `behaviour`: the log-probs stored when the tokens were sampled."""
+    stale_correction: str = "tis"
+    """Fresh trajectories sampled by older weights (rollouts ahead of the update,
+    `rollout.max_staleness` > 0): `tis` weights their tokens by min(pi_old / mu, algo.replay.tis_cap)
+    (with old_logprobs=recompute this is the decoupled PPO objective: the ratio against the weights
+    at the update's start, times the truncated importance weight of the sampling weights); `none`
+    treats them as on-policy. Nothing is stale at max_staleness 0."""
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     """The replay buffer (ARPO's contribution)."""
 
@@ -590,6 +602,7 @@ def validate(cfg: RunConfig) -> None:
         "train.optimizer": (cfg.train.optimizer, ("adamw", "adafactor")),
         "model.frozen_weights_dtype": (cfg.model.frozen_weights_dtype, ("auto", "float32")),
         "algo.replay.correction": (cfg.algo.replay.correction, ("none", "tis")),
+        "algo.stale_correction": (cfg.algo.stale_correction, ("none", "tis")),
     }
     for key, (value, allowed) in choices.items():
         if value not in allowed:
@@ -620,6 +633,13 @@ def validate(cfg: RunConfig) -> None:
         _fail("train.steps", f"must be >= 0, got {cfg.train.steps}")
     if cfg.rollout.mode not in ("lockstep", "async"):
         _fail("rollout.mode", f"must be 'lockstep' or 'async', got {cfg.rollout.mode!r}")
+    if cfg.rollout.max_staleness < 0:
+        _fail("rollout.max_staleness", f"must be >= 0, got {cfg.rollout.max_staleness}")
+    if cfg.rollout.max_staleness and (cfg.rollout.backend != "server" or cfg.rollout.weight_sync == "none"):
+        _fail("rollout.max_staleness", "rollouts ahead of the update need servers that take each new version between "
+                                       "two requests: rollout.backend=server with rollout.weight_sync stream, reload "
+                                       "or restart (in this process the model being updated cannot generate "
+                                       "meanwhile; with weight_sync=none the servers never change)")
     if cfg.rollout.gather_window_s < 0:
         _fail("rollout.gather_window_s", f"must be >= 0, got {cfg.rollout.gather_window_s}")
     for key, value in (("model.logprob_chunk", cfg.model.logprob_chunk), ("model.lora_rank", cfg.model.lora_rank),

@@ -30,9 +30,11 @@ trainer trains full weights; see docs/serving.md for how LoRA serving works on t
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -258,6 +260,65 @@ def save_for_server(save: Callable[[Path], Any], directory: Path) -> Path:
 SYNC_MODES = ("none", "stream", "reload", "restart")
 
 
+class VersionLock:
+    """Requests (many at once) against pushes (one, alone): a push waits for the requests in
+    flight and holds new ones back until it is done, so every response comes from one weight
+    version, and that version is known (`ServedPolicy.versioned`). Pushes go first once waiting."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._requests = 0
+        self._pushing = self._waiting_pushes = 0
+
+    @contextlib.contextmanager
+    def request(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._pushing and not self._waiting_pushes)
+            self._requests += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._requests -= 1
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def push(self) -> Iterator[None]:
+        with self._cond:
+            self._waiting_pushes += 1
+            self._cond.wait_for(lambda: not self._pushing and not self._requests)
+            self._waiting_pushes -= 1
+            self._pushing = 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._pushing = 0
+                self._cond.notify_all()
+
+
+class VersionedPolicy:
+    """A `ServedPolicy`'s client whose every response says which weight version produced it
+    (`Generation.weights_version`): each request holds the version lock, so no push lands while
+    it runs. What asynchronous training's rollouts generate with."""
+
+    def __init__(self, served: "ServedPolicy"):
+        self._served = served
+
+    def __getattr__(self, name: str) -> Any:  # conversations, parsing, counters: the client's
+        if name == "_served":
+            raise AttributeError(name)
+        return getattr(self._served.client, name)
+
+    def generate(self, segments: Sequence[Any], **kwargs: Any) -> list[Any]:
+        with self._served.version_lock.request():
+            version = self._served.served_version
+            out = self._served.client.generate(segments, **kwargs)
+        for gen in out:
+            gen.weights_version = version
+        return out
+
+
 class ServedPolicy:
     """Model servers generating a trainer's rollouts, kept on the trainer's current weights: one,
     or a fleet of `replicas` (each a whole copy of the model; episodes spread over them by
@@ -330,6 +391,13 @@ class ServedPolicy:
         self._gateways: dict[str, Gateway] = {}  # by the base URL of the server behind it
         self._carried = dict.fromkeys(_COUNTERS, 0)  # counts of clients replaced by restarts
         self._carried_by_replica = [0] * self.replicas
+        self.version_lock = VersionLock()
+        """Held by every request of `versioned()` and by every push: no response mixes versions."""
+
+    def versioned(self) -> VersionedPolicy:
+        """The client, each response marked with the version that produced it (rollouts running
+        while the trainer updates and pushes: `rollout.max_staleness`)."""
+        return VersionedPolicy(self)
 
     @property
     def server(self) -> Any:
@@ -368,7 +436,8 @@ class ServedPolicy:
                 log.warning("rollout.weight_sync=none, so the server does not have the weights of the warm "
                             "start or of the updates: rollouts are off-policy")
         if self.served_version != version and self.sync != "none":
-            self._push(version)
+            with self.version_lock.push():  # after the requests in flight; new ones wait for it
+                self._push(version)
         return self.client
 
     def passes_over_weights(self, version: int) -> bool:

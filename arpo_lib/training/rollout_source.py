@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 import torch
@@ -63,12 +64,14 @@ class RolloutSource:
         seed: the run's seed (train.seed): episodes and sampling are seeded by (seed, step).
         progress: progress bars.
         engine_options: `RolloutEngine`'s scheduling (rollout.mode, gather_window_s, max_batch).
+        max_staleness: batches sampled ahead by servers while the trainer updates (`run_ahead`);
+            each response then records the weight version that produced it.
     """
 
     def __init__(self, policy: TrainablePolicy, tasks: list[str], make_pool: Callable[[], WorkerPool],
                  backend: TrainingBackend, *, served: ServedWeights | None, run: RunDir, group_size: int,
                  temperature: float, top_p: float, max_steps: int, format_coef: float, format_penalty: float, seed: int,
-                 progress: bool, engine_options: dict[str, Any] | None = None):
+                 progress: bool, engine_options: dict[str, Any] | None = None, max_staleness: int = 0):
         self.policy, self.tasks, self.backend, self.served, self.run = policy, tasks, backend, served, run
         self.group_size, self.temperature, self.top_p, self.seed = group_size, temperature, top_p, seed
         self.max_steps, self.format_coef, self.format_penalty, self.progress = (max_steps, format_coef,
@@ -77,6 +80,10 @@ class RolloutSource:
         self._pool: WorkerPool | None = None
         self.engine_options = dict(engine_options or {})
         """How the engine schedules episodes (`RolloutEngine`'s mode, gather_window_s, max_batch)."""
+        self.max_staleness = max_staleness
+        """Rollout batches sampled ahead, while the updates before them run (rollout.max_staleness)."""
+        self._ahead: dict[int, tuple[Future, RolloutEngine]] = {}  # step -> its batch running in the background
+        self._runner: ThreadPoolExecutor | None = None
 
     @property
     def pool(self) -> WorkerPool:
@@ -104,7 +111,7 @@ class RolloutSource:
         # at once with its error instead of waiting for the announcement until rank 0 has gone
         policy = self.backend.on_main(lambda: self.served.policy(version))
         self.backend.broadcast(self.served.urls)
-        return policy
+        return self.served.versioned() if self.max_staleness else policy
 
     @property
     def _gathered(self) -> bool:
@@ -129,10 +136,43 @@ class RolloutSource:
                              format_coef=self.format_coef, format_penalty=self.format_penalty, keep_pixels=keep_pixels,
                              **self.engine_options)
 
+    def run_ahead(self, step: int, version: int, last_step: int, tasks_of: Callable[[int], list[str]]) -> None:
+        """Start the batches after `step` (up to `max_staleness` of them, none past `last_step`)
+        that are not running yet, in the background, on the servers' current weights (`version`):
+        they play while the trainer updates, and the pushes after the updates land between their
+        requests (`ServedPolicy.version_lock`), never within one response."""
+        for ahead in range(step + 1, min(step + 1 + self.max_staleness, last_step)):
+            if ahead in self._ahead:
+                continue
+            requests = episode_requests(tasks_of(ahead), self.group_size, self.seed, ahead)
+            out_dir = self.run.rollouts(ahead)
+            if out_dir.exists():
+                shutil.rmtree(out_dir)
+            engine = RolloutEngine(self.served.versioned(), self.pool, max_steps=self.max_steps,
+                                   format_coef=self.format_coef, format_penalty=self.format_penalty, keep_pixels=False,
+                                   **self.engine_options)
+            if self._runner is None:  # one thread: the batches take the environments in turn
+                self._runner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="arpo-ahead")
+            future = self._runner.submit(engine.run, self.backend.share(requests), temperature=self.temperature,
+                                         top_p=self.top_p, out_dir=out_dir, progress=False,
+                                         description=f"rollout {ahead} (ahead)", policy_version=version)
+            self._ahead[ahead] = (future, engine)
+
+    def wait_ahead(self) -> None:
+        """Until the batches running ahead are done (before anything else uses the environments:
+        an evaluation)."""
+        for future, _ in self._ahead.values():
+            future.exception()
+
     def sample(self, tasks: list[str], step: int, version: int) -> tuple[list[Trajectory], int]:
         """Rollout batch `step`: G seeded episodes of every task, played by weight version
         `version` into <run>/rollouts/step_N; returns every trajectory in request order (on every
-        rank) and the environment steps taken (over all ranks)."""
+        rank) and the environment steps taken (over all ranks). A batch started ahead
+        (`run_ahead`) is waited for instead: played by the versions its steps record."""
+        if step in self._ahead:
+            future, engine = self._ahead.pop(step)
+            mine = future.result()
+            return self.gather(mine), int(self.backend.all_reduce_sum([engine.env_steps])[0])
         requests = episode_requests(tasks, self.group_size, self.seed, step)
         out_dir = self.run.rollouts(step)
         if out_dir.exists() and self.backend.is_main:  # a step being redone after a crash
@@ -173,7 +213,11 @@ class RolloutSource:
 
     def close(self) -> None:
         if self._pool is not None:
-            self._pool.close()
+            self._pool.close()  # first: a batch running ahead then ends at once (its episodes fail)
             self._pool = None
+        if self._runner is not None:
+            self._runner.shutdown(wait=True, cancel_futures=True)
+            self._runner = None
+            self._ahead.clear()
         if self.served is not None:
             self.served.close()

@@ -128,7 +128,12 @@ class Trainer:
 
         groups = self.make_groups(tasks, trajs)
         self.records.groups(self.step, groups)
+        staleness = staleness_metrics(trajs, self.weights_version) if self.rollouts.max_staleness else {}
         t1 = time.monotonic()
+        if self.rollouts.max_staleness:  # the next batches play on the servers while this update runs
+            t = self.cfg.train
+            self.rollouts.run_ahead(self.step, self.weights_version, t.steps,
+                                    lambda s: task_batch(self.rollouts.tasks, s, t.tasks_per_batch, t.seed))
         update = self.update(groups)
         self.rollouts.weights_changed(self.weights_version)
         t_update = time.monotonic() - t1
@@ -136,10 +141,11 @@ class Trainer:
 
         evaluation = {}
         if self.evaluator.due(self.step):  # rank 0's, the others wait
+            self.rollouts.wait_ahead()  # the evaluation takes the environments
             evaluation = self.backend.on_main(lambda: self.evaluate(layout.step_name(self.step)).metrics()) or {}
         metrics = step_metrics(self.step, tasks, trajs, groups, replay_size=len(self.replay), env_steps=env_steps,
                                lr=self.scheduler.get_last_lr()[0], update=update, seconds_rollout=t_rollout,
-                               seconds_update=t_update, extra={**self.rollouts.metrics(), **evaluation})
+                               seconds_update=t_update, extra={**self.rollouts.metrics(), **staleness, **evaluation})
         self.records.log(metrics)
         if self.checkpoints.due(self.step):
             self.save_checkpoint()
@@ -216,3 +222,15 @@ class Trainer:
                                      state={"consecutive_skips": self.consecutive_skips,
                                             "weights_version": self.weights_version})
 
+
+
+def staleness_metrics(trajs: list[Trajectory], version: int) -> dict[str, float]:
+    """How many weight versions behind `version` (the weights this step's update starts from) the
+    responses of a batch were sampled: per response (its step's recorded version, else its
+    trajectory's), the mean and max, and the fraction that were stale at all."""
+    ages = [version - (s.weights_version if s.weights_version is not None else t.policy_version)
+            for t in trajs if t.ok for s in t.steps]
+    if not ages:
+        return {}
+    return {"staleness_mean": sum(ages) / len(ages), "staleness_max": float(max(ages)),
+            "stale_fraction": sum(a > 0 for a in ages) / len(ages)}

@@ -85,7 +85,8 @@ class PolicyUpdate:
         for seg, _, traj in ran:
             behaviour = torch.tensor([lp for lp, m in zip(seg.behaviour_logprobs, seg.loss_mask) if m])
             old[id(seg)] = behaviour if a.old_logprobs == "behaviour" else recomputed[id(seg)]
-            if a.replay.correction == "tis" and traj.replayed:
+            stale = not traj.replayed and traj.policy_version < weights_version  # sampled ahead of this update
+            if (a.replay.correction == "tis" and traj.replayed) or (a.stale_correction == "tis" and stale):
                 is_weights[id(seg)] = truncated_is_weights(old[id(seg)].double(), behaviour.double(),
                                                            a.replay.tis_cap).float()
         stats.add(is_weight_stats(items, plans, is_weights, self.backend, a.replay.tis_cap))

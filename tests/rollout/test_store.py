@@ -22,7 +22,7 @@ from arpo_lib.envs.osworld.fake import FakeDesktopEnv, load_fake_task
 from arpo_lib.evaluation.osworld_export import export_osworld_results
 from arpo_lib.rollout.engine import RolloutEngine
 from arpo_lib.rollout.store import (META, STEP_LINE, TOKEN_SEGMENT, TrajectoryFormatError, load_trajectory,
-                                    read_trajectory, trajectory_dirs)
+                                    read_trajectory, step_line, trajectory_dirs)
 from arpo_lib.run import layout
 from arpo_lib.types import EpisodeRequest, Generation
 from arpo_lib.viz import draw
@@ -102,9 +102,21 @@ def test_every_record_written_has_exactly_the_schemas_keys(written):
     _, traj, _ = written
     directory = Path(traj.directory)
     lines = [json.loads(x) for x in (directory / layout.STEPS).read_text().splitlines()]
-    assert all(list(line) == [f.key for f in STEP_LINE] for line in lines) and len(lines) == 2
+    # weights_version only where rollouts ran ahead of the update (rollout.max_staleness)
+    assert all(list(line) == [f.key for f in STEP_LINE if f.key != "weights_version"] for line in lines)
+    assert len(lines) == 2
     assert list(json.loads((directory / layout.META).read_text())) == [f.key for f in META]
     assert all(list(seg) == [f.key for f in TOKEN_SEGMENT] for seg in torch.load(directory / layout.TOKENS))
+
+
+def test_a_steps_weights_version_is_written_and_read_back(written):
+    """Issue 54: a response produced by another weight version than its trajectory's says which."""
+    _, traj, _ = written
+    directory = Path(traj.directory)
+    _edit_line(directory, 2, lambda r: r.update(weights_version=7))
+    steps = read_trajectory(directory).trajectory.steps
+    assert [s.weights_version for s in steps] == [None, 7]
+    assert "weights_version" in step_line(steps[1]) and "weights_version" not in step_line(steps[0])
 
 
 def _edit_line(directory: Path, n: int, change) -> None:

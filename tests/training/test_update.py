@@ -154,18 +154,23 @@ def test_a_malformed_response_ends_the_episode_through_the_checker(tmp_path, tin
     assert traj.steps[-1].terminated and traj.steps[-1].reward == 1.0
 
 
-def test_replayed_members_are_weighted_by_truncated_importance_ratios(tmp_path, tiny_qwen2vl):
+@pytest.mark.parametrize("kind", ["replayed", "stale"])
+def test_replayed_members_are_weighted_by_truncated_importance_ratios(tmp_path, tiny_qwen2vl, kind):
     """algo.replay.correction=tis: a replayed member's tokens weigh min(pi_old / mu, cap), mu the
-    stored behaviour probability; fresh members weigh 1. Checked against the loss written out."""
+    stored behaviour probability; fresh members weigh 1. Checked against the loss written out.
+    `stale` (issue 54): a fresh member sampled by older weights (a batch played ahead of the
+    update) weighs the same under algo.stale_correction=tis, the default."""
     from arpo_lib.algo import truncated_is_weights
 
-    cfg = _cfg(tmp_path, tiny_qwen2vl, "algo.replay.correction=tis", "algo.replay.tis_cap=2.0",
-               "train.grad_clip=1e9")
+    correction = "algo.replay.correction=tis" if kind == "replayed" else "algo.stale_correction=tis"
+    cfg = _cfg(tmp_path, tiny_qwen2vl, correction, "algo.replay.tis_cap=2.0", "train.grad_clip=1e9")
     with build.trainer(cfg) as trainer:
         policy = trainer.policy
         groups = _groups(policy, [2.0, -0.5, -0.5, -1.0])
+        for t in groups[0].trajectories:  # sampled by the weights the update starts from
+            t.policy_version = 5
         replayed = groups[0].trajectories[0]
-        replayed.replayed, replayed.policy_version = True, 0
+        replayed.replayed, replayed.policy_version = kind == "replayed", 0 if kind == "replayed" else 4
         seg = replayed.segments[0]
         n = sum(seg.loss_mask)
         # Behaviour log-probs of an older policy: some tokens now likelier (weight capped), some less.
@@ -190,7 +195,8 @@ def test_replayed_members_are_weighted_by_truncated_importance_ratios(tmp_path, 
         loss.backward()
         want = [p.grad for p in policy.trainable_parameters()]
     assert all(torch.allclose(g, w, atol=1e-6, rtol=1e-4) for g, w in zip(seen["grads"], want))
-    assert stats["replay_age_mean"] == 5 and stats["replay_age_max"] == 5
+    if kind == "replayed":
+        assert stats["replay_age_mean"] == 5 and stats["replay_age_max"] == 5
     assert stats["is_weight_max"] == 2.0 and 0 < stats["is_capped_share"] < 1
     assert stats["is_weight_mean"] == pytest.approx(float(weights[0].mean()), rel=1e-5)
 
