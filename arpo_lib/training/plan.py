@@ -104,6 +104,7 @@ class ModelShape:
     layers: int
     hidden: int
     intermediate: int
+    heads: int
     kv_heads: int
     head_dim: int
     vocab: int
@@ -156,7 +157,7 @@ def model_shape(path: str) -> ModelShape:
         lora_per_rank=c.lora_per_rank, factored=c.factored,
         largest_param=max(p.numel() for p in model.parameters()), largest_text_linear=largest_linear,
         root=c.root, largest_unit=c.largest_unit, layers=text.num_hidden_layers, hidden=text.hidden_size,
-        intermediate=text.intermediate_size, kv_heads=text.num_key_value_heads,
+        intermediate=text.intermediate_size, heads=heads, kv_heads=text.num_key_value_heads,
         head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads, vocab=text.vocab_size,
         vision_depth=vision.depth, vision_embed=getattr(vision, "embed_dim", None) or vision.hidden_size,
         patch=vision.patch_size, merge=vision.spatial_merge_size)
@@ -174,7 +175,8 @@ def cached_shape(path: str) -> ModelShape:
     import hashlib
 
     config = model_config(path)
-    key = hashlib.sha256(config.to_json_string(use_diff=False).encode()).hexdigest()[:16]
+    fields = ",".join(f.name for f in dataclasses.fields(ModelShape))  # a new field makes a new key
+    key = hashlib.sha256((fields + config.to_json_string(use_diff=False)).encode()).hexdigest()[:16]
     file = cache_dir() / f"shape-{key}.json"
     if file.is_file():
         return ModelShape(**json.loads(file.read_text()))
@@ -265,6 +267,9 @@ class Training:
     gpus: int = 1
     in_process: bool = True
     """Rollouts generate with this process's model (rollout.backend=hf)."""
+    attention_scores: bool = False
+    """Attention materialises its (heads, T, T) scores in fp32: the CPU's SDPA does, a GPU's
+    flash / cuDNN kernels do not. One layer's at a time (tests/training/test_plan.py measures it)."""
 
 
 def training_of(cfg: Any, gpus: int | None = None, device: str = "cuda") -> Training:
@@ -274,7 +279,8 @@ def training_of(cfg: Any, gpus: int | None = None, device: str = "cuda") -> Trai
                     compute_bytes=2 if on_gpu else 4,
                     frozen_bytes=2 if on_gpu and cfg.model.frozen_weights_dtype == "auto" else 4,
                     logprob_chunk=cfg.model.logprob_chunk or 10 ** 9,
-                    gpus=gpus or cfg.train.nproc_per_node, in_process=cfg.rollout.backend == "hf")
+                    gpus=gpus or cfg.train.nproc_per_node, in_process=cfg.rollout.backend == "hf",
+                    attention_scores=not on_gpu)
 
 
 def _resident(shape: ModelShape, t: Training) -> dict[str, float]:
@@ -315,12 +321,14 @@ def activation_bytes(shape: ModelShape, w: Workload, t: Training, backward: bool
     tokens, patches = w.tokens * w.rows, w.patches * w.rows
     working = k["text_working"] * tokens * (shape.hidden + shape.intermediate) * scale
     logits = min(t.logprob_chunk, w.trained * w.rows) * shape.vocab * (10 if backward else 6)
+    scores = {"attention scores": 4 * shape.heads * w.tokens ** 2 * w.rows} if t.attention_scores else {}
     if not backward:
         vision = k[shape.model_type] * patches * shape.vision_embed * 2 * scale  # one block's working set
-        return {"text layer working set": working, "LM head chunk": logits, "vision block working set": vision}
+        return {"text layer working set": working, "LM head chunk": logits, "vision block working set": vision,
+                **scores}
     kept_layers = shape.layers if t.checkpointing else shape.layers * 8  # an uncheckpointed layer keeps ~8 of its inputs
     parts = {"kept layer inputs": 2 * scale * tokens * shape.hidden * kept_layers,
-             "text layer working set": working, "LM head chunk": logits}
+             "text layer working set": working, "LM head chunk": logits, **scores}
     # LoRA freezes the tower, but the gradient of the adapters' inputs still flows back through
     # it (peft's input hook): its activations are kept (the 7B LoRA H100 run measures it).
     if t.lora_rank:
