@@ -110,6 +110,7 @@ class ModelShape:
     vocab: int
     vision_depth: int
     vision_embed: int
+    vision_intermediate: int
     patch: int
     merge: int
 
@@ -149,6 +150,7 @@ def model_shape(path: str) -> ModelShape:
         model = AutoModelForImageTextToText.from_config(config)
     c = count(model)
     text, vision = config.get_text_config(), config.vision_config
+    embed = getattr(vision, "embed_dim", None) or vision.hidden_size
     heads = text.num_attention_heads
     largest_linear = max((m.weight.numel() for n, m in model.named_modules()
                           if isinstance(m, torch.nn.Linear) and "language_model.layers" in n), default=0)
@@ -159,7 +161,8 @@ def model_shape(path: str) -> ModelShape:
         root=c.root, largest_unit=c.largest_unit, layers=text.num_hidden_layers, hidden=text.hidden_size,
         intermediate=text.intermediate_size, heads=heads, kv_heads=text.num_key_value_heads,
         head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads, vocab=text.vocab_size,
-        vision_depth=vision.depth, vision_embed=getattr(vision, "embed_dim", None) or vision.hidden_size,
+        vision_depth=vision.depth, vision_embed=embed,
+        vision_intermediate=getattr(vision, "intermediate_size", None) or int(embed * vision.mlp_ratio),
         patch=vision.patch_size, merge=vision.spatial_merge_size)
 
 
@@ -300,10 +303,20 @@ def _resident(shape: ModelShape, t: Training) -> dict[str, float]:
     else:  # "none": a forward and backward only (the benchmarks' fwd+bwd)
         state = 0
     parts = {"weights": weights / n, "optimizer state": state / n}
-    if n > 1:
-        parts["gathered units (bf16)"] = 2 * (shape.root + 2 * shape.largest_unit)
-        if t.in_process:  # every rank keeps the whole model to generate with
-            parts["full copy for rollouts"] = weights
+    if n > 1 and t.in_process:  # every rank keeps the whole model to generate with
+        parts["full copy for rollouts"] = weights
+    return parts
+
+
+def _gathered(shape: ModelShape, t: Training, backward: bool) -> dict[str, float]:
+    """FSDP2's transient whole tensors (benchmarks/memory_table.py's formula): the root unit and
+    two layers gathered in bf16 through a forward; in a backward also the root's unsharded bf16
+    and fp32 gradients before their reduce-scatter."""
+    if t.gpus == 1:
+        return {}
+    parts = {"gathered units (bf16)": 2 * (shape.root + 2 * shape.largest_unit)}
+    if backward and not t.lora_rank:
+        parts["root's unreduced gradients"] = 6 * shape.root
     return parts
 
 
@@ -322,10 +335,12 @@ def activation_bytes(shape: ModelShape, w: Workload, t: Training, backward: bool
     working = k["text_working"] * tokens * (shape.hidden + shape.intermediate) * scale
     logits = min(t.logprob_chunk, w.trained * w.rows) * shape.vocab * (10 if backward else 6)
     scores = {"attention scores": 4 * shape.heads * w.tokens ** 2 * w.rows} if t.attention_scores else {}
-    if not backward:
-        vision = k[shape.model_type] * patches * shape.vision_embed * 2 * scale  # one block's working set
-        return {"text layer working set": working, "LM head chunk": logits, "vision block working set": vision,
-                **scores}
+    if not backward:  # one decoder layer's or one vision block's forward at a time: the MLP's three
+        # (T, intermediate) tensors in the compute dtype, a few (T, hidden) in fp32 (the residual stream)
+        text = tokens * (3 * t.compute_bytes * shape.intermediate + 16 * shape.hidden)
+        vision = patches * (3 * t.compute_bytes * shape.vision_intermediate + 16 * shape.vision_embed)
+        layer = {"one decoder layer's forward": text} if text >= vision else {"one vision block's forward": vision}
+        return {**layer, "LM head chunk": logits, **scores}
     kept_layers = shape.layers if t.checkpointing else shape.layers * 8  # an uncheckpointed layer keeps ~8 of its inputs
     parts = {"kept layer inputs": 2 * scale * tokens * shape.hidden * kept_layers,
              "text layer working set": working, "LM head chunk": logits, **scores}
@@ -362,11 +377,14 @@ def phases(shape: ModelShape, w: Workload, t: Training) -> list[Phase]:
                                    backward=False)
         out.append(Phase("generation", {**resident, "KV cache (episodes' copies)": cached,
                                         "KV cache (the step's slab)": slab, "prefill": sum(prefill.values())}))
-    out.append(Phase("old log-probs", {**resident, **activation_bytes(shape, w, t, backward=False)}))
-    out.append(Phase("update", {**resident, **grads, **activation_bytes(shape, w, t)}))
+    out.append(Phase("old log-probs", {**resident, **_gathered(shape, t, False),
+                                       **activation_bytes(shape, w, t, backward=False)}))
+    out.append(Phase("update", {**resident, **grads, **_gathered(shape, t, True), **activation_bytes(shape, w, t)}))
     if not t.in_process:
         largest = shape.largest_text_linear if t.lora_rank else shape.largest_param
-        out.append(Phase("weight push", {**resident, "one tensor gathered (bf16)": 2 * largest}))
+        # one at a time (weight_sync.full_tensors): over several ranks gathered in fp32, then cast to bf16
+        gathered = 2 * largest if t.gpus == 1 else 6 * largest
+        out.append(Phase("weight push", {**resident, "one tensor gathered": gathered}))
     return out
 
 

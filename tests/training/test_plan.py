@@ -164,3 +164,21 @@ def test_the_tiny_models_update_on_the_cpu_is_planned_within_20_percent(variant,
     cpu = P.Training(in_process=False, compute_bytes=4, attention_scores=True)
     update = next(p for p in P.phases(P.model_shape(str(path)), w, cpu) if p.name == "update")
     assert update.total == pytest.approx(measured, rel=0.20)
+
+
+def test_the_planner_follows_the_fake_tensor_measurement_at_one_and_two_ranks(shapes):
+    """benchmarks/results/memory_measured.json (FakeTensorMode, fake process group, FSDP2's memory
+    tracker; ~9% above an H100 where both ran): every phase at 1 and 2 ranks within 12%. At 8 and 16
+    ranks the planner's update is 12-23% below it (FSDP2's backward temporaries, not modelled)."""
+    results = json.loads((RESULTS / "memory_measured.json").read_text())["results"]
+    checked = 0
+    for r in results:
+        if r["shape"] not in shapes or r["world_size"] > 2:
+            continue
+        t = P.Training(optimizer=r["optimizer"], gpus=r["world_size"], in_process=False,
+                       freeze_vision=r.get("freeze_vision", False))
+        for phase in P.phases(shapes[r["shape"]], BENCH, t):
+            fake = r["phases"][phase.name]["Total"]
+            assert phase.total == pytest.approx(fake, rel=0.12), (r["shape"], r["optimizer"], r["world_size"], phase.name)
+            checked += 1
+    assert checked == 2 * 2 * 2 * 3  # 7B and 2B, AdamW and Adafactor, 1 and 2 ranks, three phases
