@@ -221,8 +221,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         planner.save_plan(result, args.json)
     if args.write:
-        if not result.fits and not result.levers:
-            print("error: nothing the planner knows brings it under the budget", file=sys.stderr)
+        if not result.fits_with_levers:
+            print("error: nothing the planner knows brings it under the budget: no config written", file=sys.stderr)
             return 1
         out = planner.write_config(cfg, result, args.write, screen)
         print(f"wrote {out}" + (f" ({' '.join(result.overrides)})" if result.overrides else " (unchanged: it fits)"))

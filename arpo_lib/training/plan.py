@@ -461,6 +461,11 @@ class Plan:
     def fits(self) -> bool:
         return self.peak.total <= usable(self.gpu_memory)
 
+    @property
+    def fits_with_levers(self) -> bool:
+        """Whether the config with every lever of `levers` applied fits."""
+        return self.fits or bool(self.levers) and self.levers[-1][2] <= usable(self.gpu_memory)
+
     def table(self) -> str:
         rows = ["| phase | GiB per GPU | largest parts |", "|---|---|---|"]
         for p in self.phases:
@@ -480,10 +485,13 @@ class Plan:
                  f"peak: {self.peak.name}, {self.peak.total / GIB:.1f} GiB: "
                  + ("fits" if self.fits else "does NOT fit")]
         if self.levers:
-            lines.append("")
-            lines.append("levers, in order of cost (cumulative):" if not self.fits or self.overrides else "")
+            lines += ["", "levers, cheapest first, each on top of the ones above:"]
             for lever, added, peak in self.levers:
                 lines.append(f"- {' '.join(added)}: peak {peak / GIB:.1f} GiB ({lever.cost})")
+        if not self.fits:
+            lines += ["", "with them it fits (`--write FILE` writes that config)" if self.fits_with_levers else
+                      "it does not fit even with every lever the planner knows: a card with more memory, more "
+                      "GPUs (--gpus), or rollouts on a server (rollout.backend=server)"]
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -510,19 +518,23 @@ def plan(cfg: Any, gpu_memory: float, gpus: int | None = None, screen: tuple[int
     first = Plan(cfg.model.path, gpu_memory, gpus, workload(cfg, shape, screen), evaluate(cfg))
     if first.fits:
         return first
+    # Greedy, cheapest first: each round takes the first lever (in LEVERS' order) whose gentlest
+    # setting lowers the peak, then looks again from the cheapest (another phase may now hold it).
     current, applied, tried = cfg, [], []
     peak = first.peak.total
-    for lever in LEVERS:
-        for candidate in _candidates(current, lever):
-            trial = config_from_dict(_with_overrides(current, candidate))
-            after = max(p.total for p in evaluate(trial))
-            if after >= peak * 0.995:  # it does not lower the peak (another phase holds it): not worth its cost
+    while peak > usable(gpu_memory):
+        for lever in LEVERS:
+            for candidate in _candidates(current, lever):
+                trial = config_from_dict(_with_overrides(current, candidate))
+                after = max(p.total for p in evaluate(trial))
+                if after < peak * 0.995:
+                    break
+            else:
                 continue
             tried.append((lever, candidate, after))
             current, applied, peak = trial, applied + candidate, after
-            if peak <= usable(gpu_memory):
-                break
-        if peak <= usable(gpu_memory):
+            break
+        else:  # no lever lowers it further
             break
     first.levers = tried
     first.overrides = applied
