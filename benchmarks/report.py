@@ -117,8 +117,8 @@ def main(results_dir: Path = RESULTS_DIR, out: Path = ROOT / "benchmarks" / "RES
     """RESULTS.md from the update and rollout results in `results_dir` (the memory table and the
     desktop benchmark have their own sections in docs/several-gpus.md and docs/desktop.md)."""
     parts = [HEADER]
-    results = [json.loads(p.read_text()) for p in sorted(Path(results_dir).glob("*.json"))]
-    results = [r for r in results if r.get("benchmark") in ("update", "rollout")]
+    every = [json.loads(p.read_text()) for p in sorted(Path(results_dir).glob("*.json"))]
+    results = [r for r in every if r.get("benchmark") in ("update", "rollout")]
     gpu = [r for r in results if not r["device"].startswith("CPU")]
     if not gpu:
         parts.append("**No GPU figures yet**: every result below was taken on the CPU at tiny sizes (they check\n"
@@ -160,6 +160,14 @@ def main(results_dir: Path = RESULTS_DIR, out: Path = ROOT / "benchmarks" / "RES
             if plot_rollout(r, Path(out).parent / image):
                 parts.append(f"\n![per-step prefill tokens and time]({image})")
         parts.append(f"\n`{r['command']}`\n")
+    for r in (r for r in every if r.get("benchmark") == "async"):
+        parts.append(f"## Asynchronous ARPO against the synchronous loop: {r['setting']}, {r['steps']} steps per arm "
+                     f"({r['machine']})\n")
+        parts.append(table(r["arms"], ["arm", "steps", "wall_s", "steps_per_hour", "env_busy_fraction",
+                                       "generator_busy_fraction", "staleness_max", "seconds_rollout", "seconds_update"]))
+        parts.append("\nsteps per hour over lockstep: " + ", ".join(f"{k} {v:.2f}x"
+                                                                    for k, v in r["steps_per_hour_ratio"].items()))
+        parts.append(f"\n`{r['command']}` (docs/asynchronous.md)\n")
     text = "\n".join(parts)
     Path(out).write_text(text)
     print(f"written {out}")

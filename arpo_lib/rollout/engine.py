@@ -20,6 +20,7 @@ action rules parse it, what replaces it, what an exception costs) the engine ask
 """
 from __future__ import annotations
 
+import threading
 import time
 import zlib
 from collections import deque
@@ -57,7 +58,8 @@ POLL_S = 0.05
 
 class BusyClock:
     """How much of a rollout's wall time the environments and the generator were busy: per
-    worker, the time a command was in flight; for the generator, the time inside `_act`."""
+    worker, the time a command was in flight; for the generator, the time at least one
+    generation was (a batch in this process, or requests to a server from several threads)."""
 
     def __init__(self, workers: int = 0):
         self.t0 = time.monotonic()
@@ -65,6 +67,8 @@ class BusyClock:
         self.env_seconds = [0.0] * workers
         self.generator_seconds = 0.0
         self._since: dict[int, float] = {}
+        self._lock = threading.Lock()
+        self._generating, self._generating_since = 0, 0.0
 
     def env_started(self, worker: int) -> None:
         self._since.setdefault(worker, time.monotonic())
@@ -76,11 +80,17 @@ class BusyClock:
 
     @contextmanager
     def generating(self) -> Iterator[None]:
-        t = time.monotonic()
+        with self._lock:
+            if not self._generating:
+                self._generating_since = time.monotonic()
+            self._generating += 1
         try:
             yield
         finally:
-            self.generator_seconds += time.monotonic() - t
+            with self._lock:
+                self._generating -= 1
+                if not self._generating:
+                    self.generator_seconds += time.monotonic() - self._generating_since
 
     def stop(self) -> None:
         for worker in list(self._since):
@@ -259,7 +269,7 @@ class RolloutEngine:
                 pending = [ep for w, (_, ep) in slots.items() if ep.pending and w not in acting]
                 if threads is not None:
                     for ep in waiting:
-                        acting[ep.worker] = threads.submit(self._act, [ep], temperature, top_p)
+                        acting[ep.worker] = threads.submit(self._act_timed, [ep], temperature, top_p)
                 elif waiting and self._batch_due(waiting, pending):
                     batch = sorted(waiting, key=lambda e: e.ready_at)[:self.max_batch or None]
                     with self.busy.generating():
@@ -272,6 +282,10 @@ class RolloutEngine:
                 self._release(ep)
             self.busy.stop()
         return [results[i] for i in range(len(requests))]
+
+    def _act_timed(self, eps: list[_Episode], temperature: float, top_p: float) -> None:
+        with self.busy.generating():
+            self._act(eps, temperature, top_p)
 
     def _batch_due(self, waiting: list[_Episode], pending: list[_Episode]) -> bool:
         """Generate now: enough episodes wait, the first has waited the window, or no other

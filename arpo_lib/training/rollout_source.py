@@ -84,6 +84,9 @@ class RolloutSource:
         """Rollout batches sampled ahead, while the updates before them run (rollout.max_staleness)."""
         self._ahead: dict[int, tuple[Future, RolloutEngine]] = {}  # step -> its batch running in the background
         self._runner: ThreadPoolExecutor | None = None
+        self.env_seconds = self.generator_seconds = 0.0
+        """Over the run so far: seconds the environments were busy (summed over this process's
+        workers) and the generator was (`RolloutEngine.busy`); benchmarks/bench_async.py reads them."""
 
     @property
     def pool(self) -> WorkerPool:
@@ -172,6 +175,7 @@ class RolloutSource:
         if step in self._ahead:
             future, engine = self._ahead.pop(step)
             mine = future.result()
+            self._count(engine)
             return self.gather(mine), int(self.backend.all_reduce_sum([engine.env_steps])[0])
         requests = episode_requests(tasks, self.group_size, self.seed, step)
         out_dir = self.run.rollouts(step)
@@ -183,10 +187,17 @@ class RolloutSource:
         mine = engine.run(self.backend.share(requests), temperature=self.temperature, top_p=self.top_p,
                           out_dir=out_dir, progress=self.progress, description=f"rollout {step}",
                           policy_version=version)
+        self._count(engine)
         free = getattr(self.policy, "free_generation_memory", None)
         if self.served is None and free is not None:  # it generated here: its caches go before the update
             free()
         return self.gather(mine), int(self.backend.all_reduce_sum([engine.env_steps])[0])
+
+    def _count(self, engine: RolloutEngine) -> None:
+        busy = getattr(engine, "busy", None)  # (a stand-in engine may not keep the time)
+        if busy is not None:
+            self.env_seconds += sum(busy.env_seconds)
+            self.generator_seconds += busy.generator_seconds
 
     def gather(self, mine: list[Trajectory]) -> list[Trajectory]:
         """Every rank's episodes in request order: the others' as tokens and metadata only, never

