@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import torch
-from PIL import Image
+
+from arpo_lib.training.memory_model import screenshot, synthetic_trajectory  # noqa: F401  (the benchmarks' and tests' import)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = ROOT / "benchmarks" / "results"
@@ -124,26 +124,6 @@ def use_uitars_pixel_limits(policy: Any) -> None:
     min_pixels, max_pixels = 3136, 16384 * 28 * 28
     ip.size = type(ip.size)(shortest_edge=min_pixels, longest_edge=max_pixels)
     policy.resize = (28, min_pixels, max_pixels)
-
-
-def screenshot(seed: int, size: tuple[int, int] = (320, 420)) -> Image.Image:
-    """Random pixels: a stand-in screenshot (seeded, so runs compare)."""
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8))
-
-
-def synthetic_trajectory(policy: Any, n_screenshots: int, size: tuple[int, int], response_tokens: int = 48,
-                         seed: int = 0):
-    """A trajectory segment built through the real chat template and image processor, with random
-    ordinary-token responses standing in for sampled ones (all trained on)."""
-    rng = np.random.default_rng(seed)
-    conv = policy.new_conversation("Open the settings and turn on dark mode")
-    ordinary = min(policy.tokenizer.convert_tokens_to_ids("<|endoftext|>"), policy.model.config.get_text_config().vocab_size)
-    for step in range(n_screenshots):
-        conv.add_observation(screenshot(seed * 1000 + step, size))
-        ids = rng.integers(0, ordinary, response_tokens).tolist() + [conv.eos_id]
-        conv.add_response("", ids, [0.0] * len(ids))
-    return conv.current
 
 
 def timed(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: int = 1,

@@ -71,6 +71,31 @@ def count(model: Any) -> Counts:
 
 # ---- the measured path ------------------------------------------------------------------------
 
+def screenshot(seed: int, size: tuple[int, int] = (320, 420)) -> Any:
+    """Random pixels: a stand-in screenshot (seeded, so runs compare)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8))
+
+
+def synthetic_trajectory(policy: Any, n_screenshots: int, size: tuple[int, int], response_tokens: int = 48,
+                         seed: int = 0):
+    """A trajectory segment built through the real chat template and image processor, with random
+    ordinary-token responses standing in for sampled ones (all trained on)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    conv = policy.new_conversation("Open the settings and turn on dark mode")
+    ordinary = min(policy.tokenizer.convert_tokens_to_ids("<|endoftext|>"), policy.model.config.get_text_config().vocab_size)
+    for step in range(n_screenshots):
+        conv.add_observation(screenshot(seed * 1000 + step, size))
+        ids = rng.integers(0, ordinary, response_tokens).tolist() + [conv.eos_id]
+        conv.add_response("", ids, [0.0] * len(ids))
+    return conv.current
+
+
 @contextlib.contextmanager
 def fake_ranks(world_size: int) -> Iterator[None]:
     """Torch's fake process group: this process is rank 0 of `world_size`."""

@@ -200,6 +200,15 @@ def screenshot_tokens(shape: ModelShape, size: tuple[int, int], max_pixels: int 
     return max(1, round(w / unit)) * max(1, round(h / unit))
 
 
+def default_screen(cfg: Any) -> tuple[int, int]:
+    """The screenshot size of the config's tasks: MiniWoB++'s 160x210 task area at `env.options.scale`
+    (3 by default: 480x630) when every task is MiniWoB's, else a 1080p desktop (OSWorld's VMs, the sandbox)."""
+    if cfg.env.tasks and all(t.startswith("miniwob/") for t in cfg.env.tasks):
+        scale = int(cfg.env.options.get("scale", 3))
+        return 160 * scale, 210 * scale
+    return 1920, 1080
+
+
 @dataclass(frozen=True)
 class Workload:
     """One trajectory as the update sees it, and the generation batch."""
@@ -223,12 +232,12 @@ class Workload:
     prefill_patches: int = 0
 
 
-def workload(cfg: Any, shape: ModelShape, screen: tuple[int, int] = (1920, 1080)) -> Workload:
+def workload(cfg: Any, shape: ModelShape, screen: tuple[int, int] | None = None) -> Workload:
     """The workload a config asks for: `model.history_images` screenshots of `screen` kept per
     trajectory (at most `env.max_steps`), responses of RESPONSE_TOKENS (at most the cap)."""
     steps = cfg.env.max_steps
     images = min(cfg.model.history_images, steps)
-    per_image = screenshot_tokens(shape, screen)
+    per_image = screenshot_tokens(shape, screen or default_screen(cfg))
     response = min(cfg.model.max_new_tokens, RESPONSE_TOKENS) + 1
     tokens = PROMPT_TOKENS + images * per_image + steps * (TURN_TEXT_TOKENS + response)
     patches = images * per_image * shape.merge ** 2
@@ -271,8 +280,8 @@ class Training:
     in_process: bool = True
     """Rollouts generate with this process's model (rollout.backend=hf)."""
     attention_scores: bool = False
-    """Attention materialises its (heads, T, T) scores in fp32: the CPU's SDPA does, a GPU's
-    flash / cuDNN kernels do not. One layer's at a time (tests/training/test_plan.py measures it)."""
+    """Attention materialises its (heads, T, T) scores: the CPU's SDPA does, a GPU's flash / cuDNN
+    kernels do not. One layer's at a time (tests/training/test_plan.py measures it)."""
 
 
 def training_of(cfg: Any, gpus: int | None = None, device: str = "cuda") -> Training:
@@ -334,7 +343,8 @@ def activation_bytes(shape: ModelShape, w: Workload, t: Training, backward: bool
     tokens, patches = w.tokens * w.rows, w.patches * w.rows
     working = k["text_working"] * tokens * (shape.hidden + shape.intermediate) * scale
     logits = min(t.logprob_chunk, w.trained * w.rows) * shape.vocab * (10 if backward else 6)
-    scores = {"attention scores": 4 * shape.heads * w.tokens ** 2 * w.rows} if t.attention_scores else {}
+    # 2 bytes per score: fitted to the tiny models' CPU runs (tests/training/test_plan.py)
+    scores = {"attention scores": 2 * shape.heads * w.tokens ** 2 * w.rows} if t.attention_scores else {}
     if not backward:  # one decoder layer's or one vision block's forward at a time: the MLP's three
         # (T, intermediate) tensors in the compute dtype, a few (T, hidden) in fp32 (the residual stream)
         text = tokens * (3 * t.compute_bytes * shape.intermediate + 16 * shape.hidden)
@@ -377,9 +387,12 @@ def phases(shape: ModelShape, w: Workload, t: Training) -> list[Phase]:
                                    backward=False)
         out.append(Phase("generation", {**resident, "KV cache (episodes' copies)": cached,
                                         "KV cache (the step's slab)": slab, "prefill": sum(prefill.values())}))
-    out.append(Phase("old log-probs", {**resident, **_gathered(shape, t, False),
+    # the micro-batch's pixels, fp32 (patches x channels x temporal patch x patch^2): 0.7 GiB at 15 1080p screenshots
+    inputs = {"pixel inputs": 4 * w.rows * w.patches * 3 * 2 * shape.patch ** 2}
+    out.append(Phase("old log-probs", {**resident, **_gathered(shape, t, False), **inputs,
                                        **activation_bytes(shape, w, t, backward=False)}))
-    out.append(Phase("update", {**resident, **grads, **_gathered(shape, t, True), **activation_bytes(shape, w, t)}))
+    out.append(Phase("update", {**resident, **grads, **_gathered(shape, t, True), **inputs,
+                                **activation_bytes(shape, w, t)}))
     if not t.in_process:
         largest = shape.largest_text_linear if t.lora_rank else shape.largest_param
         # one at a time (weight_sync.full_tensors): over several ranks gathered in fp32, then cast to bf16
@@ -503,7 +516,7 @@ class Plan:
                            for lever, added, peak in self.levers]}
 
 
-def plan(cfg: Any, gpu_memory: float, gpus: int | None = None, screen: tuple[int, int] = (1920, 1080),
+def plan(cfg: Any, gpu_memory: float, gpus: int | None = None, screen: tuple[int, int] | None = None,
          shape: ModelShape | None = None, device: str = "cuda") -> Plan:
     """The phases of `cfg` on `gpus` GPUs of `gpu_memory` bytes; if they do not fit, the levers
     (LEVERS, in order) applied one after another until they do, each with the peak after it."""
@@ -571,7 +584,7 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def write_config(cfg: Any, p: Plan, path: str | Path, screen: tuple[int, int] = (1920, 1080),
+def write_config(cfg: Any, p: Plan, path: str | Path, screen: tuple[int, int] | None = None,
                  shape: ModelShape | None = None, device: str = "cuda") -> Path:
     """The fitted config as YAML, the planner's table and the levers in its header comment."""
     import yaml
@@ -590,6 +603,64 @@ def parse_memory(text: str) -> float:
     both units are read as GiB, the planner's unit."""
     t = text.strip().lower().removesuffix("ib").removesuffix("b").removesuffix("g").strip()
     return float(t) * GIB
+
+
+# ---- the measured path ------------------------------------------------------------------------------
+
+def measure(cfg: Any, gpus: int = 1, screen: tuple[int, int] | None = None, tokenizer_dir: str | None = None,
+            progress: Any = None) -> dict[str, float]:
+    """The update's phases of `cfg` MEASURED without a GPU (arpo_lib/training/memory_model.py:
+    FakeTensorMode, torch's fake process group at `gpus` ranks, FSDP2's memory tracker): the
+    trajectory the planner assumes, built by the real chat template and image processor (of
+    `tokenizer_dir`, default the model's own directory, else the local tiny model of its
+    architecture), through the training code. Bytes per phase (old log-probs, update, weight
+    push). Cached in `cache_dir()` by its inputs: a 7B takes ~1.5 min on a CPU, a repeat none.
+    Full fine-tunes only (the measured step does not apply LoRA)."""
+    import hashlib
+
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from arpo_lib.agent.hf_policy import HFPolicy, pad_segments
+    from arpo_lib.training.memory_model import measure_step, synthetic_trajectory, with_index_tensors
+
+    if cfg.model.lora_rank:
+        raise ValueError("the measured path does not apply LoRA (model.lora_rank): the arithmetic stands alone there")
+    config = model_config(cfg.model.path)
+    shape = cached_shape(cfg.model.path)
+    images = min(cfg.model.history_images, cfg.env.max_steps)
+    response = min(cfg.model.max_new_tokens, RESPONSE_TOKENS)
+    screen = screen or default_screen(cfg)
+    key_text = json.dumps([config.to_json_string(use_diff=False), images, screen, response, gpus,
+                           cfg.train.optimizer, cfg.model.freeze_vision_tower, torch.__version__])
+    file = cache_dir() / f"measured-{hashlib.sha256(key_text.encode()).hexdigest()[:16]}.json"
+    if file.is_file():
+        return json.loads(file.read_text())
+    if tokenizer_dir is None:
+        own = Path(cfg.model.path)
+        variant = "qwen25vl" if shape.model_type == "qwen2_5_vl" else "qwen2vl"
+        tokenizer_dir = str(own if (own / "tokenizer_config.json").is_file() and shape.params < 10 ** 8
+                            else Path(__file__).resolve().parents[2] / "models" / f"tiny-uitars-{variant}")
+    if progress:
+        progress(f"measuring {cfg.model.path} on fake tensors ({images} screenshots, {gpus} rank(s)) ...")
+    policy = HFPolicy(tokenizer_dir, device="cpu")
+    ip = policy.processor.image_processor  # UI-TARS's limits: a 1080p screenshot is not downscaled
+    ip.size = type(ip.size)(shortest_edge=3136, longest_edge=16384 * 28 * 28)
+    policy.resize = (28, 3136, 16384 * 28 * 28)
+    # the special tokens' ids of the tokenizer that makes the trajectory (the tiny model's are not the real one's)
+    for name in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
+        setattr(config, name, getattr(policy.model.config, name))
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config)
+    batch = pad_segments([synthetic_trajectory(policy, images, screen, response)], policy.pad_id, side="right")
+    batch = with_index_tensors(batch, model)
+    batch["suppress_ids"] = policy.suppress_ids
+    result = measure_step(model, batch, gpus, cfg.train.optimizer, cfg.model.freeze_vision_tower)
+    out = {name: result["phases"][name]["Total"] for name in ("old log-probs", "update", "weight push")}
+    out["tokens"], out["patches"] = result["tokens"], result["patches"]
+    file.parent.mkdir(parents=True, exist_ok=True)
+    file.write_text(json.dumps(out) + "\n")
+    return out
 
 
 def save_plan(p: Plan, path: str | Path) -> None:

@@ -132,8 +132,9 @@ def test_the_cli_plans_and_writes(tmp_path, monkeypatch, capsys):
 def test_the_tiny_models_update_on_the_cpu_is_planned_within_20_percent(variant, screenshots, size, request):
     """A real update of the tiny model (forward, backward, AdamW's step; checkpointing, fp32 on the
     CPU) measured by torch's memory tracker, against the planner's update phase for the same
-    trajectory. Measured 27.3 / 24.5 / 47.2 MiB, planned 23.1 / 22.2 / 44.1 (at the tiny widths the
-    CPU attention's (heads, T, T) scores dominate: the planner counts them on the CPU)."""
+    trajectory (the pixel inputs counted). At the tiny widths the CPU attention's (heads, T, T)
+    scores dominate: the planner counts them on the CPU. Measured 27.3 / 24.5 / 47.2 MiB, planned
+    26.0 / 25.2 / 46.6."""
     import torch
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -152,7 +153,7 @@ def test_the_tiny_models_update_on_the_cpu_is_planned_within_20_percent(variant,
     opt.step()
     opt.zero_grad(set_to_none=True)
     with MemTracker() as tracker:
-        tracker.track_external(policy.model, opt)
+        tracker.track_external(policy.model, opt, *batch.values())  # the pixels count, as on a GPU
         policy.forward_logprobs(policy.model, dict(batch), targets, 1.0).sum().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -182,3 +183,27 @@ def test_the_planner_follows_the_fake_tensor_measurement_at_one_and_two_ranks(sh
             assert phase.total == pytest.approx(fake, rel=0.12), (r["shape"], r["optimizer"], r["world_size"], phase.name)
             checked += 1
     assert checked == 2 * 2 * 2 * 3  # 7B and 2B, AdamW and Adafactor, 1 and 2 ranks, three phases
+
+
+def test_the_measured_path_confirms_the_tiny_plan_and_a_repeat_reads_the_cache(tmp_path, monkeypatch):
+    """`plan.measure`: the planned trajectory through the real processor, one training step on fake
+    tensors (FSDP2's memory tracker, as benchmarks/memory_measured.py). The tiny model's update:
+    measured 43.5 MiB, planned 33.9 on the CPU (1,634 tokens against 1,520 assumed); the repeat is
+    answered from the cache without measuring."""
+    from arpo_lib.training import memory_model
+
+    monkeypatch.setenv("ARPO_PLAN_CACHE", str(tmp_path))
+    cfg = load_config(REPO / "configs" / "smoke.yaml", ["model.gradient_checkpointing=true"])
+    measured = P.measure(cfg)
+    shape = P.cached_shape(cfg.model.path)
+    planned = {p.name: p.total for p in P.phases(shape, P.workload(cfg, shape),
+                                                   P.Training(in_process=False, attention_scores=True))}
+    assert measured["update"] == pytest.approx(planned["update"], rel=0.30)
+    assert measured["old log-probs"] == pytest.approx(planned["old log-probs"], rel=0.30)
+    assert measured["tokens"] == pytest.approx(P.workload(cfg, shape).tokens, rel=0.10)
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured again instead of reading the cache")
+
+    monkeypatch.setattr(memory_model, "measure_step", no_measuring)
+    assert P.measure(cfg) == measured
