@@ -266,9 +266,13 @@ class Training:
     """What of the config decides the update's memory."""
 
     lora_rank: int = 0
+    """model.lora_rank (0: a full fine-tune)."""
     optimizer: str = "adamw"
+    """train.optimizer, or `none` (a forward and backward without a step: the benchmarks' fwd+bwd)."""
     freeze_vision: bool = False
+    """model.freeze_vision_tower."""
     checkpointing: bool = True
+    """model.gradient_checkpointing (every layer)."""
     weights_bytes: int = 4
     """Master weights' bytes per element (4: fp32, as the trainer keeps them)."""
     compute_bytes: int = 2
@@ -276,7 +280,9 @@ class Training:
     frozen_bytes: int = 2
     """Frozen Linear weights under LoRA (model.frozen_weights_dtype=auto: the compute dtype)."""
     logprob_chunk: int = 1024
+    """model.logprob_chunk: positions through the LM head at a time."""
     gpus: int = 1
+    """Training ranks (FSDP2 above 1)."""
     in_process: bool = True
     """Rollouts generate with this process's model (rollout.backend=hf)."""
     attention_scores: bool = False
@@ -285,6 +291,7 @@ class Training:
 
 
 def training_of(cfg: Any, gpus: int | None = None, device: str = "cuda") -> Training:
+    """What of `cfg` decides the update's memory on `gpus` GPUs (`device="cpu"`: a CPU run)."""
     on_gpu = device != "cpu"
     return Training(lora_rank=cfg.model.lora_rank, optimizer=cfg.train.optimizer,
                     freeze_vision=cfg.model.freeze_vision_tower, checkpointing=cfg.model.gradient_checkpointing,
@@ -297,13 +304,11 @@ def training_of(cfg: Any, gpus: int | None = None, device: str = "cuda") -> Trai
 
 def _resident(shape: ModelShape, t: Training) -> dict[str, float]:
     """Bytes that stay on a GPU through the whole step: weights and the optimizer's state."""
-    n = t.gpus
-    if t.lora_rank:
-        trained = t.lora_rank * shape.lora_per_rank
+    n, trained = t.gpus, _trained_params(shape, t)
+    if t.lora_rank:  # the frozen Linear weights in the compute dtype, the rest and the adapters fp32
         weights = t.frozen_bytes * shape.text_linear + t.weights_bytes * (shape.params - shape.text_linear)
         weights += 4 * trained
     else:
-        trained = shape.params - (shape.vision_params if t.freeze_vision else 0)
         weights = t.weights_bytes * shape.params
     if t.optimizer == "adamw":
         state = 8 * trained
