@@ -201,8 +201,12 @@ def screenshot_tokens(shape: ModelShape, size: tuple[int, int], max_pixels: int 
 
 
 def default_screen(cfg: Any) -> tuple[int, int]:
-    """The screenshot size of the config's tasks: MiniWoB++'s 160x210 task area at `env.options.scale`
-    (3 by default: 480x630) when every task is MiniWoB's, else a 1080p desktop (OSWorld's VMs, the sandbox)."""
+    """The screenshot size of the config's tasks: `env.options.screen_size` where set (OSWorld, the
+    sandbox), MiniWoB++'s 160x210 task area at `env.options.scale` (3 by default: 480x630) when every
+    task is MiniWoB's, else a 1080p desktop."""
+    if cfg.env.options.get("screen_size"):
+        width, height = cfg.env.options["screen_size"]
+        return int(width), int(height)
     if cfg.env.tasks and all(t.startswith("miniwob/") for t in cfg.env.tasks):
         scale = int(cfg.env.options.get("scale", 3))
         return 160 * scale, 210 * scale
@@ -555,8 +559,18 @@ def plan(cfg: Any, gpu_memory: float, gpus: int | None = None, screen: tuple[int
         else:  # no lever lowers it further
             break
     first.levers = tried
-    first.overrides = applied
+    first.overrides = _net(cfg, applied)
     return first
+
+
+def _net(cfg: Any, overrides: list[str]) -> list[str]:
+    """`overrides` as their net effect on `cfg`: each key's last value, the ones that change it."""
+    from arpo_lib.run.config import flat_dict
+
+    before = flat_dict(cfg.to_dict())
+    last = dict(item.split("=", 1) for item in overrides)
+    after = flat_dict(_with_overrides(cfg, overrides))
+    return [f"{key}={value}" for key, value in last.items() if after[key] != before[key]]
 
 
 def fitted(cfg: Any, p: Plan) -> Any:
@@ -567,26 +581,16 @@ def fitted(cfg: Any, p: Plan) -> Any:
 
 
 def _with_overrides(cfg: Any, overrides: list[str]) -> dict[str, Any]:
-    from arpo_lib.run.config import parse_overrides
+    from arpo_lib.run.config import flat_dict, parse_overrides
 
     data = cfg.to_dict()
-    for key, value in _flatten(parse_overrides(overrides)).items():
+    for key, value in flat_dict(parse_overrides(overrides)).items():
         node = data
         *parents, last = key.split(".")
         for part in parents:
             node = node[part]
         node[last] = value
     return data
-
-
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for k, v in tree.items():
-        if isinstance(v, dict) and v:
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def write_config(cfg: Any, p: Plan, path: str | Path, screen: tuple[int, int] | None = None,
