@@ -614,6 +614,27 @@ def parse_memory(text: str) -> float:
     return float(t) * GIB
 
 
+class DoesNotFit(RuntimeError):
+    """A run's plan says it does not fit the GPU it is about to run on; the message is the plan."""
+
+
+def require_fit(cfg: Any, gpu_memory: float | None = None) -> Plan | None:
+    """For a notebook or a trainer about to start on a GPU: the plan of `cfg` on this machine's
+    first GPU (or `gpu_memory` bytes), raising `DoesNotFit` with the planner's table and levers
+    when it does not fit; None where there is no GPU to plan for."""
+    if gpu_memory is None:
+        import torch
+
+        if not torch.cuda.is_available() or cfg.model.device == "cpu":
+            return None
+        gpu_memory = torch.cuda.get_device_properties(0).total_memory
+    result = plan(cfg, gpu_memory, cfg.train.nproc_per_node)
+    if not result.fits:
+        raise DoesNotFit(f"{result.report()}\n\n(`./workbench plan --config ... --write FILE` writes the config "
+                         "with these levers applied)")
+    return result
+
+
 # ---- the measured path ------------------------------------------------------------------------------
 
 def measure(cfg: Any, gpus: int = 1, screen: tuple[int, int] | None = None, tokenizer_dir: str | None = None,

@@ -207,3 +207,24 @@ def test_the_measured_path_confirms_the_tiny_plan_and_a_repeat_reads_the_cache(t
 
     monkeypatch.setattr(memory_model, "measure_step", no_measuring)
     assert P.measure(cfg) == measured
+
+
+def test_several_gpus_keep_a_full_copy_to_generate_with_only_in_process(shapes):
+    cfg = load_config(REPO / "configs" / "osworld_sandbox.yaml",
+                      ["model.gradient_checkpointing=true", "rollout.backend=server"])
+    in_process = P.plan(load_config(REPO / "configs" / "osworld_sandbox.yaml",
+                                    ["model.gradient_checkpointing=true", "rollout.backend=hf"]), 80 * GIB, 4,
+                        shape=shapes["7b"])
+    served = P.plan(cfg, 80 * GIB, 4, shape=shapes["7b"])
+    update = next(p for p in in_process.phases if p.name == "update")
+    assert update.parts["full copy for rollouts"] == pytest.approx(4 * shapes["7b"].params)
+    assert update.parts["weights"] == pytest.approx(update.parts["full copy for rollouts"] / 4)
+    assert all("full copy for rollouts" not in p.parts for p in served.phases)
+
+
+def test_require_fit_stops_an_unfit_run_with_the_plan(shapes, monkeypatch):
+    monkeypatch.setattr(P, "cached_shape", lambda path: shapes["7b"])
+    cfg = load_config(REPO / "configs" / "osworld_sandbox.yaml", ["rollout.backend=hf"])
+    with pytest.raises(P.DoesNotFit, match="does NOT fit"):
+        P.require_fit(cfg, 40 * GIB)
+    assert P.require_fit(cfg, 400 * GIB).fits
