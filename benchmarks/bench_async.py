@@ -47,6 +47,11 @@ SETTINGS = {
               ["env.max_steps=4", "env.workers=4", "rollout.group_size=4", "train.tasks_per_batch=2",
                "train.updates_per_batch=2", "warm_start.steps=0", "warm_start.demos_per_task=0",
                "train.eval_every=0"]),
+    # the desktop rung: real applications in the sandbox, the tiny model warm-started on the
+    # config's own demonstrations first (once, shared by the arms)
+    "desktop": ("configs/desktop_smoke.yaml", None,
+                ["env.workers=4", "rollout.group_size=4", "train.tasks_per_batch=2", "train.updates_per_batch=2",
+                 "warm_start.steps=0", "warm_start.demos_per_task=0", "train.eval_every=0"]),
 }
 
 
@@ -97,8 +102,14 @@ def main(argv: list[str] | None = None) -> int:
     from arpo_lib.workflows.prepare import ensure_prebuilt_model
 
     config, model, overrides = SETTINGS[args.setting]
-    ensure_prebuilt_model(model)
     work = Path(tempfile.mkdtemp(prefix="bench-async-"))
+    if model is None:  # warm-start the config's model on its demonstrations
+        from arpo_lib.experiments import build_warm_start_model
+        from arpo_lib.run.config import load_config
+
+        model = str(build_warm_start_model(load_config(config, [f"out_dir={work / 'warm-run'}"]), work / "warm"))
+    else:
+        ensure_prebuilt_model(model)
     served = work / "model"
     shutil.copytree(model, served)
     overrides = [*overrides, f"model.path={served}", f"train.steps={args.steps}", "serve.max_model_len=8192"]
