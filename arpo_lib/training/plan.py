@@ -360,9 +360,12 @@ def activation_bytes(shape: ModelShape, w: Workload, t: Training, backward: bool
         vision = patches * (3 * t.compute_bytes * shape.vision_intermediate + 16 * shape.vision_embed)
         layer = {"one decoder layer's forward": text} if text >= vision else {"one vision block's forward": vision}
         return {**layer, "LM head chunk": logits, **scores}
-    kept_layers = shape.layers if t.checkpointing else shape.layers * 8  # an uncheckpointed layer keeps ~8 of its inputs
-    parts = {"kept layer inputs": 2 * scale * tokens * shape.hidden * kept_layers,
-             "text layer working set": working, "LM head chunk": logits, **scores}
+    if t.checkpointing:
+        parts = {"kept layer inputs": 2 * scale * tokens * shape.hidden * shape.layers}
+    else:  # every layer keeps what its backward reads: ~6 (T, hidden) and 4 (T, intermediate) tensors
+        # (7B at 41.7k tokens: ~8 GB a layer, as benchmarks/RESULTS.md measured)
+        parts = {"kept layer activations": 2 * scale * tokens * (6 * shape.hidden + 4 * shape.intermediate) * shape.layers}
+    parts.update({"text layer working set": working, "LM head chunk": logits, **scores})
     # LoRA freezes the tower, but the gradient of the adapters' inputs still flows back through
     # it (peft's input hook): its activations are kept (the 7B LoRA H100 run measures it).
     if t.lora_rank:
