@@ -9,8 +9,10 @@ parameters counted) and the run's config, in bytes per GPU, for the phases of on
   optimizer's state) + the KV cache + one prefill's working set. The cache is counted twice over:
   each episode's compact copy and the step's batch slab of every row (kv_generation.py), both in
   the keys' dtype, fp32 under autocast here (RoPE's fp32 cos/sin promote them; the 2B rollout on
-  an H100 bears it out). Per token: layers x 2 x kv_heads x head_dim x 4 bytes. Rows: every live
-  episode (tasks_per_batch x group_size), or `rollout.max_batch` in async mode. With
+  an H100 bears it out). Per token: layers x 2 x kv_heads x head_dim x 4 bytes. The copies: every
+  live episode of this GPU (its share of tasks_per_batch x group_size, at most its environments:
+  env.workers / GPUs x envs_per_worker; fewer workers is the lever); the slab: those generating
+  together (all of them, or `rollout.max_batch` in async mode). With
   `rollout.backend=server` generation runs in the servers' own processes, not on these GPUs.
 - old log-probs: resident + one micro-batch's forward without gradients.
 - update: resident + gradients + one micro-batch's forward and backward (activations).
@@ -226,7 +228,10 @@ class Workload:
     rows: int = 1
     """Trajectories per micro-batch."""
     generation_rows: int = 0
-    """Episodes generating together (0: generation is not on these GPUs)."""
+    """Episodes live at once on one GPU, each keeping its KV cache between steps (0: generation
+    is not on these GPUs): its share of the batch, at most its environments."""
+    generation_batch: int = 0
+    """Episodes in one generate call (the step's slab): the live ones, or `rollout.max_batch` in async mode."""
     generation_context: int = 0
     """Tokens of an episode's context at its last step."""
     max_new_tokens: int = 0
@@ -236,7 +241,7 @@ class Workload:
     prefill_patches: int = 0
 
 
-def workload(cfg: Any, shape: ModelShape, screen: tuple[int, int] | None = None) -> Workload:
+def workload(cfg: Any, shape: ModelShape, screen: tuple[int, int] | None = None, gpus: int = 1) -> Workload:
     """The workload a config asks for: `model.history_images` screenshots of `screen` kept per
     trajectory (at most `env.max_steps`), responses of RESPONSE_TOKENS (at most the cap)."""
     steps = cfg.env.max_steps
@@ -249,17 +254,19 @@ def workload(cfg: Any, shape: ModelShape, screen: tuple[int, int] | None = None)
         rows = max(1, cfg.train.token_budget // tokens)
     else:
         rows = cfg.train.micro_batch_size
-    gen_rows = 0
-    if cfg.rollout.backend == "hf":
-        gen_rows = cfg.train.tasks_per_batch * cfg.rollout.group_size
+    gen_rows = gen_batch = 0
+    if cfg.rollout.backend == "hf":  # each process plays its share of the episodes on its own environments
+        share = math.ceil(cfg.train.tasks_per_batch * cfg.rollout.group_size / gpus)
+        environments = math.ceil(cfg.env.workers / gpus) * cfg.env.envs_per_worker
+        gen_rows = gen_batch = min(share, environments)
         if cfg.rollout.mode == "async" and cfg.rollout.max_batch:
-            gen_rows = min(gen_rows, cfg.rollout.max_batch)
+            gen_batch = min(gen_rows, cfg.rollout.max_batch)
     budget = cfg.model.prefill_batch_tokens
     budget = 8192 if budget is None else budget
     turn = per_image + TURN_TEXT_TOKENS + response
-    group = max(1, min(gen_rows, budget // turn)) if gen_rows else 0
+    group = max(1, min(gen_batch, budget // turn)) if gen_batch else 0
     return Workload(tokens=tokens, patches=patches, trained=steps * response, rows=rows,
-                    generation_rows=gen_rows, generation_context=tokens, max_new_tokens=cfg.model.max_new_tokens,
+                    generation_rows=gen_rows, generation_batch=gen_batch, generation_context=tokens, max_new_tokens=cfg.model.max_new_tokens,
                     prefill_tokens=group * turn, prefill_patches=group * per_image * shape.merge ** 2)
 
 
@@ -394,7 +401,7 @@ def phases(shape: ModelShape, w: Workload, t: Training) -> list[Phase]:
     if w.generation_rows:
         per_token = shape.layers * 2 * shape.kv_heads * shape.head_dim * KV_BYTES
         cached = per_token * w.generation_rows * w.generation_context
-        slab = per_token * w.generation_rows * (w.generation_context + w.max_new_tokens)
+        slab = per_token * (w.generation_batch or w.generation_rows) * (w.generation_context + w.max_new_tokens)
         prefill = activation_bytes(shape, Workload(tokens=w.prefill_tokens, patches=w.prefill_patches, trained=1), t,
                                    backward=False)
         out.append(Phase("generation", {**resident, "KV cache (episodes' copies)": cached,
@@ -430,7 +437,7 @@ class Lever:
 LEVERS = (
     Lever("train.micro_batch_size=1 train.token_budget=0", "none: gradient-exact, more micro-batches"),
     Lever("model.gradient_checkpointing=true", "speed: the forward runs twice (~30% slower update); exact"),
-    Lever("rollout.mode=async rollout.max_batch=N", "speed: fewer episodes generate at once; same tokens up to rounding"),
+    Lever("env.workers=N", "speed: fewer episodes live at once (each keeps its KV cache); same episodes, same tokens"),
     Lever("train.optimizer=adafactor", "fidelity: factored second moments instead of AdamW's"),
     Lever("model.freeze_vision_tower=true", "fidelity: the vision tower is not trained (ARPO trains it); faster"),
     Lever("model.lora_rank=16", "fidelity: LoRA adapters on the language model instead of a full fine-tune"),
@@ -446,13 +453,12 @@ def _candidates(cfg: Any, lever: Lever) -> list[list[str]]:
         return [] if tr.micro_batch_size == 1 and not tr.token_budget else [["train.micro_batch_size=1", "train.token_budget=0"]]
     if lever.name.startswith("model.gradient_checkpointing"):
         return [] if m.gradient_checkpointing else [["model.gradient_checkpointing=true"]]
-    if lever.name.startswith("rollout.mode"):
-        rows = tr.tasks_per_batch * ro.group_size
+    if lever.name.startswith("env.workers"):
         if ro.backend != "hf":
             return []
-        current = min(rows, ro.max_batch) if ro.mode == "async" and ro.max_batch else rows
+        current = min(cfg.env.workers, tr.tasks_per_batch * ro.group_size)
         sizes = sorted({n for n in (current // 2, current // 4, 2, 1) if 1 <= n < current}, reverse=True)
-        return [["rollout.mode=async", f"rollout.max_batch={n}"] for n in sizes]
+        return [[f"env.workers={n}"] for n in sizes]
     if lever.name.startswith("train.optimizer"):
         return [] if tr.optimizer == "adafactor" or m.lora_rank else [["train.optimizer=adafactor"]]
     if lever.name.startswith("model.freeze_vision_tower"):
@@ -538,9 +544,9 @@ def plan(cfg: Any, gpu_memory: float, gpus: int | None = None, screen: tuple[int
     gpus = gpus or cfg.train.nproc_per_node
 
     def evaluate(c: Any) -> list[Phase]:
-        return phases(shape, workload(c, shape, screen), training_of(c, gpus, device))
+        return phases(shape, workload(c, shape, screen, gpus), training_of(c, gpus, device))
 
-    first = Plan(cfg.model.path, gpu_memory, gpus, workload(cfg, shape, screen), evaluate(cfg))
+    first = Plan(cfg.model.path, gpu_memory, gpus, workload(cfg, shape, screen, gpus), evaluate(cfg))
     if first.fits:
         return first
     # Greedy, cheapest first: each round takes the first lever (in LEVERS' order) whose gentlest

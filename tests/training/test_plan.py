@@ -228,3 +228,30 @@ def test_require_fit_stops_an_unfit_run_with_the_plan(shapes, monkeypatch):
     with pytest.raises(P.DoesNotFit, match="does NOT fit"):
         P.require_fit(cfg, 40 * GIB)
     assert P.require_fit(cfg, 400 * GIB).fits
+
+
+def test_every_live_episode_keeps_its_kv_cache_whatever_the_batch():
+    """The episodes' own KV caches live as long as the episodes: as many as a GPU's environments
+    (its share of env.workers), whatever `rollout.max_batch` lets generate at once; the batch only
+    sizes the step's slab. Fewer workers is the lever that shrinks both."""
+    from arpo_lib.run.config import load_config
+
+    shape = P.cached_shape(load_config("configs/osworld_sandbox.yaml").model.path)
+
+    def parts(*overrides, gpus=1):
+        cfg = load_config("configs/osworld_sandbox.yaml", ["rollout.backend=hf", *overrides])
+        w = P.workload(cfg, shape, gpus=gpus)
+        (gen,) = [p for p in P.phases(shape, w, P.training_of(cfg, gpus, "cuda")) if p.name == "generation"]
+        return w, gen.parts
+
+    w, full = parts("env.workers=8", "rollout.group_size=8", "train.tasks_per_batch=2")
+    assert (w.generation_rows, w.generation_batch) == (8, 8)
+    w, batched = parts("env.workers=8", "rollout.group_size=8", "train.tasks_per_batch=2", "rollout.mode=async",
+                       "rollout.max_batch=2")
+    assert (w.generation_rows, w.generation_batch) == (8, 2)
+    assert batched["KV cache (episodes' copies)"] == full["KV cache (episodes' copies)"]
+    assert batched["KV cache (the step's slab)"] == full["KV cache (the step's slab)"] / 4
+    w, fewer = parts("env.workers=2", "rollout.group_size=8", "train.tasks_per_batch=2")
+    assert w.generation_rows == 2 and fewer["KV cache (episodes' copies)"] == full["KV cache (episodes' copies)"] / 4
+    w, _ = parts("env.workers=8", "rollout.group_size=8", "train.tasks_per_batch=2", gpus=4)  # each GPU its share
+    assert w.generation_rows == 2
