@@ -76,8 +76,13 @@ def _is_main_process() -> bool:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from arpo_lib import build
+    from arpo_lib.training.distributed import Ranks
 
     cfg = build.load_config(args.config, args.overrides)
+    if not Ranks.under_torchrun():  # the launching process asks the memory planner once, before anything starts
+        from arpo_lib.workflows.train import check_fit
+
+        check_fit(cfg)
     if nproc := _processes(args, cfg):
         return _torchrun(args, nproc, ["train", "--config", args.config, *(["--resume"] if args.resume else []),
                                        *args.overrides])

@@ -276,6 +276,10 @@ class TrainConfig:
     """Training processes on this node, one per GPU: above 1, `./workbench train` and the notebooks
     start them under torchrun (FSDP2: arpo_lib/training/distributed.py). The command line's
     `--nproc-per-node` (with `--nnodes` etc. for several nodes) overrides it."""
+    plan_check: bool = True
+    """A run about to train on a GPU (notebooks, `./workbench train`) first asks the memory planner
+    (`./workbench plan`) and stops with its table and levers when the run would not fit the GPU,
+    instead of an out-of-memory error minutes later; false skips the check."""
     micro_batch_size: int = 1
     """Sequences per forward/backward (gradient accumulation inside a mini-batch); used when
     `token_budget` is 0."""

@@ -22,6 +22,7 @@ def open_trainer(cfg: RunConfig) -> RunTrainer:
     from arpo_lib.training.distributed import Ranks
     from arpo_lib.training.launch import LaunchedTrainer
 
+    check_fit(cfg)
     if cfg.train.nproc_per_node > 1 and not Ranks.under_torchrun():
         launched = LaunchedTrainer(cfg, cfg.train.nproc_per_node)
         log.info("%s on %d processes: %s", cfg.run_dir, cfg.train.nproc_per_node, " ".join(launched.command()))
@@ -32,6 +33,24 @@ def open_trainer(cfg: RunConfig) -> RunTrainer:
     log.info("%s %s at step %d of %d (%s, %d tasks)", "resuming" if resume else "starting", cfg.run_dir, trainer.step,
              cfg.train.steps, "ARPO" if trainer.replay.enabled else "GRPO", len(cfg.env.tasks))
     return trainer
+
+
+def check_fit(cfg: RunConfig) -> None:
+    """Before a run trains on a GPU: the memory planner's verdict for this GPU (`train.plan_check`).
+    Raises `training.plan.DoesNotFit` with the plan and its levers when the run would not fit; a
+    model whose shape the planner cannot read (no config.json at hand) is let through, said so."""
+    from arpo_lib.training.plan import require_fit
+
+    if not cfg.train.plan_check:
+        return
+    try:
+        result = require_fit(cfg)
+    except FileNotFoundError as exc:
+        log.warning("not checking whether the run fits the GPU: %s", exc)
+        return
+    if result is not None:
+        log.info("the memory planner: peak %s, %.1f GiB per GPU of %.0f GiB: fits", result.peak.name,
+                 result.peak.total / 2**30, result.gpu_memory / 2**30)
 
 
 def print_step(metrics: dict[str, Any]) -> None:

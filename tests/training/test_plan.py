@@ -255,3 +255,33 @@ def test_every_live_episode_keeps_its_kv_cache_whatever_the_batch():
     assert w.generation_rows == 2 and fewer["KV cache (episodes' copies)"] == full["KV cache (episodes' copies)"] / 4
     w, _ = parts("env.workers=8", "rollout.group_size=8", "train.tasks_per_batch=2", gpus=4)  # each GPU its share
     assert w.generation_rows == 2
+
+
+def test_a_run_that_would_not_fit_the_gpu_stops_before_it_starts(tmp_path, monkeypatch):
+    """Issue 53: the notebooks and `./workbench train` open their trainer through
+    `workflows.open_trainer`, which asks the planner first on a GPU: a 7B full fine-tune with
+    in-process rollouts on a 40 GB card stops at once with the planner's table and levers, before
+    any model is loaded or run directory made; train.plan_check=false lets it through."""
+    import types
+
+    import torch
+
+    from arpo_lib import build, workflows
+    from arpo_lib.run.config import load_config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(total_memory=40 * 2**30))
+    started = []
+    trainer = types.SimpleNamespace(step=0, replay=types.SimpleNamespace(enabled=True))
+    monkeypatch.setattr(build, "trainer", lambda cfg, **kw: started.append(cfg) or trainer)
+    cfg = load_config("configs/osworld_sandbox.yaml", [f"out_dir={tmp_path}", "rollout.backend=hf"])
+    with pytest.raises(P.DoesNotFit, match=r"(?s)does NOT fit.*levers, cheapest first.*model\.lora_rank=16.*--write"):
+        workflows.open_trainer(cfg)
+    assert not started and not (tmp_path / cfg.name).exists()
+    assert workflows.open_trainer(load_config("configs/osworld_sandbox.yaml", [
+        f"out_dir={tmp_path}", "rollout.backend=hf", "train.plan_check=false"])) is trainer
+    # a model the planner cannot read is let through (said in the log); the CPU is not planned for
+    assert workflows.open_trainer(load_config("configs/smoke.yaml", [
+        f"out_dir={tmp_path}", "model.path=someone/unknown-model"])) is trainer
+    assert workflows.open_trainer(load_config("configs/osworld_sandbox.yaml", [
+        f"out_dir={tmp_path}", "rollout.backend=hf", "model.device=cpu"])) is trainer
