@@ -285,3 +285,23 @@ def test_a_run_that_would_not_fit_the_gpu_stops_before_it_starts(tmp_path, monke
         f"out_dir={tmp_path}", "model.path=someone/unknown-model"])) is trainer
     assert workflows.open_trainer(load_config("configs/osworld_sandbox.yaml", [
         f"out_dir={tmp_path}", "rollout.backend=hf", "model.device=cpu"])) is trainer
+
+
+@pytest.mark.parametrize("name,gib", [("one_gpu_40gb.yaml", 40), ("one_gpu_24gb.yaml", 24)])
+def test_the_one_gpu_configs_fit_the_cards_they_name(name, gib):
+    """Issue 53: configs/one_gpu_40gb.yaml (UI-TARS-1.5-7B, LoRA r16, 5 screenshots) and
+    one_gpu_24gb.yaml (UI-TARS-2B, Adafactor, vision frozen) fit by the planner, with the peak their
+    header states; without their levers they would not."""
+    import re
+
+    from arpo_lib.run.config import load_config
+
+    path = f"configs/{name}"
+    cfg = load_config(path)
+    result = P.plan(cfg, gib * 2**30, 1)
+    assert result.fits and cfg.rollout.backend == "hf"
+    stated = float(re.search(r"peak: update, ([\d.]+) GiB", open(path).read()).group(1))
+    assert result.peak.total / 2**30 == pytest.approx(stated, abs=0.1)
+    bare = load_config(path, ["model.lora_rank=0", "model.history_images=15", "train.optimizer=adamw",
+                              "model.freeze_vision_tower=false"])
+    assert not P.plan(bare, gib * 2**30, 1).fits
