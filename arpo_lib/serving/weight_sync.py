@@ -45,6 +45,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from arpo_lib.agent.client import post_json
+from arpo_lib.agent.model.shards import full_tensors
 from arpo_lib.run.net import is_loopback
 from arpo_lib.serving.gateway import Gateway, reachable_url
 from arpo_lib.serving.vllm_ext.arpo_vllm_ext import (WeightsDigest, broadcast, digest_of_directory, open_group,
@@ -216,19 +217,6 @@ def check_same_nccl(roots: Sequence[str], ours: dict[str, Any]) -> None:
                 f"{ours.get('torch')} with NCCL {ours.get('nccl') or 'none'}, the server at {root} has {described}. "
                 "Install the same torch build (hence the same NCCL) in the trainer's and vLLM's environments, or "
                 "send the weights another way: rollout.stream_backend=gloo, or rollout.weight_sync=reload")
-
-
-def full_tensors(params: Sequence[tuple[str, torch.Tensor]], device: torch.device,
-                 dtypes: Sequence[torch.dtype]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, whole tensor on `device` in its wire dtype) for each of `params`, one at a time: a
-    DTensor shard is gathered (`full_tensor()`, every rank takes part) only when its turn comes,
-    so the caller holds one parameter's full tensor above the shards, never more, as long as it
-    drops each before asking for the next (the measured memory table walks this same loop)."""
-    for (name, param), dtype in zip(params, dtypes):
-        full = param.full_tensor() if hasattr(param, "full_tensor") else param
-        full = full.detach().to(device=device, dtype=dtype).contiguous()  # the gathered one is freed here
-        yield name, full
-        del full  # before the next one is gathered
 
 
 def _get_json(url: str, timeout_s: float = 30.0) -> Any:

@@ -223,7 +223,7 @@ _GO, _STOP = 1, 0
 class WeightPass:
     """Rank 0's pass over the shards' weights (a push to the servers, a saved model), which every
     other rank joins gather for gather (`join_full_weights`). `weights` is what rank 0 hands its
-    consumer (`serving.weight_sync.full_tensors` gathers each in its turn): the shards under
+    consumer (`agent.model.shards.full_tensors` gathers each in its turn): the shards under
     their full-model names, each of whose `full_tensor()` first announces the gather over the
     control group. After a failure on rank 0 between two gathers (a server that stops answering
     mid-push), `stop` tells the others, and they raise `RankFailed` at once instead of waiting in

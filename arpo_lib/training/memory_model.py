@@ -196,7 +196,7 @@ def measure_step(model: Any, batch: dict[str, torch.Tensor], world_size: int, op
 
     from arpo_lib.agent.hf_policy import enable_activation_checkpointing, set_vision_tower_trainable
     from arpo_lib.agent.model.vision_attention import use_batched_vision_attention
-    from arpo_lib.serving.weight_sync import full_tensors
+    from arpo_lib.agent.model.shards import full_tensors
     from arpo_lib.training import distributed as dist_
     from arpo_lib.training.optim import make_optimizer
 

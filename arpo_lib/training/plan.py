@@ -414,7 +414,7 @@ def phases(shape: ModelShape, w: Workload, t: Training) -> list[Phase]:
                                 **activation_bytes(shape, w, t)}))
     if not t.in_process:
         largest = shape.largest_text_linear if t.lora_rank else shape.largest_param
-        # one at a time (weight_sync.full_tensors): over several ranks gathered in fp32, then cast to bf16
+        # one at a time (agent.model.shards.full_tensors): over several ranks gathered in fp32, then cast to bf16
         gathered = 2 * largest if t.gpus == 1 else 6 * largest
         out.append(Phase("weight push", {**resident, "one tensor gathered": gathered}))
     return out

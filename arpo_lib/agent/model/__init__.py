@@ -6,6 +6,7 @@ counterpart kept for the benchmarks in benchmarks/ and the equivalence tests.
 - vision_attention: the vision tower's per-window attention in a few batched SDPA calls
 - packing: several trajectories in one row with per-sequence M-RoPE positions
 - lora: LoRA adapters (peft) and their merged weights
+- shards: whole tensors from FSDP2 shards, one at a time (a push's and a save's loop)
 
 Precision: weights and optimizer state stay fp32 (master weights); forward passes run under
 `autocast` in the compute dtype (bf16 on a GPU).

@@ -95,7 +95,7 @@ def merged_state_dict(model: Any, host: torch.device | str = "cpu") -> dict[str,
 
 class MergedWeight:
     """A LoRA layer's weight with its delta folded in, computed only when asked for: it has the
-    shape, dtype and `full_tensor()` of an FSDP2 shard, which `serving.weight_sync.full_tensors`
+    shape, dtype and `full_tensor()` of an FSDP2 shard, which `agent.model.shards.full_tensors`
     materialises one at a time, so a push holds one merged weight at once, never all of them."""
 
     def __init__(self, layer: Any):
