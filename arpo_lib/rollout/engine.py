@@ -188,27 +188,13 @@ class RolloutEngine:
         try:
             while queue or slots:
                 # 1. every idle worker starts the next episode
-                for w in range(len(self.pool)):
-                    if w not in slots and queue:
-                        idx, req = self._next_for(w, queue)
-                        ep = _Episode(req, w, Trajectory(task=req.task, seed=req.seed, sample=req.sample,
-                                                         policy_version=policy_version), started=time.monotonic())
-                        slots[w] = (idx, ep)
-                        self._send(ep, "reset", (req.task, req.seed))
+                self._start_idle(queue, slots, policy_version)
                 # 2. collect the answers (the environments worked in parallel meanwhile)
                 for w, (idx, ep) in list(slots.items()):
                     if ep.pending:
                         self._receive(ep)
                 # 3. finished episodes leave; the rest get their next action in one batch
-                for w, (idx, ep) in list(slots.items()):
-                    if ep.done:
-                        self._release(ep)
-                        self._finish(ep, out_dir)
-                        results[idx] = ep.traj
-                        del slots[w]
-                        bar.update(1)
-                        if on_finish:
-                            on_finish(ep.traj)
+                self._leave(slots, results, out_dir, bar, on_finish)
                 live = [ep for _, ep in slots.values() if not ep.pending and not ep.done]
                 if live:
                     with self.busy.generating():
@@ -235,13 +221,7 @@ class RolloutEngine:
         bar = tqdm(total=len(requests), desc=description, disable=not progress, leave=False)
         try:
             while queue or slots:
-                for w in range(len(self.pool)):  # every idle worker starts the next episode
-                    if w not in slots and queue:
-                        idx, req = self._next_for(w, queue)
-                        ep = _Episode(req, w, Trajectory(task=req.task, seed=req.seed, sample=req.sample,
-                                                         policy_version=policy_version), started=time.monotonic())
-                        slots[w] = (idx, ep)
-                        self._send(ep, "reset", (req.task, req.seed))
+                self._start_idle(queue, slots, policy_version)  # every idle worker starts the next episode
                 waiting = [ep for w, (_, ep) in slots.items() if not ep.pending and not ep.done and w not in acting]
                 pending = [ep for w, (_, ep) in slots.items() if ep.pending and w not in acting]
                 until = time.monotonic() + POLL_S
@@ -256,15 +236,7 @@ class RolloutEngine:
                     if future.done():
                         del acting[w]
                         future.result()  # an exception in the request thread stops the run, as in lockstep
-                for w, (idx, ep) in list(slots.items()):
-                    if ep.done and w not in acting:
-                        self._release(ep)
-                        self._finish(ep, out_dir)
-                        results[idx] = ep.traj
-                        del slots[w]
-                        bar.update(1)
-                        if on_finish:
-                            on_finish(ep.traj)
+                self._leave(slots, results, out_dir, bar, on_finish, busy=set(acting))
                 waiting = [ep for w, (_, ep) in slots.items() if not ep.pending and not ep.done and w not in acting]
                 pending = [ep for w, (_, ep) in slots.items() if ep.pending and w not in acting]
                 if threads is not None:
@@ -303,6 +275,31 @@ class RolloutEngine:
             time.sleep(min(0.002, max(0.0, until - time.monotonic())))
 
     # -- internals ---------------------------------------------------------------------------
+    def _start_idle(self, queue: deque, slots: dict[int, tuple[int, _Episode]], policy_version: int) -> None:
+        """Every idle worker starts the next episode (a reset in flight)."""
+        for w in range(len(self.pool)):
+            if w not in slots and queue:
+                idx, req = self._next_for(w, queue)
+                ep = _Episode(req, w, Trajectory(task=req.task, seed=req.seed, sample=req.sample,
+                                                 policy_version=policy_version), started=time.monotonic())
+                slots[w] = (idx, ep)
+                self._send(ep, "reset", (req.task, req.seed))
+
+    def _leave(self, slots: dict[int, tuple[int, _Episode]], results: dict[int, Trajectory],
+               out_dir: str | Path | None, bar: Any, on_finish: Callable[[Trajectory], None] | None,
+               busy: set[int] = frozenset()) -> None:
+        """Finished episodes (but those of `busy` workers, a request still in flight) are written
+        and leave their worker."""
+        for w, (idx, ep) in list(slots.items()):
+            if ep.done and w not in busy:
+                self._release(ep)
+                self._finish(ep, out_dir)
+                results[idx] = ep.traj
+                del slots[w]
+                bar.update(1)
+                if on_finish:
+                    on_finish(ep.traj)
+
     def _next_for(self, worker: int, queue: deque) -> tuple[int, EpisodeRequest]:
         """Prefer an episode of the task this worker ran last: its environment is still open."""
         last = self._last_task.get(worker)
