@@ -114,6 +114,7 @@ class HFPolicy(UITarsConversations):
         max_new_tokens: int = 256,
         gradient_checkpointing: bool = False,
         checkpoint_every_n_layers: int = 1,
+        activation_offload: bool = False,
         freeze_vision_tower: bool = False,
         kv_cache: bool = True,
         prefill_batch_tokens: int | None = None,
@@ -156,7 +157,9 @@ class HFPolicy(UITarsConversations):
         self.model.eval()
         report_checkpoint_sampling(path, self.model.generation_config)
         if gradient_checkpointing:
-            enable_activation_checkpointing(self.model, checkpoint_every_n_layers)
+            enable_activation_checkpointing(self.model, checkpoint_every_n_layers, offload=activation_offload)
+        elif activation_offload:
+            raise ValueError("activation offload moves the checkpointed layers' inputs: it needs gradient_checkpointing")
         if freeze_vision_tower:
             set_vision_tower_trainable(self.model, False)
         if vision_attention == "batched":

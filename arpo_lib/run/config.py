@@ -101,6 +101,11 @@ class ModelConfig:
     checkpoint_every_n_layers: int = 1
     """With gradient_checkpointing: checkpoint every n-th decoder layer only (1 = all, least memory;
     larger = less recomputation where memory is left over; transformers >= 5.23)."""
+    activation_offload: bool = False
+    """With gradient_checkpointing: the layer inputs kept for the recompute wait in pinned host
+    memory instead of on the GPU (transformers' `offload`: torch's save_on_cpu). Frees layers x
+    tokens x hidden x 2 bytes of GPU memory (7B at 15 screenshots: ~8 GiB), costs a copy to the
+    host in the forward and back in the backward, and that much host memory. Same values."""
     freeze_vision_tower: bool = False
     """Train only the language model: the vision module (blocks and merger, as EasyR1's switch of
     this name) gets no gradient, so its activations are not kept for the backward and its
@@ -653,6 +658,9 @@ def validate(cfg: RunConfig) -> None:
                        ("env.instances_per_task", cfg.env.instances_per_task)):
         if value < 0:
             _fail(key, f"must be >= 0, got {value}")
+    if cfg.model.activation_offload and not cfg.model.gradient_checkpointing:
+        _fail("model.activation_offload", "moves the inputs kept by activation checkpointing to host memory: "
+                                          "it needs model.gradient_checkpointing=true")
     if cfg.model.lora_rank and cfg.algo.kl_coef > 0:
         _fail("algo.kl_coef", "a KL reference model beside LoRA is not supported yet (set kl_coef 0 or lora_rank 0)")
     if not cfg.env.tasks:

@@ -284,6 +284,8 @@ class Training:
     """model.freeze_vision_tower."""
     checkpointing: bool = True
     """model.gradient_checkpointing (every layer)."""
+    offload: bool = False
+    """model.activation_offload: the checkpointed layers' inputs wait in pinned host memory."""
     weights_bytes: int = 4
     """Master weights' bytes per element (4: fp32, as the trainer keeps them)."""
     compute_bytes: int = 2
@@ -306,6 +308,7 @@ def training_of(cfg: Any, gpus: int | None = None, device: str = "cuda") -> Trai
     on_gpu = device != "cpu"
     return Training(lora_rank=cfg.model.lora_rank, optimizer=cfg.train.optimizer,
                     freeze_vision=cfg.model.freeze_vision_tower, checkpointing=cfg.model.gradient_checkpointing,
+                    offload=cfg.model.gradient_checkpointing and cfg.model.activation_offload and on_gpu,
                     compute_bytes=2 if on_gpu else 4,
                     frozen_bytes=2 if on_gpu and cfg.model.frozen_weights_dtype == "auto" else 4,
                     logprob_chunk=cfg.model.logprob_chunk or 10 ** 9,
@@ -367,8 +370,8 @@ def activation_bytes(shape: ModelShape, w: Workload, t: Training, backward: bool
         vision = patches * (3 * t.compute_bytes * shape.vision_intermediate + 16 * shape.vision_embed)
         layer = {"one decoder layer's forward": text} if text >= vision else {"one vision block's forward": vision}
         return {**layer, "LM head chunk": logits, **scores}
-    if t.checkpointing:
-        parts = {"kept layer inputs": 2 * scale * tokens * shape.hidden * shape.layers}
+    if t.checkpointing:  # (with t.offload they are in host memory: Phase.host)
+        parts = {} if t.offload else {"kept layer inputs": kept_layer_inputs(shape, w, t)}
     else:  # every layer keeps what its backward reads: ~6 (T, hidden) and 4 (T, intermediate) tensors
         # (7B at 41.7k tokens: ~8 GB a layer, as benchmarks/RESULTS.md measured)
         parts = {"kept layer activations": 2 * scale * tokens * (6 * shape.hidden + 4 * shape.intermediate) * shape.layers}
@@ -382,10 +385,17 @@ def activation_bytes(shape: ModelShape, w: Workload, t: Training, backward: bool
     return parts
 
 
+def kept_layer_inputs(shape: ModelShape, w: Workload, t: Training) -> float:
+    """What activation checkpointing keeps for the recompute: each decoder layer's input."""
+    return 2 * t.compute_bytes / 2 * w.tokens * w.rows * shape.hidden * shape.layers
+
+
 @dataclass
 class Phase:
     name: str
     parts: dict[str, float]
+    host: dict[str, float] = field(default_factory=dict)
+    """What the phase keeps in the host's memory instead (pinned), by part."""
 
     @property
     def total(self) -> float:
@@ -410,8 +420,9 @@ def phases(shape: ModelShape, w: Workload, t: Training) -> list[Phase]:
     inputs = {"pixel inputs": 4 * w.rows * w.patches * 3 * 2 * shape.patch ** 2}
     out.append(Phase("old log-probs", {**resident, **_gathered(shape, t, False), **inputs,
                                        **activation_bytes(shape, w, t, backward=False)}))
+    host = {"kept layer inputs (pinned)": kept_layer_inputs(shape, w, t)} if t.checkpointing and t.offload else {}
     out.append(Phase("update", {**resident, **grads, **_gathered(shape, t, True), **inputs,
-                                **activation_bytes(shape, w, t)}))
+                                **activation_bytes(shape, w, t)}, host))
     if not t.in_process:
         largest = shape.largest_text_linear if t.lora_rank else shape.largest_param
         # one at a time (agent.model.shards.full_tensors): over several ranks gathered in fp32, then cast to bf16
@@ -437,6 +448,9 @@ class Lever:
 LEVERS = (
     Lever("train.micro_batch_size=1 train.token_budget=0", "none: gradient-exact, more micro-batches"),
     Lever("model.gradient_checkpointing=true", "speed: the forward runs twice (~30% slower update); exact"),
+    Lever("model.activation_offload=true", "speed: each layer's kept input is copied to pinned host memory and "
+          "back over PCIe (estimated ~0.7 s of a ~13 s 7B update at 15 screenshots; not yet timed), "
+          "host memory as the plan says; exact"),
     Lever("env.workers=N", "speed: fewer episodes live at once (each keeps its KV cache); same episodes, same tokens"),
     Lever("train.optimizer=adafactor", "fidelity: factored second moments instead of AdamW's"),
     Lever("model.freeze_vision_tower=true", "fidelity: the vision tower is not trained (ARPO trains it); faster"),
@@ -453,6 +467,8 @@ def _candidates(cfg: Any, lever: Lever) -> list[list[str]]:
         return [] if tr.micro_batch_size == 1 and not tr.token_budget else [["train.micro_batch_size=1", "train.token_budget=0"]]
     if lever.name.startswith("model.gradient_checkpointing"):
         return [] if m.gradient_checkpointing else [["model.gradient_checkpointing=true"]]
+    if lever.name.startswith("model.activation_offload"):
+        return [] if m.activation_offload else [["model.gradient_checkpointing=true", "model.activation_offload=true"]]
     if lever.name.startswith("env.workers"):
         if ro.backend != "hf":
             return []
@@ -515,6 +531,9 @@ class Plan:
                  "", self.table(), "",
                  f"peak: {self.peak.name}, {self.peak.total / GIB:.1f} GiB: "
                  + ("fits" if self.fits else "does NOT fit")]
+        host = max((sum(p.host.values()) for p in self.phases), default=0)
+        if host:
+            lines.append(f"host memory beside it: {host / GIB:.1f} GiB pinned (model.activation_offload)")
         if self.levers:
             lines += ["", "levers, cheapest first, each on top of the ones above:"]
             for lever, added, peak in self.levers:
@@ -528,7 +547,8 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "gpu_memory_gib": self.gpu_memory / GIB, "gpus": self.gpus,
                 "workload": dataclasses.asdict(self.workload), "fits": self.fits, "overrides": self.overrides,
-                "phases": {p.name: {"total_gib": p.total / GIB, "parts_gib": {k: v / GIB for k, v in p.parts.items()}}
+                "phases": {p.name: {"total_gib": p.total / GIB, "parts_gib": {k: v / GIB for k, v in p.parts.items()},
+                                    **({"host_gib": {k: v / GIB for k, v in p.host.items()}} if p.host else {})}
                            for p in self.phases},
                 "levers": [{"overrides": added, "cost": lever.cost, "peak_gib": peak / GIB}
                            for lever, added, peak in self.levers]}

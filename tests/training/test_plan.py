@@ -289,9 +289,9 @@ def test_a_run_that_would_not_fit_the_gpu_stops_before_it_starts(tmp_path, monke
 
 @pytest.mark.parametrize("name,gib", [("one_gpu_40gb.yaml", 40), ("one_gpu_24gb.yaml", 24)])
 def test_the_one_gpu_configs_fit_the_cards_they_name(name, gib):
-    """Issue 53: configs/one_gpu_40gb.yaml (UI-TARS-1.5-7B, LoRA r16, 5 screenshots) and
-    one_gpu_24gb.yaml (UI-TARS-2B, Adafactor, vision frozen) fit by the planner, with the peak their
-    header states; without their levers they would not."""
+    """Issue 53: configs/one_gpu_40gb.yaml (UI-TARS-1.5-7B, LoRA r16, 8 screenshots, activation
+    offload) and one_gpu_24gb.yaml (UI-TARS-2B, Adafactor, vision frozen, activation offload) fit
+    by the planner, with the peak their header states; without their levers they would not."""
     import re
 
     from arpo_lib.run.config import load_config
@@ -300,8 +300,39 @@ def test_the_one_gpu_configs_fit_the_cards_they_name(name, gib):
     cfg = load_config(path)
     result = P.plan(cfg, gib * 2**30, 1)
     assert result.fits and cfg.rollout.backend == "hf"
-    stated = float(re.search(r"peak: update, ([\d.]+) GiB", open(path).read()).group(1))
-    assert result.peak.total / 2**30 == pytest.approx(stated, abs=0.1)
+    phase, stated = re.search(r"peak: ([\w -]+), ([\d.]+) GiB", open(path).read()).groups()
+    assert result.peak.name == phase and result.peak.total / 2**30 == pytest.approx(float(stated), abs=0.1)
     bare = load_config(path, ["model.lora_rank=0", "model.history_images=15", "train.optimizer=adamw",
                               "model.freeze_vision_tower=false"])
     assert not P.plan(bare, gib * 2**30, 1).fits
+
+
+def test_activation_offload_moves_the_kept_layer_inputs_to_host_memory(shapes):
+    """model.activation_offload: the update's checkpointed layer inputs leave the GPU's total for
+    the host's (the same bytes), nothing else changes; the planner tries it right after
+    checkpointing and before any lever that costs fidelity; it needs checkpointing (the config
+    says so) and does nothing on the CPU."""
+    from arpo_lib.run.config import ConfigError
+
+    cfg = load_config(REPO / "configs" / "one_gpu_40gb.yaml", ["model.activation_offload=false"])
+    on = load_config(REPO / "configs" / "one_gpu_40gb.yaml")
+    w = P.workload(cfg, shapes["7b"])
+    off_phases = {p.name: p for p in P.phases(shapes["7b"], w, P.training_of(cfg))}
+    on_phases = {p.name: p for p in P.phases(shapes["7b"], w, P.training_of(on))}
+    kept = off_phases["update"].parts["kept layer inputs"]
+    assert kept == 2 * w.tokens * shapes["7b"].hidden * shapes["7b"].layers  # bf16, one row
+    assert on_phases["update"].host == {"kept layer inputs (pinned)": kept}
+    assert off_phases["update"].total - on_phases["update"].total == kept
+    assert all(on_phases[n].parts == off_phases[n].parts for n in ("generation", "old log-probs"))
+    assert not P.training_of(on, device="cpu").offload
+    names = [lever.name for lever in P.LEVERS]
+    assert names.index("model.gradient_checkpointing=true") < names.index("model.activation_offload=true") \
+        < names.index("train.optimizer=adafactor")
+    advice = P.plan(load_config(REPO / "configs" / "osworld_sandbox.yaml", ["rollout.backend=hf"]), 40 * GIB,
+                    1, shape=shapes["7b"])
+    assert [lever.name for lever, *_ in advice.levers][:2] == ["model.gradient_checkpointing=true",
+                                                               "model.activation_offload=true"]
+    assert "model.activation_offload=true" in advice.overrides
+    assert "GiB pinned (model.activation_offload)" in P.plan(on, 40 * GIB, 1, shape=shapes["7b"]).report()
+    with pytest.raises(ConfigError, match="model.activation_offload"):
+        load_config(REPO / "configs" / "one_gpu_40gb.yaml", ["model.gradient_checkpointing=false"])

@@ -320,3 +320,34 @@ def test_a_frozen_vision_tower_records_no_graph_under_checkpointing(tiny_qwen25v
         assert frozen.keys() == {n for n in trained if ".visual." not in n}
         for name, grad in frozen.items():
             torch.testing.assert_close(grad, trained[name], atol=0, rtol=0, msg=name)
+
+
+def test_activation_offload_keeps_the_values_and_sends_the_kept_inputs_through_save_on_cpu(tiny_qwen25vl, monkeypatch):
+    """model.activation_offload (transformers' `offload`, torch's save_on_cpu around each
+    checkpointed layer): the same log-probs and gradients bit for bit, every checkpointed decoder
+    layer's saved tensors packed by save_on_cpu (on a GPU: copied to pinned host memory); without
+    checkpointing it is refused."""
+    import torch.autograd.graph as graph
+
+    segs = None
+    results = {}
+    for offload in (False, True):
+        policy = HFPolicy(tiny_qwen25vl, device="cpu", gradient_checkpointing=True, activation_offload=offload)
+        policy.model.train()
+        segs = segs or _segments(policy)
+        entered = []
+        real_enter = graph.save_on_cpu.__enter__
+        monkeypatch.setattr(graph.save_on_cpu, "__enter__", lambda self: entered.append(1) or real_enter(self))
+        results[offload] = _logprobs_and_grads(policy, segs), len(entered)
+        monkeypatch.undo()
+    (lp_off, grads_off), entered_off = results[False]
+    (lp_on, grads_on), entered_on = results[True]
+    layers = policy.model.config.text_config.num_hidden_layers
+    assert entered_off == 0 and entered_on >= layers * len(segs)  # each layer of each forward (and recompute)
+    for a, b in zip(lp_off, lp_on):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    assert grads_off.keys() == grads_on.keys()
+    for name in grads_off:
+        torch.testing.assert_close(grads_off[name], grads_on[name], atol=0, rtol=0, msg=name)
+    with pytest.raises(ValueError, match="needs gradient_checkpointing"):
+        HFPolicy(tiny_qwen25vl, device="cpu", activation_offload=True)
