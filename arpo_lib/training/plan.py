@@ -587,8 +587,18 @@ def plan(cfg: Any, gpu_memory: float, gpus: int | None = None, screen: tuple[int
             break
         else:  # no lever lowers it further
             break
+    if peak <= usable(gpu_memory):  # a lever that a later, stronger one made unneeded goes again,
+        for entry in reversed(list(tried)):  # the costliest first
+            rest = [e for e in tried if e is not entry]
+            trial = config_from_dict(_with_overrides(cfg, [o for _, added, _ in rest for o in added]))
+            if max(p.total for p in evaluate(trial)) <= usable(gpu_memory):
+                tried = rest
+        current = cfg
+        for i, (lever, added, _) in enumerate(tried):  # each peak on top of the ones kept above it
+            current = config_from_dict(_with_overrides(current, added))
+            tried[i] = (lever, added, max(p.total for p in evaluate(current)))
     first.levers = tried
-    first.overrides = _net(cfg, applied)
+    first.overrides = _net(cfg, [o for _, added, _ in tried for o in added])
     return first
 
 

@@ -1,0 +1,64 @@
+"""The planner's "what fits on one GPU" table (docs/speed-and-memory.md and the README): for
+16, 24, 40 and 80 GB cards, UI-TARS-1.5-7B and UI-TARS-2B on OSWorld's sandbox tasks (15 1080p
+screenshots kept) and on MiniWoB++, rollouts generated in this process; each cell the peak the
+planner predicts with the levers it chose (cheapest first). Predictions, not measurements.
+
+    python scripts/one_gpu_table.py            # the markdown table (~1 min)
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from arpo_lib.run.config import load_config  # noqa: E402
+from arpo_lib.training import plan as P  # noqa: E402
+
+MODELS = {"UI-TARS-1.5-7B": "ByteDance-Seed/UI-TARS-1.5-7B", "UI-TARS-2B": "bytedance-research/UI-TARS-2B-SFT"}
+SETTINGS = {  # (config, overrides): the shipped configs with the model swapped, generation in this process
+    "OSWorld": ("configs/osworld_sandbox.yaml", ["rollout.backend=hf", "model.gradient_checkpointing=true"]),
+    "MiniWoB": ("configs/subset_miniwob.yaml", ["model.gradient_checkpointing=true"]),
+}
+CARDS = (80, 40, 24, 16)
+
+WORDS = {  # an override as the table says it
+    "train.optimizer=adafactor": "Adafactor", "model.freeze_vision_tower=true": "vision frozen",
+    "model.lora_rank=16": "LoRA r16", "model.activation_offload=true": "offload",
+}
+
+
+def describe(overrides: list[str]) -> str:
+    words = []
+    for item in overrides:
+        key, value = item.split("=", 1)
+        if item in WORDS:
+            words.append(WORDS[item])
+        elif key == "model.history_images":
+            words.append(f"{value} screenshots")
+        elif key == "env.workers":
+            words.append(f"{value} environment{'s' if value != '1' else ''}")
+    return ", ".join(dict.fromkeys(words)) or "as configured"
+
+
+def cell(model: str, setting: str, gib: int) -> str:
+    path, overrides = SETTINGS[setting]
+    cfg = load_config(path, [*overrides, f"model.path={MODELS[model]}",
+                             f"model.coord_mode={'qwen25vl' if '1.5' in model else 'qwen2vl'}"])
+    result = P.plan(cfg, gib * P.GIB, 1)
+    if not result.fits_with_levers:
+        return "does not fit"
+    after = P.plan(P.fitted(cfg, result), gib * P.GIB, 1)
+    return f"{describe(result.overrides)}: {after.peak.total / P.GIB:.1f}"
+
+
+def main() -> None:
+    columns = [(m, s) for s in SETTINGS for m in MODELS]
+    print("| GPU | " + " | ".join(f"{m}, {s}" for m, s in columns) + " |")
+    print("|---|" + "---|" * len(columns))
+    for gib in CARDS:
+        print(f"| {gib} GB | " + " | ".join(cell(m, s, gib) for m, s in columns) + " |")
+
+
+if __name__ == "__main__":
+    main()
