@@ -113,6 +113,27 @@ def goals(gpu: list[dict]) -> str:
     return GOALS + "\n".join(rows) + "\n"
 
 
+def one_gpu_section(r: dict) -> str:
+    """A one-GPU config's check (benchmarks/bench_one_gpu.py): each phase measured against the
+    planner's prediction, for the config and for the trajectory that ran."""
+    cap = f"capped at {r['cap_gib']:g} GiB" if r["cap"]["applied"] else "no memory cap"
+    s = r["settings"]
+    lines = [f"## One GPU: {r['config']} ({r['shape']}, {cap}) on {r['device']}\n",
+             f"One rollout batch ({s['steps']} steps, responses cut at {s['rollout_max_new_tokens']} tokens) and one "
+             f"update of {s['trajectories']} trajectories ({s['updates_per_batch']} optimizer steps); peaks by "
+             f"{r.get('memory_measured_by', '-')}. Out of memory: "
+             + (f"yes, in {r['oom_phase']}" if r["oom"] else "no") + ".\n"]
+    rows = [{"phase": p["phase"], "seconds": p.get("seconds"), "measured GiB": p.get("measured_gib"),
+             "planned GiB": p.get("predicted_gib"), "measured / planned": p.get("ratio"),
+             "planned as run GiB": p["predicted_as_run_bytes"] / 2**30 if p.get("predicted_as_run_bytes") else None,
+             "measured / planned as run": p.get("ratio_as_run"), "out of memory": p.get("oom")}
+            for p in r.get("phases", [])]
+    lines.append(table(rows, ["phase", "seconds", "measured GiB", "planned GiB", "measured / planned",
+                              "planned as run GiB", "measured / planned as run", "out of memory"]))
+    lines.append(f"\n`{r['command']}`\n")
+    return "\n".join(lines)
+
+
 def main(results_dir: Path = RESULTS_DIR, out: Path = ROOT / "benchmarks" / "RESULTS.md") -> str:
     """RESULTS.md from the update and rollout results in `results_dir` (the memory table and the
     desktop benchmark have their own sections in docs/several-gpus.md and docs/desktop.md)."""
@@ -168,6 +189,8 @@ def main(results_dir: Path = RESULTS_DIR, out: Path = ROOT / "benchmarks" / "RES
         parts.append("\nsteps per hour over lockstep: " + ", ".join(f"{k} {v:.2f}x"
                                                                     for k, v in r["steps_per_hour_ratio"].items()))
         parts.append(f"\n`{r['command']}` (docs/asynchronous.md)\n")
+    for r in (r for r in every if r.get("benchmark") == "one_gpu"):
+        parts.append(one_gpu_section(r))
     text = "\n".join(parts)
     Path(out).write_text(text)
     print(f"written {out}")

@@ -192,6 +192,31 @@ def test_gpu_plan_parts_fit_a_device_command_and_rehearse_on_cpu(tmp_path):
     assert (tmp_path / "part2.log").read_text().count("passed") >= 1
 
 
+def test_the_one_gpu_part_rehearses_on_cpu_measured_beside_the_planner(tmp_path):
+    """benchmarks/run_gpu.py part 5 (issue 53): both one-GPU configs at the tiny shapes of their
+    architectures (~20 s): each phase (one rollout batch, old log-probs, the update) has its
+    measured peak, seconds, the planner's prediction and the ratio; no cap on the CPU, said so."""
+    from benchmarks import run_gpu
+
+    assert sum(minutes for _, minutes, _ in run_gpu.PARTS["5"]) <= 8
+    statuses = run_gpu.main(["5", "--rehearse", "--out", str(tmp_path)])
+    assert [s["status"] for s in statuses] == ["ok", "ok"], statuses
+    for name, shape in (("one_gpu_40gb", "tiny25"), ("one_gpu_24gb", "tiny")):
+        r = json.loads((tmp_path / f"{name}.json").read_text())
+        assert r["shape"] == shape and r["oom"] is False and r["cap"]["applied"] is False
+        assert [p["phase"] for p in r["phases"]] == ["generation", "old log-probs", "update"]
+        for p in r["phases"]:
+            assert p["measured_bytes"] > 0 and p["seconds"] > 0 and p["predicted_bytes"] > 0, p
+            assert p["ratio"] == pytest.approx(p["measured_bytes"] / p["predicted_bytes"])
+            assert p["ratio_as_run"] > 0
+        assert r["settings"]["trajectories"] == 2 and r["update_metrics"]["optimizer_steps"] == 2
+    lora = json.loads((tmp_path / "one_gpu_40gb.json").read_text())
+    assert lora["settings"]["lora_rank"] == 16 and lora["build"]["trainable"] < lora["build"]["params"] / 10
+    from benchmarks.report import one_gpu_section
+
+    assert "| update |" in one_gpu_section(lora) and "no memory cap" in one_gpu_section(lora)
+
+
 def test_path_levers_parse_and_unknown_ones_are_refused():
     spec = bench_update.parse_path("ours+compile+ckpt2+cudnn")
     assert (spec["base"], spec["compile"], spec["ckpt"], spec["sdpa"], spec["chunk"]) == ("ours", True, 2, "cudnn", 1024)
