@@ -265,9 +265,15 @@ def workload(cfg: Any, shape: ModelShape, screen: tuple[int, int] | None = None,
     budget = 8192 if budget is None else budget
     turn = per_image + TURN_TEXT_TOKENS + response
     group = max(1, min(gen_batch, budget // turn)) if gen_batch else 0
+    prefill_tokens, prefill_patches = group * turn, group * per_image * shape.merge ** 2
+    if gen_batch and images < steps and tokens > prefill_tokens:
+        # the screenshot window slides: from step `images` + 1 on, each step's context is a new
+        # segment whose cache is not reused, prefilled whole (one row over the budget goes alone)
+        prefill_tokens, prefill_patches = tokens, patches
     return Workload(tokens=tokens, patches=patches, trained=steps * response, rows=rows,
-                    generation_rows=gen_rows, generation_batch=gen_batch, generation_context=tokens, max_new_tokens=cfg.model.max_new_tokens,
-                    prefill_tokens=group * turn, prefill_patches=group * per_image * shape.merge ** 2)
+                    generation_rows=gen_rows, generation_batch=gen_batch, generation_context=tokens,
+                    max_new_tokens=cfg.model.max_new_tokens, prefill_tokens=prefill_tokens,
+                    prefill_patches=prefill_patches)
 
 
 # ---- the arithmetic -------------------------------------------------------------------------------

@@ -460,3 +460,17 @@ def test_the_one_gpu_table_script_prints_the_cards_rows(capsys):
     rows = {line.split(" | ")[0].strip("| "): line for line in capsys.readouterr().out.splitlines()}
     assert set(rows) >= {"80 GB", "40 GB", "24 GB", "16 GB"}
     assert "LoRA r16" in rows["40 GB"].split(" | ")[1] and rows["24 GB"].split(" | ")[1] == "does not fit"
+
+
+def test_a_sliding_screenshot_window_plans_a_whole_context_prefill(shapes):
+    """With fewer screenshots kept than steps, each step past the window is a new segment (the
+    oldest screenshot dropped) whose cache cannot be reused: its whole kept context is prefilled,
+    one row alone over the budget (kv_generation's `_batches`). With all kept, a step prefills
+    its new turn only."""
+    cfg = load_config(REPO / "configs" / "one_gpu_40gb.yaml")
+    w = P.workload(cfg, shapes["7b"])
+    assert cfg.model.history_images < cfg.env.max_steps
+    assert (w.prefill_tokens, w.prefill_patches) == (w.tokens, w.patches)
+    kept = P.workload(load_config(REPO / "configs" / "one_gpu_40gb.yaml", ["model.history_images=15"]), shapes["7b"])
+    turn = P.screenshot_tokens(shapes["7b"], (1920, 1080)) + P.TURN_TEXT_TOKENS + P.RESPONSE_TOKENS + 1
+    assert kept.prefill_tokens == 2 * turn < kept.tokens  # 2 environments' new turns in one forward
