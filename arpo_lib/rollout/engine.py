@@ -56,6 +56,47 @@ POLL_S = 0.05
 """An asynchronous rollout with nothing to do looks at its environments again after this long."""
 
 
+class SharedWorkers:
+    """One pool's environments shared by rollout batches that run at once (batches sampled ahead,
+    `rollout.max_staleness`): a worker belongs to one batch at a time, and a free one goes to the
+    oldest batch that still has episodes to start, so a batch's stragglers no longer leave the
+    other environments idle: the next batch's episodes start on them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holder: dict[int, int] = {}  # worker -> the batch using it
+        self._wanting: set[int] = set()  # batches with episodes not started yet
+
+    def want(self, batch: int, wanting: bool) -> None:
+        """Whether `batch` has episodes left to start (an older batch that wants goes first)."""
+        with self._lock:
+            (self._wanting.add if wanting else self._wanting.discard)(batch)
+
+    def take(self, worker: int, batch: int) -> bool:
+        """`worker` for `batch`: True when it holds it now (free, and no older batch wants one)."""
+        with self._lock:
+            holder = self._holder.get(worker)
+            if holder not in (None, batch):
+                return False
+            if any(b < batch for b in self._wanting):  # (a worker between two episodes goes back too)
+                self._holder.pop(worker, None)
+                return False
+            self._holder[worker] = batch
+            return True
+
+    def give(self, worker: int, batch: int) -> None:
+        with self._lock:
+            if self._holder.get(worker) == batch:
+                del self._holder[worker]
+
+    def leave(self, batch: int) -> None:
+        """`batch` is over: its workers are free, it wants none."""
+        with self._lock:
+            self._wanting.discard(batch)
+            for worker in [w for w, b in self._holder.items() if b == batch]:
+                del self._holder[worker]
+
+
 class BusyClock:
     """How much of a rollout's wall time the environments and the generator were busy: per
     worker, the time a command was in flight; for the generator, the time at least one
@@ -137,13 +178,16 @@ class RolloutEngine:
 
     def __init__(self, policy: Policy, pool: WorkerPool, *, max_steps: int = 15, format_coef: float = 0.5,
                  format_penalty: float = -1.0, rules: RolloutRules = TRAINING_RULES, keep_pixels: bool = True,
-                 mode: str = "lockstep", gather_window_s: float = 0.05, max_batch: int = 0):
+                 mode: str = "lockstep", gather_window_s: float = 0.05, max_batch: int = 0,
+                 shared: SharedWorkers | None = None, batch: int = 0):
         """`rules`: training's unless an evaluation protocol gives its own
         (`evaluation.protocols.EvalProtocol.rollout_rules`). `keep_pixels=False`: a finished
         episode's segments drop their pixels once its trajectory is written (`run(out_dir=...)`),
         for a caller that re-encodes them where it needs them (`store.load_pixels`, as the policy
         update does): a 1080p screenshot is ~50 MB of fp32 pixels, up to 15 per episode, and a
-        rollout batch held every finished episode's until the update (~130 GB at 32x8 episodes)."""
+        rollout batch held every finished episode's until the update (~130 GB at 32x8 episodes).
+        `shared`: the pool's workers are shared with other batches running at once; this one is
+        batch number `batch` (an older batch gets a free worker first)."""
         if rules.parse_attempts < 1:
             raise ValueError(f"parse_attempts must be >= 1, got {rules.parse_attempts}")
         if mode not in ("lockstep", "async"):
@@ -157,6 +201,7 @@ class RolloutEngine:
         self.rules = rules
         self.keep_pixels = keep_pixels
         self.env_steps = 0
+        self.shared, self.batch = shared, batch
         self._last_task: dict[int, str] = {}
         self.busy = BusyClock()
         """How long the environments and the generator were busy during the last `run`."""
@@ -175,12 +220,27 @@ class RolloutEngine:
     ) -> list[Trajectory]:
         """Run all requests; returns trajectories in request order, each marked with
         `policy_version` (the trainer's weight version, for the age of replayed data)."""
+        self.busy = BusyClock(len(self.pool))
+        if self.shared is not None:
+            self.shared.want(self.batch, bool(requests))
+        try:
+            if self.mode == "async":
+                return self._run_async(requests, temperature=temperature, top_p=top_p, out_dir=out_dir,
+                                       progress=progress, description=description, on_finish=on_finish,
+                                       policy_version=policy_version)
+            return self._run_lockstep(requests, temperature=temperature, top_p=top_p, out_dir=out_dir,
+                                      progress=progress, description=description, on_finish=on_finish,
+                                      policy_version=policy_version)
+        finally:
+            if self.shared is not None:
+                self.shared.leave(self.batch)
+
+    def _run_lockstep(self, requests: Sequence[EpisodeRequest], *, temperature: float, top_p: float,
+                      out_dir: str | Path | None, progress: bool, description: str,
+                      on_finish: Callable[[Trajectory], None] | None, policy_version: int) -> list[Trajectory]:
+        """`run` in ticks (see the module docstring)."""
         from tqdm.auto import tqdm
 
-        self.busy = BusyClock(len(self.pool))
-        if self.mode == "async":
-            return self._run_async(requests, temperature=temperature, top_p=top_p, out_dir=out_dir, progress=progress,
-                                   description=description, on_finish=on_finish, policy_version=policy_version)
         queue = deque(enumerate(requests))
         results: dict[int, Trajectory] = {}
         slots: dict[int, tuple[int, _Episode]] = {}
@@ -199,6 +259,8 @@ class RolloutEngine:
                 if live:
                     with self.busy.generating():
                         self._act(live, temperature, top_p)
+                elif not slots and queue:  # every worker is another batch's (shared): look again soon
+                    time.sleep(POLL_S)
         finally:
             bar.close()
             for _, ep in slots.values():  # an exception left episodes open: drop their caches
@@ -276,14 +338,23 @@ class RolloutEngine:
 
     # -- internals ---------------------------------------------------------------------------
     def _start_idle(self, queue: deque, slots: dict[int, tuple[int, _Episode]], policy_version: int) -> None:
-        """Every idle worker starts the next episode (a reset in flight)."""
+        """Every idle worker starts the next episode (a reset in flight); one another batch holds
+        is not idle (`shared`), and one this batch no longer needs goes back."""
         for w in range(len(self.pool)):
-            if w not in slots and queue:
+            if w in slots:
+                continue
+            if not queue:
+                if self.shared is not None:
+                    self.shared.give(w, self.batch)
+                continue
+            if self.shared is None or self.shared.take(w, self.batch):
                 idx, req = self._next_for(w, queue)
                 ep = _Episode(req, w, Trajectory(task=req.task, seed=req.seed, sample=req.sample,
                                                  policy_version=policy_version), started=time.monotonic())
                 slots[w] = (idx, ep)
                 self._send(ep, "reset", (req.task, req.seed))
+        if self.shared is not None:
+            self.shared.want(self.batch, bool(queue))
 
     def _leave(self, slots: dict[int, tuple[int, _Episode]], results: dict[int, Trajectory],
                out_dir: str | Path | None, bar: Any, on_finish: Callable[[Trajectory], None] | None,

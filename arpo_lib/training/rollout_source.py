@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from arpo_lib.rollout.engine import RolloutEngine
+from arpo_lib.rollout.engine import RolloutEngine, SharedWorkers
 from arpo_lib.rollout.store import without_pixels
 from arpo_lib.run.layout import RunDir
 from arpo_lib.run.seeding import stable_seed
@@ -84,6 +84,8 @@ class RolloutSource:
         """Rollout batches sampled ahead, while the updates before them run (rollout.max_staleness)."""
         self._ahead: dict[int, tuple[Future, RolloutEngine]] = {}  # step -> its batch running in the background
         self._runner: ThreadPoolExecutor | None = None
+        self._shared = SharedWorkers() if max_staleness else None
+        """The environments, shared by the batches that run at once (the oldest first)."""
         self.env_seconds = self.generator_seconds = 0.0
         """Over the run so far: seconds the environments were busy (summed over this process's
         workers) and the generator was (`RolloutEngine.busy`); benchmarks/bench_async.py reads them."""
@@ -132,18 +134,25 @@ class RolloutSource:
         self.backend.broadcast(self.served.passes_over_weights(version))
         self.backend.on_main(lambda: self.served.policy(version))  # the others take part in its gathers first
 
-    def engine(self, version: int, announce: bool = True, keep_pixels: bool = True) -> RolloutEngine:
+    def engine(self, version: int, announce: bool = True, keep_pixels: bool = True,
+               batch: int | None = None) -> RolloutEngine:
         """A rollout engine over this process's environments (see `acting`). `keep_pixels=False`:
-        finished episodes drop their pixels once written (the update re-encodes them from disk)."""
+        finished episodes drop their pixels once written (the update re-encodes them from disk).
+        `batch`: the training batch it plays, sharing the environments with the batches ahead."""
+        shared = {"shared": self._shared, "batch": batch} if batch is not None and self._shared else {}
         return RolloutEngine(self.acting(version, announce), self.pool, max_steps=self.max_steps,
                              format_coef=self.format_coef, format_penalty=self.format_penalty, keep_pixels=keep_pixels,
-                             **self.engine_options)
+                             **self.engine_options, **shared)
 
     def run_ahead(self, step: int, version: int, last_step: int, tasks_of: Callable[[int], list[str]]) -> None:
         """Start the batches after `step` (up to `max_staleness` of them, none past `last_step`)
         that are not running yet, in the background, on the servers' current weights (`version`):
-        they play while the trainer updates, and the pushes after the updates land between their
-        requests (`ServedPolicy.version_lock`), never within one response."""
+        they play while batch `step` finishes and the trainer updates, on the environments that
+        batch `step` no longer needs (`SharedWorkers`: an older batch gets a free one first), and
+        the pushes after the updates land between their requests (`ServedPolicy.version_lock`),
+        never within one response. Called before batch `step` is sampled."""
+        if step not in self._ahead and self._shared is not None:
+            self._shared.want(step, True)  # batch `step` is about to start here: it goes first
         for ahead in range(step + 1, min(step + 1 + self.max_staleness, last_step)):
             if ahead in self._ahead:
                 continue
@@ -153,9 +162,9 @@ class RolloutSource:
                 shutil.rmtree(out_dir)
             engine = RolloutEngine(self.served.versioned(), self.pool, max_steps=self.max_steps,
                                    format_coef=self.format_coef, format_penalty=self.format_penalty, keep_pixels=False,
-                                   **self.engine_options)
-            if self._runner is None:  # one thread: the batches take the environments in turn
-                self._runner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="arpo-ahead")
+                                   **self.engine_options, shared=self._shared, batch=ahead)
+            if self._runner is None:  # a thread per batch ahead: they share the environments
+                self._runner = ThreadPoolExecutor(max_workers=self.max_staleness, thread_name_prefix="arpo-ahead")
             future = self._runner.submit(engine.run, self.backend.share(requests), temperature=self.temperature,
                                          top_p=self.top_p, out_dir=out_dir, progress=False,
                                          description=f"rollout {ahead} (ahead)", policy_version=version)
@@ -183,7 +192,7 @@ class RolloutSource:
             shutil.rmtree(out_dir)
         self.backend.barrier()
         torch.manual_seed(stable_seed(self.seed, "sample", step))
-        engine = self.engine(version, keep_pixels=False)  # a batch's pixels: ~50 MB per 1080p screenshot
+        engine = self.engine(version, keep_pixels=False, batch=step)  # a batch's pixels: ~50 MB per 1080p screenshot
         mine = engine.run(self.backend.share(requests), temperature=self.temperature, top_p=self.top_p,
                           out_dir=out_dir, progress=self.progress, description=f"rollout {step}",
                           policy_version=version)

@@ -122,7 +122,12 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         """One rollout batch: roll out, group with replay, update, record; evaluate and checkpoint when due."""
         t0 = time.monotonic()
-        tasks = task_batch(self.rollouts.tasks, self.step, self.cfg.train.tasks_per_batch, self.cfg.train.seed)
+        t = self.cfg.train
+        tasks = task_batch(self.rollouts.tasks, self.step, t.tasks_per_batch, t.seed)
+        if self.rollouts.max_staleness:  # the next batches play on the servers from now on: on the
+            # environments this batch no longer needs, then while its update runs
+            self.rollouts.run_ahead(self.step, self.weights_version, t.steps,
+                                    lambda s: task_batch(self.rollouts.tasks, s, t.tasks_per_batch, t.seed))
         trajs, env_steps = self.rollouts.sample(tasks, self.step, self.weights_version)
         t_rollout = time.monotonic() - t0
 
@@ -130,10 +135,6 @@ class Trainer:
         self.records.groups(self.step, groups)
         staleness = staleness_metrics(trajs, self.weights_version) if self.rollouts.max_staleness else {}
         t1 = time.monotonic()
-        if self.rollouts.max_staleness:  # the next batches play on the servers while this update runs
-            t = self.cfg.train
-            self.rollouts.run_ahead(self.step, self.weights_version, t.steps,
-                                    lambda s: task_batch(self.rollouts.tasks, s, t.tasks_per_batch, t.seed))
         update = self.update(groups)
         self.rollouts.weights_changed(self.weights_version)
         t_update = time.monotonic() - t1

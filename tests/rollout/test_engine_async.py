@@ -144,3 +144,65 @@ def test_the_run_config_sets_how_the_engines_schedule(tmp_path):
     for bad in ("rollout.mode=eager", "rollout.max_batch=-1", "rollout.gather_window_s=-1"):
         with pytest.raises(ConfigError, match=bad.split("=")[0].replace(".", r"\.")):
             load_config("configs/smoke.yaml", [bad])
+
+
+def test_shared_workers_go_to_the_oldest_batch_that_wants_one():
+    from arpo_lib.rollout.engine import SharedWorkers
+
+    shared = SharedWorkers()
+    shared.want(1, True)
+    assert shared.take(0, 1) and shared.take(0, 1)  # free: batch 1 holds it (again)
+    shared.want(0, True)  # an older batch has episodes to start
+    assert not shared.take(1, 1)  # a free worker goes to it, not to batch 1
+    assert not shared.take(0, 0)  # held by batch 1, mid-episode
+    assert not shared.take(0, 1) and shared.take(0, 0)  # between two episodes batch 1 gives it back
+    shared.want(0, False)
+    assert shared.take(1, 1) and not shared.take(1, 2)
+    shared.give(1, 2)  # not its holder: nothing happens
+    assert not shared.take(1, 0)
+    shared.leave(1)
+    assert shared.take(1, 0)
+
+
+def test_the_next_batch_starts_on_the_environments_a_batch_no_longer_needs(base, pool, tmp_path):
+    """Batches that run at once share the environments (`SharedWorkers`, rollout.max_staleness):
+    batch 1 starts no episode while batch 0 has one left to start, then plays on the workers that
+    batch 0's fast episodes left, while batch 0's slow episode is still running: it has finished
+    before batch 0 has. Every episode of both is complete."""
+    from arpo_lib.rollout.engine import SharedWorkers
+
+    events: list[tuple[float, str, int]] = []
+
+    class Logged(SharedWorkers):
+        def want(self, batch, wanting):
+            if not wanting:
+                events.append((time.monotonic(), "started all", batch))
+            super().want(batch, wanting)
+
+        def take(self, worker, batch):
+            held = self._holder.get(worker) == batch
+            ok = super().take(worker, batch)
+            if ok and not held:
+                events.append((time.monotonic(), "took", batch))
+            return ok
+
+    shared, done = Logged(), {}
+    shared.want(0, True)  # as RolloutSource.run_ahead: the batch about to start here goes first
+
+    def play(batch: int, seeds: range) -> None:
+        engine = RolloutEngine(Scripted(base, concurrent=True), pool, max_steps=3, mode="async",
+                               shared=shared, batch=batch)
+        done[batch] = engine.run([EpisodeRequest("example/click-box", s, 0) for s in seeds], progress=False,
+                                 out_dir=tmp_path / str(batch))
+        events.append((time.monotonic(), "finished", batch))
+
+    ahead = threading.Thread(target=play, args=(1, range(100, 104)))
+    ahead.start()
+    play(0, range(SLOW, SLOW + 6))  # 6 episodes on 4 workers; seed SLOW takes 1 s a step
+    ahead.join(60)
+    when = {(what, b): t for t, what, b in reversed(events)}  # each event's first time
+    first_take_1 = min(t for t, what, b in events if what == "took" and b == 1)
+    assert first_take_1 >= when[("started all", 0)]
+    assert when[("finished", 1)] < when[("finished", 0)]
+    assert [len(t.steps) for t in done[0] + done[1]] == [3] * 10 and all(t.ok for t in done[0] + done[1])
+    assert not shared._holder and not shared._wanting

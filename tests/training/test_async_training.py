@@ -101,8 +101,8 @@ def test_one_training_process_only_for_now(tmp_path):
 
 
 def test_the_next_batch_plays_on_the_server_while_the_update_runs(warm_tiny_qwen2vl, tmp_path, chromium_available):
-    """Three ARPO steps through our hf server, staleness 1: batch 2 and 3 start before the update
-    of the step before, on the weights the server holds; the restart that brings it the new
+    """Three ARPO steps through our hf server, staleness 1: batch 2 and 3 start with the step before
+    (on the environments its batch no longer needs, then through its update), on the weights the server holds; the restart that brings it the new
     weights waits for their requests in flight. Step 1 is on-policy, later steps record the
     versions that produced each response (some one behind), and the metrics say how stale."""
     from arpo_lib import build
