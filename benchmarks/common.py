@@ -324,3 +324,38 @@ def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(cell(r.get(c)) for c in columns) + " |" for r in rows]
     return "\n".join(lines)
+
+
+OSWORLD_TEST_TASKS = {"chrome": ["2ae9ba84-3a0d-4d4c-8338-3a1478dc5fe3", "bb5e4c0d-f964-439c-97b6-bdb9747de3f4"],
+                      "os": ["b3d4a89c-53f2-4d6b-8b6a-541fb5d205fa", "e0df059f-28a6-4169-924f-b9623e7184cc"]}
+"""The four of OSWorld's own task files in test_data/osworld_tasks (unchanged), each with a scripted
+solution for the desktop sandbox: the infeasible one (os) and the GNOME Terminal one (os) among them."""
+
+
+def osworld_test_task_cache(parent: Path) -> Path:
+    """A task cache under `parent` holding test_data/osworld_tasks' four OSWorld task files in
+    OSWorld's tree layout, fetched as `osworld-tasks fetch --source <checkout>` fetches (the full
+    data cannot be downloaded here). Point ARPO_OSWORLD_TASKS at the returned directory."""
+    import json
+    import os
+    import shutil
+
+    from arpo_lib.envs.osworld import tasks as ot
+
+    root = Path(__file__).resolve().parents[1] / "test_data" / "osworld_tasks"
+    tree = Path(parent) / "osworld" / "evaluation_examples"
+    for domain, ids in OSWORLD_TEST_TASKS.items():
+        (tree / "examples" / domain).mkdir(parents=True, exist_ok=True)
+        for task_id in ids:
+            shutil.copy(root / f"{task_id}.json", tree / "examples" / domain)
+    (tree / ot.TEST_ALL_LIST).write_text(json.dumps(OSWORLD_TEST_TASKS))
+    (tree / ot.TRAIN_LIST).write_text(json.dumps({"chrome": OSWORLD_TEST_TASKS["chrome"]}))
+    cache = Path(parent) / "osworld-tasks"
+    saved = os.environ.get(ot.ENV_VAR)
+    os.environ[ot.ENV_VAR] = str(cache)
+    try:
+        ot.fetch_tasks(tree.parent, progress=False,
+                       expect=ot.Expectations(lists={ot.TEST_ALL_LIST: 4}, set_sizes={"sandbox_solved": 4}))
+    finally:
+        os.environ.pop(ot.ENV_VAR) if saved is None else os.environ.__setitem__(ot.ENV_VAR, saved)
+    return cache

@@ -317,3 +317,25 @@ def test_settle_benchmark_runs_small(tmp_path):
     assert set(rows) == set(bench_settle.SETUPS)
     assert rows["a command, no window"]["before_s"] >= 4  # the old wait ran out: nothing opened a window
     assert (tmp_path / "settle.json").is_file()
+
+
+def test_the_async_projection_is_a_schedule_not_a_guess(tmp_path):
+    """benchmarks/project_async.py (issue 54's GPU-scale projection): with identical environments
+    and no update the two schedules take the same time (nothing to overlap, no one to wait for);
+    with varied steps and an update, async with staleness 1 makes more steps per hour and keeps the
+    environments busier, staleness 2 at least as many; the result file carries its inputs."""
+    from benchmarks import project_async as pa
+
+    flat = pa.Setting(envs=8, episodes_per_batch=8, step_s=(1.0, 1.0), reset_s=(2.0, 2.0), slow_reset=(0.0, 0.0),
+                      gen_s=0.5, update_s=0.0, success=0.0, batches=3)
+    rows = {r["arm"]: r for r in pa.project(flat)}
+    assert rows["lockstep"]["wall_s"] == rows["async_s1"]["wall_s"] == 3 * (2.0 + 15 * 1.5)
+    varied = pa.Setting(envs=8, episodes_per_batch=8, update_s=30.0, batches=6)
+    rows = {r["arm"]: r for r in pa.project(varied)}
+    assert rows["async_s1"]["steps_per_hour_ratio"] > 1.2
+    assert rows["async_s2"]["steps_per_hour"] >= rows["async_s1"]["steps_per_hour"] * 0.999
+    assert 0 < rows["lockstep"]["env_busy_fraction"] < rows["async_s1"]["env_busy_fraction"] <= 1
+    assert pa.main(["--envs", "8", "--episodes", "8", "--batches", "3", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "async_projection.json").read_text())
+    assert result["kind"].startswith("a simulation") and result["setting"]["envs"] == 8
+    assert set(result["steps_per_hour_ratio"]) == {"async_s1", "async_s2"}

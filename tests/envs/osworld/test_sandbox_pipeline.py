@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -32,22 +31,9 @@ then a typed `mv`."""
 def task_cache(tmp_path_factory) -> Path:
     """A task cache holding the four real task files in OSWorld's tree layout, fetched as
     `osworld-tasks fetch --source <checkout>` fetches."""
-    tree = tmp_path_factory.mktemp("osworld") / "evaluation_examples"
-    for domain, ids in {"chrome": CHROME, "os": [INFEASIBLE, TERMINAL]}.items():
-        (tree / "examples" / domain).mkdir(parents=True)
-        for task_id in ids:
-            shutil.copy(REAL_TASKS / f"{task_id}.json", tree / "examples" / domain)
-    (tree / ot.TEST_ALL_LIST).write_text(json.dumps({"chrome": CHROME, "os": [INFEASIBLE, TERMINAL]}))
-    (tree / ot.TRAIN_LIST).write_text(json.dumps({"chrome": CHROME}))
-    cache = tree.parent.parent / "osworld-tasks"
-    saved = os.environ.get(ot.ENV_VAR)
-    os.environ[ot.ENV_VAR] = str(cache)
-    try:
-        ot.fetch_tasks(tree.parent, progress=False,
-                       expect=ot.Expectations(lists={ot.TEST_ALL_LIST: 4}, set_sizes={"sandbox_solved": 4}))
-    finally:
-        os.environ.pop(ot.ENV_VAR) if saved is None else os.environ.__setitem__(ot.ENV_VAR, saved)
-    return cache
+    from benchmarks.common import osworld_test_task_cache
+
+    return osworld_test_task_cache(tmp_path_factory.mktemp("osworld"))
 
 
 def _arpo(args: list[str], osworld_python: str, cache: Path, timeout: float = 1500) -> subprocess.CompletedProcess:
