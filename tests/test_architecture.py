@@ -41,12 +41,10 @@ MAY_IMPORT: dict[str, set[str]] = {
     "actions": set(),
     "run": set(),
     "__init__": {"run"},
-    "plots": {"viz"},
-    "trainer": {"build"},
 }
 """Each package or top-level module of arpo_lib -> the ones it may import: the table of
 docs/architecture.md (`test_the_allow_map_is_the_documented_table` holds them together). `__init__`
-is the package itself; `plots` and `trainer` are the old names kept for users' notebooks."""
+is the package itself."""
 
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 
@@ -299,23 +297,19 @@ def test_public_names_keep_working():
     assert issubclass(ActionParseError, ValueError) and ReplayBuffer().enabled
 
 
-def test_the_old_names_users_notebooks_hold_still_work(tmp_path, tiny_qwen2vl):
+def test_the_retired_old_names_are_gone_and_nothing_uses_them():
+    """`arpo_lib.plots` and `arpo_lib.trainer` (the shims of the names before the package layout)
+    are retired (issue 55): the notebooks, docs and tests use `arpo_lib.viz.plots` and
+    `arpo_lib.build.trainer(cfg)`."""
     import importlib
-    import sys
 
-    from arpo_lib.run.config import load_config
-
-    sys.modules.pop("arpo_lib.plots", None)
-    with pytest.warns(DeprecationWarning, match="arpo_lib.viz.plots"):
-        plots = importlib.import_module("arpo_lib.plots")
-    assert plots.plot_training is importlib.import_module("arpo_lib.viz.plots").plot_training
-    from arpo_lib.trainer import Trainer
-
-    cfg = load_config("configs/smoke.yaml", [f"model.path={tiny_qwen2vl}", f"out_dir={tmp_path}", "name=old"])
-    with pytest.warns(DeprecationWarning, match="build.trainer"):
-        trainer = Trainer(cfg)
-    trainer.close()
-    assert trainer.step == 0 and (tmp_path / "old" / "config.yaml").is_file()
+    for name in ("arpo_lib.plots", "arpo_lib.trainer"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(name)
+    old = re.compile(r"arpo_lib\.(plots|trainer)\b|from arpo_lib import (plots|trainer)\b")
+    users = [p for p in [*ROOT.glob("notebooks/*.ipynb"), *ROOT.glob("docs/*.md"), ROOT / "README.md"]
+             if old.search(p.read_text())]
+    assert not users, users
 
 
 def test_the_trainer_reads_as_the_algorithm_and_reads_only_its_own_config_sections():
