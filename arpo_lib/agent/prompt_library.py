@@ -16,7 +16,7 @@ Each is registered in `PROMPTS` (`agent.prompt` names one); a plug-in registers 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from arpo_lib.run.registry import PROMPTS
 
@@ -104,38 +104,9 @@ OSWORLD_UITARS15 = Prompt(
     source="the ARPO authors' OSWorld fork, mm_agents/prompts.py UITARS_USR_PROMPT_THOUGHT with UITARS_NORMAL_ACTION_SPACE and language English (mm_agents/uitars_agent.py's default qwen25vl_normal mode): the fork's UI-TARS-1.5 evaluation prompt",
 )
 
-UITARS_OFFICIAL = Prompt(
+UITARS_OFFICIAL = replace(
+    OSWORLD_UITARS15,  # the same text, character for character
     name='uitars_official',
-    system='You are a helpful assistant.',
-    user=(
-        'You are a GUI agent. You are given a task and your action history, with screenshots. You need to perform the next action to complete the task.\n'
-        '\n'
-        '## Output Format\n'
-        '```\n'
-        'Thought: ...\n'
-        'Action: ...\n'
-        '```\n'
-        '\n'
-        '## Action Space\n'
-        '\n'
-        "click(start_box='<|box_start|>(x1,y1)<|box_end|>')\n"
-        "left_double(start_box='<|box_start|>(x1,y1)<|box_end|>')\n"
-        "right_single(start_box='<|box_start|>(x1,y1)<|box_end|>')\n"
-        "drag(start_box='<|box_start|>(x1,y1)<|box_end|>', end_box='<|box_start|>(x3,y3)<|box_end|>')\n"
-        "hotkey(key='')\n"
-        'type(content=\'xxx\') # Use escape characters \\\', \\", and \\n in content part to ensure we can parse the content in normal python string format. If you want to submit your input, use \\n at the end of content. \n'
-        "scroll(start_box='<|box_start|>(x1,y1)<|box_end|>', direction='down or up or right or left')\n"
-        'wait() #Sleep for 5s and take a screenshot to check for any changes.\n'
-        'finished(content=\'xxx\') # Use escape characters \\\', \\", and \\n in content part to ensure we can parse the content in normal python string format.\n'
-        '\n'
-        '\n'
-        '## Note\n'
-        '- Use English in `Thought` part.\n'
-        '- Write a small plan and finally summarize your next action (with its target element) in one sentence in `Thought` part.\n'
-        '\n'
-        '## User Instruction\n'
-        '{instruction}\n'
-    ),
     source='bytedance/UI-TARS prompts.py COMPUTER_USE with language English (the same text as osworld_uitars15)',
 )
 
