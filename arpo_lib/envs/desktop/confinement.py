@@ -87,6 +87,15 @@ class Limits:
 # ---- what this machine offers --------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=None)
+def process_uid(pid: int | str) -> int | None:
+    """The real uid of process `pid` (/proc/<pid>/status), None when it is gone or unreadable."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("Uid:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
 def bwrap_features() -> frozenset[str]:
     """The bubblewrap options this machine's bwrap knows, of those the sandbox uses when present:
     `--size` (sized tmpfs, bubblewrap >= 0.7) and `--disable-userns` (>= 0.8)."""

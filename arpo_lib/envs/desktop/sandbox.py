@@ -540,7 +540,7 @@ def _claim_agent_account() -> tuple[int, int, int]:
             subprocess.run(["/bin/sh", "-c", "kill -KILL -1"], user=uid, group=gid, extra_groups=[],
                            capture_output=True)  # leftovers of a sandbox whose host process was killed
             return uid, gid, fd
-    busy = {_proc_uid(e.name) for e in os.scandir("/proc") if e.name.isdigit()}
+    busy = {confinement.process_uid(e.name) for e in os.scandir("/proc") if e.name.isdigit()}
     taken = {p.pw_uid for p in pwd.getpwall()} | {g.gr_gid for g in grp.getgrall()}
     for uid in AGENT_UIDS:
         if uid in busy or uid in taken:
@@ -601,7 +601,7 @@ def _claim_user_home(uid: int, gid: int) -> int:
 def _claim_free_uid() -> tuple[int, int]:
     """A uid no account and no process uses, locked for this sandbox: (uid, lock descriptor)."""
     UID_LOCKS.mkdir(mode=0o700, exist_ok=True)
-    busy = {_proc_uid(e.name) for e in os.scandir("/proc") if e.name.isdigit()}
+    busy = {confinement.process_uid(e.name) for e in os.scandir("/proc") if e.name.isdigit()}
     taken = {p.pw_uid for p in pwd.getpwall()}
     for uid in AGENT_UIDS:
         if uid not in busy and uid not in taken:
@@ -619,14 +619,6 @@ def _try_lock(uid: int) -> int | None:
         os.close(fd)
         return None
     return fd
-
-
-def _proc_uid(pid: str) -> int | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("Uid:"))
-    except (OSError, StopIteration, ValueError):
-        return None
 
 
 def _block_network(uid: int, block: bool) -> bool:

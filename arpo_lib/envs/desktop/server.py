@@ -458,7 +458,7 @@ class Desktop:
             pid = int(entry.name)
             if pid in self.keep or pid == 1 or not _alive(pid):
                 continue
-            if self.agent is not None and _real_uid(pid) != self.agent[0]:
+            if self.agent is not None and confinement.process_uid(pid) != self.agent[0]:
                 continue
             pids.append(pid)
         return pids
@@ -917,14 +917,6 @@ def _signal(pid: int, signum: int) -> bool:
         return True
     except (ProcessLookupError, PermissionError):
         return False
-
-
-def _real_uid(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("Uid:"))
-    except (OSError, StopIteration, ValueError):
-        return None
 
 
 HOST_PID_NAMESPACE: str | None = None
