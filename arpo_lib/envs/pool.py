@@ -8,13 +8,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from arpo_lib.envs.pool_base import PoolBase
 from arpo_lib.envs.worker import DEFAULT_MEMORY_MIB, EnvWorker
 
 if TYPE_CHECKING:
     from arpo_lib.envs.ray_pool import RayEnvPool
 
 
-class EnvPool:
+class EnvPool(PoolBase):
     """`n` worker processes sharing the same make_env options (and interpreter, plug-ins and memory
     limit, see EnvWorker)."""
 
@@ -30,22 +31,9 @@ class EnvPool:
             self.close()
             raise
 
-    def __len__(self) -> int:
-        return len(self.workers)
-
-    @property
-    def restarts(self) -> int:
-        return sum(w.restarts for w in self.workers)
-
     def close(self) -> None:
         for w in self.workers:
             w.close()
-
-    def __enter__(self) -> "EnvPool":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def make_pool(n: int, env_options: dict[str, Any] | None = None, timeout_s: float = 120.0, cache_size: int = 1, *,

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from arpo_lib.envs.base import EnvError
+from arpo_lib.envs.pool_base import PoolBase
 from arpo_lib.envs.worker import DEFAULT_MEMORY_MIB, EnvSetupError, EnvWorker, answer, check_memory_mib
 from arpo_lib.run.registry import plugin_path
 
@@ -194,7 +195,7 @@ class RayEnvWorker:
         self.kill()
 
 
-class RayEnvPool:
+class RayEnvPool(PoolBase):
     """`n` environment actors sharing the same make_env options.
 
     `address`: None starts a private local Ray (shut down again by `close`); "auto" or
@@ -267,13 +268,6 @@ class RayEnvPool:
                 w.kill()
             raise EnvSetupError(f"an environment actor could not start its worker: {errors[0]}")
 
-    def __len__(self) -> int:
-        return len(self.workers)
-
-    @property
-    def restarts(self) -> int:
-        return sum(w.restarts for w in self.workers)
-
     def close(self) -> None:
         import ray
 
@@ -290,12 +284,6 @@ class RayEnvPool:
         if self.started_ray:
             ray.shutdown()
             self.started_ray = False
-
-    def __enter__(self) -> RayEnvPool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _ensure_ray(address: str | None, init_kwargs: dict[str, Any] | None) -> bool:
