@@ -46,14 +46,29 @@ class GUIEnv(abc.ABC):
 
     name: str = "env"
     max_steps: int = 15
+    _steps: int = 0
+    """Steps taken in this episode (reset sets 0)."""
+    _episode_over: bool = True
+    """Until a reset, and after a step that ended the episode."""
 
     @abc.abstractmethod
     def reset(self, seed: int | None = None) -> tuple[Observation, dict[str, Any]]:
         """Start a new episode (deterministic for a given seed where the backend allows it)."""
 
-    @abc.abstractmethod
     def step(self, action: Action) -> tuple[Observation, float, bool, bool, dict[str, Any]]:
-        """Execute one action."""
+        """Execute one action: what every family checks first (open, the episode not over), the
+        step counted, then the family's `_step` (a family may override `step` whole instead)."""
+        self._check_open()
+        if self._episode_over:
+            raise RuntimeError(f"{self.name}: the episode is over: call reset()")
+        self._steps += 1
+        return self._step(action)
+
+    def _step(self, action: Action) -> tuple[Observation, float, bool, bool, dict[str, Any]]:
+        raise NotImplementedError(f"{type(self).__name__} implements step() or _step()")
+
+    def _check_open(self) -> None:
+        """Raise RuntimeError when the environment is closed (for families that can tell)."""
 
     def close(self) -> None:
         """Release the browser / VM. Safe to call twice."""

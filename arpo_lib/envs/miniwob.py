@@ -434,12 +434,8 @@ class MiniWoBEnv(GUIEnv):
                 "dom_elements": self._dom}
         return Observation(self._screen, self._utterance, 0), info
 
-    def step(self, action: Action) -> tuple[Observation, float, bool, bool, dict[str, Any]]:
+    def _step(self, action: Action) -> tuple[Observation, float, bool, bool, dict[str, Any]]:
         """Execute one UI-TARS action (points in screenshot pixels)."""
-        self._check_open()
-        if self._episode_over:
-            raise RuntimeError(f"{self.name}: the episode is over: call reset()")
-        self._steps += 1
         try:
             obs, meta, error = self._execute(action)
             done = bool(meta["done"])

@@ -55,7 +55,7 @@ class DesktopEnv(GUIEnv):
         self.reward_mode = reward
         self._box: Sandbox | None = None
         self._steps = 0
-        self._over = True
+        self._episode_over = True
         self._closed = False
         self.timings: dict[str, float] = {}
         """Seconds of the last sandbox start, reset (set-up included) and step."""
@@ -91,14 +91,15 @@ class DesktopEnv(GUIEnv):
             self._box = None
             raise
         self.timings["reset_s"] = time.monotonic() - t0
-        self._steps, self._over = 0, False
+        self._steps, self._episode_over = 0, False
         return Observation(screen, self.instruction, 0), {"raw_reward": 0.0, "action_error": None}
 
-    def step(self, action: Action) -> tuple[Observation, float, bool, bool, dict[str, Any]]:
-        if self._over:
-            raise RuntimeError(f"{self.name}: the episode is over: call reset()")
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self.name} is closed")
+
+    def _step(self, action: Action) -> tuple[Observation, float, bool, bool, dict[str, Any]]:
         t0 = time.monotonic()
-        self._steps += 1
         error = None
         try:
             code = to_pyautogui(action, self.screen)
@@ -119,7 +120,7 @@ class DesktopEnv(GUIEnv):
         truncated = not terminated and self._steps >= self.max_steps
         reward = raw = 0.0
         if terminated or truncated:
-            self._over = True
+            self._episode_over = True
             raw = suite.evaluate(self.sandbox, self.task["evaluator"])
             reward = raw if self.reward_mode == "raw" else float(raw > 0)
         screen = self._screenshot()

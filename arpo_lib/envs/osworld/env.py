@@ -522,12 +522,8 @@ class OSWorldEnv(GUIEnv):
             self._set_paused(True)  # the model thinks about the first screen now
         return Observation(self._screen, self.instruction, 0), info
 
-    def step(self, action: Action) -> tuple[Observation, float, bool, bool, dict[str, Any]]:
+    def _step(self, action: Action) -> tuple[Observation, float, bool, bool, dict[str, Any]]:
         """Execute one UI-TARS action (points in screen pixels); the score comes when it ends."""
-        self._check_open()
-        if self._episode_over:
-            raise RuntimeError(f"{self.name}: the episode is over: call reset()")
-        self._steps += 1
         try:
             code: str | None = to_pyautogui(action, self.screen_size)
             error = None
