@@ -211,3 +211,31 @@ def test_ray_actors_import_the_runs_plugins(ray_pool):
         assert not pool.started_ray
         obs, info = pool.workers[0].call("reset", ("example/click-box@3", 0))
         assert obs.instruction == "Click the red box." and info["box"]
+
+
+@pytest.mark.slow
+def test_async_rollouts_over_ray_actors_and_batches_sharing_them_give_the_lockstep_episodes(ray_pool, scripted,
+                                                                                             tmp_path):
+    """rollout.mode=async over Ray actors (a worker says it has answered through its pending Ray
+    reference, `ready()`), with two batches sharing the actors at once (`SharedWorkers`, as
+    rollout.max_staleness runs them): every episode is the one lockstep plays."""
+    import threading
+
+    from arpo_lib.rollout.engine import SharedWorkers
+
+    expected = RolloutEngine(scripted, ray_pool, max_steps=3).run(_requests(), out_dir=tmp_path / "lockstep",
+                                                                   progress=False)
+    shared, ahead = SharedWorkers(), {}
+    shared.want(0, True)
+
+    def play_ahead() -> None:
+        engine = RolloutEngine(scripted, ray_pool, max_steps=3, mode="async", shared=shared, batch=1)
+        ahead["trajs"] = engine.run(_requests(), out_dir=tmp_path / "batch1", progress=False)
+
+    thread = threading.Thread(target=play_ahead)
+    thread.start()
+    first = RolloutEngine(scripted, ray_pool, max_steps=3, mode="async", shared=shared, batch=0).run(
+        _requests(), out_dir=tmp_path / "batch0", progress=False)
+    thread.join(180)
+    assert all(t.status == "ok" and t.task_score == 1.0 for t in expected), [t.summary() for t in expected]
+    assert _record(first) == _record(expected) == _record(ahead["trajs"])
