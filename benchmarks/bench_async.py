@@ -62,7 +62,7 @@ SETTINGS = {
     "osworld": ("configs/osworld_sandbox.yaml", "models/tiny-uitars-qwen25vl",
                 ["env.workers=4", "env.max_steps=6", "model.history_images=2", "model.max_new_tokens=32",
                  "rollout.group_size=4", "train.tasks_per_batch=2", "train.updates_per_batch=2",
-                 "rollout.constrained=true", "train.eval_every=0",
+                 "rollout.constrained=true", "train.eval_every=0", "train.demo_replay=1",
                  "env.on_setup_failure=skip"]),
 }
 
@@ -90,6 +90,8 @@ def run_arm(name: str, config: str, overrides: list[str], url: str, out: Path) -
                                "rollout.backend=server", f"rollout.server_url={url}", "rollout.weight_sync=stream",
                                "logging.progress=false"])
     with build.trainer(cfg) as trainer:
+        trainer.warm_start()  # the demonstrations for the replay buffer (train.demo_replay), untimed
+        trainer.seed_replay_with_demos()
         t0 = time.monotonic()
         history = trainer.train()
         wall = time.monotonic() - t0
@@ -100,6 +102,8 @@ def run_arm(name: str, config: str, overrides: list[str], url: str, out: Path) -
         "steps_per_hour": 3600 * len(history) / wall,
         "env_busy_fraction": source.env_seconds / (workers * wall),
         "generator_busy_fraction": source.generator_seconds / wall,
+        # environment seconds (resets included) per step taken: grows when desktops compete for the CPU
+        "env_seconds_per_step": source.env_seconds / max(1, sum(m.get("env_steps", 0) for m in history)),
         "staleness_max": max((m.get("staleness_max", 0.0) for m in history), default=0.0),
         "staleness_mean": sum(m.get("staleness_mean", 0.0) for m in history) / max(1, len(history)),
         "success_rate": sum(m.get("success_rate", 0.0) for m in history) / max(1, len(history)),

@@ -184,10 +184,21 @@ def main(results_dir: Path = RESULTS_DIR, out: Path = ROOT / "benchmarks" / "RES
     for r in (r for r in every if r.get("benchmark") == "async"):
         parts.append(f"## Asynchronous ARPO against the synchronous loop: {r['setting']}, {r['steps']} steps per arm "
                      f"({r['machine']})\n")
+        extra = ["env_seconds_per_step"] if all("env_seconds_per_step" in a for a in r["arms"]) else []
         parts.append(table(r["arms"], ["arm", "steps", "wall_s", "steps_per_hour", "env_busy_fraction",
-                                       "generator_busy_fraction", "staleness_max", "seconds_rollout", "seconds_update"]))
+                                       "generator_busy_fraction", *extra, "staleness_max", "seconds_rollout",
+                                       "seconds_update"]))
         parts.append("\nsteps per hour over lockstep: " + ", ".join(f"{k} {v:.2f}x"
                                                                     for k, v in r["steps_per_hour_ratio"].items()))
+        parts.append(f"\n`{r['command']}` (docs/asynchronous.md)\n")
+    for r in (r for r in every if r.get("benchmark") == "async_projection"):
+        parts.append(f"## Asynchronous ARPO at GPU scale: a projection ({r['kind']})\n")
+        s = r["setting"]
+        parts.append(f"{s['envs']} environments, {s['episodes_per_batch']} episodes per batch, {s['batches']} batches; "
+                     f"step {s['step_s'][0]}-{s['step_s'][1]} s, reset {s['reset_s'][0]}-{s['reset_s'][1]} s, "
+                     f"generation {s['gen_s']} s per step, update {s['update_s']} s per batch\n")
+        parts.append(table(r["arms"], ["arm", "steps", "wall_s", "steps_per_hour", "steps_per_hour_ratio",
+                                       "env_busy_fraction"]))
         parts.append(f"\n`{r['command']}` (docs/asynchronous.md)\n")
     for r in (r for r in every if r.get("benchmark") == "one_gpu"):
         parts.append(one_gpu_section(r))
