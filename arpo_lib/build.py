@@ -283,9 +283,10 @@ def record_desktop_env(cfg: RunConfig) -> dict[str, Any] | None:
 
 
 def hf_policy(cfg: RunConfig, path: str | Path | None = None, *, lora: bool = True,
-              prompt: str | None = None, device: str | None = None) -> HFPolicy:
+              prompt: str | None = None, device: str | None = None, model: Any = None) -> HFPolicy:
     """The in-process policy with every `model.*` switch and `agent.prompt` (or `prompt`).
-    `lora=False` for inference on saved (merged) weights; `device` replaces model.device."""
+    `lora=False` for inference on saved (merged) weights; `device` replaces model.device; `model`:
+    a ready network instead of the checkpoint's weights (the benchmarks' random real shapes)."""
     m = cfg.model
     return HFPolicy(
         path or m.path, device=device or m.device, compute_dtype=m.compute_dtype, coord_mode=m.coord_mode,
@@ -296,7 +297,7 @@ def hf_policy(cfg: RunConfig, path: str | Path | None = None, *, lora: bool = Tr
         kv_cache=m.kv_cache, prefill_batch_tokens=m.prefill_batch_tokens, vision_attention=m.vision_attention,
         logprob_chunk=m.logprob_chunk, lora_rank=m.lora_rank if lora else 0, lora_alpha=m.lora_alpha,
         lora_dropout=m.lora_dropout, lora_seed=cfg.train.seed, frozen_weights_dtype=m.frozen_weights_dtype,
-        prompt=prompt or cfg.agent.prompt)
+        prompt=prompt or cfg.agent.prompt, model=model)
 
 
 def reference_model(cfg: RunConfig, device: torch.device) -> Any:

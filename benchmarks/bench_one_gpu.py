@@ -41,7 +41,6 @@ where the tracker fails, the measured bytes are null and the JSON says why.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import dataclasses
 import sys
@@ -49,7 +48,6 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
-from unittest import mock
 
 import torch
 
@@ -87,23 +85,22 @@ def cap_memory(cap_gib: float, device: torch.device) -> dict:
 
 def build(cfg: Any, shape: str, device: torch.device, text_layers: int | None, vision_layers: int | None):
     """(policy, the model's config) through `build.hf_policy`, the workbench's own constructor: the
-    tiny checkpoint, or a real shape's random weights built on the device (its from_pretrained
-    answered with them; the processor and tokenizer are the tiny model's of that architecture)."""
+    tiny checkpoint, or a real shape's random weights built on the device (the processor and
+    tokenizer are the tiny model's of that architecture)."""
     from transformers import AutoModelForImageTextToText
 
     from arpo_lib import build as workbench
 
+    model = None
     if shape in ("tiny", "tiny25"):
         path = tiny_model_dir("qwen2vl" if shape == "tiny" else "qwen25vl")
-        model_config, swap = P.model_config(str(path)), contextlib.nullcontext()
+        model_config = P.model_config(str(path))
     else:
         path = tiny_model_dir(REAL_SHAPES[shape]["variant"])
         model_config = real_config(shape, text_layers, vision_layers)
         with torch.device(device):
             model = AutoModelForImageTextToText.from_config(model_config, dtype=torch.float32)
-        swap = mock.patch.object(AutoModelForImageTextToText, "from_pretrained", lambda *a, **k: model)
-    with swap:
-        policy = workbench.hf_policy(cfg, str(path), device=str(device))
+    policy = workbench.hf_policy(cfg, str(path), device=str(device), model=model)
     use_uitars_pixel_limits(policy)
     return policy, model_config
 
@@ -171,29 +168,32 @@ class Meter:
 
 class LiveBytes:
     """On the CPU, where no allocator keeps a peak: the bytes of live tensor storages, the given
-    ones (weights, optimizer state, inputs made before) and every one an op makes until it is freed
-    (a dispatch mode, as torch's MemTracker counts them without its per-module bookkeeping, which
-    refuses frozen parameters and repeated forwards). `peak` is the most at once."""
+    ones (weights, optimizer state, inputs made before) and every new one an op makes (not one it
+    shares with the op's inputs: a view, an in-place result) until it is freed: a dispatch mode, as
+    torch's MemTracker counts them without its per-module bookkeeping, which refuses frozen
+    parameters and repeated forwards. `live` now, `peak` the most at once, `shapes` those the new
+    tensors were made in. It may be entered several times; what it counts stays counted."""
 
-    def __init__(self, tensors: list):
-        self.live = 0
+    def __init__(self, tensors: list = ()):
+        self.live = self.peak = 0
         self.refs: dict[int, Any] = {}
+        self.shapes: set[tuple[int, ...]] = set()
         for t in tensors:
             self._add(t)
-        self.peak = self.live
 
-    def _add(self, t: Any) -> None:
+    def _add(self, t: Any, inputs: set[int] = frozenset()) -> None:
         import weakref
 
         if not isinstance(t, torch.Tensor) or t.device.type == "meta":
             return
         st = t.untyped_storage()
-        if id(st) in self.refs:
+        key, n = st.data_ptr(), st.nbytes()
+        if not n or key in self.refs or key in inputs:
             return
-        n = st.nbytes()
-        self.refs[id(st)] = weakref.ref(st, lambda _, key=id(st), n=n: self._free(key, n))
+        self.refs[key] = weakref.ref(st, lambda _, key=key, n=n: self._free(key, n))
         self.live += n
-        self.peak = max(getattr(self, "peak", 0), self.live)
+        self.peak = max(self.peak, self.live)
+        self.shapes.add(tuple(t.shape))
 
     def _free(self, key: int, n: int) -> None:
         if self.refs.pop(key, None) is not None:
@@ -208,8 +208,10 @@ class LiveBytes:
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
+                inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                          if isinstance(t, torch.Tensor) and t.device.type != "meta"}
                 for t in tree_leaves(out):
-                    tracker._add(t)
+                    tracker._add(t, inputs)
                 return out
 
         self.mode = Mode()

@@ -338,48 +338,6 @@ def test_activation_offload_moves_the_kept_layer_inputs_to_host_memory(shapes):
         load_config(REPO / "configs" / "one_gpu_40gb.yaml", ["model.gradient_checkpointing=false"])
 
 
-class _LiveBytes:
-    """Bytes of the storages that operations create, alive at once (`now`, `peak`), and the shapes
-    they were made in. Counted while the mode is entered; a storage counts until it is freed,
-    wherever that happens."""
-
-    def __init__(self) -> None:
-        import weakref
-
-        import torch
-        import torch.utils._pytree as pytree
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        tracker = self
-        self.now = self.peak = 0
-        self.live: dict[int, object] = {}
-        self.shapes: set[tuple[int, ...]] = set()
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-                inputs = {t.untyped_storage().data_ptr() for t in tensors}
-                for t in pytree.tree_leaves(out):
-                    if not isinstance(t, torch.Tensor):
-                        continue
-                    storage = t.untyped_storage()
-                    key, nbytes = storage.data_ptr(), storage.nbytes()
-                    if key in inputs or key in tracker.live or not nbytes:
-                        continue
-                    tracker.live[key] = weakref.ref(storage, lambda _, k=key, n=nbytes: tracker._freed(k, n))
-                    tracker.now += nbytes
-                    tracker.peak = max(tracker.peak, tracker.now)
-                    tracker.shapes.add(tuple(t.shape))
-                return out
-
-        self.mode = Mode
-
-    def _freed(self, key: int, nbytes: int) -> None:
-        if self.live.pop(key, None) is not None:
-            self.now -= nbytes
-
-
 def test_one_gpu_keeps_one_copy_of_the_weights_and_frees_the_kv_caches_before_the_update(tiny_qwen25vl):
     """Issue 53, point 3, measured on the tiny model with LoRA in this process (the one-GPU set-up):
     4 episodes of 3 KV-cached steps through the policy's own `generate`, every storage an operation
@@ -395,6 +353,7 @@ def test_one_gpu_keeps_one_copy_of_the_weights_and_frees_the_kv_caches_before_th
 
     from arpo_lib.agent.hf_policy import HFPolicy
     from arpo_lib.types import SamplingParams
+    from benchmarks.bench_one_gpu import LiveBytes
     from benchmarks.common import screenshot
 
     policy = HFPolicy(tiny_qwen25vl, device="cpu", lora_rank=4, gradient_checkpointing=True)
@@ -407,22 +366,22 @@ def test_one_gpu_keeps_one_copy_of_the_weights_and_frees_the_kv_caches_before_th
     resident = sum(p.numel() * p.element_size() for p in policy.model.parameters())
     resident += sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
 
-    tracker, new_tokens, episodes = _LiveBytes(), 16, 4
+    tracker, new_tokens, episodes = LiveBytes(), 16, 4
     convs = [policy.new_conversation(f"Click button {i}") for i in range(episodes)]
     for step in range(3):
         for i, conv in enumerate(convs):
             conv.add_observation(screenshot(10 * i + step, size=(448, 448)))
-        with tracker.mode():
+        with tracker:
             out = policy.generate([c.current for c in convs], sampling=SamplingParams(max_new_tokens=new_tokens),
                                   seeds=list(range(episodes)), cache_keys=list(range(episodes)))
         for conv, g in zip(convs, out):
             conv.add_response(g.text, g.token_ids, g.logprobs)
-    kept = tracker.now
+    kept = tracker.live
     base_shapes = {tuple(m.weight.shape) for m in policy.model.modules() if hasattr(m, "base_layer")}
     assert base_shapes and not base_shapes & tracker.shapes
     policy.free_generation_memory()
     gc.collect()
-    assert kept > 0 and tracker.now == 0
+    assert kept > 0 and tracker.live == 0
 
     seg = convs[0].current
     per_image = int(seg.image_grid_thw[0].prod()) // 4
