@@ -23,7 +23,7 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from arpo_lib.envs.desktop import a11y  # noqa: E402
-from arpo_lib.envs.desktop.sandbox import Sandbox  # noqa: E402
+from desktop_sandbox.sandbox import Sandbox  # noqa: E402
 from benchmarks.common import table, write_result  # noqa: E402
 
 PAGE = ("<html><head><title>Local page</title></head><body><h1>A heading</h1>"

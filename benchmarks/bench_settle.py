@@ -48,7 +48,7 @@ def measure(box: Any, kind: str, command: Any, wait: str, timeout: float = TIMEO
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    from arpo_lib.envs.desktop.sandbox import Sandbox
+    from desktop_sandbox.sandbox import Sandbox
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--desktop", default="gnome", choices=("gnome", "openbox"))

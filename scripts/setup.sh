@@ -51,7 +51,7 @@ fi
 #    fallback blocks the agent's network with it) and python3-tk (the system Python's tkinter, which
 #    pyautogui imports: the test that runs the sandbox as an ordinary user uses that Python);
 #    python3-pyatspi (with at-spi2-core and GTK's bridge, libatk-adaptor): the system Python reads
-#    the accessibility tree that /accessibility serves (arpo_lib/envs/desktop/a11y.py).
+#    the accessibility tree that /accessibility serves (desktop_sandbox/a11y.py).
 if ! command -v bwrap >/dev/null || ! command -v openbox >/dev/null || ! command -v xdotool >/dev/null \
     || ! command -v mousepad >/dev/null || ! command -v stterm >/dev/null || ! command -v pcmanfm >/dev/null \
     || ! command -v dbus-launch >/dev/null || ! PATH="$PATH:/usr/sbin:/sbin" command -v iptables >/dev/null \
@@ -63,7 +63,7 @@ if ! command -v bwrap >/dev/null || ! command -v openbox >/dev/null || ! command
   sudo_if_needed env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
     bubblewrap openbox xdotool mousepad stterm pcmanfm dbus-x11 libseccomp2 iptables python3-tk python3-pyatspi >/dev/null
 fi
-#    OSWorld's computer (arpo_lib/envs/desktop/gnome.py, the default desktop of OSWorld's sandbox
+#    OSWorld's computer (desktop_sandbox/gnome.py, the default desktop of OSWorld's sandbox
 #    provider): GNOME Shell with Ubuntu's look (Yaru, Ubuntu's dock), GNOME Terminal, Nautilus,
 #    dconf and the settings daemon, the everyday tools of OSWorld's VM image that Debian has
 #    (sysstat, jq, vim, a PulseAudio sound server), and user-mode networking (passt) for

@@ -201,7 +201,7 @@ def osworld_python() -> str:
     `setup_osworld.sh --light --desktop-env=pypi` (desktop-env 1.0.2 from PyPI: GitHub, where the
     fork is, cannot be reached from CI; and what its evaluator imports, ~1.5 GB, about a minute the
     first time on a machine; torch borrowed from this environment)."""
-    from arpo_lib.envs.desktop.sandbox import desktop_unavailable
+    from desktop_sandbox.sandbox import desktop_unavailable
     from arpo_lib.envs.osworld.env import workbench_cache
 
     if desktop_unavailable():

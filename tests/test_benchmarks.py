@@ -153,7 +153,7 @@ def test_osworld_sandbox_benchmark_runs_small(tmp_path, osworld_python):
 
 @pytest.mark.slow
 def test_desktop_benchmark_runs_small(tmp_path):
-    from arpo_lib.envs.desktop.sandbox import desktop_unavailable
+    from desktop_sandbox.sandbox import desktop_unavailable
     from benchmarks import bench_desktop
 
     if desktop_unavailable():
@@ -306,8 +306,8 @@ def test_report_renders_every_committed_result_and_a_gpu_goals_table(tmp_path):
 
 @pytest.mark.slow
 def test_settle_benchmark_runs_small(tmp_path):
-    from arpo_lib.envs.desktop import gnome
-    from arpo_lib.envs.desktop.sandbox import desktop_unavailable
+    from desktop_sandbox import gnome
+    from desktop_sandbox.sandbox import desktop_unavailable
     from benchmarks import bench_settle
 
     if desktop_unavailable() or gnome.unavailable():

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "desktop_sandbox").glob("*.md"))]
 
 # The `workbench` script's own cases; anything else goes to `python -m arpo_lib` (arpo_lib/cli.py).
 WORKBENCH_CASES = {"help", "-h", "--help", "setup", "setup-osworld", "setup-desktop", "smoke", "test", "reliability"}

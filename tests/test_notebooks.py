@@ -187,7 +187,7 @@ def test_check_parameters_unit():
 def test_smoke_and_evaluation_notebooks_run_on_the_desktop_config(tmp_path, tiny_qwen2vl, name, expect):
     """The desktop rung by parameters alone: real applications in the sandbox, the warm start on
     the suite's scripted solutions, ARPO steps, evaluation and task selection."""
-    from arpo_lib.envs.desktop.sandbox import desktop_unavailable
+    from desktop_sandbox.sandbox import desktop_unavailable
     from arpo_lib.workflows import execute_notebook
 
     if desktop_unavailable():

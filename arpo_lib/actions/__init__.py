@@ -62,19 +62,19 @@ The package, one module per job (every name below is importable from `arpo_lib.a
 - `parse`: model text -> actions (`parse_response`);
 - `format`: actions -> model text (`format_action`, `format_response`);
 - `pyautogui`: an action -> OSWorld's code (`to_pyautogui`, `lost_without_clipboard`);
-- `safety`: code offered for execution checked against what the converter generates
-  (`check_action_code`).
+- the safety check lives with the sandbox that enforces it: `desktop_sandbox.action_code`
+  (`check_action_code`, the calls, keys and bounds the converter generates within); its names are
+  re-exported here.
 """
 from __future__ import annotations
 
 from arpo_lib.actions.format import format_action, format_response
 from arpo_lib.actions.parse import parse_response
 from arpo_lib.actions.pyautogui import (
-    CLIPBOARD_SETTLE_S, DETACH_OUTPUT, GENERATED_CALLS, MAX_ACTION_SECONDS, MAX_TYPED_CHARS, PASTE_PAUSE_S,
-    PYAUTOGUI_FUNCTIONS, SPECIAL_ACTIONS, lost_without_clipboard, to_pyautogui,
+    CLIPBOARD_SETTLE_S, PASTE_PAUSE_S, SPECIAL_ACTIONS, lost_without_clipboard, to_pyautogui,
 )
-from arpo_lib.actions.safety import (
-    MAX_ACTION_CODE_CHARS, MAX_ACTION_STATEMENTS, MAX_CLIPBOARD_CHARS, MAX_KEYS_PER_HOTKEY, MAX_REPEAT,
+from desktop_sandbox.action_code import (
+    DETACH_OUTPUT, GENERATED_CALLS, MAX_ACTION_SECONDS, MAX_TYPED_CHARS, PYAUTOGUI_FUNCTIONS, MAX_ACTION_CODE_CHARS, MAX_ACTION_STATEMENTS, MAX_CLIPBOARD_CHARS, MAX_KEYS_PER_HOTKEY, MAX_REPEAT,
     MAX_SCROLL_CLICKS, UnsafeCodeError, check_action_code,
 )
 from arpo_lib.actions.space import (

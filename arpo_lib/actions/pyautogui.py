@@ -5,7 +5,7 @@ Where we depart from the original `ui-tars` package's generator: it has scaling 
 every point goes through the same conversion and is clipped into the screen, `wait` becomes
 OSWorld's `'WAIT'`, text is typed with `pyautogui.write` on a `repr()`-escaped literal (so text
 cannot break out of the string) and pasted only where pyautogui cannot type it, and the code
-holds only whitelisted calls with literal arguments (what `safety.check_action_code` accepts).
+holds only whitelisted calls with literal arguments (what `desktop_sandbox.action_code.check_action_code` accepts).
 Under ARPO's action rules the converter does what ARPO's does (the package docstring).
 """
 from __future__ import annotations
@@ -15,18 +15,15 @@ import math
 import re
 import warnings
 
+from desktop_sandbox.action_code import (
+    DETACH_OUTPUT, MAX_ACTION_SECONDS, MAX_TYPED_CHARS,
+)
+
 from arpo_lib.actions.space import (
     ACTION_RULES, KEY_ALIASES, SCROLL_AMOUNT, SCROLL_DIRECTIONS, TYPE_INTERVAL, Action, ActionParseError, _check_keys,
     action_rules,
 )
 
-PYAUTOGUI_FUNCTIONS = frozenset({
-    "click", "doubleClick", "rightClick", "moveTo", "dragTo", "mouseDown", "mouseUp",
-    "hotkey", "press", "write", "typewrite", "scroll", "keyDown", "keyUp",
-})
-"""The only pyautogui functions generated code calls (plus time.sleep and pyperclip.copy)."""
-GENERATED_CALLS = frozenset({("pyautogui", f) for f in PYAUTOGUI_FUNCTIONS} | {("time", "sleep"), ("pyperclip", "copy")})
-"""Every (module, function) generated code may call, always with literal arguments."""
 _TYPEABLE = re.compile(r"[\x20-\x7e\n\t]+")
 """What pyautogui.write can type on Linux/X11: it has key names for printable ASCII, newline and
 tab, and silently skips everything else ("café 日本語" arrives as "caf ")."""
@@ -38,25 +35,10 @@ clipboard has changed hands: xclip's background child sends the ownership reques
 runs, and the application learns of the new owner from an event of its own (Chromium pastes its
 cached copy until then). Pasting at once lost the text, or pasted the previous one, in about one
 episode of nine on a loaded 2-core machine (tests/test_actions_on_a_screen.py)."""
-DETACH_OUTPUT = (
-    "os.dup2(os.open(os.devnull, os.O_WRONLY), 1)",
-    "os.dup2(os.open(os.devnull, os.O_WRONLY), 2)",
-)
-"""Run once before the first clipboard copy. pyperclip hands the text to xclip, which stays in the
-background serving the clipboard with the caller's stdout and stderr still open; OSWorld's VM
-server runs `python -c` with both piped and waits for them to close, so without this every paste
-would hang the step until the server's 120 s timeout (and the client's retries would paste again).
-The fork's own agents turn the clipboard off for this reason and lose non-ASCII text instead.
-These two exact lines are the only non-call statements generated code contains."""
 SPECIAL_ACTIONS = {"wait": "WAIT", "finished": "DONE", "call_user": "FAIL", "error_env": "FAIL"}
 """OSWorld's special action strings. call_user means "I cannot do this": OSWorld scores an
 infeasible task 1 only when the episode ends with FAIL."""
-MAX_ACTION_SECONDS = 45.0
-"""What the declared sleeps, drag durations and typing intervals of one action may add up to (the
-action server gives an action 60 s)."""
-MAX_TYPED_CHARS = 4_000
-"""pyautogui.write types at most this many characters (at TYPE_INTERVAL: 40 s); longer texts are
-pasted through the clipboard (`_type_lines`)."""
+
 
 
 def _screen_xy(point: tuple[float, float] | None, screen_size: tuple[int, int],

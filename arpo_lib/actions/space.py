@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from desktop_sandbox.action_code import VALID_KEYS
+
 ACTION_KINDS = (
     "click", "left_double", "right_single", "drag", "hotkey", "type", "scroll",
     "wait", "finished", "call_user", "error_env", "hover", "keydown", "keyup", "noop",
@@ -36,22 +38,6 @@ TYPE_INTERVAL = 0.01
 DRAG_DURATION = 0.5
 """Seconds the drag takes (a drag with zero duration is missed by some applications; ARPO's: 1.0)."""
 
-# Key names pyautogui understands (a subset of its KEY_NAMES, written out here so that
-# generated code never names a key pyautogui would silently ignore).
-_NAMED_KEYS = (
-    "enter", "return", "tab", "space", "backspace", "delete", "del", "insert", "esc", "escape",
-    "shift", "shiftleft", "shiftright", "ctrl", "ctrlleft", "ctrlright", "alt", "altleft",
-    "altright", "option", "optionleft", "optionright", "command", "win", "winleft", "winright",
-    "fn", "capslock", "numlock", "scrolllock", "up", "down", "left", "right", "home", "end",
-    "pageup", "pagedown", "pgup", "pgdn", "printscreen", "prtsc", "prtscr", "prntscrn", "print",
-    "pause", "apps", "clear", "help", "select", "execute", "volumeup", "volumedown",
-    "volumemute", "playpause", "nexttrack", "prevtrack", "stop", "browserback",
-    "browserforward", "browserrefresh", "browserhome", "browsersearch",
-    "add", "subtract", "multiply", "divide", "decimal", "separator",
-) + tuple(f"f{i}" for i in range(1, 25)) + tuple(f"num{i}" for i in range(10))
-_CHAR_KEYS = tuple("abcdefghijklmnopqrstuvwxyz0123456789!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~")
-VALID_KEYS = frozenset(_NAMED_KEYS + _CHAR_KEYS)
-"""Key names accepted in hotkey/press actions (after alias mapping)."""
 KEY_ALIASES = {
     "control": "ctrl", "arrowup": "up", "arrowdown": "down", "arrowleft": "left",
     "arrowright": "right", "page_up": "pageup", "page_down": "pagedown", "pgdown": "pgdn",

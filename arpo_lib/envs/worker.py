@@ -48,6 +48,7 @@ from multiprocessing.connection import Client, Listener
 from typing import Any
 
 import arpo_lib
+import desktop_sandbox
 from arpo_lib.actions import Action
 from arpo_lib.envs.base import EnvError
 from arpo_lib.run.registry import import_plugins, plugin_path
@@ -300,23 +301,24 @@ def _resolve_interpreter(python: str | None) -> str | None:
 
 
 def _interpreter_env(extra_path: Sequence[str] = ()) -> dict[str, str]:
-    """Our environment, but with only this package (and `extra_path`: the plug-ins' directories)
-    on the path: none of our venv's packages."""
+    """Our environment, but with only this package and the desktop sandbox's (and `extra_path`: the
+    plug-ins' directories) on the path: none of our venv's packages."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONHOME", "PYTHONPATH", "VIRTUAL_ENV")}
-    package = os.path.dirname(os.path.abspath(arpo_lib.__file__))
-    root = os.path.dirname(package)
+    packages = [os.path.dirname(os.path.abspath(m.__file__)) for m in (arpo_lib, desktop_sandbox)]
+    root = os.path.dirname(packages[0])
     if os.path.basename(root) in ("site-packages", "dist-packages"):
         # Installed into our venv (not editable): that directory would bring all our packages
-        # along, so the worker gets one that holds a link to this package alone, under the
+        # along, so the worker gets one that holds links to these packages alone, under the
         # user's cache (a fixed name in /tmp could be planted by another user).
-        digest = hashlib.sha256(package.encode()).hexdigest()[:12]
+        digest = hashlib.sha256(packages[0].encode()).hexdigest()[:12]
         root = os.path.join(os.path.expanduser("~"), ".cache", "arpo-workbench", "worker-path", digest)
-        link = os.path.join(root, "arpo_lib")
-        if not os.path.islink(link):
-            os.makedirs(root, exist_ok=True)
-            staging = f"{link}.{os.getpid()}"
-            os.symlink(package, staging)
-            os.replace(staging, link)
+        for package in packages:
+            link = os.path.join(root, os.path.basename(package))
+            if not os.path.islink(link):
+                os.makedirs(root, exist_ok=True)
+                staging = f"{link}.{os.getpid()}"
+                os.symlink(package, staging)
+                os.replace(staging, link)
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([root, *extra_path]))
     return env
 

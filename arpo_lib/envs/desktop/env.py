@@ -8,9 +8,11 @@ A sandbox that fails or stops answering is an infrastructure failure (EnvError),
 """
 from __future__ import annotations
 
+import functools
 import io
 import shutil
 import time
+from collections.abc import Callable
 from typing import Any
 
 from PIL import Image
@@ -18,9 +20,20 @@ from PIL import Image
 from arpo_lib.actions import Action, ActionParseError, to_pyautogui
 from arpo_lib.envs.base import EnvError, GUIEnv, Observation
 from arpo_lib.envs.desktop import tasks as suite
-from arpo_lib.envs.desktop.confinement import ISOLATION_MODES, Limits
-from arpo_lib.envs.desktop.gnome import DESKTOP_KINDS
-from arpo_lib.envs.desktop.sandbox import Sandbox, network_mode
+from desktop_sandbox.confinement import ISOLATION_MODES, Limits
+from desktop_sandbox.gnome import DESKTOP_KINDS
+from desktop_sandbox.sandbox import Sandbox, SandboxError, network_mode
+
+
+def _sandbox_failures_as_env_errors(method: Callable[..., Any]) -> Callable[..., Any]:
+    """The sandbox's own failures (SandboxError) are this contract's infrastructure failures (EnvError)."""
+    @functools.wraps(method)
+    def wrapper(self: DesktopEnv, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except SandboxError as e:
+            raise EnvError(f"{self.name}: {e}") from e
+    return wrapper
 
 
 class DesktopEnv(GUIEnv):
@@ -70,6 +83,7 @@ class DesktopEnv(GUIEnv):
             raise RuntimeError(f"{self.name}: no sandbox yet (call reset)")
         return self._box
 
+    @_sandbox_failures_as_env_errors
     def reset(self, seed: int | None = None) -> tuple[Observation, dict[str, Any]]:
         """A fresh episode (the suite's tasks have one instance: `seed` changes nothing)."""
         if self._closed:
@@ -86,7 +100,7 @@ class DesktopEnv(GUIEnv):
             suite.run_setup(self._box, self.task["config"])
             time.sleep(self.settle_s)
             screen = self._screenshot()
-        except EnvError:
+        except (EnvError, SandboxError):
             self._box.close()
             self._box = None
             raise
@@ -98,6 +112,7 @@ class DesktopEnv(GUIEnv):
         if self._closed:
             raise RuntimeError(f"{self.name} is closed")
 
+    @_sandbox_failures_as_env_errors
     def _step(self, action: Action) -> tuple[Observation, float, bool, bool, dict[str, Any]]:
         t0 = time.monotonic()
         error = None

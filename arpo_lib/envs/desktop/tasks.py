@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from arpo_lib.envs.base import EnvError
+from desktop_sandbox.sandbox import SandboxError
 
 TASK_DIR = Path(__file__).with_name("tasks")
 
@@ -107,7 +108,7 @@ def _launched_summary(box: Any) -> str:
     last output>)', or '' when none were launched."""
     try:
         apps = box.launched()
-    except EnvError:
+    except SandboxError:
         return ""
     parts = []
     for app in apps:

@@ -75,8 +75,8 @@ log = logging.getLogger(__name__)
 DESKTOP_ENV_CLASS = "desktop_env.desktop_env:DesktopEnv"
 SANDBOX_PROVIDER = "sandbox"
 """provider="sandbox": OSWorld's own DesktopEnv on the workbench's desktop sandbox (no VM, no
-Docker, no KVM; arpo_lib/envs/osworld/sandbox.py)."""
-SANDBOX_DESKTOP_ENV_CLASS = "arpo_lib.envs.osworld.sandbox:SandboxDesktopEnv"
+Docker, no KVM; desktop_sandbox/osworld.py)."""
+SANDBOX_DESKTOP_ENV_CLASS = "desktop_sandbox.osworld:SandboxDesktopEnv"
 """OSWorld's environment class, imported when an `OSWorldEnv` is built."""
 DOCKER_IMAGE = "happysixd/osworld-docker"
 """The image OSWorld's Docker provider runs each VM in."""
@@ -98,7 +98,7 @@ _MANAGED_KWARGS = ("provider_name", "region", "path_to_vm", "action_space", "cac
 SETUP_FAILURE_POLICIES = ("run", "skip", "error")
 """What an episode does when the task's set-up did not do what it asked (`on_setup_failure`)."""
 DESKTOPS = ("gnome", "openbox")
-"""The desktops of provider "sandbox" (arpo_lib/envs/desktop/gnome.py: GNOME is OSWorld's VM's)."""
+"""The desktops of provider "sandbox" (desktop_sandbox/gnome.py: GNOME is OSWorld's VM's)."""
 
 
 class OSWorldTaskFileError(ValueError):
@@ -396,7 +396,7 @@ class OSWorldEnv(GUIEnv):
         provider, path_to_vm, region, os_type, headless, require_a11y_tree: DesktopEnv's options
             (provider_name=provider). With provider "docker", path_to_vm defaults to
             `default_vm_path(os_type)`. Provider "sandbox": no VM; OSWorld's DesktopEnv runs on
-            the workbench's desktop sandbox (arpo_lib/envs/osworld/sandbox.py; sandbox options such
+            the workbench's desktop sandbox (desktop_sandbox/osworld.py; sandbox options such
             as limits go in desktop_env_kwargs={"sandbox_options": {...}}).
         screen_size: the VM screen (width, height); screenshots must have this size.
         max_steps: actions per episode before `truncated`.
@@ -426,7 +426,7 @@ class OSWorldEnv(GUIEnv):
             Either way the reset's info lists them in `setup_failures`.
         network: provider "sandbox" only: "none" (the default: the sandbox's own loopback) or
             "user" (a user-mode network like the VM's: outside addresses, never the host's
-            loopback, its addresses, link-local or metadata ones; arpo_lib/envs/desktop/usernet.py).
+            loopback, its addresses, link-local or metadata ones; desktop_sandbox/usernet.py).
         """
         size = tuple(screen_size)
         if len(size) != 2 or not all(isinstance(v, int) and v > 0 for v in size):
@@ -472,7 +472,7 @@ class OSWorldEnv(GUIEnv):
             if desktop_env_class == DESKTOP_ENV_CLASS:
                 desktop_env_class = SANDBOX_DESKTOP_ENV_CLASS
             path_to_vm = path_to_vm or "desktop-sandbox"
-            self.pause_vm = False  # nothing to pause: see arpo_lib/envs/osworld/sandbox.py
+            self.pause_vm = False  # nothing to pause: see desktop_sandbox/osworld.py
             desktop_env_kwargs["sandbox_options"] = {"window_manager": desktop, "network": network,
                                                      **(desktop_env_kwargs.get("sandbox_options") or {})}
         self._desktop_env_cls = _desktop_env_class(desktop_env_class)

@@ -42,7 +42,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Iterator
 
-from arpo_lib.envs.desktop import a11y
+from desktop_sandbox import a11y
 
 COLUMNS = ("scores", "download", "internet", "vscode", "fails")
 INTERNET_STEPS = {"chrome_open_tabs", "chrome_close_tabs", "login", "googledrive", "update_browse_history"}
@@ -51,7 +51,7 @@ INTERNET_GETTERS = {"googledrive_file", "page_info", "info_from_website", "pdf_f
 A11Y_GETTERS = {"accessibility_tree", "active_url_from_accessTree", "active_tab_info", "active_tab_html_parse",
                 "active_tab_url_parse", "url_dashPart"}
 """Getters that read the AT-SPI tree (the chrome ones find the address bar in it): run where the
-sandbox serves /accessibility (arpo_lib/envs/desktop/a11y.py), `fails` elsewhere."""
+sandbox serves /accessibility (desktop_sandbox/a11y.py), `fails` elsewhere."""
 A11Y_NOT_SERVED = "needs /accessibility (the AT-SPI tree), which this machine cannot serve: {}"
 NEVER_MATCHES = ("its metric check_left_panel looks for cp:parentcoord in the uri:deskat:... namespace, which OSWorld's "
                  "own server never writes (no parentcoord; its namespaces are https://accessibility.ubuntu.example.org/ns/..., "
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
                 facts: dict[str, Any] = {}
                 if decided is None:
                     if env is None:
-                        from arpo_lib.envs.osworld.sandbox import SandboxDesktopEnv
+                        from desktop_sandbox.osworld import SandboxDesktopEnv
 
                         env = SandboxDesktopEnv(action_space="pyautogui", screen_size=screen,
                                                 cache_dir=str(args.out.parent / "census-cache"))

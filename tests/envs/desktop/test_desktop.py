@@ -13,7 +13,7 @@ from arpo_lib.actions import Action, UnsafeCodeError, check_action_code, to_pyau
 from arpo_lib.envs import list_envs, make_env
 from arpo_lib.envs.base import EnvError
 from arpo_lib.envs.desktop import tasks as suite
-from arpo_lib.envs.desktop.sandbox import Sandbox, _UnixConnection, desktop_unavailable
+from desktop_sandbox.sandbox import Sandbox, SandboxError, _UnixConnection, desktop_unavailable
 from arpo_lib.envs.desktop.scripted import solution_actions
 
 REASON = desktop_unavailable()
@@ -100,7 +100,7 @@ def test_sandbox_isolation_fresh_home_and_cleanup():
         failed, running = box.launched()
         assert failed["returncode"] == 3 and failed["output"] == "starting\ncannot open display\n"
         assert running["command"] == ["sleep", "600"] and running["returncode"] is None
-        with pytest.raises(EnvError, match="HTTP 500.*no-such-program"):
+        with pytest.raises(SandboxError, match="HTTP 500.*no-such-program"):
             box.launch(["no-such-program"])
         with pytest.raises(EnvError, match=r"launched: echo starting.*\(exited 3: starting cannot open display\); "
                                            r"sleep 600 \(running\)"):
@@ -192,10 +192,10 @@ def test_a_hung_action_server_is_an_env_error_not_a_hang():
 
     with Sandbox(SCREEN) as box:
         server = next(p for p in psutil.Process(box.process.pid).children(recursive=True)
-                      if p.name().startswith("python") and any("arpo_lib.envs.desktop.server" in a for a in p.cmdline()))
+                      if p.name().startswith("python") and any("desktop_sandbox.server" in a for a in p.cmdline()))
         os.kill(server.pid, signals.SIGSTOP)
         start = time.monotonic()
-        with pytest.raises(EnvError, match="POST /run_action failed"):
+        with pytest.raises(SandboxError, match="POST /run_action failed"):
             box.post_json("/run_action", {"code": "import pyautogui"}, timeout=2)
         assert time.monotonic() - start < 10
         os.kill(server.pid, signals.SIGCONT)
@@ -241,7 +241,7 @@ def test_the_sandbox_sees_its_python_and_the_package_but_not_the_repository(monk
     repository (runs, models, notebooks) is not."""
     import sys as system
 
-    from arpo_lib.envs.desktop import confinement
+    from desktop_sandbox import confinement
 
     venv = tmp_path / "clone" / ".venv"
     (venv / "lib" / "site-packages").mkdir(parents=True)
@@ -250,7 +250,7 @@ def test_the_sandbox_sees_its_python_and_the_package_but_not_the_repository(monk
     paths = confinement.python_paths()
     assert str(venv) in paths and str(venv / "lib" / "site-packages") not in paths  # the outermost only
     assert str(tmp_path / "clone") not in paths and not any(p.startswith("/usr/") or p == "/usr" for p in paths)
-    assert confinement.arpo_package_dir().endswith("/arpo_lib")
+    assert confinement.package_dir().endswith("/desktop_sandbox")
 
 
 def test_a_process_counts_as_ended_only_when_every_thread_has():
@@ -262,7 +262,7 @@ def test_a_process_counts_as_ended_only_when_every_thread_has():
     import sys
     from pathlib import Path
 
-    from arpo_lib.envs.desktop.server import _alive
+    from desktop_sandbox.processes import alive as _alive
 
     code = ("import ctypes, threading, time; threading.Thread(target=time.sleep, args=(60,)).start(); "
             "ctypes.CDLL(None).pthread_exit(None)")
@@ -282,7 +282,7 @@ def test_a_process_counts_as_ended_only_when_every_thread_has():
 # ---- what confines the sandbox (no sandbox needed) ---------------------------------------------
 
 def test_the_mount_plan_never_binds_the_host_root_and_hides_what_others_cannot_read(tmp_path, monkeypatch):
-    from arpo_lib.envs.desktop import confinement
+    from desktop_sandbox import confinement
 
     secret_dir, secret_file, public = tmp_path / "private", tmp_path / "key", tmp_path / "fonts.conf"
     secret_dir.mkdir(mode=0o700)
@@ -305,7 +305,7 @@ def test_the_mount_plan_never_binds_the_host_root_and_hides_what_others_cannot_r
 
 
 def test_limits_are_validated_with_the_key_named():
-    from arpo_lib.envs.desktop.confinement import Limits
+    from desktop_sandbox.confinement import Limits
 
     assert Limits.from_options({"pids": 300}).pids == 300
     with pytest.raises(ValueError, match=r"unknown desktop limit\(s\) \['pid'\]"):
@@ -317,7 +317,7 @@ def test_limits_are_validated_with_the_key_named():
 
 
 def test_the_seccomp_filter_builds_and_knows_every_denied_call(tmp_path):
-    from arpo_lib.envs.desktop import confinement
+    from desktop_sandbox import confinement
 
     with open(tmp_path / "f.bpf", "wb") as out:
         unknown = confinement.seccomp_filter_bpf(out)
@@ -329,7 +329,7 @@ def test_the_window_manager_config_parses_and_starts_nothing():
     and all, when its config does not parse: a double hyphen in an XML comment once did that."""
     import xml.etree.ElementTree as ET
 
-    from arpo_lib.envs.desktop.server import OPENBOX_CONFIG
+    from desktop_sandbox.session import OPENBOX_CONFIG
 
     root = ET.parse(OPENBOX_CONFIG).getroot()
     ns = {"ob": "http://openbox.org/3.4/rc"}

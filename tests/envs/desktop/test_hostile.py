@@ -31,8 +31,8 @@ from arpo_lib.actions import Action
 from arpo_lib.envs import make_env
 from arpo_lib.envs.base import EnvError
 from arpo_lib.envs.desktop.scripted import solution_actions
-from arpo_lib.envs.desktop import gnome
-from arpo_lib.envs.desktop.sandbox import Sandbox, desktop_unavailable
+from desktop_sandbox import gnome
+from desktop_sandbox.sandbox import Sandbox, desktop_unavailable
 
 REASON = desktop_unavailable()
 pytestmark = [pytest.mark.skipif(REASON is not None, reason=REASON or ""), pytest.mark.slow]
@@ -46,7 +46,7 @@ AS_ROOT = os.geteuid() == 0
 DESKTOPS = ["openbox", pytest.param("gnome", marks=pytest.mark.skipif(
     gnome.unavailable() is not None, reason=gnome.unavailable() or ""))]
 """Every attack through the terminal runs on both desktops: our own (openbox) and OSWorld's
-computer (GNOME Shell, its session's buses and daemons, arpo_lib/envs/desktop/gnome.py)."""
+computer (GNOME Shell, its session's buses and daemons, desktop_sandbox/gnome.py)."""
 
 
 @pytest.fixture(scope="module", params=DESKTOPS)
@@ -138,7 +138,8 @@ def test_finding1_no_host_file_is_readable(terminal, canaries):
                           f"grep -rs {secret} /etc /var /srv /opt /home")  # not the Python trees: gigabytes
     assert secret not in out, f"a host file leaked into the sandbox:\n{out[-2000:]}"
     listing = typed(terminal, f"ls -A {REPO}").split()
-    assert set(listing) <= {"arpo_lib", ".venv"}, listing  # the package (and a venv kept in the clone) only
+    assert set(listing) <= {"desktop_sandbox", ".venv"}, listing  # the sandbox's package (and a venv kept in the clone)
+    assert "desktop_sandbox" in listing and "arpo_lib" not in listing  # the workbench's code is not there
     assert typed(terminal, "cat /etc/shadow /etc/gshadow 2>/dev/null | wc -c").strip() == "0"
     still_scores(terminal)
 
@@ -515,7 +516,7 @@ def test_finding7_disk_and_file_size_are_bounded_and_nothing_lands_on_the_host()
 def test_an_action_process_has_a_cpu_time_limit():
     """An action's interpreter gets RLIMIT_CPU (what the whitelist lets through cannot spin, so the
     mechanism is checked on the command the server builds, with a spinning body)."""
-    from arpo_lib.envs.desktop.server import action_command
+    from desktop_sandbox.processes import action_command
 
     command = action_command(sys.executable, "x = 0\nwhile True:\n    x += 1", cpu_s=1, python_path=[], preamble="")
     done = subprocess.run(command, capture_output=True, timeout=60)
@@ -605,7 +606,7 @@ def test_finding9_a_reset_ends_every_process_even_while_they_fork(terminal):
 
 
 def test_finding9_the_work_directory_goes_when_its_owner_is_killed(tmp_path):
-    script = ("import sys, time; sys.path.insert(0, %r); from arpo_lib.envs.desktop.sandbox import Sandbox; "
+    script = ("import sys, time; sys.path.insert(0, %r); from desktop_sandbox.sandbox import Sandbox; "
               "box = Sandbox((640, 480)); box.launch(['sleep', '600']); print(box.workdir, flush=True); time.sleep(600)"
               % str(REPO))
     owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
@@ -661,7 +662,7 @@ SANDBOX_PACKAGES = ("PIL", "pyautogui", "pymsgbox", "pytweening", "pyscreeze", "
 
 
 def _readable_site(where: Path) -> Path:
-    """A site-packages directory any user can read, with arpo_lib and SANDBOX_PACKAGES copied in
+    """A site-packages directory any user can read, with arpo_lib, desktop_sandbox and SANDBOX_PACKAGES copied in
     (the clone and its venv may sit in a directory only root can enter, as a CI clone in a
     mktemp directory does)."""
     import glob
@@ -681,7 +682,8 @@ def _readable_site(where: Path) -> Path:
                     shutil.copytree(libs, site / Path(libs).name)
         else:
             shutil.copy(spec.origin, site)
-    shutil.copytree(REPO / "arpo_lib", site / "arpo_lib", ignore=shutil.ignore_patterns("__pycache__"))
+    for package in ("arpo_lib", "desktop_sandbox"):
+        shutil.copytree(REPO / package, site / package, ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run(["chmod", "-R", "a+rX", str(where)], check=True)
     return site
 
@@ -852,7 +854,7 @@ def _uid_of(pid: str) -> int | None:
 
 
 def test_a_sandbox_that_cannot_start_says_why(monkeypatch):
-    from arpo_lib.envs.desktop import confinement
+    from desktop_sandbox import confinement
 
     monkeypatch.setattr(confinement, "user_namespaces_refused", lambda: "Operation not permitted")
     monkeypatch.setattr(confinement.os, "geteuid", lambda: 1000)
@@ -869,7 +871,7 @@ def test_a_sandbox_that_cannot_start_says_why(monkeypatch):
             raise EnvError(str(e)) from e
 
 
-# ---- 10. what GNOME adds (OSWorld's computer: arpo_lib/envs/desktop/gnome.py) -----------------------
+# ---- 10. what GNOME adds (OSWorld's computer: desktop_sandbox/gnome.py) -----------------------
 
 _SHELL_EXTENSION = """
 const {{ GLib, Gio }} = imports.gi;

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from arpo_lib.actions import Action
-from arpo_lib.envs.desktop import a11y
+from desktop_sandbox import a11y
 from arpo_lib.envs.osworld import env as osworld
 from arpo_lib.envs.osworld.sandbox_check import solution_actions
 from arpo_lib.envs.pool import EnvPool
@@ -46,7 +46,7 @@ def test_the_sandbox_provider_needs_no_vm_image_and_no_docker(monkeypatch):
 
 
 def test_importing_the_provider_needs_no_desktop_env():
-    code = ("import sys, arpo_lib.envs.osworld.sandbox as s; assert 'desktop_env' not in sys.modules; "
+    code = ("import sys, desktop_sandbox.osworld as s; assert 'desktop_env' not in sys.modules; "
             "print(s.SandboxProvider(screen_size=(800, 600)).screen_size)")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "(800, 600)", done.stderr[-2000:]
@@ -153,8 +153,8 @@ def test_osworlds_own_evaluator_scores_the_sandbox_no_op_zero_and_solution_one(o
 
 _HOSTILE = r"""
 import json, sys
-from arpo_lib.envs.osworld.sandbox import SandboxDesktopEnv
-from arpo_lib.envs.desktop import a11y as served
+from desktop_sandbox.osworld import SandboxDesktopEnv
+from desktop_sandbox import a11y as served
 task = json.load(open(sys.argv[1]))
 a11y = None
 if served.unavailable():

@@ -230,9 +230,9 @@ def site_directories() -> list[str]:
             if p and os.path.basename(p) in ("site-packages", "dist-packages") and os.path.isdir(p)]
 
 
-def arpo_package_dir() -> str:
-    """The arpo_lib package on the host: the only part of the repository the sandbox sees."""
-    return str(Path(__file__).resolve().parents[2])
+def package_dir() -> str:
+    """This package (desktop_sandbox) on the host: the only part of the repository the sandbox sees."""
+    return str(Path(__file__).resolve().parent)
 
 
 def _outermost(paths: set[str]) -> list[str]:
@@ -280,7 +280,7 @@ def bwrap_arguments(workdir: Path, limits: Limits, *, network: bool = False, sec
     for path, mib in [*((d, limits.scratch_mib) for d in SCRATCH_DIRS), (HOME_IN_SANDBOX, limits.home_mib)]:
         args += (["--size", str(mib * 2**20)] if "--size" in features else []) + ["--tmpfs", path]
     args += ["--symlink", "../run", "/var/run", "--symlink", "../run/lock", "/var/lock"]
-    for path in [*python_paths(), arpo_package_dir()]:  # after the tmpfs mounts, which could hide them
+    for path in [*python_paths(), package_dir()]:  # after the tmpfs mounts, which could hide them
         args += ["--ro-bind", path, path]
     for outside, inside in (binds or {}).items():
         args += ["--ro-bind", outside, inside]
@@ -338,7 +338,7 @@ def write_python_shim(workdir: Path, python: str, site_dirs: list[str], pythons:
         wrapper = bin_dir / "chrome"
         wrapper.unlink(missing_ok=True)
         wrapper.write_text(
-            "#!/bin/sh\n# Chromium as OSWorld's Chrome (see arpo_lib/envs/desktop/confinement.py)\n"
+            "#!/bin/sh\n# Chromium as OSWorld's Chrome (see desktop_sandbox/confinement.py)\n"
             # On OSWorld's VM (GNOME) Chrome's windows open maximized, beside the dock.
             'case "$XDG_CURRENT_DESKTOP" in *GNOME*) set -- --start-maximized "$@" ;; esac\n'
             f"{shlex.quote(chromium)} --no-sandbox --test-type --no-first-run --password-store=basic "
@@ -392,7 +392,7 @@ def _write_xdg_defaults(xdg: Path, browser: str | None) -> None:
             f"StartupWMClass={'Google-chrome' if chromium.startswith('/opt/google') else 'Chromium-browser'}\n"
             f"MimeType={';'.join(BROWSER_TYPES)};\nCategories=Network;WebBrowser;\n")
     (xdg / "mimeapps.list").write_text(
-        "# the sandbox's default applications (arpo_lib/envs/desktop/confinement.py, XDG_DEFAULTS)\n"
+        "# the sandbox's default applications (desktop_sandbox/confinement.py, XDG_DEFAULTS)\n"
         "[Default Applications]\n" + "".join(f"{kind}={entry}\n" for kind, entry in sorted(defaults.items())))
 
 

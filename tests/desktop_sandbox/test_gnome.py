@@ -1,4 +1,4 @@
-"""OSWorld's computer in the sandbox (arpo_lib/envs/desktop/gnome.py): GNOME Shell with Ubuntu's
+"""OSWorld's computer in the sandbox (desktop_sandbox/gnome.py): GNOME Shell with Ubuntu's
 look and the VM's shortcuts, driven the way an agent drives it (pyautogui through the checked
 action channel), reset to the same desktop after whatever the agent did to it."""
 from __future__ import annotations
@@ -11,9 +11,9 @@ import time
 import pytest
 from PIL import Image
 
-from arpo_lib.envs.desktop import gnome
-from arpo_lib.envs.desktop.confinement import HOSTNAME
-from arpo_lib.envs.desktop.sandbox import Sandbox, desktop_unavailable
+from desktop_sandbox import gnome
+from desktop_sandbox.confinement import HOSTNAME
+from desktop_sandbox.sandbox import Sandbox, desktop_unavailable
 
 REASON = desktop_unavailable() or gnome.unavailable()
 SCREEN = (1280, 800)

@@ -14,10 +14,11 @@ import time
 import pytest
 import requests
 
-from arpo_lib.envs.desktop import a11y, windows
-from arpo_lib.envs.desktop.bridge import LoopbackBridge
-from arpo_lib.envs.desktop.sandbox import Sandbox, _UnixConnection, desktop_unavailable
-from arpo_lib.envs.desktop.server import RequestError, _multipart
+from desktop_sandbox import a11y, windows
+from desktop_sandbox.bridge import LoopbackBridge
+from desktop_sandbox.sandbox import Sandbox, _UnixConnection, desktop_unavailable
+from desktop_sandbox.files import multipart_fields as _multipart
+from desktop_sandbox.http_input import RequestError
 
 REASON = desktop_unavailable()
 needs_desktop = pytest.mark.skipif(REASON is not None, reason=REASON or "")
@@ -260,7 +261,7 @@ def test_activate_window_waits_for_the_window_the_step_before_launched(fresh):
     """A task file launches a program and activates its window in the next step; GNOME maps a
     new window a second or more after the launch. The step waits for it (ACTIVATE_WAIT_S) and
     reports no set-up failure; a window that never comes is reported after the wait."""
-    from arpo_lib.envs.desktop import server
+    from desktop_sandbox import session as server
 
     box, bridge, base = fresh
     requests.post(f"{base}/setup/begin", timeout=30)

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from arpo_lib.envs.desktop import a11y, confinement
-from arpo_lib.envs.desktop.a11y_tree import NAMESPACES, Gone, Hung, Limits, Reading, tag_for, to_xml
-from arpo_lib.envs.desktop.sandbox import Sandbox, desktop_unavailable
+from desktop_sandbox import a11y, confinement
+from desktop_sandbox.a11y_tree import NAMESPACES, Gone, Hung, Limits, Reading, tag_for, to_xml
+from desktop_sandbox.sandbox import Sandbox, desktop_unavailable
 
 REASON = desktop_unavailable() or a11y.unavailable()
 SCREEN = (1280, 800)
@@ -203,7 +203,7 @@ def test_a_spreadsheet_gives_only_the_cells_on_screen():
 
 
 def test_chromium_is_named_google_chrome_where_it_stands_in_for_it(monkeypatch):
-    from arpo_lib.envs.desktop import a11y_tree
+    from desktop_sandbox import a11y_tree
 
     assert (a11y_tree.GOOGLE_CHROME, *a11y_tree.CHROMIUM_BINARIES) == confinement.CHROMIUM_BINARIES
     exes = {1: "/usr/lib/chromium/chromium", 2: "/usr/bin/python3.11"}

@@ -1,6 +1,10 @@
-"""The action-code safety check: `check_action_code` accepts only code of the shape `to_pyautogui`
-generates (whitelisted calls with literal, bounded arguments) and raises `UnsafeCodeError` on
-anything else. The desktop sandbox's action server runs nothing it refuses.
+"""What the action server runs: `check_action_code` accepts only code of the shape the
+workbench's converter (`arpo_lib.actions.to_pyautogui`) generates, whitelisted pyautogui calls with
+literal, bounded arguments, and raises `UnsafeCodeError` on anything else. The server runs nothing
+it refuses.
+
+This module is the contract between the two: the calls, keys and bounds below are what the
+sandbox accepts, and the converter generates within them (it imports them from here).
 """
 from __future__ import annotations
 
@@ -8,8 +12,48 @@ import ast
 import math
 from dataclasses import dataclass
 
-from arpo_lib.actions.pyautogui import DETACH_OUTPUT, GENERATED_CALLS, MAX_ACTION_SECONDS, MAX_TYPED_CHARS
-from arpo_lib.actions.space import MAX_RESPONSE_CHARS, VALID_KEYS
+# Key names pyautogui understands (a subset of its KEY_NAMES, written out here so that
+# generated code never names a key pyautogui would silently ignore).
+_NAMED_KEYS = (
+    "enter", "return", "tab", "space", "backspace", "delete", "del", "insert", "esc", "escape",
+    "shift", "shiftleft", "shiftright", "ctrl", "ctrlleft", "ctrlright", "alt", "altleft",
+    "altright", "option", "optionleft", "optionright", "command", "win", "winleft", "winright",
+    "fn", "capslock", "numlock", "scrolllock", "up", "down", "left", "right", "home", "end",
+    "pageup", "pagedown", "pgup", "pgdn", "printscreen", "prtsc", "prtscr", "prntscrn", "print",
+    "pause", "apps", "clear", "help", "select", "execute", "volumeup", "volumedown",
+    "volumemute", "playpause", "nexttrack", "prevtrack", "stop", "browserback",
+    "browserforward", "browserrefresh", "browserhome", "browsersearch",
+    "add", "subtract", "multiply", "divide", "decimal", "separator",
+) + tuple(f"f{i}" for i in range(1, 25)) + tuple(f"num{i}" for i in range(10))
+_CHAR_KEYS = tuple("abcdefghijklmnopqrstuvwxyz0123456789!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~")
+VALID_KEYS = frozenset(_NAMED_KEYS + _CHAR_KEYS)
+"""Key names accepted in hotkey/press actions (after alias mapping)."""
+
+PYAUTOGUI_FUNCTIONS = frozenset({
+    "click", "doubleClick", "rightClick", "moveTo", "dragTo", "mouseDown", "mouseUp",
+    "hotkey", "press", "write", "typewrite", "scroll", "keyDown", "keyUp",
+})
+"""The only pyautogui functions generated code calls (plus time.sleep and pyperclip.copy)."""
+GENERATED_CALLS = frozenset({("pyautogui", f) for f in PYAUTOGUI_FUNCTIONS} | {("time", "sleep"), ("pyperclip", "copy")})
+"""Every (module, function) generated code may call, always with literal arguments."""
+
+DETACH_OUTPUT = (
+    "os.dup2(os.open(os.devnull, os.O_WRONLY), 1)",
+    "os.dup2(os.open(os.devnull, os.O_WRONLY), 2)",
+)
+"""Run once before the first clipboard copy. pyperclip hands the text to xclip, which stays in the
+background serving the clipboard with the caller's stdout and stderr still open; OSWorld's VM
+server runs `python -c` with both piped and waits for them to close, so without this every paste
+would hang the step until the server's 120 s timeout (and the client's retries would paste again).
+The fork's own agents turn the clipboard off for this reason and lose non-ASCII text instead.
+These two exact lines are the only non-call statements generated code contains."""
+
+MAX_ACTION_SECONDS = 45.0
+"""What the declared sleeps, drag durations and typing intervals of one action may add up to (the
+action server gives an action 60 s)."""
+MAX_TYPED_CHARS = 4_000
+"""pyautogui.write types at most this many characters (at TYPE_INTERVAL: 40 s); longer texts are
+pasted through the clipboard (arpo_lib's converter, `_type_lines`)."""
 
 
 class UnsafeCodeError(ValueError):
@@ -23,7 +67,8 @@ characters, escaped, fits): parsing stays fast, and a body of nested operators c
 the parser."""
 MAX_ACTION_STATEMENTS = 64
 """Generated code has a few lines per action (at most ~10); more is refused before any is checked."""
-MAX_CLIPBOARD_CHARS = 4 * MAX_RESPONSE_CHARS
+MAX_CLIPBOARD_CHARS = 80_000
+"""Most characters one clipboard copy may carry (four times the longest response the workbench parses)."""
 MAX_SCROLL_CLICKS = 50
 MAX_REPEAT = 10
 """Most clicks or presses one call may ask for."""

@@ -1,90 +1,29 @@
-"""The action server of a desktop sandbox (see sandbox.py): it starts the X server and the window
-manager, then answers HTTP on a listening socket the host hands it as a file descriptor. No path
-of that socket exists where the sandbox's programs could see it: only the host can call it.
-
-Its endpoints follow OSWorld's VM server (desktop_env/server, from its documented behaviour; none
-of its code is used) where one exists, so OSWorld's set-up steps and getters map onto it:
-
-    GET  /screenshot            PNG of the whole screen, straight from the X server
-    GET  /screen_size           {"width", "height"}
-    GET  /platform              "Linux"
-    POST /execute               {"command": [...] | "...", "shell": bool, "timeout": s}
-                                -> {"status", "output", "error", "returncode"}   (trusted: task set-up, checkers)
-    POST /setup/launch          {"command", "shell"}: start an application and return
-    GET  /setup/launched        [{"command", "pid", "returncode" (None: running), "output"}] of this
-                                episode's launched applications (output: the tail of their stdout+stderr)
-    POST /file                  {"file_path"} (JSON or form) -> the file's bytes (404 if absent)
-    POST /run_action            {"code"}: agent actions; only code `check_action_code` accepts runs,
-                                in an isolated interpreter (-I, from /), with a CPU-time limit; keys
-                                and mouse buttons it leaves held are released after it
-    GET  /active_window         {"id", "name", "x", "y", "width", "height"} of the focused window
-    GET  /windows               [{"id", "title", "wm_class", "x", "y", "width", "height"}], oldest first
-    POST /session/reset         end every application (until none is left), re-create the home empty
-    POST /shutdown
-
-The rest of what OSWorld's controllers and getters call, in the encodings they send:
-
-    POST /setup/upload          multipart file_path, file_data: write the file (parents created)
-    POST /setup/open_file       {"path", "timeout"}: xdg-open it, wait for a window naming it
-    POST /setup/activate_window, /setup/close_window   {"window_name", "strict", "by_class"} (windows.py)
-    POST /setup/execute_with_verification   {"command", "shell", "verification", "max_wait_time", ...}
-    POST /setup/change_wallpaper {"path"}    POST /wallpaper: its bytes (404 when none was set)
-    POST /window_size           form app_class_name -> {"width", "height"} (404: no such window)
-    POST /list_directory        {"path"} -> {"directory_tree": {"type", "name", "children"}}
-    POST /desktop_path          -> {"desktop_path"}      POST /screen_size, GET|POST /cursor_position
-    POST /start_recording, /end_recording   ffmpeg x11grab (501 when the sandbox has no ffmpeg)
-    GET  /terminal              {"output": null}: no terminal reader (OSWorld's uses AT-SPI)
-    GET  /accessibility         {"AT": xml}: the AT-SPI tree in OSWorld's XML (a11y.py; ?budget_s= its
-                                time budget, 10 s by default); 501 naming the missing package where
-                                this machine cannot serve it, 504 when a reading overran its budget,
-                                502 when it failed
-    POST /run_python, /run_bash_script      403: an agent's code, unchecked
-    CONNECT 127.0.0.1:<port>    a tunnel to Chrome's DevTools (1337, 9222) or VLC (8080) inside
-
-Every failure is a JSON error with a 4xx/5xx status (a body over MAX_BODY_BYTES: 413).
-
-Two modes (confinement.py): in `namespaces` the server runs inside the bubblewrap sandbox as its
-only user, with the sandbox's limits set on itself (its children inherit them); in `user` it runs
-on the host as root and starts the applications and the trusted commands as the dedicated agent
-uid (`--agent-uid`), while the X server, the window manager and the checked actions stay its own.
-
-Only the Python standard library, Pillow, python-xlib and the command-line tools of the sandbox are
-used here: the server starts in well under a second and never imports torch.
+"""The desktop session inside the sandbox (`Desktop`): the X server and window manager, the
+episode's home, buses and GNOME session, the watcher of the sandbox's limits, the applications
+and what they did, and every operation the action server's routes call.
 """
 from __future__ import annotations
 
-import argparse
-import ctypes
 import io
 import json
 import os
-import resource
 import shlex
 import shutil
 import signal
-import socket
-import stat
 import subprocess
 import sys
 import threading
 import time
-import urllib.parse
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from arpo_lib.envs.desktop import a11y, confinement, gnome, windows
-from arpo_lib.envs.desktop.bridge import splice
+from desktop_sandbox import a11y, confinement, gnome, windows
+from desktop_sandbox.files import path_kinds, read_regular
+from desktop_sandbox.http_input import RequestError, safe
+from desktop_sandbox.processes import (
+    ACTION_TIMEOUT_S, EXECUTE_TIMEOUT_S, action_command, alive, require_own_pid_namespace, run_command, send_signal,
+)
 
-ACTION_TIMEOUT_S = 60.0
-"""One agent action (a pyautogui snippet) may take this long; OSWorld's server allows 120 s."""
-EXECUTE_TIMEOUT_S = 120.0
-"""Default limit of a trusted /execute command."""
-MAX_BODY_BYTES = 8 * 2**20
-"""Largest request body accepted (413 above)."""
-DRAIN_BYTES = 64 * 2**20
-"""A refused body up to this size is read and dropped before the 413 (the client then reads the
-answer instead of a reset connection); a larger one gets the 413 and the connection closes."""
 HOME_DIRS = ("Desktop", "Documents", "Downloads")
 """Created in every fresh home directory."""
 LAUNCH_OUTPUT_CHARS = 2000
@@ -93,39 +32,14 @@ WATCH_INTERVAL_S = 0.05
 """How often the watcher counts the sandbox's processes (namespaces mode)."""
 WATCH_DETAIL_EVERY = 5
 """Every this many rounds it also counts threads and resident memory (user mode: processes too)."""
-DESKTOP_THREADS = 64
-"""Headroom for the desktop's own threads (server, X server, window manager) in RLIMIT_NPROC."""
 RESET_DEADLINE_S = 20.0
 """A reset that cannot end every process of the episode within this long fails (HTTP 500)."""
 OPENBOX_CONFIG = Path(__file__).with_name("openbox-rc.xml")
 
-
-class RequestError(Exception):
-    """A request the server refuses: answered as JSON {"error"} with `status`."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-class UnixHTTPServer(ThreadingHTTPServer):
-    """HTTP on an already-listening Unix socket handed over by the host."""
-
-    address_family = socket.AF_UNIX
-    daemon_threads = True
-
-    def __init__(self, listen_fd: int, handler: type[BaseHTTPRequestHandler]) -> None:
-        super().__init__("", handler, bind_and_activate=False)
-        self.socket.close()
-        self.socket = socket.socket(fileno=listen_fd)
-        self.socket.set_inheritable(False)
-        self.server_name, self.server_port = "sandbox", 0
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request(request, client_address)
-        except RuntimeError:  # no thread can start (the sandbox is at its process limit): answer inline
-            self.process_request_thread(request, client_address)
+OPEN_TIMEOUT_S = 30.0
+"""/setup/open_file waits this long for the file's window by default (OSWorld's newer server: 1800 s)."""
+ACTIVATE_WAIT_S = 5.0
+"""/setup/activate_window waits this long for a window that matches (window_action)."""
 
 
 class Desktop:
@@ -283,10 +197,10 @@ class Desktop:
 
     def note_setup(self, step: str, what: Any, why_failed: str | None = None) -> None:
         """Record one set-up call: `why_failed` None when it did what it asked."""
-        entry = {"step": step, "what": _safe(what if isinstance(what, str) else json.dumps(what))[:300],
+        entry = {"step": step, "what": safe(what if isinstance(what, str) else json.dumps(what))[:300],
                  "ok": why_failed is None}
         if why_failed is not None:
-            entry["error"] = _safe(why_failed)[:500]
+            entry["error"] = safe(why_failed)[:500]
         if len(self.setup_log) < SETUP_LOG_MAX:
             self.setup_log.append(entry)
 
@@ -298,7 +212,7 @@ class Desktop:
         steps = list(self.setup_log)
         for command, process, log_path in self.launch_records[self.setup_launches:]:
             code = process.poll()
-            entry = {"step": "launch", "what": _safe(json.dumps(command))[:300], "ok": not code, "returncode": code}
+            entry = {"step": "launch", "what": safe(json.dumps(command))[:300], "ok": not code, "returncode": code}
             if code:
                 entry["error"] = f"exited with code {code}: {_tail(log_path)}"
             steps.append(entry)
@@ -432,18 +346,18 @@ class Desktop:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{len(others)} processes of the episode survived {RESET_DEADLINE_S:.0f} s of killing")
             if self.agent is None:
-                _require_own_pid_namespace()
+                require_own_pid_namespace()
                 os.kill(-1, signal.SIGSTOP)
                 for pid in self.keep - {os.getpid()}:
-                    _signal(pid, signal.SIGCONT)
+                    send_signal(pid, signal.SIGCONT)
                 for pid in self._others():
-                    if _signal(pid, signal.SIGKILL):
+                    if send_signal(pid, signal.SIGKILL):
                         ended.add(pid)
             else:
                 self.run(["/bin/sh", "-c", "kill -KILL -1"], False, 10)
                 ended.update(others)
             wait_until = time.monotonic() + 5
-            while time.monotonic() < wait_until and any(_alive(p) for p in self._others()):
+            while time.monotonic() < wait_until and any(alive(p) for p in self._others()):
                 time.sleep(0.02)
         self.launched = [p for p in self.launched if p.poll() is None]  # reap the ended
         return len(ended)
@@ -456,7 +370,7 @@ class Desktop:
             if not entry.name.isdigit():
                 continue
             pid = int(entry.name)
-            if pid in self.keep or pid == 1 or not _alive(pid):
+            if pid in self.keep or pid == 1 or not alive(pid):
                 continue
             if self.agent is not None and confinement.process_uid(pid) != self.agent[0]:
                 continue
@@ -486,7 +400,7 @@ class Desktop:
         a pyautogui.py the agent saved there would otherwise replace."""
         kwargs = self._as_agent()
         kwargs["env"] = {**kwargs["env"], "PYTHONSAFEPATH": "1", "PYTHONNOUSERSITE": "1"}
-        return _run(self.as_arguments(command, shell), shell=shell, timeout=timeout, **kwargs)
+        return run_command(self.as_arguments(command, shell), shell=shell, timeout=timeout, **kwargs)
 
     def as_arguments(self, command: list[str] | str, shell: bool) -> list[str] | str:
         """As OSWorld's VM server takes a command: a string without a shell is split shell-style,
@@ -501,7 +415,7 @@ class Desktop:
         shadow a module), with a CPU-time limit; keys and buttons left held are released after."""
         env = {k: v for k, v in self.env.items() if k != "HOME"} | {"HOME": "/nonexistent"}
         try:
-            return _run(action_command(sys.executable, code, cpu_s, self.python_path), shell=False,
+            return run_command(action_command(sys.executable, code, cpu_s, self.python_path), shell=False,
                         timeout=ACTION_TIMEOUT_S, env=env, cwd="/")
         finally:
             self.release_input()
@@ -563,16 +477,16 @@ class Desktop:
         Read by this process, never by a program it starts (see `_as_agent_here`)."""
         path = str(self.home / name[2:]) if name.startswith("~/") else name
         if self.agent is None:
-            return _read_regular(path)
-        return self._as_agent_here(_read_regular, path)
+            return read_regular(path)
+        return self._as_agent_here(read_regular, path)
 
     def path_info(self, paths: list[str]) -> dict[str, dict[str, Any] | None]:
         """Kind ("dir", "file", or stat's name: "symbolic link", "fifo", ...; a final link not
         followed) and mode of each path (`~/` in the home), None where absent: what the desktop
         tasks' checkers read. Computed by this process, as `read_file`."""
         if self.agent is None:
-            return _path_info(paths, self.expand)
-        return self._as_agent_here(_path_info, paths, self.expand)
+            return path_kinds(paths, self.expand)
+        return self._as_agent_here(path_kinds, paths, self.expand)
 
     def _as_agent_here(self, fn: Any, *args: Any) -> Any:
         """`fn(*args)` with the agent's user's rights (the `user` fallback, where this server is
@@ -637,7 +551,7 @@ class Desktop:
         space cut); None when no GNOME Terminal window is active or the tree is not served."""
         import xml.etree.ElementTree as ET
 
-        from arpo_lib.envs.desktop.a11y_tree import NAMESPACES
+        from desktop_sandbox.a11y_tree import NAMESPACES
 
         if self.buses is None or self.a11y_missing and self.gnome is None:
             return None
@@ -670,7 +584,7 @@ class Desktop:
         done = subprocess.run(["/bin/sh", "-c", 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"', "sh",
                                self.expand(path)], input=data, capture_output=True, timeout=600, **self._as_agent())
         if done.returncode != 0:
-            raise RequestError(500, f"cannot write {_safe(path)}: {_safe(done.stderr.decode(errors='replace').strip())}")
+            raise RequestError(500, f"cannot write {safe(path)}: {safe(done.stderr.decode(errors='replace').strip())}")
 
     def exists(self, path: str, kind: str = "e") -> bool:
         """Whether the path exists (`kind`: test(1)'s e, f or d), as the agent's user sees it."""
@@ -726,10 +640,10 @@ class Desktop:
         done = subprocess.run(["find", full, "-mindepth", "1", "-printf", "%y %P\\0"], capture_output=True,
                               timeout=60, **self._as_agent())
         if not self.exists(full, "d"):
-            raise RequestError(404, f"{_safe(path)} is not a directory")
+            raise RequestError(404, f"{safe(path)} is not a directory")
         entries = [e for e in done.stdout.decode(errors="replace").split("\0") if e]
         if len(entries) > max_entries:
-            raise RequestError(413, f"{_safe(path)} holds more than {max_entries} entries")
+            raise RequestError(413, f"{safe(path)} holds more than {max_entries} entries")
         root: dict[str, Any] = {"type": "directory", "name": Path(full).name or "/", "children": []}
         nodes = {"": root}
         for entry in sorted(entries, key=lambda e: e[2:].count("/")):
@@ -814,7 +728,7 @@ BENIGN_EXITS = {"pkill": {1}, "killall": {1}, "pgrep": {1}}
 """Exit codes that mean "nothing to do" rather than a failure: pkill finding no process to end."""
 
 
-def _execute_failure(command: list[str] | str, done: dict[str, Any]) -> str | None:
+def execute_failure(command: list[str] | str, done: dict[str, Any]) -> str | None:
     """Why a set-up command did not do what it asked (None: it did)."""
     code = done.get("returncode")
     if code == 0:
@@ -834,537 +748,3 @@ def _tail(path: Path, chars: int = 300) -> str:
         return " ".join(path.read_bytes()[-chars:].decode(errors="replace").split())
     except OSError:
         return ""
-
-
-MAX_UPLOAD_BYTES = 256 * 2**20
-"""Largest /setup/upload (OSWorld's task files upload documents, images and short videos)."""
-OPEN_TIMEOUT_S = 30.0
-"""/setup/open_file waits this long for the file's window by default (OSWorld's newer server: 1800 s)."""
-ACTIVATE_WAIT_S = 5.0
-"""/setup/activate_window waits this long for a window that matches (window_action)."""
-TUNNEL_PORTS = frozenset({1337, 9222, 8080})
-"""Ports inside the sandbox the host may tunnel to (CONNECT): Chrome's DevTools as OSWorld's tasks
-start it (1337, and 9222 where a task runs socat) and VLC's web interface."""
-POSTS_AS_GETS = frozenset({"/screen_size", "/cursor_position"})
-"""OSWorld's controller POSTs these without a body."""
-MAX_FILE_BYTES = 256 * 2**20
-"""/file returns at most this much of a file."""
-
-
-def _read_regular(path: str) -> bytes | None:
-    """At most MAX_FILE_BYTES of a regular file; None if it is absent or not a regular file. Opened
-    without blocking: the agent may have put a FIFO where the checker looks, whose plain open would
-    wait for a writer forever (the episode then an infrastructure failure instead of a 0)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
-    except OSError:
-        return None
-    try:
-        with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                return None
-            return f.read(MAX_FILE_BYTES + 1)[:MAX_FILE_BYTES]
-    except OSError:
-        return None
-
-
-_KINDS = {stat.S_IFDIR: "dir", stat.S_IFREG: "file", stat.S_IFLNK: "symbolic link", stat.S_IFIFO: "fifo",
-          stat.S_IFSOCK: "socket", stat.S_IFCHR: "character special file", stat.S_IFBLK: "block special file"}
-
-
-def _path_info(paths: list[str], expand: Any) -> dict[str, dict[str, Any] | None]:
-    """{path: {"kind", "mode"} or None} by lstat, `expand` turning `~/...` into the home's path."""
-    info: dict[str, dict[str, Any] | None] = {}
-    for path in paths:
-        try:
-            st = os.lstat(expand(path))
-        except (OSError, ValueError):
-            info[path] = None
-            continue
-        info[path] = {"kind": _KINDS.get(stat.S_IFMT(st.st_mode), "unknown"), "mode": stat.S_IMODE(st.st_mode)}
-    return info
-
-
-ACTION_PREAMBLE = "import pyautogui; pyautogui.FAILSAFE = False; pyautogui.PAUSE = 0.05\n"
-
-
-def action_command(python: str, code: str, cpu_s: int, python_path: list[str],
-                   preamble: str = ACTION_PREAMBLE) -> list[str]:
-    """The command that runs checked action code: `python -I` (no environment variables, no user
-    site, nothing from the current directory), the site directories put back, RLIMIT_CPU set
-    before anything of the action runs, then pyautogui and the code."""
-    head = (f"import sys; sys.path[:0] = {python_path!r}\n"
-            f"import resource; resource.setrlimit(resource.RLIMIT_CPU, ({cpu_s}, {cpu_s}))\n")
-    return [python, "-I", "-c", head + preamble + code]
-
-
-def _run(command: list[str] | str, *, shell: bool, timeout: float, **kwargs: Any) -> dict[str, Any]:
-    try:
-        done = subprocess.run(command, shell=shell, capture_output=True, text=True, errors="replace",
-                              timeout=timeout, stdin=subprocess.DEVNULL, **kwargs)
-    except subprocess.TimeoutExpired as e:
-        return {"status": "error", "output": _text(e.stdout), "error": f"timed out after {timeout:.0f} s",
-                "returncode": -1}
-    except (OSError, ValueError) as e:
-        return {"status": "error", "output": "", "error": str(e), "returncode": -1}
-    return {"status": "success" if done.returncode == 0 else "error", "output": done.stdout,
-            "error": done.stderr, "returncode": done.returncode}
-
-
-def _signal(pid: int, signum: int) -> bool:
-    try:
-        os.kill(pid, signum)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
-
-
-HOST_PID_NAMESPACE: str | None = None
-"""The host's PID namespace (passed by the host): kill(-1) is refused there."""
-
-
-def _require_own_pid_namespace() -> None:
-    """kill(-1) must only ever run inside the sandbox's own PID namespace: on a host, as root, it
-    would signal every process of the machine."""
-    own = os.readlink("/proc/self/ns/pid")
-    if HOST_PID_NAMESPACE is None or own == HOST_PID_NAMESPACE or os.getpid() == 1:
-        raise RuntimeError(f"refusing kill(-1): not in the sandbox's own PID namespace ({own})")
-
-
-def _alive(pid: int) -> bool:
-    """Whether any thread of process `pid` has not exited. The main thread of a multi-threaded
-    application turns zombie before its other threads have exited and released its files: until
-    then its sockets still accept connections. (A PCManFM killed at a reset kept its
-    single-instance socket open for that long; the next episode's PCManFM handed its window
-    request to the dying one and exited: a black screen in ~1 in 10 resets.)"""
-    try:
-        threads = list(Path(f"/proc/{pid}/task").iterdir())
-    except OSError:
-        return False
-    for thread in threads:
-        try:
-            if (thread / "stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
-                return True
-        except (OSError, IndexError):
-            continue
-    return False
-
-
-def _text(value: bytes | str | None) -> str:
-    if value is None:
-        return ""
-    return value.decode(errors="replace") if isinstance(value, bytes) else value
-
-
-def make_handler(desktop: Desktop, stop: threading.Event, action_cpu_s: int) -> type[BaseHTTPRequestHandler]:
-    from arpo_lib.actions import UnsafeCodeError, check_action_code
-
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def address_string(self) -> str:
-            return "host"
-
-        def log_message(self, format: str, *args: Any) -> None:  # quiet: the host logs what matters
-            pass
-
-        def _send(self, status: int, body: bytes, kind: str) -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", kind)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def _json(self, value: Any, status: int = 200) -> None:
-            self._send(status, json.dumps(value).encode(), "application/json")
-
-        def _raw(self, limit: int = MAX_BODY_BYTES) -> bytes:
-            try:
-                length = int(self.headers.get("Content-Length") or 0)
-            except ValueError:
-                raise RequestError(400, "Content-Length is not a number") from None
-            if length < 0 or length > limit:
-                self.close_connection = True  # an unread body must not be parsed as the next request
-                if length <= DRAIN_BYTES:  # read and drop it, so the client can read the answer
-                    while length > 0:
-                        length -= len(self.rfile.read(min(length, 2**20)) or b"\0" * length)
-                raise RequestError(413, f"request body of {self.headers.get('Content-Length')} bytes "
-                                        f"(at most {limit})")
-            return self.rfile.read(length) if length else b""
-
-        def _body(self) -> dict[str, Any]:
-            """JSON, or a form (OSWorld's controller posts /file as form field `file_path`); a POST
-            without a body (OSWorld's /screen_size, /desktop_path, ...) is {}."""
-            raw = self._raw()
-            try:
-                if self.headers.get("Content-Type", "").startswith("application/x-www-form-urlencoded"):
-                    return {k: v[-1] for k, v in urllib.parse.parse_qs(raw.decode()).items()}
-                body = json.loads(raw or b"{}")
-            except (ValueError, RecursionError) as e:
-                raise RequestError(400, f"request body is not JSON: {type(e).__name__}") from None
-            if not isinstance(body, dict):
-                raise RequestError(400, "request body must be a JSON object")
-            return body
-
-        def _guarded(self, answer: Any) -> None:
-            """Run one endpoint; every failure becomes a JSON error, never a dropped connection."""
-            try:
-                answer()
-            except RequestError as e:
-                self._json({"error": str(e)}, e.status)
-            except (BrokenPipeError, ConnectionResetError):
-                self.close_connection = True
-            except Exception as e:  # noqa: BLE001 (the server must answer whatever happened)
-                try:
-                    self._json({"error": f"{type(e).__name__}: {_safe(str(e))}"}, 500)
-                except OSError:
-                    self.close_connection = True
-
-        def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-            self._guarded(self._get)
-
-        def do_POST(self) -> None:  # noqa: N802
-            self._guarded(self._post)
-
-        def do_CONNECT(self) -> None:  # noqa: N802
-            """A tunnel to a port inside the sandbox (Chrome's DevTools, VLC's web interface): the
-            host's loopback bridge (bridge.py) carries OSWorld's CDP and VLC clients through it."""
-            host, _, port = self.path.rpartition(":")
-            if host not in ("127.0.0.1", "localhost") or not port.isdigit() or int(port) not in TUNNEL_PORTS:
-                self.close_connection = True
-                self._json({"error": f"no tunnel to {_safe(self.path)} (ports: {sorted(TUNNEL_PORTS)})"}, 403)
-                return
-            try:
-                upstream = socket.create_connection(("127.0.0.1", int(port)), timeout=10)
-            except OSError as e:
-                self.close_connection = True
-                self._json({"error": f"nothing answers on port {port} in the sandbox: {e}"}, 502)
-                return
-            self.send_response(200, "Connection established")
-            self.end_headers()
-            self.wfile.flush()
-            self.close_connection = True
-            upstream.settimeout(None)
-            _splice(self.connection, upstream)
-
-        def _get(self) -> None:
-            if self.path == "/screenshot":
-                self._send(200, desktop.screenshot_png(), "image/png")
-            elif self.path == "/screen_size":
-                self._json({"width": desktop.screen[0], "height": desktop.screen[1]})
-            elif self.path == "/windows":
-                self._json([w.__dict__ for w in windows.list_windows(desktop.display)])
-            elif self.path == "/cursor_position":
-                self._json(list(windows.cursor_position(desktop.display)))
-            elif self.path == "/terminal":
-                self._json({"status": "success", "output": desktop.terminal_output()})
-            elif self.path.split("?", 1)[0] == "/accessibility":
-                query = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
-                budget = _number({k: _float(v[-1]) for k, v in query.items()}, "budget_s", a11y.BUDGET_S, 0.5,
-                                 a11y.MAX_BUDGET_S)
-                self._json({"AT": desktop.accessibility_tree(budget)})
-            elif self.path == "/platform":
-                self._send(200, b"Linux", "text/plain")
-            elif self.path == "/active_window":
-                self._json(desktop.active_window())
-            elif self.path == "/setup/launched":
-                self._json(desktop.launched_applications())
-            elif self.path == "/activity":
-                self._json(desktop.activity())
-            elif self.path == "/setup/report":
-                self._json(desktop.setup_report())
-            elif self.path == "/health":
-                self._json({"ok": True, "display": desktop.display, "pid": os.getpid(),
-                            "incidents": list(desktop.incidents)})
-            else:
-                raise RequestError(404, f"no endpoint {_safe(self.path)}")
-
-        def _post(self) -> None:
-            if self.path == "/setup/upload":
-                fields = _multipart(self.headers.get("Content-Type", ""), self._raw(MAX_UPLOAD_BYTES))
-                path, data = fields.get("file_path"), fields.get("file_data")
-                if not isinstance(path, bytes) or not path or data is None:
-                    raise RequestError(400, "/setup/upload takes multipart fields file_path and file_data")
-                try:
-                    desktop.upload(_path(path.decode(errors="replace")), data)
-                except RequestError as e:
-                    desktop.note_setup("upload", path.decode(errors="replace"), str(e))
-                    raise
-                desktop.note_setup("upload", path.decode(errors="replace"))
-                self._json({"status": "success"})
-                return
-            body = self._body()
-            if self.path in POSTS_AS_GETS:
-                self._get()
-            elif self.path == "/desktop_path":
-                self._json({"desktop_path": str(desktop.home / "Desktop")})
-            elif self.path == "/wallpaper":
-                if desktop.wallpaper is None or (data := desktop.read_file(desktop.wallpaper)) is None:
-                    raise RequestError(404, "no wallpaper is set")
-                self._send(200, data, "application/octet-stream")
-            elif self.path == "/setup/change_wallpaper":
-                path = _path(body.get("path"))
-                if not desktop.exists(path, "f"):
-                    desktop.note_setup("change_wallpaper", path, "the file does not exist")
-                    raise RequestError(404, f"{_safe(path)} does not exist")
-                desktop.note_setup("change_wallpaper", path)
-                desktop.wallpaper = path  # served back by /wallpaper; not painted on the root window
-                self._json({"status": "success"})
-            elif self.path == "/setup/open_file":
-                path = _path(body.get("path"))
-                if not desktop.exists(path):
-                    desktop.note_setup("open", path, "the file does not exist")
-                    raise RequestError(404, f"{_safe(path)} does not exist")
-                title = desktop.open_file(path, _number(body, "timeout", OPEN_TIMEOUT_S, 0, 1800))
-                desktop.note_setup("open", path, None if title else "no window naming the file appeared")
-                self._json({"status": "success", "window": title})
-            elif self.path in ("/setup/activate_window", "/setup/close_window"):
-                name = body.get("window_name")
-                if not isinstance(name, str) or not name:
-                    raise RequestError(400, "window_name must be a non-empty string")
-                action = "activate" if self.path.endswith("activate_window") else "close"
-                titles = desktop.window_action(name, _truthy(body.get("strict")), _truthy(body.get("by_class")), action)
-                desktop.note_setup(f"{action}_window", name, None if titles else f"no window matched {name!r}")
-                self._json({"status": "success", "windows": titles})
-            elif self.path == "/window_size":
-                name = body.get("app_class_name")
-                if not isinstance(name, str) or not name:
-                    raise RequestError(400, "app_class_name must be a non-empty string")
-                size = desktop.window_size(name)
-                if size is None:
-                    raise RequestError(404, f"no window of class {_safe(name)}")
-                self._json(size)
-            elif self.path == "/list_directory":
-                self._json({"directory_tree": desktop.directory_tree(_path(body.get("path")))})
-            elif self.path == "/setup/execute_with_verification":
-                verification = body.get("verification") or {}
-                if not isinstance(verification, dict):
-                    raise RequestError(400, "verification must be an object")
-                try:
-                    self._json(desktop.execute_with_verification(
-                        _command(body), _truthy(body.get("shell")), verification,
-                        _number(body, "max_wait_time", 10, 0, 600), _number(body, "check_interval", 1, 0.05, 60)))
-                except RequestError as e:
-                    desktop.note_setup("execute_with_verification", _command(body), str(e))
-                    raise
-                desktop.note_setup("execute_with_verification", _command(body))
-            elif self.path == "/start_recording":
-                desktop.start_recording()
-                self._json({"status": "success"})
-            elif self.path == "/end_recording":
-                self._send(200, desktop.end_recording(), "video/mp4")
-            elif self.path in ("/run_python", "/run_bash_script"):
-                raise RequestError(403, f"{self.path} runs an agent's code unchecked: refused (agent actions go "
-                                        "through /run_action)")
-            elif self.path in ("/execute", "/setup/execute"):
-                command = _command(body)
-                timeout = _number(body, "timeout", EXECUTE_TIMEOUT_S, 1, 3600)
-                done = desktop.run(command, _truthy(body.get("shell")), timeout)
-                desktop.note_setup("execute", command, _execute_failure(command, done))
-                self._json(done)
-            elif self.path == "/setup/launch":
-                command = _command(body)
-                try:
-                    desktop.launch(command, _truthy(body.get("shell")))
-                except OSError as e:
-                    desktop.note_setup("launch", command, f"cannot launch: {e}")
-                    raise RequestError(500, f"cannot launch {command!r}: {e}") from None
-                self._json({"status": "success"})
-            elif self.path == "/file":
-                name = body.get("file_path")
-                if not isinstance(name, str) or not name or "\0" in name:
-                    raise RequestError(400, "file_path must be a non-empty string")
-                data = desktop.read_file(name)
-                if data is None:
-                    raise RequestError(404, f"{_safe(name)} does not exist")
-                self._send(200, data, "application/octet-stream")
-            elif self.path == "/path_info":
-                paths = body.get("paths")
-                if not isinstance(paths, list) or not paths or len(paths) > 256 or \
-                        not all(isinstance(p, str) and p and "\0" not in p for p in paths):
-                    raise RequestError(400, "paths must be a list of 1 to 256 non-empty strings")
-                self._json({"info": desktop.path_info(paths)})
-            elif self.path == "/run_action":
-                code = body.get("code", "")
-                try:
-                    check_action_code(code, desktop.screen)
-                except UnsafeCodeError as e:
-                    self._json({"status": "refused", "error": _safe(str(e)), "returncode": -1}, 403)
-                    return
-                done = desktop.run_action(code, action_cpu_s)
-                if desktop.incidents:
-                    done["incidents"] = list(desktop.incidents)
-                self._json(done)
-            elif self.path == "/setup/begin":
-                desktop.begin_setup()
-                self._json({"status": "success"})
-            elif self.path == "/session/reset":
-                with desktop.reset_lock:
-                    ended = desktop.end_applications()
-                    desktop.fresh_home()
-                    desktop.start_buses()
-                    desktop.start_session()
-                self._json({"status": "success", "ended": ended})
-            elif self.path == "/shutdown":
-                self._json({"status": "success"})
-                stop.set()
-            else:
-                raise RequestError(404, f"no endpoint {_safe(self.path)}")
-
-    return Handler
-
-
-def _truthy(value: Any) -> bool:
-    """OSWorld's task files give `shell` as true, false or the string "true"."""
-    if isinstance(value, str):
-        return value.strip().lower() in ("true", "1", "yes")
-    return bool(value)
-
-
-def _path(value: Any) -> str:
-    if not isinstance(value, str) or not value or "\0" in value:
-        raise RequestError(400, "path must be a non-empty string")
-    return value
-
-
-def _multipart(content_type: str, raw: bytes) -> dict[str, bytes]:
-    """The fields of a multipart/form-data body (OSWorld's /setup/upload: file_path, file_data)."""
-    kind, _, params = content_type.partition(";")
-    if kind.strip().lower() != "multipart/form-data":
-        raise RequestError(400, f"expected multipart/form-data, got {_safe(kind.strip()) or 'no Content-Type'}")
-    boundary = next((p.split("=", 1)[1].strip().strip('"') for p in params.split(";")
-                     if p.strip().lower().startswith("boundary=")), "")
-    if not boundary:
-        raise RequestError(400, "multipart body without a boundary")
-    fields: dict[str, bytes] = {}
-    for part in raw.split(b"--" + boundary.encode())[1:]:
-        if part.startswith(b"--"):
-            break
-        head, sep, value = part.partition(b"\r\n\r\n")
-        if not sep:
-            raise RequestError(400, "malformed multipart part")
-        name = None
-        for line in head.decode(errors="replace").split("\r\n"):
-            if line.lower().startswith("content-disposition:"):
-                for item in line.split(";")[1:]:
-                    key, _, val = item.strip().partition("=")
-                    if key.lower() == "name":
-                        name = val.strip('"')
-        if name is not None:
-            fields[name] = value[:-2] if value.endswith(b"\r\n") else value
-    return fields
-
-
-def _splice(a: socket.socket, b: socket.socket) -> None:
-    splice(a, b)
-    b.close()
-
-
-def _command(body: dict[str, Any]) -> list[str] | str:
-    command = body.get("command")
-    if isinstance(command, str) and command and "\0" not in command:
-        return command
-    if isinstance(command, list) and command and all(isinstance(c, str) and "\0" not in c for c in command):
-        return command
-    raise RequestError(400, "command must be a non-empty string or list of strings")
-
-
-def _number(body: dict[str, Any], key: str, default: float, low: float, high: float) -> float:
-    value = body.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise RequestError(400, f"{key} must be a number in [{low}, {high}]")
-    return float(value)
-
-
-def _float(text: str) -> float | str:
-    try:
-        return float(text)
-    except ValueError:
-        return text
-
-
-def _safe(text: str) -> str:
-    """Text that survives JSON encoding and logs (lone surrogates replaced), at most 500 chars."""
-    return text.encode("utf-8", "replace").decode("utf-8")[:500]
-
-
-def _no_dump() -> None:
-    """Make this process undumpable: other processes of the same uid can no longer read its memory,
-    open its /proc files or take its descriptors (the listening socket among them)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    PR_SET_DUMPABLE = 4
-    if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
-
-
-def _die_with_parent() -> None:
-    """SIGKILL this process when the host process that started it ends (user mode; in namespaces
-    mode bubblewrap's --die-with-parent does it). The sandbox's watcher ends the rest."""
-    parent = os.getppid()
-    libc = ctypes.CDLL(None, use_errno=True)
-    PR_SET_PDEATHSIG = 1
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # the parent ended before the request took effect
-        os._exit(1)
-
-
-def set_limits(limits: dict[str, int]) -> None:
-    """The sandbox's resource limits, on this process (every process it starts inherits them).
-    In user mode this process is root, which the kernel exempts from RLIMIT_NPROC; the agent's uid,
-    which its children switch to, is not."""
-    mib = 2**20
-    for which, value in ((resource.RLIMIT_NPROC, limits["pids"] + DESKTOP_THREADS), (resource.RLIMIT_DATA, limits["memory_mib"] * mib),
-                         (resource.RLIMIT_FSIZE, limits["file_mib"] * mib), (resource.RLIMIT_CORE, 0)):
-        resource.setrlimit(which, (value, value))
-
-
-def main(argv: list[str] | None = None) -> int:
-    global HOST_PID_NAMESPACE
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--listen-fd", type=int, required=True, help="listening Unix socket handed over by the host")
-    parser.add_argument("--screen", default="1920x1080")
-    parser.add_argument("--display", default=None, help="X display (default: the first free one)")
-    parser.add_argument("--home", default=os.environ.get("HOME", "/home/user"))
-    parser.add_argument("--runtime-dir", default="/tmp/runtime")
-    parser.add_argument("--log-dir", default="/tmp/launched", help="where launched applications' output goes")
-    parser.add_argument("--die-with-parent", action="store_true", help="user mode: end when the host process ends")
-    parser.add_argument("--wm", default="openbox", help="window manager command ('' for none)")
-    parser.add_argument("--limits", default="{}", help="JSON: confinement.Limits fields")
-    parser.add_argument("--python-path", default="[]", help="JSON list: site directories for the actions' interpreter")
-    parser.add_argument("--agent-uid", type=int, default=None, help="user mode: the agent's uid")
-    parser.add_argument("--agent-gid", type=int, default=None, help="user mode: the agent's gid")
-    parser.add_argument("--host-pid-namespace", default=None)
-    parser.add_argument("--bin-dir", default=None, help="directory of the `python` shim, first on the PATH")
-    parser.add_argument("--a11y-missing", default="not asked for (--a11y-missing '' serves it)",
-                        help="why the accessibility tree cannot be served here ('': it can)")
-    args = parser.parse_args(argv)
-    HOST_PID_NAMESPACE = args.host_pid_namespace
-    if args.die_with_parent:
-        _die_with_parent()
-    _no_dump()
-    limits = json.loads(args.limits)
-    set_limits(limits)
-    width, height = (int(v) for v in args.screen.lower().split("x"))
-    agent = (args.agent_uid, args.agent_gid) if args.agent_uid is not None else None
-    runtime = Path(args.runtime_dir)
-    runtime.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if agent is not None:
-        os.chown(runtime, *agent)
-    desktop = Desktop((width, height), Path(args.home), args.wm or None, runtime_dir=runtime,
-                      log_dir=Path(args.log_dir), agent=agent, display=args.display, bin_dir=args.bin_dir,
-                      a11y_missing=args.a11y_missing or None)
-    desktop.python_path = [str(p) for p in json.loads(args.python_path)]
-    stop = threading.Event()
-    server = UnixHTTPServer(args.listen_fd, make_handler(desktop, stop, limits["action_cpu_s"]))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    threading.Thread(target=desktop.watch, args=(limits["pids"], limits["total_memory_mib"], stop), daemon=True).start()
-    print("ready", flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    stop.wait()
-    server.shutdown()
-    desktop.stop()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -92,7 +92,7 @@ def _gvariant_list(items: tuple[str, ...] | list[str]) -> str:
 
 
 UBUNTU_SETTINGS = f"""\
-# Ubuntu 22.04's settings for the sandbox's GNOME session (arpo_lib/envs/desktop/gnome.py): a dconf
+# Ubuntu 22.04's settings for the sandbox's GNOME session (desktop_sandbox/gnome.py): a dconf
 # database below the user's own, so that what the agent sets lands in its home and `reset` goes back here.
 [org/gnome/shell]
 favorite-apps={_gvariant_list(FAVORITES)}
@@ -168,7 +168,7 @@ can be started, as on the VM; none from the home (the agent cannot add one)."""
 SESSION_BUS_CONFIG = """\
 <!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN"
  "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
-<!-- The GNOME session's bus (arpo_lib/envs/desktop/gnome.py): the openbox desktop's dbus-session.conf
+<!-- The GNOME session's bus (desktop_sandbox/gnome.py): the openbox desktop's dbus-session.conf
      with a service directory of the host's read-only copies less UNWANTED_SERVICES. -->
 <busconfig>
   <type>session</type>
@@ -189,7 +189,7 @@ SYSTEM_SERVICES = Path("/usr/share/dbus-1/services")
 SYSTEM_BUS_CONFIG = f"""\
 <!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN"
  "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
-<!-- The sandbox's own system bus (arpo_lib/envs/desktop/gnome.py): GNOME Shell refuses to start
+<!-- The sandbox's own system bus (desktop_sandbox/gnome.py): GNOME Shell refuses to start
      without one. Empty: no service is started through it (no .service directory), nothing of the
      host's is on it; the session's programs find it and learn that login1, UPower, NetworkManager
      and polkit are absent, as in a container. -->

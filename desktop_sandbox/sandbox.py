@@ -40,12 +40,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from arpo_lib.envs.base import EnvError
-from arpo_lib.envs.desktop import a11y, confinement, gnome, usernet
-from arpo_lib.envs.desktop.confinement import HOME_IN_SANDBOX, Limits
-from arpo_lib.envs.desktop.server import ACTION_TIMEOUT_S
+from desktop_sandbox import a11y, confinement, gnome, usernet
+from desktop_sandbox.confinement import HOME_IN_SANDBOX, Limits
+from desktop_sandbox.processes import ACTION_TIMEOUT_S
 
 log = logging.getLogger(__name__)
+
+class SandboxError(RuntimeError):
+    """The sandbox cannot start, or its server stopped answering (the desktop failed, not the agent):
+    a user of the sandbox treats it as an infrastructure failure (arpo_lib: EnvError)."""
+
 
 DESKTOP_TOOLS = ("bwrap", "Xvfb", "openbox", "xdotool")
 """Commands the sandbox needs (Debian packages bubblewrap, xvfb, openbox, xdotool)."""
@@ -53,10 +57,10 @@ START_TIMEOUT_S = 60.0
 AGENT_UIDS = range(61000, 62000)
 """User mode: where new agent accounts' uids are taken from (one account per concurrent sandbox)."""
 UID_LOCKS = Path("/run/arpo-desktop-uids")
-_BOOT = ("import sys; sys.path[:0] = {paths!r}; from arpo_lib.envs.desktop.server import main; "
+_BOOT = ("import sys; sys.path[:0] = {paths!r}; from desktop_sandbox.server import main; "
          "sys.exit(main(sys.argv[1:]))")
 """How the server starts: an isolated interpreter (-I: no environment variables, no user site, no
-current directory on sys.path) that imports arpo_lib from the one directory given, and finds its
+current directory on sys.path) that imports this package from the one directory given, and finds its
 packages in the host's site directories (those PYTHONPATH added included)."""
 
 
@@ -109,7 +113,7 @@ class _UnixConnection(http.client.HTTPConnection):
 
 
 class Sandbox:
-    """One private desktop. Raises EnvError when it cannot start or its server stops answering.
+    """One private desktop. Raises SandboxError when it cannot start or its server stops answering.
 
     `limits`: confinement.Limits (or a mapping of its fields); `isolation`: "auto", "namespaces"
     or "user" (the dedicated-user fallback, root only); `network`: "none" (False: loopback only,
@@ -133,7 +137,7 @@ class Sandbox:
                 reason = ("the GNOME desktop needs the namespaces isolation (bubblewrap with user namespaces); "
                           "the 'user' fallback runs the openbox desktop (env.options.desktop=openbox)")
         if reason:
-            raise EnvError(reason)
+            raise SandboxError(reason)
         self.window_manager = window_manager
         self.screen = screen
         self.limits = Limits.from_options(limits)
@@ -187,14 +191,14 @@ class Sandbox:
                 self.usernet.start()
             except (RuntimeError, OSError, subprocess.SubprocessError) as e:
                 self.close()
-                raise EnvError(f"the sandbox's user-mode network did not start: {e}") from e
+                raise SandboxError(f"the sandbox's user-mode network did not start: {e}") from e
         self._wait_ready()
         _say_once(self.describe())
 
     # -- starting ------------------------------------------------------------------------------
     def _server_arguments(self, listen_fd: int, window_manager: str) -> list[str]:
         sites = confinement.site_directories()
-        boot = _BOOT.format(paths=[str(Path(confinement.arpo_package_dir()).parent), *sites])
+        boot = _BOOT.format(paths=[str(Path(confinement.package_dir()).parent), *sites])
         return [sys.executable, "-I", "-c", boot, "--python-path", json.dumps(sites), "--listen-fd", str(listen_fd), "--screen", f"{self.screen[0]}x{self.screen[1]}",
                 "--wm", window_manager, "--limits", json.dumps(self.limits.as_dict()),
                 "--host-pid-namespace", os.readlink("/proc/self/ns/pid"), "--a11y-missing", a11y.unavailable() or ""]
@@ -207,7 +211,7 @@ class Sandbox:
             try:
                 gnome.write_session_files(bin_dir, confinement.SHIM_DIR_IN_SANDBOX)
             except (RuntimeError, OSError) as e:
-                raise EnvError(f"cannot prepare the GNOME session: {e}") from e
+                raise SandboxError(f"cannot prepare the GNOME session: {e}") from e
         if os.geteuid() == 0:
             self._drop_to_unprivileged_uid()
         filter_path = self.workdir / "control" / "seccomp.bpf"
@@ -236,7 +240,7 @@ class Sandbox:
         bubblewrap runs as an unprivileged uid of its own instead, when that uid can read everything
         the sandbox binds (a Python environment under /root, mode 0700, cannot: then the mapping
         stays root and the mount list and the server's watcher are the protection; report() says which)."""
-        needed = (*confinement.python_paths(), confinement.arpo_package_dir(), sys.executable)
+        needed = (*confinement.python_paths(), confinement.package_dir(), sys.executable)
         unreadable = _unreadable_for_unprivileged(needed)
         if unreadable:
             log.debug("desktop sandbox: the sandbox's user maps to root (an unprivileged uid cannot read %s)", unreadable)
@@ -260,7 +264,7 @@ class Sandbox:
         os.chown(runtime, self.agent_uid, gid)
         if not network:
             self.network_blocked = _block_network(self.agent_uid, True)
-        missing = _unreadable_for(self.agent_uid, [sys.executable, confinement.arpo_package_dir()])
+        missing = _unreadable_for(self.agent_uid, [sys.executable, confinement.package_dir()])
         if missing:
             log.warning("desktop sandbox (user mode): the agent's uid cannot read %s: trusted commands that "
                         "run Python as the agent will fail", missing)
@@ -307,15 +311,15 @@ class Sandbox:
             if self.process.poll() is not None:
                 tail = self._log_tail()
                 self.close()
-                raise EnvError(f"the desktop sandbox exited at start (code {self.process.returncode}): {tail}")
+                raise SandboxError(f"the desktop sandbox exited at start (code {self.process.returncode}): {tail}")
             try:
                 self.get_json("/health", timeout=2)
                 return
-            except (OSError, EnvError):
+            except (OSError, SandboxError):
                 time.sleep(0.05)
         tail = self._log_tail()
         self.close()
-        raise EnvError(f"the desktop sandbox did not answer within {START_TIMEOUT_S:.0f} s: {tail}")
+        raise SandboxError(f"the desktop sandbox did not answer within {START_TIMEOUT_S:.0f} s: {tail}")
 
     def _log_tail(self) -> str:
         try:
@@ -328,7 +332,7 @@ class Sandbox:
                 timeout: float = 180.0, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
         """One HTTP request to the server; `body` a JSON-able mapping, or raw bytes as given."""
         if self.process.poll() is not None:
-            raise EnvError(f"the desktop sandbox has exited (code {self.process.returncode}): {self._log_tail()}")
+            raise SandboxError(f"the desktop sandbox has exited (code {self.process.returncode}): {self._log_tail()}")
         connection = _UnixConnection(self.socket_path, timeout)
         try:
             if isinstance(body, bytes):
@@ -339,27 +343,27 @@ class Sandbox:
             response = connection.getresponse()
             return response.status, response.read()
         except (OSError, http.client.HTTPException) as e:
-            raise EnvError(f"desktop sandbox {method} {path} failed: {e}") from e
+            raise SandboxError(f"desktop sandbox {method} {path} failed: {e}") from e
         finally:
             connection.close()
 
     def get_json(self, path: str, timeout: float = 60.0) -> Any:
         status, data = self.request("GET", path, timeout=timeout)
         if status != 200:
-            raise EnvError(f"desktop sandbox GET {path}: HTTP {status}: {data[:300]!r}")
+            raise SandboxError(f"desktop sandbox GET {path}: HTTP {status}: {data[:300]!r}")
         return json.loads(data)
 
     def post_json(self, path: str, body: dict[str, Any], timeout: float = 180.0) -> Any:
         status, data = self.request("POST", path, body, timeout=timeout)
         if status not in (200, 403):
-            raise EnvError(f"desktop sandbox POST {path}: HTTP {status}: {data[:300]!r}")
+            raise SandboxError(f"desktop sandbox POST {path}: HTTP {status}: {data[:300]!r}")
         return json.loads(data)
 
     # -- what environments and checkers use ---------------------------------------------------
     def screenshot(self) -> bytes:
         status, data = self.request("GET", "/screenshot", timeout=60)
         if status != 200:
-            raise EnvError(f"screenshot failed: HTTP {status}")
+            raise SandboxError(f"screenshot failed: HTTP {status}")
         return data
 
     def execute(self, command: list[str] | str, shell: bool = False, timeout: float = 120.0) -> dict[str, Any]:
@@ -394,7 +398,7 @@ class Sandbox:
 
     def accessibility_tree(self, budget_s: float | None = None) -> str:
         """The desktop's AT-SPI tree in OSWorld's XML (root `desktop-frame`; a `truncated` attribute
-        on it says what a limit cut). EnvError where the machine cannot serve it (the reason names
+        on it says what a limit cut). SandboxError where the machine cannot serve it (the reason names
         the missing package) or the reading failed."""
         query = "" if budget_s is None else f"?budget_s={budget_s:g}"
         budget = a11y.BUDGET_S if budget_s is None else budget_s
@@ -475,7 +479,7 @@ class Sandbox:
         if getattr(self, "process", None) is not None and self.process.poll() is None:
             try:
                 self.request("POST", "/shutdown", {}, timeout=5)
-            except EnvError:
+            except SandboxError:
                 pass
             try:
                 self.process.wait(timeout=5)
@@ -550,18 +554,18 @@ def _claim_agent_account() -> tuple[int, int, int]:
             continue
         if not shutil.which("useradd"):
             os.close(fd)
-            raise EnvError("the 'user' isolation creates a dedicated account with useradd, which is not installed")
+            raise SandboxError("the 'user' isolation creates a dedicated account with useradd, which is not installed")
         done = subprocess.run(["useradd", "--system", "--uid", str(uid), "--user-group", "--no-create-home",
                                "--home-dir", HOME_IN_SANDBOX, "--shell", "/bin/bash", f"{AGENT_ACCOUNT_PREFIX}{uid}"],
                               capture_output=True, text=True)
         if done.returncode != 0:
             os.close(fd)
-            raise EnvError(f"cannot create the agent account {AGENT_ACCOUNT_PREFIX}{uid}: {done.stderr.strip()}")
+            raise SandboxError(f"cannot create the agent account {AGENT_ACCOUNT_PREFIX}{uid}: {done.stderr.strip()}")
         log.warning("desktop sandbox (user mode): created the system account %s%d for the agent's programs",
                     AGENT_ACCOUNT_PREFIX, uid)
         entry = pwd.getpwnam(f"{AGENT_ACCOUNT_PREFIX}{uid}")
         return entry.pw_uid, entry.pw_gid, fd
-    raise EnvError(f"no free agent uid in {AGENT_UIDS.start}..{AGENT_UIDS.stop - 1}")
+    raise SandboxError(f"no free agent uid in {AGENT_UIDS.start}..{AGENT_UIDS.stop - 1}")
 
 
 AGENT_ACCOUNT_PREFIX = "arpo-desktop-"
@@ -576,7 +580,7 @@ def _claim_user_home(uid: int, gid: int) -> int:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise EnvError(f"the 'user' isolation runs one desktop per machine ({HOME_IN_SANDBOX} is its home, "
+        raise SandboxError(f"the 'user' isolation runs one desktop per machine ({HOME_IN_SANDBOX} is its home, "
                        "as OSWorld's tasks expect) and another one is running") from None
     home = Path(HOME_IN_SANDBOX)
     try:
@@ -591,7 +595,7 @@ def _claim_user_home(uid: int, gid: int) -> int:
         owner = str(info.st_uid)
     if not home.is_dir() or home.is_symlink() or not owner.startswith(AGENT_ACCOUNT_PREFIX):
         os.close(fd)
-        raise EnvError(f"the 'user' isolation needs {HOME_IN_SANDBOX} for the agent (OSWorld's tasks name it), "
+        raise SandboxError(f"the 'user' isolation needs {HOME_IN_SANDBOX} for the agent (OSWorld's tasks name it), "
                        f"but it exists here and belongs to {owner}")
     os.chown(home, uid, gid)
     os.chmod(home, 0o700)
@@ -608,7 +612,7 @@ def _claim_free_uid() -> tuple[int, int]:
             fd = _try_lock(uid)
             if fd is not None:
                 return uid, fd
-    raise EnvError(f"no free uid in {AGENT_UIDS.start}..{AGENT_UIDS.stop - 1}")
+    raise SandboxError(f"no free uid in {AGENT_UIDS.start}..{AGENT_UIDS.stop - 1}")
 
 
 def _try_lock(uid: int) -> int | None:

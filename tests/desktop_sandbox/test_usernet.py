@@ -1,4 +1,4 @@
-"""`network="user"` (arpo_lib/envs/desktop/usernet.py): the agent reaches outside addresses, like
+"""`network="user"` (desktop_sandbox/usernet.py): the agent reaches outside addresses, like
 OSWorld's VM, and never the host's loopback, the host's own addresses, link-local or metadata
 addresses. "Outside" here is a test host the test makes in a network namespace of its own."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ import threading
 
 import pytest
 
-from arpo_lib.envs.desktop import usernet
-from arpo_lib.envs.desktop.sandbox import Sandbox, desktop_unavailable, network_mode
+from desktop_sandbox import usernet
+from desktop_sandbox.sandbox import Sandbox, desktop_unavailable, network_mode
 from tests.netns import veth_namespace
 
 REASON = desktop_unavailable() or usernet.unavailable()

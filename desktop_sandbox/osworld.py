@@ -3,7 +3,7 @@
 `SandboxDesktopEnv` is OSWorld's `desktop_env.desktop_env.DesktopEnv` (whichever build is
 installed: the ARPO fork's or PyPI desktop-env 1.0.2) with one thing changed, the provider: where
 OSWorld's Docker provider boots a VM and publishes its ports, `SandboxProvider` starts a desktop
-sandbox (arpo_lib/envs/desktop/sandbox.py) and a loopback bridge (bridge.py) and answers
+sandbox (desktop_sandbox/sandbox.py) and a loopback bridge (bridge.py) and answers
 "127.0.0.1:server:chromium:vnc:vlc". Everything else is OSWorld's code, unchanged:
 `SetupController` runs the task's set-up steps against the sandbox's action server,
 `PythonController` takes the screenshots, the getters and metrics score the final state.
@@ -11,20 +11,20 @@ sandbox (arpo_lib/envs/desktop/sandbox.py) and a loopback bridge (bridge.py) and
 One more difference, on purpose: the agent's actions. OSWorld sends every action as a Python
 command to the server's `/execute`, which runs any code; a model's output would run unchecked.
 Here `step` sends the action to `/run_action` instead, where only the pyautogui calls the
-workbench's action space generates are accepted (arpo_lib.actions.check_action_code); set-up
+workbench's action space generates are accepted (desktop_sandbox.action_code.check_action_code); set-up
 steps and getters keep using `/execute` (they are the task's, not the agent's).
 
 The accessibility tree (`/accessibility`, OSWorld's `{"AT": xml}`; `require_a11y_tree=True` puts
 it in every observation, and the chrome getters find the address bar in it) is served where the
-machine has what it takes (arpo_lib/envs/desktop/a11y.py: Debian's python3-pyatspi, at-spi2-core,
+machine has what it takes (desktop_sandbox/a11y.py: Debian's python3-pyatspi, at-spi2-core,
 dbus-daemon); elsewhere `require_a11y_tree=True` is refused, naming the missing package.
 
-What OSWorld's VM has that this does not (yet): a terminal reader (`/terminal` answers null), VNC
+What OSWorld's VM has that this does not (yet): VNC
 (port 0), pausing (pause/unpause do nothing: the sandbox's applications keep running between
 actions), and Ubuntu's applications (the sandbox runs this machine's Debian ones; which exist
 decides which tasks can run; LibreOffice is in the tree only with its GTK 3 front end).
 
-    from arpo_lib.envs.osworld.sandbox import SandboxDesktopEnv
+    from desktop_sandbox.osworld import SandboxDesktopEnv
     env = SandboxDesktopEnv(action_space="pyautogui", screen_size=(1920, 1080))
     obs = env.reset(task_config=task)          # OSWorld's set-up steps, in the sandbox
     env.step("pyautogui.click(100, 200)")      # checked, then run
@@ -40,9 +40,9 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from arpo_lib.envs.desktop import a11y
-from arpo_lib.envs.desktop.bridge import LoopbackBridge
-from arpo_lib.envs.desktop.sandbox import Sandbox
+from desktop_sandbox import a11y
+from desktop_sandbox.bridge import LoopbackBridge
+from desktop_sandbox.sandbox import Sandbox
 
 log = logging.getLogger(__name__)
 
