@@ -104,7 +104,7 @@ def screenshot_size(cfg: RunConfig) -> tuple[tuple[int, int], str]:
     if tasks and all(t.partition("/")[0] == "miniwob" for t in tasks):
         import inspect
 
-        from arpo_lib.envs.miniwob import TASK_HEIGHT, TASK_WIDTH, MiniWoBEnv  # no browser imported
+        from arpo_lib.envs.miniwob.env import TASK_HEIGHT, TASK_WIDTH, MiniWoBEnv  # no browser imported
 
         scale = options.get("scale", inspect.signature(MiniWoBEnv).parameters["scale"].default)
         return (TASK_WIDTH * scale, TASK_HEIGHT * scale), f"MiniWoB's task area at scale {scale}"
@@ -234,7 +234,7 @@ def env_pool(cfg: RunConfig, share: int = 1) -> WorkerPool:
     record_desktop_env(cfg)
     ray = {"ray_address": cfg.env.ray_address, "ray_resource": cfg.env.ray_resource,
            "ray_num_cpus": cfg.env.ray_num_cpus} if cfg.env.backend == "ray" else {}
-    from arpo_lib.envs.pool import make_pool
+    from arpo_lib.envs.workers.pool import make_pool
 
     return make_pool(math.ceil(cfg.env.workers / share), opts, cfg.env.step_timeout_s, cfg.env.envs_per_worker,
                      backend=cfg.env.backend, python=python, plugins=cfg.plugins,

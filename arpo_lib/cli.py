@@ -27,7 +27,7 @@ from typing import Any
 
 
 def _cmd_build_tiny_model(args: argparse.Namespace) -> int:
-    from arpo_lib.agent.tiny_model import SIZES, build_tiny_model
+    from arpo_lib.training.tiny_model import SIZES, build_tiny_model
 
     path = build_tiny_model(args.out, variant=args.variant, seed=args.seed, overwrite=True, **SIZES[args.size])
     print(f"built {path}")

@@ -316,8 +316,8 @@ class Worker(Protocol):
 
 
 class WorkerPool(Protocol):
-    """Environment workers: `arpo_lib.envs.pool.EnvPool` (local processes) or
-    `arpo_lib.envs.ray_pool.RayEnvPool` (Ray actors)."""
+    """Environment workers: `arpo_lib.envs.workers.pool.EnvPool` (local processes) or
+    `arpo_lib.envs.workers.ray_pool.RayEnvPool` (Ray actors)."""
 
     workers: Sequence[Worker]
 

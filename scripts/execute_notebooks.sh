@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source .venv/bin/activate
-[ -n "${MINIWOB_CHROME_BINARY:-}" ] || eval "$(python -m arpo_lib.envs.browser)"  # the browser and its driver
+[ -n "${MINIWOB_CHROME_BINARY:-}" ] || eval "$(python -m arpo_lib.envs.miniwob.browser)"  # the browser and its driver
 # The seed-determined numbers depend on the browser's rendering (the tiny model sees screenshots)
 # and on the host's floating-point kernels: name both, so nbval compares the numbers only where
 # they were recorded under the same (tests/test_notebooks.py).

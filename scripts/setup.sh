@@ -14,7 +14,7 @@ sudo_if_needed() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 #      snaps cannot run in a container; Google Chrome's own .deb instead (dl.google.com), and the
 #      chromedriver of its version through Selenium Manager (step 2b, once the venv exists).
 #    Picked by /etc/os-release (ID or ID_LIKE ubuntu) or by chromium being the snap wrapper;
-#    ARPO_BROWSER=debian|google overrides. arpo_lib/envs/browser.py finds whichever is installed.
+#    ARPO_BROWSER=debian|google overrides. arpo_lib/envs/miniwob/browser.py finds whichever is installed.
 . /etc/os-release 2>/dev/null || true
 browser="${ARPO_BROWSER:-}"
 if [ -z "$browser" ]; then
@@ -122,9 +122,9 @@ if [ ! -f "$stamp" ]; then
 fi
 
 # 2b. With Google Chrome: the chromedriver of its version, from Chrome for Testing through Selenium
-#     Manager (into ~/.cache/selenium, where arpo_lib/envs/browser.py looks), unless one is found.
-if [ "$browser" = google ] && ! .venv/bin/python -m arpo_lib.envs.browser 2>/dev/null | grep -q MINIWOB_CHROMEDRIVER; then
-  .venv/bin/python -m arpo_lib.envs.browser --fetch-driver >/dev/null
+#     Manager (into ~/.cache/selenium, where arpo_lib/envs/miniwob/browser.py looks), unless one is found.
+if [ "$browser" = google ] && ! .venv/bin/python -m arpo_lib.envs.miniwob.browser 2>/dev/null | grep -q MINIWOB_CHROMEDRIVER; then
+  .venv/bin/python -m arpo_lib.envs.miniwob.browser --fetch-driver >/dev/null
 fi
 
 # 3. The tiny UI-TARS-architecture models the smoke run and the tests use (deterministic, seconds).

@@ -20,7 +20,7 @@ for _var, _cmd in (("MINIWOB_CHROME_BINARY", "chromium"), ("MINIWOB_CHROMEDRIVER
 
 
 def _tiny_model(variant: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from arpo_lib.agent.tiny_model import build_tiny_model, is_complete
+    from arpo_lib.training.tiny_model import build_tiny_model, is_complete
 
     shipped = REPO / "models" / f"tiny-uitars-{variant}"
     if is_complete(shipped):
@@ -44,7 +44,7 @@ def tiny_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 
 
 def _have_browser() -> bool:
-    from arpo_lib.envs.miniwob import BrowserNotFoundError, ensure_chromium
+    from arpo_lib.envs.miniwob.env import BrowserNotFoundError, ensure_chromium
 
     try:
         ensure_chromium()
@@ -68,7 +68,7 @@ def warm_tiny_qwen2vl(tiny_qwen2vl, chromium_available, tmp_path_factory: pytest
     """The tiny Qwen2-VL model after a short supervised warm start on scripted demonstrations of
     click-test and click-button: it answers with real UI-TARS actions (the untrained one answers
     with newlines), which equivalence tests between backends need."""
-    from arpo_lib.envs.pool import EnvPool
+    from arpo_lib.envs.workers.pool import EnvPool
     from arpo_lib.agent.hf_policy import HFPolicy
     from arpo_lib.training.sft import collect_demonstrations, supervised_warm_start
 

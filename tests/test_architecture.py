@@ -240,7 +240,7 @@ def test_the_allow_map_catches_what_a_ranking_let_through():
         "arpo_lib.algo.loss": {"arpo_lib.envs.base", "arpo_lib.run.registry"},
         "arpo_lib.training.trainer": {"arpo_lib.viz.plots", "arpo_lib.serving.launch", "arpo_lib.training.backend"},
         "arpo_lib.build": {"arpo_lib.workflows", "arpo_lib.viz", "arpo_lib.training.trainer"},
-        "arpo_lib.envs.worker": {"arpo_lib", "arpo_lib.envs.base"},
+        "arpo_lib.envs.workers.worker": {"arpo_lib", "arpo_lib.envs.base"},
         "arpo_lib.workflows.prepare": {"arpo_lib.build"},
         "arpo_lib.newpkg.thing": {"arpo_lib.run"},
     }

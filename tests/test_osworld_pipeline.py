@@ -88,7 +88,7 @@ def test_a_vm_dying_mid_episode_is_an_infrastructure_failure_and_rollouts_go_on(
     import shutil
 
     from arpo_lib.agent import scripted
-    from arpo_lib.envs.pool import EnvPool
+    from arpo_lib.envs.workers.pool import EnvPool
     from arpo_lib.evaluation.evaluate import summarize
     from arpo_lib.agent.hf_policy import HFPolicy
     from arpo_lib.rollout.engine import RolloutEngine

@@ -1,7 +1,7 @@
 """The scripted agent: each environment family's demonstrator, written as the model would write it.
 
 `scripted_response` asks the task's family (`EnvFamily.demonstrate`, arpo_lib/envs) for the next
-turn -- MiniWoB's reads the page's DOM (arpo_lib/envs/miniwob_scripted.py), the desktop suite's and
+turn -- MiniWoB's reads the page's DOM (arpo_lib/envs/miniwob/scripted.py), the desktop suite's and
 OSWorld's replay the solutions their task files hold -- and writes it as a UI-TARS turn,
 ``Thought: ...\nAction: ...``, with `format_response`, so coordinates are in the model's own
 convention (relative 0..1000 for Qwen2-VL, absolute pixels of the smart-resized image for
@@ -24,7 +24,7 @@ from arpo_lib import envs
 from arpo_lib.actions import MAX_PIXELS, MIN_PIXELS, format_response
 from arpo_lib.types import SamplingParams
 # The MiniWoB demonstrator's names, kept here for their older callers (sft's message, tests).
-from arpo_lib.envs.miniwob_scripted import SCRIPTED_TASKS, infer_task, task_name  # noqa: F401
+from arpo_lib.envs.miniwob.scripted import SCRIPTED_TASKS, infer_task, task_name  # noqa: F401
 
 _BARE_NAMES = "miniwob"
 """The family of a task named without one (`click-test`): what `infer_task` answers, and what

@@ -4,18 +4,21 @@ A name is `<family>/<task>`. Each family is one `EnvFamily` object in the regist
 `ENV_FAMILIES` (arpo_lib/run/registry.py): how to make its environments, its task list, whether
 `<task>@<seed>` names a fixed instance, its domains and task sets, its scripted demonstrator and
 the interpreter its workers need. The functions below ask the family, never test its name; a
-plug-in adds a family with `register_family(EnvFamily(...))`. Families import their heavy
+plug-in adds a family with `register_family(EnvFamily(...))`; the built-in ones are the folders
+`miniwob/`, `osworld/` and `desktop/`, each registering itself in its `__init__.py`. Families import their heavy
 dependencies (selenium, miniwob, OSWorld) when an environment is made, so importing this
 package is cheap and works on a machine without a browser.
 """
 from __future__ import annotations
 
 import difflib
+import importlib
+import pkgutil
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from arpo_lib.envs.base import EnvError, EnvFamily, GUIEnv, Observation, Plan
+from arpo_lib.envs.base import EnvError, EnvFamily, GUIEnv, Observation
 from arpo_lib.run.registry import ENV_FAMILIES
 
 __all__ = ["ENV_FAMILIES", "EnvError", "EnvFamily", "GUIEnv", "Observation", "check_env_name", "domain_of",
@@ -173,156 +176,17 @@ def expand_task_names(names: Sequence[str]) -> list[str]:
     return out
 
 
-def _solution_plan(texts: Sequence[str] | None, task: str, step: int, screen_size: tuple[int, int]) -> Plan:
-    """Step `step` of a task's scripted solution, then finished(). Solutions are UI-TARS action
-    texts in Qwen2.5-VL's model space (for the default resize), read so into screenshot pixels."""
-    from arpo_lib.actions import parse_response
+# ---- the families: each folder of this package but `workers` registers itself when imported -------
 
-    if texts is None:
-        raise ValueError(f"no scripted solution for task {task!r}")
-    if step < len(texts):
-        thought, text = f"Step {step + 1} of {len(texts)} of the task.", texts[step]
-    else:
-        thought, text = "The task is done.", "finished(content='')"
-    return thought, parse_response(f"Thought: {thought}\nAction: {text}", screen_size, "qwen25vl").actions
+def _import_families() -> None:
+    """Import every family folder (`miniwob/`, `osworld/`, `desktop/`, ...): its `__init__` registers
+    it. A new family is one folder with its registration; nothing here names it."""
+    for info in pkgutil.iter_modules(__path__):
+        if info.ispkg and info.name not in NOT_FAMILIES:
+            importlib.import_module(f"{__name__}.{info.name}")
 
 
-# ---- built-in families ----------------------------------------------------------------------
+NOT_FAMILIES = ("workers",)
+"""Folders of this package that hold no family (the worker processes and pools)."""
 
-def _make_miniwob(task: str, **options: Any) -> GUIEnv:
-    from arpo_lib.envs.miniwob import MiniWoBEnv  # selenium/miniwob load only when built
-
-    return MiniWoBEnv(task, **options)
-
-
-def _miniwob_tasks() -> Sequence[str]:
-    from arpo_lib.envs.miniwob import miniwob_tasks  # reads the package's files, no import
-
-    return miniwob_tasks()
-
-
-def _miniwob_demonstrates(task: str) -> bool:
-    from arpo_lib.envs import miniwob_scripted
-
-    return miniwob_scripted.supports(task)
-
-
-def _miniwob_demonstrate(task: str, instruction: str, info: dict[str, Any], step: int,
-                         screen_size: tuple[int, int]) -> Plan:
-    from arpo_lib.envs import miniwob_scripted
-
-    return miniwob_scripted.plan(task, instruction, info, step, screen_size)
-
-
-register_family(EnvFamily(
-    "miniwob", _make_miniwob,
-    "MiniWoB++ web tasks in headless Chromium (options: scale, reward, max_steps, "
-    "wait_seconds, episode_max_time_s, headless)",
-    tasks=_miniwob_tasks, seeded_layouts=True, alias=lambda task: task.removesuffix("-v1"),
-    demonstrates=_miniwob_demonstrates, demonstrate=_miniwob_demonstrate,
-))
-
-
-def _make_osworld(task: str, **options: Any) -> GUIEnv:
-    """`task_config=<dict>` gives the task itself (its id must be `task`), else the id is loaded."""
-    from arpo_lib.envs.osworld.env import OSWorldEnv  # desktop_env loads only when an env is built
-
-    task_config = options.pop("task_config", None)
-    if task_config is not None and task_config.get("id") != task:
-        raise ValueError(f"task_config is task {task_config.get('id')!r}, not {task!r}")
-    return OSWorldEnv(task if task_config is None else task_config, **options)
-
-
-def _osworld_tasks() -> Sequence[str]:
-    """Task ids of the fetched OSWorld task data plus the fake tasks; empty (any id accepted,
-    the loader says what is missing) while no data has been fetched."""
-    try:
-        from arpo_lib.envs.osworld.tasks import cached_task_ids  # stdlib only; [] when not fetched
-    except ImportError:
-        return []
-    ids = list(cached_task_ids())
-    from arpo_lib.envs.osworld.fake import FAKE_TASKS  # stdlib + PIL only
-
-    return ids + [t for t in FAKE_TASKS if t not in ids] if ids else []
-
-
-def _osworld_domain(task: str) -> str:
-    from arpo_lib.envs.osworld.tasks import cached_domain
-
-    return cached_domain(task)
-
-
-def _osworld_task_sets() -> Sequence[str]:
-    from arpo_lib.envs.osworld.tasks import TASK_SETS
-
-    return list(TASK_SETS)
-
-
-def _osworld_task_set(name: str) -> list[str]:
-    from arpo_lib.envs.osworld.tasks import task_set
-
-    return task_set(name)
-
-
-def _osworld_demonstrates(task: str) -> bool:
-    from arpo_lib.envs.osworld.sandbox_check import osworld_solution_texts
-
-    return osworld_solution_texts(task) is not None
-
-
-def _osworld_demonstrate(task: str, instruction: str, info: dict[str, Any], step: int,
-                         screen_size: tuple[int, int]) -> Plan:
-    from arpo_lib.envs.osworld.sandbox_check import osworld_solution_texts
-
-    return _solution_plan(osworld_solution_texts(task), f"osworld/{task}", step, screen_size)
-
-
-def _osworld_python() -> str:
-    from arpo_lib.envs.osworld.env import find_osworld_python
-
-    python = find_osworld_python()
-    if python is None:
-        raise RuntimeError("env.python=auto: no interpreter with desktop_env found "
-                           "(run scripts/setup_osworld.sh or set $ARPO_OSWORLD_PYTHON)")
-    return python
-
-
-register_family(EnvFamily(
-    "osworld", _make_osworld,
-    "OSWorld desktop tasks in desktop_env VMs (options: provider, screen_size, max_steps, path_to_vm, "
-    "cache_root, pause_s, boot_retries, backoff_s, allow_no_kvm, desktop_env_class, task_loader, "
-    "task_config, desktop, on_setup_failure, network)",
-    tasks=_osworld_tasks,
-    cache_tasks=False,  # `osworld-tasks fetch` may run while a notebook kernel lives
-    domain=_osworld_domain, task_sets=_osworld_task_sets, expand_task_set=_osworld_task_set,
-    demonstrates=_osworld_demonstrates, demonstrate=_osworld_demonstrate, python=_osworld_python,
-))
-
-
-def _make_desktop(task: str, **options: Any) -> GUIEnv:
-    from arpo_lib.envs.desktop.env import DesktopEnv  # the sandbox starts at the first reset
-
-    return DesktopEnv(task, **options)
-
-
-def _desktop_tasks() -> Sequence[str]:
-    from arpo_lib.envs.desktop.tasks import desktop_tasks  # reads the suite's JSON files
-
-    return desktop_tasks()
-
-
-def _desktop_demonstrate(task: str, instruction: str, info: dict[str, Any], step: int,
-                         screen_size: tuple[int, int]) -> Plan:
-    from arpo_lib.envs.desktop.scripted import solution_texts  # every task file holds its solution
-
-    return _solution_plan(solution_texts(task), f"desktop/{task}", step, screen_size)
-
-
-register_family(EnvFamily(
-    "desktop", _make_desktop,
-    "Real desktop applications (text editor, terminal, file manager, Chromium) in a sandboxed X "
-    "desktop, checked like OSWorld (options: screen, max_steps, settle_s, wait_s, reward, limits, isolation, "
-    "desktop, network)",
-    tasks=_desktop_tasks,
-    demonstrates=lambda task: task in _desktop_tasks(), demonstrate=_desktop_demonstrate,
-))
+_import_families()

@@ -131,3 +131,17 @@ class EnvFamily:
         if self._listed is None or not self.cache_tasks:
             self._listed = list(self.tasks())
         return self._listed
+
+
+def solution_plan(texts: Sequence[str] | None, task: str, step: int, screen_size: tuple[int, int]) -> Plan:
+    """Step `step` of a task's scripted solution, then finished(). Solutions are UI-TARS action
+    texts in Qwen2.5-VL's model space (for the default resize), read so into screenshot pixels."""
+    from arpo_lib.actions import parse_response
+
+    if texts is None:
+        raise ValueError(f"no scripted solution for task {task!r}")
+    if step < len(texts):
+        thought, text = f"Step {step + 1} of {len(texts)} of the task.", texts[step]
+    else:
+        thought, text = "The task is done.", "finished(content='')"
+    return thought, parse_response(f"Thought: {thought}\nAction: {text}", screen_size, "qwen25vl").actions

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from arpo_lib.actions import FINAL_KINDS, Action
-from arpo_lib.envs.worker import action_payload
+from arpo_lib.envs.workers.worker import action_payload
 from arpo_lib.rollout.rules import RolloutRules
 from arpo_lib.types import SamplingParams
 

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 from arpo_lib.actions import Action, ActionParseError, ConverterError
 from arpo_lib.algo import trajectory_reward
 from arpo_lib.envs.base import EnvError
-from arpo_lib.envs.worker import action_payload
+from arpo_lib.envs.workers.worker import action_payload
 from arpo_lib.rollout.rules import TRAINING_RULES, RolloutRules
 from arpo_lib.rollout.store import write_trajectory
 from arpo_lib.run.records import safe_join

@@ -59,7 +59,7 @@ class EnvConfig:
     """Data memory of each environment worker process (a soft RLIMIT_DATA; null: no limit). The
     worker is where the host parses what the agent made (OSWorld's metrics read the files it saved):
     a small file that unpacks to gigabytes ends as a failed check there, not in the host's memory.
-    Workers are also the OOM killer's first choice, before the trainer (arpo_lib/envs/worker.py)."""
+    Workers are also the OOM killer's first choice, before the trainer (arpo_lib/envs/workers/worker.py)."""
     on_setup_failure: str = "run"
     """OSWorld tasks on the sandbox: when a task's set-up did not do what it asked (a command that
     failed, a window to activate that was not there, a program that died, a file not downloaded),

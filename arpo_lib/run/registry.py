@@ -18,7 +18,7 @@ it is consulted. That is the one place where the ground floor names the floors a
 the table below.
 
 Plug-ins: a run's config names modules to import before it is validated (`plugins:` in the
-config); environment workers in other processes import them too (arpo_lib/envs/worker.py), so a
+config); environment workers in other processes import them too (arpo_lib/envs/workers/worker.py), so a
 plug-in's environment family exists where environments are made. Keep a plug-in's top-level
 imports light (import torch inside the functions that need it): workers stay torch-free.
 """

@@ -16,7 +16,7 @@ from arpo_lib.agent.hf_policy import HFPolicy
 from arpo_lib.agent.model.kv_generation import GenerationResult
 from arpo_lib.agent.prompt import TokenConversation, load_processor, response_text
 from arpo_lib.agent.server_policy import ServerPolicy
-from arpo_lib.agent.tiny_model import SPECIAL_TOKENS
+from arpo_lib.training.tiny_model import SPECIAL_TOKENS
 from arpo_lib.types import PolicyContext, SamplingParams
 
 SAMPLE = SamplingParams(temperature=1.0)

@@ -39,7 +39,7 @@ CLICK_TEST_INFO = {"dom_elements": [_element(4, "button", 100, 200, 60, 40, id="
 @pytest.fixture(scope="module")
 def tiny_policy(tmp_path_factory):
     from arpo_lib.agent.hf_policy import HFPolicy
-    from arpo_lib.agent.tiny_model import build_tiny_model
+    from arpo_lib.training.tiny_model import build_tiny_model
 
     path = build_tiny_model(tmp_path_factory.mktemp("scripted") / "tiny-qwen25vl", variant="qwen25vl")
     return HFPolicy(path, device="cpu")
@@ -148,7 +148,7 @@ def test_scripted_agent_solves_every_supported_task():
 def test_scripted_policy_rollouts_are_trainable(tiny_policy, tmp_path):
     import torch
 
-    from arpo_lib.envs.pool import EnvPool
+    from arpo_lib.envs.workers.pool import EnvPool
     from arpo_lib.rollout.engine import RolloutEngine
     from arpo_lib.types import EpisodeRequest
 

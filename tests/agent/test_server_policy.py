@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from arpo_lib.envs.pool import EnvPool
+from arpo_lib.envs.workers.pool import EnvPool
 from arpo_lib.agent.hf_policy import HFPolicy
 from arpo_lib.rollout.engine import RolloutEngine
 from arpo_lib.types import EpisodeRequest

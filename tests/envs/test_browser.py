@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from arpo_lib.envs import browser
-from arpo_lib.envs.browser import BrowserNotFoundError, find_browser
+from arpo_lib.envs.miniwob import browser
+from arpo_lib.envs.miniwob.browser import BrowserNotFoundError, find_browser
 
 UBUNTU_WRAPPER = """#!/bin/sh
 # Ubuntu's transitional package: the real browser is in the snap
@@ -131,11 +131,11 @@ def test_the_module_prints_exports_for_the_shell(system):
     chromium = _prints(system / "bin" / "chromium", "Chromium 156.0.1")
     driver = _prints(system / "bin" / "chromedriver", "ChromeDriver 156.0.1")
     env = {**os.environ, "PATH": str(system / "bin"), "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    out = subprocess.run([sys.executable, "-m", "arpo_lib.envs.browser"], capture_output=True, text=True, env=env,
+    out = subprocess.run([sys.executable, "-m", "arpo_lib.envs.miniwob.browser"], capture_output=True, text=True, env=env,
                          check=True)
     assert out.stdout.strip() == f"export MINIWOB_CHROME_BINARY='{chromium}' MINIWOB_CHROMEDRIVER='{driver}'"
     (system / "bin" / "chromedriver").unlink()
-    out = subprocess.run([sys.executable, "-m", "arpo_lib.envs.browser"], capture_output=True, text=True, env=env)
+    out = subprocess.run([sys.executable, "-m", "arpo_lib.envs.miniwob.browser"], capture_output=True, text=True, env=env)
     assert out.returncode == 0 and out.stdout == "" and "Cannot start MiniWoB++" in out.stderr
 
 

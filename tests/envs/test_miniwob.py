@@ -13,7 +13,7 @@ import pytest
 
 from arpo_lib.actions import Action
 from arpo_lib.envs import EnvError, list_envs, make_env
-from arpo_lib.envs.miniwob import (
+from arpo_lib.envs.miniwob.env import (
     ALLOWED_KEYS, BrowserNotFoundError, MiniWoBEnv, to_miniwob_key,
 )
 
@@ -28,7 +28,7 @@ from tests.conftest import needs_browser  # noqa: E402
 # ---- no browser needed --------------------------------------------------------------------
 
 def test_import_does_not_load_browser_stack():
-    code = ("import sys, arpo_lib, arpo_lib.envs, arpo_lib.envs.miniwob; "
+    code = ("import sys, arpo_lib, arpo_lib.envs, arpo_lib.envs.miniwob.env; "
             "assert not {'selenium', 'miniwob'} & set(sys.modules), 'heavy import'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -331,7 +331,7 @@ def test_an_instance_is_one_layout_whatever_the_episode_seed(chromium_available)
     shares its task's browser in a worker."""
     import hashlib
 
-    from arpo_lib.envs.pool import EnvPool
+    from arpo_lib.envs.workers.pool import EnvPool
 
     def screen(worker, name, seed):
         obs, info = worker.call("reset", (name, seed))

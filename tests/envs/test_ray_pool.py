@@ -15,8 +15,8 @@ import psutil
 import pytest
 
 from arpo_lib.envs.base import EnvError
-from arpo_lib.envs.pool import EnvPool, make_pool
-from arpo_lib.envs.worker import EnvSetupError
+from arpo_lib.envs.workers.pool import EnvPool, make_pool
+from arpo_lib.envs.workers.worker import EnvSetupError
 from arpo_lib.rollout.engine import RolloutEngine
 from arpo_lib.types import EpisodeRequest
 
@@ -48,7 +48,7 @@ def test_make_pool_local_is_an_env_pool():
 def ray_pool(chromium_available):
     """Two environment actors; this pool starts the module's Ray (with 2 `env_slot`s) and stops it."""
     ray = pytest.importorskip("ray")
-    from arpo_lib.envs.ray_pool import RayEnvPool
+    from arpo_lib.envs.workers.ray_pool import RayEnvPool
 
     if ray.is_initialized():
         pytest.skip("Ray is already initialised in this process")
@@ -120,7 +120,7 @@ def test_killed_actor_is_an_env_error_and_the_pool_recovers(ray_pool, scripted):
 
 @pytest.mark.slow
 def test_an_actor_that_does_not_answer_is_replaced(ray_pool):
-    from arpo_lib.envs.ray_pool import RayEnvPool
+    from arpo_lib.envs.workers.ray_pool import RayEnvPool
 
     with RayEnvPool(1, {}, timeout_s=1.0, call_margin_s=1.0, num_cpus=0) as pool:
         worker = pool.workers[0]
@@ -139,7 +139,7 @@ def test_an_actor_that_does_not_answer_is_replaced(ray_pool):
 def test_actors_are_placed_on_the_custom_resource(ray_pool):
     import ray
 
-    from arpo_lib.envs.ray_pool import RayEnvPool
+    from arpo_lib.envs.workers.ray_pool import RayEnvPool
 
     with make_pool(2, {}, 30, backend="ray", ray_resource="env_slot", ray_num_cpus=0) as pool:
         assert isinstance(pool, RayEnvPool) and len(pool) == 2
@@ -156,7 +156,7 @@ def test_actors_are_placed_on_the_custom_resource(ray_pool):
 
 @pytest.mark.slow
 def test_an_actor_whose_worker_cannot_start_is_a_setup_error(ray_pool):
-    from arpo_lib.envs.ray_pool import RayEnvPool
+    from arpo_lib.envs.workers.ray_pool import RayEnvPool
 
     with pytest.raises(EnvSetupError, match="could not start its worker: .*'/nonexistent/python' does not exist"):
         RayEnvPool(1, {}, python="/nonexistent/python", num_cpus=0, placement_timeout_s=30)
@@ -190,7 +190,7 @@ def test_config_env_backend_ray_builds_actors_through_the_trainer_factory(ray_po
     import ray
 
     from arpo_lib.run.config import load_config
-    from arpo_lib.envs.ray_pool import RayEnvPool
+    from arpo_lib.envs.workers.ray_pool import RayEnvPool
     from arpo_lib.build import env_pool as pool_for
 
     cfg = load_config(None, ["env.backend=ray", "env.workers=1", "env.ray_resource=env_slot",
@@ -205,7 +205,7 @@ def test_config_env_backend_ray_builds_actors_through_the_trainer_factory(ray_po
 @pytest.mark.slow
 def test_ray_actors_import_the_runs_plugins(ray_pool):
     """An actor's worker makes a family that only a plug-in registers (the pool joins the running Ray)."""
-    from arpo_lib.envs.ray_pool import RayEnvPool
+    from arpo_lib.envs.workers.ray_pool import RayEnvPool
 
     with RayEnvPool(1, {"max_steps": 2}, timeout_s=60, num_cpus=0, plugins=["tests.plugins.example_plugin"]) as pool:
         assert not pool.started_ray

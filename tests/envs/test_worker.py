@@ -21,8 +21,8 @@ import pytest
 
 from arpo_lib.actions import Action
 from arpo_lib.envs.base import EnvError
-from arpo_lib.envs.pool import EnvPool
-from arpo_lib.envs.worker import EnvSetupError, EnvWorker, action_payload
+from arpo_lib.envs.workers.pool import EnvPool
+from arpo_lib.envs.workers.worker import EnvSetupError, EnvWorker, action_payload
 
 VENV = Path.home() / ".cache" / "arpo-workbench" / "test-venv-envworker"
 CHECK = "import miniwob, selenium, PIL, importlib.util as u; assert u.find_spec('torch') is None"
@@ -189,7 +189,7 @@ def test_a_worker_cannot_take_the_hosts_memory_and_is_the_oom_killers_first_choi
 
 def test_the_worker_memory_limit_comes_from_the_config_and_is_checked():
     from arpo_lib import build
-    from arpo_lib.envs.worker import DEFAULT_MEMORY_MIB
+    from arpo_lib.envs.workers.worker import DEFAULT_MEMORY_MIB
     from arpo_lib.run.config import ConfigError
 
     assert build.load_config("configs/smoke.yaml").env.worker_memory_mib == DEFAULT_MEMORY_MIB

@@ -20,7 +20,7 @@ import yaml
 from arpo_lib.actions import parse_response
 from arpo_lib.envs.osworld.env import OSWorldEnv
 from arpo_lib.envs.osworld.fake import FakeDesktopEnv, load_fake_task
-from arpo_lib.envs.worker import step_actions
+from arpo_lib.envs.workers.worker import step_actions
 from arpo_lib.evaluation.protocols import PROTOCOLS
 from arpo_lib.rollout.engine import RolloutEngine
 from arpo_lib.rollout.store import read_trajectory

@@ -150,7 +150,7 @@ def test_the_forks_action_rules_on_the_fake_vm(tmp_path, monkeypatch, tiny_qwen2
     step becomes FAIL; without the rules (training), neither happens."""
     from arpo_lib.agent import scripted
     from arpo_lib.envs.osworld import tasks as ot
-    from arpo_lib.envs.pool import EnvPool
+    from arpo_lib.envs.workers.pool import EnvPool
     from arpo_lib.evaluation.rules import ProtocolRules
     from arpo_lib.rollout.engine import RolloutEngine
     from arpo_lib.types import EpisodeRequest

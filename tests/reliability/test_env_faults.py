@@ -16,7 +16,7 @@ import time
 import psutil
 import pytest
 
-from arpo_lib.envs.pool import EnvPool
+from arpo_lib.envs.workers.pool import EnvPool
 from arpo_lib.evaluation.evaluate import summarize
 from arpo_lib.agent.hf_policy import HFPolicy
 from arpo_lib.rollout.engine import RolloutEngine

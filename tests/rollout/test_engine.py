@@ -8,8 +8,8 @@ import signal
 import pytest
 import torch
 
-from arpo_lib.envs.pool import EnvPool
-from arpo_lib.envs.worker import EnvSetupError
+from arpo_lib.envs.workers.pool import EnvPool
+from arpo_lib.envs.workers.worker import EnvSetupError
 from arpo_lib.agent.hf_policy import HFPolicy
 from arpo_lib.rollout.engine import RolloutEngine
 from arpo_lib.rollout.store import load_trajectory

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from arpo_lib.envs.pool import EnvPool
+from arpo_lib.envs.workers.pool import EnvPool
 from arpo_lib.rollout.engine import RolloutEngine
 from arpo_lib.types import EpisodeRequest, Generation
 

@@ -145,7 +145,7 @@ def test_on_setup_failure_reaches_the_osworld_environments():
     def fake_pool(n, opts, *args, **kwargs):
         seen.update(opts)
 
-    import arpo_lib.envs.pool as pool_module
+    import arpo_lib.envs.workers.pool as pool_module
     original = pool_module.make_pool
     pool_module.make_pool = fake_pool
     try:

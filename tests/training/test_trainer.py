@@ -347,7 +347,7 @@ def test_demonstrations_for_fixed_instances_come_from_fresh_layouts(tiny_qwen2vl
     """The warm start must not see the screens RL is measured on: fixed instances of a task
     (`click-test@0`) get demonstrations of the task on other layouts, collected once per task."""
     from arpo_lib.agent.hf_policy import HFPolicy
-    from arpo_lib.envs.pool import EnvPool
+    from arpo_lib.envs.workers.pool import EnvPool
     from arpo_lib.training.sft import collect_demonstrations
 
     policy = HFPolicy(tiny_qwen2vl, device="cpu", max_new_tokens=48)

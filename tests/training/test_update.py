@@ -12,7 +12,7 @@ from arpo_lib import build
 from arpo_lib.agent.prompt import response_text
 from arpo_lib.algo import policy_loss
 from arpo_lib.envs.osworld.fake import FAKE_DESKTOP_ENV, FAKE_TASK_LOADER
-from arpo_lib.envs.pool import EnvPool
+from arpo_lib.envs.workers.pool import EnvPool
 from arpo_lib.run.config import load_config
 from arpo_lib.rollout.engine import RolloutEngine
 from arpo_lib.training.trainer import NonFiniteGradientError

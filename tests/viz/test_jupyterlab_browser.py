@@ -98,7 +98,7 @@ def browser(chromium_available):
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
-    from arpo_lib.envs.miniwob import ensure_chromium
+    from arpo_lib.envs.miniwob.env import ensure_chromium
 
     binary, driver_path = ensure_chromium()
     options = webdriver.ChromeOptions()

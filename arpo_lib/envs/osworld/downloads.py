@@ -139,7 +139,7 @@ class DownloadCache:
         self._index(name, url, task_id)
 
     def _index(self, name: str, url: str, task_id: str) -> None:
-        from arpo_lib.envs.osworld.fetch import sha256_file
+        from arpo_lib.run.fetch import sha256_file
 
         index = self.index()
         entry = index.setdefault(name, {"url": url, "tasks": []})
@@ -159,7 +159,7 @@ class DownloadCache:
 
     def verify(self, name: str) -> bool:
         """The cached file matches its recorded sha256 (a damaged one is removed)."""
-        from arpo_lib.envs.osworld.fetch import sha256_file
+        from arpo_lib.run.fetch import sha256_file
 
         entry, path = self.index().get(name), self.path(name)
         if not path.is_file() or not entry:
@@ -172,7 +172,7 @@ class DownloadCache:
     def prefetch(self, tasks: Sequence[Mapping[str, Any]], progress: bool = True) -> PrefetchReport:
         """Download every file these tasks' set-ups need into the cache; files already cached
         (and intact) are skipped, so an interrupted prefetch resumes where it stopped."""
-        from arpo_lib.envs.osworld import fetch
+        from arpo_lib.run import fetch
 
         report = PrefetchReport()
         for task in tasks:

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from arpo_lib.envs.osworld import fetch
+from arpo_lib.run import fetch
 from arpo_lib.run.records import atomic_write_text
 
 OSWORLD_TASKS_REPO = "FanbinLu/OSWorld"

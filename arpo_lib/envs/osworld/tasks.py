@@ -38,7 +38,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from arpo_lib.envs.osworld import fetch
+from arpo_lib.run import fetch
 from arpo_lib.envs.osworld.task_cache import (  # noqa: F401 - names of the task data, importable from here
     ACTIVE, ENV_PREFIX, ENV_VAR, EXAMPLES, FETCH_HINT, MANIFEST, MANIFEST_FORMAT, OSWORLD_TASKS_COMMIT,
     OSWORLD_TASKS_REPO, OSWORLD_TASKS_URL, _activate, _read_manifest, _strip_prefix, cache_root, cached_task_ids,

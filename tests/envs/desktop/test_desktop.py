@@ -208,7 +208,7 @@ def test_desktop_episodes_on_ray_actors_through_the_rollout_engine(tiny_qwen2vl,
     ray = pytest.importorskip("ray")
     from arpo_lib.agent.hf_policy import HFPolicy
     from arpo_lib.agent.scripted import ScriptedPolicy
-    from arpo_lib.envs.ray_pool import RayEnvPool
+    from arpo_lib.envs.workers.ray_pool import RayEnvPool
     from arpo_lib.rollout.engine import RolloutEngine
     from arpo_lib.types import EpisodeRequest
 

@@ -27,8 +27,8 @@ from arpo_lib.envs.osworld import env as osworld
 from arpo_lib.envs.osworld.env import (CONTAINER_FILE, OSWorldEnv, OSWorldSetupError, find_osworld_python, remove_stale_cache_dirs)
 from arpo_lib.envs.osworld.downloads import DownloadCache
 from arpo_lib.envs.osworld.fake import (BOOT_FAILURES_VAR, FAKE_DESKTOP_ENV, FAKE_TASK_LOADER, FakeDesktopEnv, load_fake_task)
-from arpo_lib.envs.pool import EnvPool
-from arpo_lib.envs.worker import EnvSetupError, _is_setup_error, action_payload
+from arpo_lib.envs.workers.pool import EnvPool
+from arpo_lib.envs.workers.worker import EnvSetupError, _is_setup_error, action_payload
 
 REPO = Path(__file__).resolve().parents[3]
 ADAPTER_METHODS = ("__init__", "reset", "step", "evaluate", "close")
@@ -286,7 +286,7 @@ def test_with_a_clipboard_in_the_vm_text_is_pasted_whole(tmp_path):
 
 def test_every_actions_error_reaches_the_step_info(tmp_path):
     """A response of several actions: each action's error is kept, not only the last one's."""
-    from arpo_lib.envs.worker import step_actions
+    from arpo_lib.envs.workers.worker import step_actions
 
     env = fake_env(tmp_path, with_faults("fake-type", clipboard=False))
     env.reset()

@@ -21,8 +21,8 @@ from arpo_lib.actions import Action
 from desktop_sandbox import a11y
 from arpo_lib.envs.osworld import env as osworld
 from arpo_lib.envs.osworld.sandbox_check import solution_actions
-from arpo_lib.envs.pool import EnvPool
-from arpo_lib.envs.worker import action_payload
+from arpo_lib.envs.workers.pool import EnvPool
+from arpo_lib.envs.workers.worker import action_payload
 
 REPO = Path(__file__).resolve().parents[3]
 TASKS = REPO / "test_data" / "osworld_sandbox"

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from arpo_lib import cli
-from arpo_lib.envs.osworld import fetch as fetching
+from arpo_lib.run import fetch as fetching
 from arpo_lib.envs.osworld import tasks as ot
 
 FIXTURE = Path(__file__).resolve().parents[3] / "test_data" / "osworld"

@@ -44,7 +44,7 @@ from PIL import Image
 
 from arpo_lib.actions import Action
 from arpo_lib.envs.base import EnvError, GUIEnv, Observation
-from arpo_lib.envs.browser import FIX, BrowserNotFoundError, find_browser  # noqa: F401 (re-exported)
+from arpo_lib.envs.miniwob.browser import FIX, BrowserNotFoundError, find_browser  # noqa: F401 (re-exported)
 
 TASK_WIDTH, TASK_HEIGHT = 160, 210
 """MiniWoB task area in CSS px, including the 50 px instruction bar at the top."""
@@ -59,7 +59,7 @@ MAX_JS_TIMEOUT_MS = 2**31 - 1
 """setTimeout fires immediately for delays above this, which would end every episode at once."""
 
 SETUP_HINT = FIX
-"""What to do when the browser is missing (arpo_lib/envs/browser.py finds it)."""
+"""What to do when the browser is missing (arpo_lib/envs/miniwob/browser.py finds it)."""
 
 
 # --------------------------------------------------------------------------------------------

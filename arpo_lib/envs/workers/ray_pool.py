@@ -16,7 +16,7 @@ what only a cluster has:
 - actor death (killed, crashed, its node lost) is an `EnvError` for the episode, and the actor is
   recreated, exactly as a dead worker process is on the local backend.
 
-The actor starts its worker as `python -m arpo_lib.envs.worker` (EnvWorker's
+The actor starts its worker as `python -m arpo_lib.envs.workers.worker` (EnvWorker's
 `fresh_interpreter`): a multiprocessing spawn child would re-import the actor's main module,
 which is Ray's worker script (+65 MB and a Ray import in every environment process).
 
@@ -35,8 +35,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from arpo_lib.envs.base import EnvError
-from arpo_lib.envs.pool_base import PoolBase
-from arpo_lib.envs.worker import DEFAULT_MEMORY_MIB, EnvSetupError, EnvWorker, answer, check_memory_mib
+from arpo_lib.envs.workers.base import PoolBase
+from arpo_lib.envs.workers.worker import DEFAULT_MEMORY_MIB, EnvSetupError, EnvWorker, answer, check_memory_mib
 from arpo_lib.run.registry import plugin_path
 
 DEFAULT_NUM_CPUS = 0.5

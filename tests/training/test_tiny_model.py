@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 from PIL import Image  # noqa: E402
 from transformers import AutoModelForImageTextToText, AutoProcessor  # noqa: E402
 
-from arpo_lib.agent.tiny_model import (  # noqa: E402
+from arpo_lib.training.tiny_model import (  # noqa: E402
     COMPLETE_MARKER, SPECIAL_TOKENS, TinyModelSpec, build_tiny_model, is_complete, main,
 )
 

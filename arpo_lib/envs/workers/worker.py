@@ -10,7 +10,7 @@ killed and restarted; the episode it was running is reported as an infrastructur
 Two ways to start a worker, one protocol:
 - `python=None` (the default): a `multiprocessing` spawn child of this interpreter, on a pipe.
 - `python="/path/to/other/venv/bin/python"`: the worker runs in ANOTHER interpreter
-  (`python -m arpo_lib.envs.worker`), for backends whose packages cannot live beside ours
+  (`python -m arpo_lib.envs.workers.worker`), for backends whose packages cannot live beside ours
   (OSWorld's `desktop-env` pins old torch/numpy). It sees only this package (on PYTHONPATH) and
   its own site-packages, and connects back over a unix socket in a private directory with a
   random key it reads from stdin. Everything after the connection (the command loop, timeouts,
@@ -20,8 +20,8 @@ A run's plug-ins (`plugins:` in its config) are imported by the worker before it
 environment is made, so a family a plug-in registers exists here too; a worker in another
 interpreter gets the plug-ins' directories on its path.
 
-`arpo_lib.envs.pool` groups workers into pools: these local processes, or Ray actors
-(`arpo_lib.envs.ray_pool`) that each hold one local worker on a cluster node.
+`arpo_lib.envs.workers.pool` groups workers into pools: these local processes, or Ray actors
+(`arpo_lib.envs.workers.ray_pool`) that each hold one local worker on a cluster node.
 
 This module must not import torch: workers stay light (~50 MB + the browser).
 """
@@ -347,7 +347,7 @@ class EnvWorker:
     child of ours; None, or our own `sys.executable`, keeps the spawn path.
     `plugins`: modules the worker imports before it makes an environment (the run's plug-ins).
     `memory_mib`: the worker's data memory limit (`confine_worker`; None: none).
-    `fresh_interpreter`: start `python -m arpo_lib.envs.worker` even with our own interpreter.
+    `fresh_interpreter`: start `python -m arpo_lib.envs.workers.worker` even with our own interpreter.
     For hosts whose main module is not ours: a spawn child re-imports the parent's `__main__`,
     which in a Ray actor is Ray's worker script (+65 MB and a Ray import per worker).
     """
@@ -395,7 +395,7 @@ class EnvWorker:
                 with open(startup_log, "wb") as log:
                     try:
                         popen = subprocess.Popen(
-                            [self.python, "-m", "arpo_lib.envs.worker", address, *map(str, console)],
+                            [self.python, "-m", "arpo_lib.envs.workers.worker", address, *map(str, console)],
                             stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, pass_fds=console, env=env)
                     except OSError as exc:
                         raise EnvSetupError(f"cannot start environment worker interpreter {self.python!r}: {exc}") \
@@ -549,6 +549,6 @@ def _serve(address: str, stdout_fd: int, stderr_fd: int) -> None:
 
 if __name__ == "__main__":
     # Run the copy imported under the package name, so pickled classes have one identity.
-    from arpo_lib.envs import worker as _module
+    from arpo_lib.envs.workers import worker as _module
 
     _module._serve(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))

@@ -1,7 +1,8 @@
 """Fetching a directory tree safely: download with retries, extract one subtree of an archive
 refusing anything that could leave it, copy a checkout, hash every file, swap into place.
 
-Generic (no OSWorld knowledge; `arpo_lib.envs.osworld.tasks` uses it for the task data) and
+Generic (no knowledge of what is fetched; the OSWorld task cache, `arpo_lib.envs.osworld.task_cache`,
+uses it for the task data, and the set-ups' download cache for their files) and
 standard library only.
 """
 from __future__ import annotations

@@ -1,18 +1,18 @@
 """Pools of environment workers, as the rollout engine uses them (`arpo_lib.types.WorkerPool`).
 
 `make_pool` picks the backend: local worker processes (`EnvPool`, this module) or one Ray actor
-per environment on any node of a cluster (`arpo_lib.envs.ray_pool.RayEnvPool`).
+per environment on any node of a cluster (`arpo_lib.envs.workers.ray_pool.RayEnvPool`).
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from arpo_lib.envs.pool_base import PoolBase
-from arpo_lib.envs.worker import DEFAULT_MEMORY_MIB, EnvWorker
+from arpo_lib.envs.workers.base import PoolBase
+from arpo_lib.envs.workers.worker import DEFAULT_MEMORY_MIB, EnvWorker
 
 if TYPE_CHECKING:
-    from arpo_lib.envs.ray_pool import RayEnvPool
+    from arpo_lib.envs.workers.ray_pool import RayEnvPool
 
 
 class EnvPool(PoolBase):
@@ -55,7 +55,7 @@ def make_pool(n: int, env_options: dict[str, Any] | None = None, timeout_s: floa
             raise ValueError(f"{', '.join(given)} only apply to backend='ray' (backend is 'local')")
         return EnvPool(n, env_options, timeout_s, cache_size, python=python, plugins=plugins, memory_mib=memory_mib)
     if backend == "ray":
-        from arpo_lib.envs.ray_pool import RayEnvPool
+        from arpo_lib.envs.workers.ray_pool import RayEnvPool
 
         extra = {} if ray_num_cpus is None else {"num_cpus": ray_num_cpus}
         return RayEnvPool(n, env_options, timeout_s, cache_size, address=ray_address, resource=ray_resource,

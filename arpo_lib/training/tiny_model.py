@@ -31,8 +31,8 @@ What is real and what is not:
 
 Build it::
 
-    python -m arpo_lib.agent.tiny_model --out models/tiny-uitars-qwen2vl --variant qwen2vl
-    python -m arpo_lib.agent.tiny_model --out models/tiny-uitars-qwen25vl --variant qwen25vl --seed 0
+    python -m arpo_lib.training.tiny_model --out models/tiny-uitars-qwen2vl --variant qwen2vl
+    python -m arpo_lib.training.tiny_model --out models/tiny-uitars-qwen25vl --variant qwen25vl --seed 0
 
 The build goes into a temporary sibling directory that is renamed into place once complete, and
 the marker file ``.complete`` is written last, so an interrupted build never leaves a half model.
@@ -467,7 +467,7 @@ def is_complete(model_dir: str | os.PathLike) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m arpo_lib.agent.tiny_model",
+        prog="python -m arpo_lib.training.tiny_model",
         description="Build a tiny random UI-TARS-architecture checkpoint (no download).")
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--variant", choices=VARIANTS, default="qwen2vl",

@@ -16,7 +16,7 @@ have the browser's major version (chromedriver refuses other browsers anyway, la
 clearly). When nothing works, `BrowserNotFoundError` says what was tried, why each was turned
 down, and the fix for this system.
 
-`python -m arpo_lib.envs.browser` prints the pair found as shell `export` lines (nothing, and
+`python -m arpo_lib.envs.miniwob.browser` prints the pair found as shell `export` lines (nothing, and
 the reason on stderr, when none): `./workbench` runs it before every command. With
 `--fetch-driver` it first asks Selenium Manager for the chromedriver of the installed Chrome when
 none matches (Chrome for Testing's, into Selenium Manager's cache: needs the internet).
