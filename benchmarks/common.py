@@ -66,7 +66,7 @@ def real_config(shape: str, text_layers: int | None = None, vision_layers: int |
     shrink the depth (the real widths, fewer layers: a CPU check)."""
     from transformers import AutoProcessor
 
-    from arpo_lib.agent.tiny_model import TinyModelSpec, _build_config
+    from arpo_lib.training.tiny_model import TinyModelSpec, _build_config
 
     real = REAL_SHAPES[shape]
     tokenizer = AutoProcessor.from_pretrained(tiny_model_dir(real["variant"])).tokenizer
