@@ -44,7 +44,8 @@ from arpo_lib.training.rollout_source import RolloutSource
 from arpo_lib.training.sft import WarmStart
 from arpo_lib.training.trainer import Trainer
 from arpo_lib.viz.tracking import TrackerMedia
-from arpo_lib.types import ServedWeights, WorkerPool
+from arpo_lib.types import WorkerPool
+from arpo_lib.training.contracts import ServedWeights
 
 log = logging.getLogger(__name__)
 

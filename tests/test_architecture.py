@@ -2,7 +2,8 @@
 table of docs/architecture.md allows it (`MAY_IMPORT`, the table as data, with no exceptions).
 
 Imports are read with `ast`, including those inside functions (a lazy import still ties two
-modules together); imports under `if TYPE_CHECKING:` are annotations only and do not count.
+modules together) and those under `if TYPE_CHECKING:` (an annotation that names a module above is
+an arrow back up all the same: a reader must climb to understand it).
 A module name given to `importlib` as a string is no import statement and is not seen: the
 registries (`run/registry.py`) load the home modules of their entries that way, on purpose, so
 that the ground floor can hold them (docs/architecture.md says so).
@@ -61,14 +62,8 @@ def all_modules() -> dict[str, Path]:
     return {module_name(p): p for p in PACKAGE.rglob("*.py") if "vllm_ext" not in p.parts}
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
 def imports_of(path: Path, modules: set[str], me: str) -> set[str]:
-    """The arpo_lib modules `path` imports (explicitly, at any depth, outside TYPE_CHECKING)."""
+    """The arpo_lib modules `path` imports (explicitly, at any depth, annotation-only ones included)."""
     tree = ast.parse(path.read_text())
     found: set[str] = set()
     is_package = path.name == "__init__.py"
@@ -79,10 +74,6 @@ def imports_of(path: Path, modules: set[str], me: str) -> set[str]:
             found.add(candidate if candidate in modules else base)
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            for child in node.orelse:
-                visit(child)
-            return
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name.startswith("arpo_lib"):

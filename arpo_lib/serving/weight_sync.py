@@ -22,8 +22,8 @@ checksum of the tensors it received or read, compared with the trainer's own; a 
 
 `ServedPolicy` is the trainer's side of it: it starts the server on the weights the trainer holds
 (or connects to one), keeps track of which weight version the server generates with, and pushes
-new weights before the next rollout. It is the trainer's `types.ServedWeights`; `FollowingServed`
-(the other ranks of a distributed run) its `types.FollowingWeights`.
+new weights before the next rollout. It is the trainer's `training.contracts.ServedWeights`; `FollowingServed`
+(the other ranks of a distributed run) its `training.contracts.FollowingWeights`.
 
 LoRA adapters loaded by name (`/v1/load_lora_adapter`) would move only the adapter, but the
 trainer trains full weights; see docs/serving.md for how LoRA serving works on these servers.

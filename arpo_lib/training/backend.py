@@ -33,7 +33,7 @@ from arpo_lib.training.optim import micro_batches
 if TYPE_CHECKING:
     from arpo_lib.agent.model.logprobs import LogprobNet
     from arpo_lib.agent.prompt import Segment
-    from arpo_lib.types import TrainablePolicy
+    from arpo_lib.training.contracts import TrainablePolicy
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

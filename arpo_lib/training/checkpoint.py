@@ -25,7 +25,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 import torch
 
@@ -38,8 +38,7 @@ from arpo_lib.training.distributed import control_group, load_full_optimizer_sta
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
 
-    from arpo_lib.training.backend import TrainingBackend
-    from arpo_lib.types import TrainablePolicy
+    from arpo_lib.training.contracts import TrainablePolicy
 
 log = logging.getLogger(__name__)
 
@@ -151,13 +150,28 @@ def load_checkpoint(checkpoint: Path, *, optimizer: torch.optim.Optimizer, sched
     return int(state["step"]), replay, dict(state.get("trainer", {}))
 
 
+class CheckpointingBackend(Protocol):
+    """What a checkpoint asks of the training backend (`training.backend.TrainingBackend`, which
+    itself uses this module's savers: this protocol keeps the two modules from importing each other)."""
+
+    sharded_optimizer: bool
+
+    def on_main(self, fn: Callable[[], Any]) -> Any: ...
+
+    def save_optimizer_shards(self, directory: Path, optimizer: torch.optim.Optimizer) -> None: ...
+
+    def save_policy(self, directory: Path) -> None: ...
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: Any) -> None: ...
+
+
 class Checkpointer:
     """A run's checkpoints as the trainer sees them: due every `every` steps and at `last_step`;
     written by one process, or (a sharded optimizer) every rank writing its optimizer shard in
     parallel before rank 0 writes the rest (the full model every rank holds, the schedule, the
     replay buffer) and moves the checkpoint into place; `resume_from` restored at the start."""
 
-    def __init__(self, run: RunDir, backend: "TrainingBackend", *, every: int, keep: int, last_step: int,
+    def __init__(self, run: RunDir, backend: "CheckpointingBackend", *, every: int, keep: int, last_step: int,
                  resume_from: Path | None = None):
         self.run, self.backend, self.every, self.keep, self.last_step = run, backend, every, keep, last_step
         self.resume_from = resume_from

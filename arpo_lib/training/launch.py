@@ -6,7 +6,7 @@ output and per-step metrics streamed into the notebook.
     history = trainer.train(on_step=workflows.print_step)      # blocks; interrupt = stop the run
 
 A `LaunchedTrainer` stands in for the in-process `Trainer` where a notebook uses one: both are a
-`types.RunTrainer` (`train`, `warm_start`, `step`, `replay`, `run`, `close`). The processes do the
+`training.contracts.RunTrainer` (`train`, `warm_start`, `step`, `replay`, `run`, `close`). The processes do the
 work, this object watches `metrics.jsonl` and the checkpoints. A stopped or interrupted run
 resumes on the next `train`.
 """

@@ -10,7 +10,7 @@ environments, with which sampling settings, and which share of the episodes each
 `build.trainer` makes it from `rollout.*`, `env.*` and the reward shaping of `algo.*`, so the
 trainer never reads those keys. Distributed (torchrun), each rank plays its share of a batch's
 episodes in its own environments and every rank gets the whole batch; with servers, rank 0 keeps
-them current and announces their URLs, the other ranks follow (`types.FollowingWeights`).
+them current and announces their URLs, the other ranks follow (`training.contracts.FollowingWeights`).
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ from arpo_lib.rollout.store import without_pixels
 from arpo_lib.run.layout import RunDir
 from arpo_lib.run.seeding import stable_seed
 from arpo_lib.training.backend import TrainingBackend
-from arpo_lib.types import (FollowingWeights, Policy, ServedWeights, TrainablePolicy, Trajectory, WorkerPool,
-                            episode_requests)
+from arpo_lib.types import Policy, Trajectory, WorkerPool, episode_requests
+from arpo_lib.training.contracts import FollowingWeights, ServedWeights, TrainablePolicy
 
 
 def task_batch(tasks: list[str], step: int, tasks_per_batch: int, seed: int) -> list[str]:

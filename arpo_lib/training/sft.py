@@ -22,7 +22,8 @@ from arpo_lib.algo import ReplayBuffer
 from arpo_lib.rollout.engine import RolloutEngine
 from arpo_lib.run.layout import RunDir
 from arpo_lib.run.records import append_jsonl
-from arpo_lib.types import TrainablePolicy, Trajectory, WorkerPool, episode_requests
+from arpo_lib.types import Trajectory, WorkerPool, episode_requests
+from arpo_lib.training.contracts import TrainablePolicy
 
 if TYPE_CHECKING:
     from arpo_lib.training.backend import TrainingBackend

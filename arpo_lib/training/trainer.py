@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -44,17 +44,21 @@ from arpo_lib.training.metrics import RunRecords, step_metrics
 from arpo_lib.training.rollout_source import RolloutSource, task_batch
 from arpo_lib.training.sft import WarmStart, seed_replay_from
 from arpo_lib.training.update import NonFiniteGradientError, PolicyUpdate  # noqa: F401 (its old home)
-from arpo_lib.types import Group, TrainablePolicy, Trajectory
+from arpo_lib.types import Group, Trajectory
+from arpo_lib.training.contracts import TrainablePolicy
 
-if TYPE_CHECKING:  # annotations only: evaluation sits above training
-    from arpo_lib.evaluation.evaluate import EvalResult
+class EvalOutcome(Protocol):
+    """What the trainer reads of an evaluation's result (`evaluation.evaluate.EvalResult`, a floor
+    above training: named here by what it offers, not imported)."""
+
+    def metrics(self) -> dict[str, Any]: ...
 
 
 class Evaluator(Protocol):
     """The run's periodic evaluation (`build.evaluator`): when it is due, and an engine's policy
     evaluated with the run's protocol into <run>/eval/<label> (tasks None: the protocol's)."""
     def due(self, step: int) -> bool: ...
-    def __call__(self, engine: RolloutEngine, label: str, tasks: list[str] | None = None) -> EvalResult: ...
+    def __call__(self, engine: RolloutEngine, label: str, tasks: list[str] | None = None) -> EvalOutcome: ...
 
 
 class Trainer:
@@ -212,8 +216,9 @@ class Trainer:
             stored += seed_replay_from(self.replay, seed_from, self.rollouts.tasks)
         return stored
 
-    def evaluate(self, label: str, tasks: list[str] | None = None) -> "EvalResult":
-        """Evaluate the current policy with the run's protocol into <run>/eval/<label>."""
+    def evaluate(self, label: str, tasks: list[str] | None = None) -> EvalOutcome:
+        """Evaluate the current policy with the run's protocol into <run>/eval/<label> (an
+        `evaluation.evaluate.EvalResult`)."""
         return self.evaluator(self.rollouts.engine(self.weights_version, announce=False), label, tasks)
 
     def save_checkpoint(self) -> Path:

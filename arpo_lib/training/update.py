@@ -32,7 +32,8 @@ from arpo_lib.run.seeding import stable_seed
 from arpo_lib.training.backend import Plan, TrainingBackend
 from arpo_lib.training.metrics import UpdateMetrics, is_weight_stats
 from arpo_lib.training.optim import make_optimizer, warmup_schedule
-from arpo_lib.types import Group, Segment, TrainablePolicy
+from arpo_lib.types import Group, Segment
+from arpo_lib.training.contracts import TrainablePolicy
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from arpo_lib import build
 from arpo_lib.run.config import RunConfig
 from arpo_lib.run.layout import RunDir
 from arpo_lib.run.records import read_jsonl
-from arpo_lib.types import RunTrainer
+from arpo_lib.training.contracts import RunTrainer
 
 log = logging.getLogger(__name__)
 

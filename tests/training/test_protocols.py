@@ -14,7 +14,8 @@ from arpo_lib.run.config import load_config
 from arpo_lib.serving.weight_sync import FollowingServed, ServedPolicy
 from arpo_lib.training.launch import LaunchedTrainer
 from arpo_lib.training.trainer import Trainer
-from arpo_lib.types import FollowingWeights, Policy, RunTrainer, ServedWeights, TrainablePolicy
+from arpo_lib.types import Policy
+from arpo_lib.training.contracts import FollowingWeights, RunTrainer, ServedWeights, TrainablePolicy
 
 CALLABLE_DUNDERS = ("__call__", "__enter__", "__exit__")
 
