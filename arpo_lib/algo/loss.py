@@ -21,12 +21,15 @@ The trainer calls the loss that `algo.policy_loss` names in `POLICY_LOSSES` (one
 """
 from __future__ import annotations
 
+import typing
+
 import torch
 
-from arpo_lib.run.config import AlgoConfig
+from arpo_lib.run.config import Aggregation, AlgoConfig
 from arpo_lib.run.registry import POLICY_LOSSES
 
-AGGREGATIONS = ("seq-mean-token-mean", "token-mean")
+AGGREGATIONS: tuple[str, ...] = typing.get_args(Aggregation)
+"""The loss aggregations: the choices of algo.aggregation (run/config.py's `Aggregation`)."""
 
 # exp() of a log-ratio beyond this overflows float32 long before it means anything (verl clamps too).
 _MAX_LOG_RATIO = 20.0

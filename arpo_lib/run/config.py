@@ -21,22 +21,69 @@ import typing
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 import yaml
 
 from arpo_lib.run.net import is_loopback
 from arpo_lib.run.records import safe_name
-from arpo_lib.run.registry import (ADV_ESTIMATORS, COMPARISON_ARMS, EVAL_PROTOCOLS, LR_SCHEDULES, POLICY_LOSSES,
-                                   PROMPTS, PluginError, import_plugins)
+from arpo_lib.run.registry import (ADV_ESTIMATORS, COMPARISON_ARMS, EVAL_PROTOCOLS, LR_SCHEDULES, OPTIMIZERS,
+                                   POLICY_LOSSES, PROMPTS, PluginError, import_plugins)
 
 
 class ConfigError(ValueError):
     """A config file or override is invalid; the message names the key."""
 
 
+Aggregation = Literal["seq-mean-token-mean", "token-mean"]
+"""How the policy loss reduces its tokens (algo.aggregation; `arpo_lib.algo.loss.aggregate`)."""
+
+
+class Section:
+    """A section of the tree. Its own fields' rules run when it is made (a file, an override,
+    `dataclasses.replace`): the closed choices its `Literal` types name, and `check`, written beside
+    the fields it checks. Rules that span sections, and the names that registries (and so the
+    config's plug-ins) decide, are `validate`'s, run when the whole `RunConfig` is made."""
+
+    KEY: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        for name, tp in _hints(type(self)).items():
+            allowed = typing.get_args(tp) if typing.get_origin(tp) is Literal else None
+            if allowed and getattr(self, name) not in allowed:
+                self.fail(name, f"{getattr(self, name)!r} is not one of {list(allowed)}")
+        self.check()
+
+    def check(self) -> None:
+        """This section's own rules (ConfigError naming the key)."""
+
+    def fail(self, name: str, msg: str) -> None:
+        _fail(f"{self.KEY}.{name}" if self.KEY else name, msg)
+
+    def at_least(self, low: float, *names: str) -> None:
+        for name in names:
+            value = getattr(self, name)
+            if value is not None and value < low:
+                self.fail(name, f"must be >= {low}, got {value}")
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+"""What an `*_api_key_env` must look like: the NAME of an environment variable."""
+
+
 @dataclass
-class EnvConfig:
+class EnvConfig(Section):
+    KEY: ClassVar[str] = "env"
+
     tasks: list[str] = field(default_factory=lambda: ["miniwob/click-test", "miniwob/click-button"])
     """Training task names, as accepted by `arpo_lib.envs.make_env` (e.g. `miniwob/click-button`)."""
     options: dict[str, Any] = field(default_factory=dict)
@@ -60,12 +107,12 @@ class EnvConfig:
     worker is where the host parses what the agent made (OSWorld's metrics read the files it saved):
     a small file that unpacks to gigabytes ends as a failed check there, not in the host's memory.
     Workers are also the OOM killer's first choice, before the trainer (arpo_lib/envs/workers/worker.py)."""
-    on_setup_failure: str = "run"
+    on_setup_failure: Literal["run", "skip", "error"] = "run"
     """OSWorld tasks on the sandbox: when a task's set-up did not do what it asked (a command that
     failed, a window to activate that was not there, a program that died, a file not downloaded),
     `run` the episode anyway (the failures are in its trajectory), `skip` it (status
     `setup_failed`, counted in the metrics, not trained on) or `error` (the run stops, naming it)."""
-    backend: str = "local"
+    backend: Literal["local", "ray"] = "local"
     """Where environment workers run: `local` (one process per environment on this machine) or
     `ray` (one Ray actor per environment, on any node of a Ray cluster)."""
     python: str | None = None
@@ -79,17 +126,35 @@ class EnvConfig:
     ray_num_cpus: float = 0.5
     """CPUs each environment actor reserves in Ray's accounting (the browser/VM's real use differs)."""
 
+    def check(self) -> None:
+        self.at_least(1, "max_steps", "workers", "envs_per_worker")
+        self.at_least(0, "instances_per_task", "ray_num_cpus")
+        if not self.tasks:
+            self.fail("tasks", "the task list is empty")
+        if self.on_setup_failure != "run":
+            others = sorted({t.split("/", 1)[0] for t in self.tasks if not t.startswith("osworld/")})
+            if others:
+                self.fail("on_setup_failure", f"applies to osworld tasks (their set-up is observed step by step); "
+                                              f"the run also has {', '.join(others)} tasks")
+        memory = self.worker_memory_mib
+        if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int) or memory < 256):
+            self.fail("worker_memory_mib", f"must be an integer >= 256 (MiB) or null (no limit), got {memory!r}")
+        if self.backend == "local" and (self.ray_address or self.ray_resource):
+            self.fail("backend", "env.ray_address / env.ray_resource are set but env.backend is local (set env.backend=ray)")
+
 
 @dataclass
-class ModelConfig:
+class ModelConfig(Section):
+    KEY: ClassVar[str] = "model"
+
     path: str = "models/tiny-uitars-qwen2vl"
     """Model directory or hub id, loaded with AutoProcessor + AutoModelForImageTextToText."""
-    coord_mode: str = "auto"
+    coord_mode: Literal["auto", "qwen2vl", "qwen25vl"] = "auto"
     """UI-TARS coordinate convention: `qwen2vl` (relative 0..1000), `qwen25vl` (absolute pixels in
     the smart-resized image) or `auto` (from the checkpoint's model_type)."""
     device: str = "auto"
     """`cpu`, `cuda`, `cuda:1`, ... or `auto` (CUDA when available)."""
-    compute_dtype: str = "auto"
+    compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Autocast dtype for forward passes: `float32`, `bfloat16` or `auto` (bf16 on CUDA, fp32 on CPU).
     Parameters and optimizer state always stay fp32 (master weights): lr 1e-6 updates vanish in bf16."""
     history_images: int = 15
@@ -118,7 +183,7 @@ class ModelConfig:
     """With kv_cache: the episodes' new turns are prefilled together, in one forward per group of
     rows whose count x longest new part stays within this many tokens (0: one forward per episode;
     null: 8192 on a GPU, 0 on the CPU, where batching saves nothing). Same tokens, up to rounding."""
-    vision_attention: str = "batched"
+    vision_attention: Literal["batched", "loop"] = "batched"
     """`batched`: the vision tower's window attention in a few SDPA calls
     (arpo_lib/agent/model/vision_attention.py); `loop`: transformers' one call per window."""
     logprob_chunk: int = 1024
@@ -130,13 +195,22 @@ class ModelConfig:
     """LoRA scaling numerator (the update is scaled by alpha / rank)."""
     lora_dropout: float = 0.0
     """Dropout on the LoRA adapters' input."""
-    frozen_weights_dtype: str = "auto"
+    frozen_weights_dtype: Literal["auto", "float32"] = "auto"
     """With LoRA: `auto` stores frozen Linear weights in the compute dtype (bf16 on CUDA: the same
     outputs, since autocast casts them anyway; ~half the base model's memory); `float32` keeps them fp32."""
 
+    def check(self) -> None:
+        self.at_least(1, "history_images", "max_new_tokens", "checkpoint_every_n_layers")
+        self.at_least(0, "logprob_chunk", "lora_rank", "prefill_batch_tokens")
+        if self.activation_offload and not self.gradient_checkpointing:
+            self.fail("activation_offload", "moves the inputs kept by activation checkpointing to host memory: "
+                                            "it needs model.gradient_checkpointing=true")
+
 
 @dataclass
-class AgentConfig:
+class AgentConfig(Section):
+    KEY: ClassVar[str] = "agent"
+
     prompt: str = "uitars_official"
     """A registered prompt (arpo_lib/agent/prompt_library.py, each character-exact to its source):
     `arpo` (ARPO's training prompt), `osworld_uitars15` (the OSWorld fork's UI-TARS-1.5 evaluation
@@ -145,14 +219,16 @@ class AgentConfig:
 
 
 @dataclass
-class RolloutConfig:
+class RolloutConfig(Section):
+    KEY: ClassVar[str] = "rollout"
+
     group_size: int = 8
     """Rollouts per task per batch (ARPO's n = 8)."""
     temperature: float = 1.0
     """Sampling temperature for training rollouts (ARPO: 1.0)."""
     top_p: float = 1.0
     """Nucleus sampling mass (1.0 = off). The trainer's log-probs use the same temperature."""
-    backend: str = "hf"
+    backend: Literal["hf", "server"] = "hf"
     """Who generates actions: `hf` (the model in this process) or `server` (an OpenAI-compatible
     endpoint: vLLM, our hf server, or remote; see `server_url`)."""
     server_url: str | list[str] | None = None
@@ -172,7 +248,7 @@ class RolloutConfig:
     """Retries (with exponential back-off) of a failed or timed-out request."""
     constrained: bool = False
     """Ask the server (vLLM) to decode only responses matching the UI-TARS action grammar."""
-    weight_sync: str = "none"
+    weight_sync: Literal["none", "stream", "reload", "restart"] = "none"
     """How a training run updates the server's weights after each update: `none` (evaluation, or
     a frozen server), `stream` (send the tensors one at a time over a process group, no disk: vLLM
     started with serve.weight_sync=true), `reload` (save the weights, the server reloads them in
@@ -180,7 +256,7 @@ class RolloutConfig:
     stream_host: str = "127.0.0.1"
     """weight_sync=stream: this machine's address as the servers see it (the trainer hosts the
     transfer group's store there); the default serves servers on this machine."""
-    stream_backend: str = "gloo"
+    stream_backend: Literal["gloo", "nccl"] = "gloo"
     """weight_sync=stream: `gloo` (through host memory; works everywhere) or `nccl` (GPU to GPU;
     trainer and servers need NCCL builds that talk to each other, not tried here)."""
     max_staleness: int = 0
@@ -189,7 +265,7 @@ class RolloutConfig:
     weights the servers hold, and each push lands between two requests (never within a response);
     every step records the version that produced it and `algo.stale_correction` weighs the stale
     ones. Needs rollout.backend=server with a weight_sync, one training process."""
-    mode: str = "lockstep"
+    mode: Literal["lockstep", "async"] = "lockstep"
     """`lockstep` (ARPO's loop): every live episode's next action in one batch once ALL the
     environments have answered, so each step waits for the slowest. `async`: an episode's next
     action is asked for as soon as its own observation is in (arpo_lib/rollout/engine.py): in this
@@ -203,9 +279,40 @@ class RolloutConfig:
     """mode=async, generation in this process: at most this many episodes per generate call (0:
     no limit)."""
 
+    def check(self) -> None:
+        self.at_least(1, "group_size")
+        self.at_least(0, "max_staleness", "gather_window_s", "max_batch")
+        if self.max_staleness and (self.backend != "server" or self.weight_sync == "none"):
+            self.fail("max_staleness", "rollouts ahead of the update need servers that take each new version between "
+                                       "two requests: rollout.backend=server with rollout.weight_sync stream, reload "
+                                       "or restart (in this process the model being updated cannot generate "
+                                       "meanwhile; with weight_sync=none the servers never change)")
+        if self.temperature <= 0:
+            self.fail("temperature", "must be > 0 (training needs sampled rollouts and their log-probs)")
+        if not 0 < self.top_p <= 1:
+            self.fail("top_p", f"must be in (0, 1], got {self.top_p}")
+        urls = self.server_urls()
+        if self.server_url is not None and (not urls or len(set(urls)) != len(urls) or
+                                            not all(re.match(r"https?://[^/\s]+", u) for u in urls)):
+            self.fail("server_url", f"expected http(s)://host:port/v1 URLs, each once, got {self.server_url!r}")
+        if self.weight_sync == "restart" and self.server_url is not None:
+            self.fail("weight_sync", "restart works only with the server the run starts itself "
+                                     "(leave rollout.server_url unset); use reload for a running vLLM")
+        if self.constrained and self.backend != "server":
+            self.fail("constrained", "constrained decoding needs rollout.backend=server (vLLM)")
+        if self.api_key_env is not None and not ENV_NAME.fullmatch(self.api_key_env):
+            self.fail("api_key_env", "must be the NAME of an environment variable (the key itself never goes in a config)")
+
+    def server_urls(self) -> list[str]:
+        """`server_url` as a list ([] when the run starts its own servers)."""
+        url = self.server_url
+        return [] if url is None else [url] if isinstance(url, str) else list(url)
+
 
 @dataclass
-class ReplayConfig:
+class ReplayConfig(Section):
+    KEY: ClassVar[str] = "algo.replay"
+
     enabled: bool = True
     """ARPO's replay buffer. False = plain GRPO (nothing is stored or injected)."""
     capacity_per_task: int = 8
@@ -216,7 +323,7 @@ class ReplayConfig:
     """A group is all-failed when the std of its task scores is below this ..."""
     mean_threshold: float = 0.2
     """... and their mean is below this."""
-    correction: str = "none"
+    correction: Literal["none", "tis"] = "none"
     """Off-policy correction of replayed trajectories: `none` (ARPO: their old log-probs are
     recomputed and they are treated as on-policy) or `tis` (each token's clipped objective is
     weighted by min(pi_old / mu, tis_cap), mu the probability it was sampled with)."""
@@ -228,9 +335,14 @@ class ReplayConfig:
     the buffer (at most `capacity_per_task` each). ARPO's buffer starts empty (None): a task the
     policy never solves during training then never gets a replay."""
 
+    def check(self) -> None:
+        self.at_least(1, "capacity_per_task", "tis_cap")
+
 
 @dataclass
-class AlgoConfig:
+class AlgoConfig(Section):
+    KEY: ClassVar[str] = "algo"
+
     format_coef: float = 0.5
     """Weight of the format reward in the trajectory reward."""
     format_penalty: float = -1.0
@@ -252,14 +364,14 @@ class AlgoConfig:
     """PPO ratio upper clip: 1 + clip_high ("clip-higher")."""
     dual_clip: float = 3.0
     """Dual-clip bound for negative advantages."""
-    aggregation: str = "seq-mean-token-mean"
+    aggregation: Aggregation = "seq-mean-token-mean"
     """Loss aggregation: `seq-mean-token-mean` (ARPO) or `token-mean`."""
     kl_coef: float = 0.0
     """KL penalty to the initial policy (0 = off, as ARPO; >0 keeps a frozen reference copy)."""
-    old_logprobs: str = "recompute"
+    old_logprobs: Literal["recompute", "behaviour"] = "recompute"
     """`recompute`: old log-probs from the current policy before the update, as ARPO (replayed data
     treated as on-policy); `behaviour`: the log-probs stored when the tokens were sampled."""
-    stale_correction: str = "tis"
+    stale_correction: Literal["none", "tis"] = "tis"
     """Fresh trajectories sampled by older weights (rollouts ahead of the update,
     `rollout.max_staleness` > 0): `tis` weights their tokens by min(pi_old / mu, algo.replay.tis_cap)
     (with old_logprobs=recompute this is the decoupled PPO objective: the ratio against the weights
@@ -268,9 +380,20 @@ class AlgoConfig:
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     """The replay buffer (ARPO's contribution)."""
 
+    def check(self) -> None:
+        if not 0 <= self.clip_low < 1 or self.clip_high < 0:
+            self.fail("clip_low", "need 0 <= clip_low < 1 and clip_high >= 0")
+        if self.dual_clip <= 1:
+            self.fail("dual_clip", f"must be > 1, got {self.dual_clip}")
+        if self.replay.correction == "tis" and self.old_logprobs != "recompute":
+            self.fail("replay.correction", "tis weighs recomputed old log-probs against the stored ones: "
+                                           "it needs algo.old_logprobs=recompute")
+
 
 @dataclass
-class TrainConfig:
+class TrainConfig(Section):
+    KEY: ClassVar[str] = "train"
+
     steps: int = 10
     """Rollout batches (each followed by `updates_per_batch` optimizer steps)."""
     tasks_per_batch: int = 2
@@ -295,7 +418,7 @@ class TrainConfig:
     """Put each micro-batch's sequences end to end in one row (no padding; a block-diagonal mask
     keeps them apart: arpo_lib/agent/model/packing.py). With token_budget, the budget counts real tokens."""
     optimizer: str = "adamw"
-    """`adamw` (fused on CUDA) or `adafactor` (factored second moments: ~no optimizer state;
+    """A registered optimizer (arpo_lib/training/optim.py): `adamw` (fused on CUDA) or `adafactor` (factored second moments: ~no optimizer state;
     what lets a 7B full fine-tune fit, see arpo_lib/agent/model/lora.py)."""
     lr: float = 1e-6
     """AdamW learning rate (ARPO: 1e-6)."""
@@ -330,9 +453,22 @@ class TrainConfig:
     """Scripted demonstrations per task put into the replay buffer before training (0 = none).
     Lets a policy that never succeeds (the random tiny model) show replay rescuing all-failed groups."""
 
+    def check(self) -> None:
+        self.at_least(1, "tasks_per_batch", "updates_per_batch", "micro_batch_size", "nproc_per_node",
+                      "keep_checkpoints", "checkpoint_every")
+        self.at_least(0, "steps", "token_budget", "max_skipped_steps", "eval_every", "demo_replay")
+        if self.lr <= 0:
+            self.fail("lr", f"must be > 0, got {self.lr}")
+        if not 0 <= self.warmup_ratio < 1:
+            self.fail("warmup_ratio", f"must be in [0, 1), got {self.warmup_ratio}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            self.fail("min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+
 
 @dataclass
-class WarmStartConfig:
+class WarmStartConfig(Section):
+    KEY: ClassVar[str] = "warm_start"
+
     demos_per_task: int = 0
     """Scripted demonstrations per task for the supervised warm start (0 = no warm start)."""
     steps: int = 0
@@ -342,9 +478,16 @@ class WarmStartConfig:
     batch_size: int = 4
     """Sequences per warm-start step."""
 
+    def check(self) -> None:
+        self.at_least(0, "demos_per_task", "steps")
+        if self.steps > 0 and self.demos_per_task == 0:
+            self.fail("demos_per_task", "warm_start.steps > 0 needs demonstrations (demos_per_task >= 1)")
+
 
 @dataclass
-class EvalConfig:
+class EvalConfig(Section):
+    KEY: ClassVar[str] = "eval"
+
     tasks: list[str] | None = None
     """Tasks to evaluate; None = the training tasks."""
     samples_per_task: int = 4
@@ -373,16 +516,21 @@ class EvalConfig:
     infrastructure failure), as the OSWorld fork's runner runs again every example without
     result.txt; None = the protocol's (`osworld_uitars`: 2, the others 0). Bounded: what is still
     without a result after them is reported, not run again."""
-    policy: str = "model"
+    policy: Literal["model", "scripted"] = "model"
     """Who acts in `eval` / evaluation.ipynb: `model` (model.path) or `scripted` (the DOM-reading
     scripted agent of arpo_lib/agent/scripted.py: an upper bound on the MiniWoB++ tasks it supports)."""
     osworld_results: bool = True
     """Also write the results in OSWorld's own layout (<eval>/osworld_results/pyautogui/screenshot/<model>/...),
     which OSWorld's show_result.py reads."""
 
+    def check(self) -> None:
+        self.at_least(1, "samples_per_task")
+
 
 @dataclass
-class SelectConfig:
+class SelectConfig(Section):
+    KEY: ClassVar[str] = "select"
+
     enabled: bool = False
     """Run the task-selection section of evaluation.ipynb (the CLI's select-tasks always runs)."""
     k: int = 16
@@ -404,9 +552,17 @@ class SelectConfig:
     """Keep every selection episode's trajectory directory (<selection>/trajectories), e.g. to seed
     a replay buffer with the successes selection found (`algo.replay.seed_from`)."""
 
+    def check(self) -> None:
+        self.at_least(1, "k", "min_successes")
+        self.at_least(0, "max_env_retries")
+        if self.min_successes > self.k:
+            self.fail("min_successes", f"{self.min_successes} successes cannot come from k={self.k} rollouts")
+
 
 @dataclass
-class CompareConfig:
+class CompareConfig(Section):
+    KEY: ClassVar[str] = "compare"
+
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     """Training seeds of the comparison (experiments.run_comparison); every arm runs every seed."""
     algos: list[str] = field(default_factory=lambda: ["grpo", "arpo", "arpo_tis"])
@@ -441,10 +597,19 @@ class CompareConfig:
     docs/learning.md section 8: ARPO − GRPO on the final policy at the training temperature, the
     secondaries Holm-adjusted). Set by the held-out study's command, not by exploratory runs."""
 
+    def check(self) -> None:
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
+            self.fail("seeds", f"need distinct seeds, got {self.seeds}")
+        if not self.algos or len(set(self.algos)) != len(self.algos):
+            self.fail("algos", f"need distinct arms, got {self.algos}")
+        self.at_least(1, "baseline_samples_per_task")
+
 
 @dataclass
-class ServeConfig:
-    backend: str = "hf"
+class ServeConfig(Section):
+    KEY: ClassVar[str] = "serve"
+
+    backend: Literal["hf", "vllm"] = "hf"
     """`hf`: our OpenAI-compatible server around the in-process transformers policy (CPU or GPU);
     `vllm`: vLLM's OpenAI server (GPU, needs vllm installed)."""
     host: str = "127.0.0.1"
@@ -476,7 +641,7 @@ class ServeConfig:
     """Interpreter that runs the server (vLLM usually lives in its own virtual environment);
     None = this one for hf; for vllm $ARPO_VLLM_PYTHON, this one if it has vLLM, or the
     environment scripts/setup_vllm_cpu.sh builds."""
-    device: str = "auto"
+    device: Literal["auto", "cuda", "cpu"] = "auto"
     """vLLM's device: `cuda`, `cpu` (vllm-cpu) or `auto` (cuda where nvidia-smi exists)."""
     enforce_eager: bool = False
     """vLLM without CUDA graphs / compilation: starts faster, generates slower."""
@@ -498,10 +663,34 @@ class ServeConfig:
     """gpu_inference_server notebook: leave the server running at the end (for evaluation.ipynb with
     rollout.backend=server); stop it later with serving.stop_server(pid from <run>/server.json)."""
 
+    def check(self) -> None:
+        if self.api_key_env is not None and not ENV_NAME.fullmatch(self.api_key_env):
+            self.fail("api_key_env", "must be the NAME of an environment variable (the key itself never goes in a config)")
+        if not is_loopback(self.host) and self.api_key_env is None:
+            self.fail("host", f"{self.host!r} makes the server reachable from other machines: set "
+                              "serve.api_key_env (the NAME of a variable holding a key), or keep 127.0.0.1 and "
+                              "use an SSH tunnel")
+        if not is_loopback(self.host) and self.weight_sync:
+            self.fail("weight_sync", "vLLM's weight-sync endpoints are not protected by its API key: "
+                                     "keep serve.host on loopback for a server the trainer reloads")
+        if not 0 <= self.port <= 65535:
+            self.fail("port", f"{self.port} is not a port number")
+        if self.replicas < 1 or self.tensor_parallel_size < 1:
+            self.fail("replicas", "replicas and tensor_parallel_size must be >= 1")
+        if self.replicas > 1 and self.port != 0:
+            self.fail("port", "several replicas need a free port each: leave serve.port at 0")
+        if self.tensor_parallel_size > 1 and self.backend != "vllm":
+            self.fail("tensor_parallel_size", "tensor parallelism is vLLM's (serve.backend=vllm)")
+        if self.cuda_devices is not None and len(self.cuda_devices) != self.replicas:
+            self.fail("cuda_devices", f"one entry per replica: {self.replicas} replicas, "
+                                      f"{len(self.cuda_devices)} entries")
+
 
 @dataclass
-class LoggingConfig:
-    wandb: str = "disabled"
+class LoggingConfig(Section):
+    KEY: ClassVar[str] = "logging"
+
+    wandb: Literal["disabled", "offline", "online"] = "disabled"
     """wandb mode: `disabled`, `offline` or `online`."""
     wandb_project: str = "arpo-workbench"
     """wandb project name."""
@@ -512,6 +701,10 @@ class LoggingConfig:
     """Widest screenshot in that table, in pixels (larger ones are scaled down)."""
     progress: bool = True
     """Show progress bars."""
+
+    def check(self) -> None:
+        if self.wandb_episodes < 0 or self.wandb_image_width < 16:
+            self.fail("wandb_episodes", "wandb_episodes must be >= 0 and wandb_image_width >= 16")
 
 
 @dataclass
@@ -597,118 +790,23 @@ def longest_response(cfg: RunConfig) -> tuple[int, str]:
 
 
 def validate(cfg: RunConfig) -> None:
-    """Impossible combinations fail here, naming the key."""
-    choices = {
-        "model.coord_mode": (cfg.model.coord_mode, ("auto", "qwen2vl", "qwen25vl")),
-        "model.compute_dtype": (cfg.model.compute_dtype, ("auto", "float32", "bfloat16", "float16")),
-        "algo.aggregation": (cfg.algo.aggregation, ("seq-mean-token-mean", "token-mean")),
-        "algo.old_logprobs": (cfg.algo.old_logprobs, ("recompute", "behaviour")),
-        "logging.wandb": (cfg.logging.wandb, ("disabled", "offline", "online")),
-        "serve.backend": (cfg.serve.backend, ("hf", "vllm")),
-        "env.backend": (cfg.env.backend, ("local", "ray")),
-        "eval.policy": (cfg.eval.policy, ("model", "scripted")),
-        "model.vision_attention": (cfg.model.vision_attention, ("batched", "loop")),
-        "train.optimizer": (cfg.train.optimizer, ("adamw", "adafactor")),
-        "model.frozen_weights_dtype": (cfg.model.frozen_weights_dtype, ("auto", "float32")),
-        "algo.replay.correction": (cfg.algo.replay.correction, ("none", "tis")),
-        "algo.stale_correction": (cfg.algo.stale_correction, ("none", "tis")),
-    }
-    for key, (value, allowed) in choices.items():
-        if value not in allowed:
-            _fail(key, f"{value!r} is not one of {list(allowed)}")
+    """What no section can check alone, failing with the key: the names registries hold (known
+    only once the config's plug-ins are imported), and the rules that span sections. Each
+    section's own rules are its `check`, beside its fields."""
     registered = [(PROMPTS, cfg.agent.prompt), (EVAL_PROTOCOLS, cfg.eval.protocol),
-                  (LR_SCHEDULES, cfg.train.lr_schedule), (ADV_ESTIMATORS, cfg.algo.adv_estimator),
-                  (POLICY_LOSSES, cfg.algo.policy_loss), *((COMPARISON_ARMS, arm) for arm in cfg.compare.algos)]
+                  (LR_SCHEDULES, cfg.train.lr_schedule), (OPTIMIZERS, cfg.train.optimizer),
+                  (ADV_ESTIMATORS, cfg.algo.adv_estimator), (POLICY_LOSSES, cfg.algo.policy_loss),
+                  *((COMPARISON_ARMS, arm) for arm in cfg.compare.algos)]
     for registry, value in registered:
         if value not in registry:
             _fail(registry.key, registry.unknown(value))
-    positive = {
-        "env.max_steps": cfg.env.max_steps, "env.workers": cfg.env.workers,
-        "env.envs_per_worker": cfg.env.envs_per_worker,
-        "model.history_images": cfg.model.history_images, "model.max_new_tokens": cfg.model.max_new_tokens,
-        "rollout.group_size": cfg.rollout.group_size, "train.tasks_per_batch": cfg.train.tasks_per_batch,
-        "train.updates_per_batch": cfg.train.updates_per_batch,
-        "train.micro_batch_size": cfg.train.micro_batch_size, "train.nproc_per_node": cfg.train.nproc_per_node,
-        "model.checkpoint_every_n_layers": cfg.model.checkpoint_every_n_layers, "eval.samples_per_task": cfg.eval.samples_per_task,
-        "algo.replay.capacity_per_task": cfg.algo.replay.capacity_per_task,
-        "train.keep_checkpoints": cfg.train.keep_checkpoints,
-        "train.checkpoint_every": cfg.train.checkpoint_every,
-        "select.k": cfg.select.k, "select.min_successes": cfg.select.min_successes,
-    }
-    for key, value in positive.items():
-        if value < 1:
-            _fail(key, f"must be >= 1, got {value}")
-    if cfg.train.steps < 0:
-        _fail("train.steps", f"must be >= 0, got {cfg.train.steps}")
-    if cfg.rollout.mode not in ("lockstep", "async"):
-        _fail("rollout.mode", f"must be 'lockstep' or 'async', got {cfg.rollout.mode!r}")
-    if cfg.rollout.max_staleness < 0:
-        _fail("rollout.max_staleness", f"must be >= 0, got {cfg.rollout.max_staleness}")
-    if cfg.rollout.max_staleness and (cfg.rollout.backend != "server" or cfg.rollout.weight_sync == "none"):
-        _fail("rollout.max_staleness", "rollouts ahead of the update need servers that take each new version between "
-                                       "two requests: rollout.backend=server with rollout.weight_sync stream, reload "
-                                       "or restart (in this process the model being updated cannot generate "
-                                       "meanwhile; with weight_sync=none the servers never change)")
-    if cfg.rollout.gather_window_s < 0:
-        _fail("rollout.gather_window_s", f"must be >= 0, got {cfg.rollout.gather_window_s}")
-    for key, value in (("model.logprob_chunk", cfg.model.logprob_chunk), ("model.lora_rank", cfg.model.lora_rank),
-                       ("rollout.max_batch", cfg.rollout.max_batch),
-                       ("train.token_budget", cfg.train.token_budget),
-                       ("model.prefill_batch_tokens", cfg.model.prefill_batch_tokens or 0),
-                       ("env.instances_per_task", cfg.env.instances_per_task)):
-        if value < 0:
-            _fail(key, f"must be >= 0, got {value}")
-    if cfg.model.activation_offload and not cfg.model.gradient_checkpointing:
-        _fail("model.activation_offload", "moves the inputs kept by activation checkpointing to host memory: "
-                                          "it needs model.gradient_checkpointing=true")
     if cfg.model.lora_rank and cfg.algo.kl_coef > 0:
         _fail("algo.kl_coef", "a KL reference model beside LoRA is not supported yet (set kl_coef 0 or lora_rank 0)")
-    if not cfg.env.tasks:
-        _fail("env.tasks", "the task list is empty")
-    if cfg.rollout.temperature <= 0:
-        _fail("rollout.temperature", "must be > 0 (training needs sampled rollouts and their log-probs)")
-    if not 0 < cfg.rollout.top_p <= 1:
-        _fail("rollout.top_p", f"must be in (0, 1], got {cfg.rollout.top_p}")
     if cfg.rollout.group_size < 2 and cfg.train.steps > 0:
         _fail("rollout.group_size", "GRPO needs at least 2 rollouts per task to compute advantages")
-    if not 0 <= cfg.algo.clip_low < 1 or cfg.algo.clip_high < 0:
-        _fail("algo.clip_low", "need 0 <= clip_low < 1 and clip_high >= 0")
-    if cfg.algo.dual_clip <= 1:
-        _fail("algo.dual_clip", f"must be > 1, got {cfg.algo.dual_clip}")
-    if cfg.train.lr <= 0:
-        _fail("train.lr", f"must be > 0, got {cfg.train.lr}")
-    if not 0 <= cfg.train.warmup_ratio < 1:
-        _fail("train.warmup_ratio", f"must be in [0, 1), got {cfg.train.warmup_ratio}")
-    if not 0 <= cfg.train.min_lr_ratio <= 1:
-        _fail("train.min_lr_ratio", f"must be in [0, 1], got {cfg.train.min_lr_ratio}")
     batch = cfg.train.tasks_per_batch * cfg.rollout.group_size
     if cfg.train.updates_per_batch > batch:
         _fail("train.updates_per_batch", f"{cfg.train.updates_per_batch} mini-batches from a batch of {batch} trajectories")
-    if cfg.algo.replay.tis_cap < 1:
-        _fail("algo.replay.tis_cap", f"must be >= 1, got {cfg.algo.replay.tis_cap}")
-    if cfg.algo.replay.correction == "tis" and cfg.algo.old_logprobs != "recompute":
-        _fail("algo.replay.correction", "tis weighs recomputed old log-probs against the stored ones: "
-                                        "it needs algo.old_logprobs=recompute")
-    if cfg.train.max_skipped_steps < 0:
-        _fail("train.max_skipped_steps", "must be >= 0")
-    if cfg.env.on_setup_failure not in ("run", "skip", "error"):
-        _fail("env.on_setup_failure", f"must be 'run', 'skip' or 'error', got {cfg.env.on_setup_failure!r}")
-    if cfg.env.on_setup_failure != "run":
-        others = sorted({t.split("/", 1)[0] for t in cfg.env.tasks if not t.startswith("osworld/")})
-        if others:
-            _fail("env.on_setup_failure", f"applies to osworld tasks (their set-up is observed step by step); "
-                                          f"the run also has {', '.join(others)} tasks")
-    memory = cfg.env.worker_memory_mib
-    if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int) or memory < 256):
-        _fail("env.worker_memory_mib", f"must be an integer >= 256 (MiB) or null (no limit), got {memory!r}")
-    if cfg.logging.wandb_episodes < 0 or cfg.logging.wandb_image_width < 16:
-        _fail("logging.wandb_episodes", "wandb_episodes must be >= 0 and wandb_image_width >= 16")
-    if cfg.train.eval_every < 0:
-        _fail("train.eval_every", "must be >= 0")
-    if cfg.rollout.backend not in ("hf", "server"):
-        _fail("rollout.backend", f"must be 'hf' or 'server', got {cfg.rollout.backend!r}")
-    if cfg.rollout.weight_sync not in ("none", "stream", "reload", "restart"):
-        _fail("rollout.weight_sync", f"must be 'none', 'stream', 'reload' or 'restart', got {cfg.rollout.weight_sync!r}")
     if cfg.rollout.weight_sync in ("stream", "reload") and cfg.rollout.server_url is None and \
             not (cfg.serve.backend == "vllm" and cfg.serve.weight_sync):
         _fail("rollout.weight_sync", f"{cfg.rollout.weight_sync} needs a vLLM server started with serve.weight_sync=true "
@@ -724,68 +822,13 @@ def validate(cfg: RunConfig) -> None:
                   f"episodes) it takes {needed:.0f} s, and a runaway sample that times out is retried with the same "
                   f"seed until the run stops. Raise rollout.request_timeout_s to {math.ceil(needed)} or more, or "
                   f"lower {lower}")
-    if cfg.rollout.stream_backend not in ("gloo", "nccl"):
-        _fail("rollout.stream_backend", f"must be 'gloo' or 'nccl', got {cfg.rollout.stream_backend!r}")
-    urls = server_urls(cfg)
-    if cfg.rollout.server_url is not None and (not urls or len(set(urls)) != len(urls) or
-                                               not all(re.match(r"https?://[^/\s]+", u) for u in urls)):
-        _fail("rollout.server_url", f"expected http(s)://host:port/v1 URLs, each once, got {cfg.rollout.server_url!r}")
-    if cfg.rollout.weight_sync == "restart" and cfg.rollout.server_url is not None:
-        _fail("rollout.weight_sync", "restart works only with the server the run starts itself "
-                                     "(leave rollout.server_url unset); use reload for a running vLLM")
     if cfg.eval.policy == "scripted" and cfg.rollout.backend != "hf":
         _fail("eval.policy", "the scripted agent acts in this process: use rollout.backend=hf")
-    if cfg.rollout.constrained and cfg.rollout.backend != "server":
-        _fail("rollout.constrained", "constrained decoding needs rollout.backend=server (vLLM)")
     if cfg.rollout.constrained and cfg.algo.old_logprobs != "recompute":
         # The server's log-probs are of the grammar-masked distribution; the trainer's are not.
         _fail("algo.old_logprobs", "rollout.constrained=true needs algo.old_logprobs=recompute (docs/serving.md)")
-    if cfg.rollout.api_key_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", cfg.rollout.api_key_env):
-        _fail("rollout.api_key_env", "must be the NAME of an environment variable (the key itself never goes in a config)")
-    if cfg.serve.api_key_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", cfg.serve.api_key_env):
-        _fail("serve.api_key_env", "must be the NAME of an environment variable (the key itself never goes in a config)")
-    if not is_loopback(cfg.serve.host) and cfg.serve.api_key_env is None:
-        _fail("serve.host", f"{cfg.serve.host!r} makes the server reachable from other machines: set "
-                            "serve.api_key_env (the NAME of a variable holding a key), or keep 127.0.0.1 and "
-                            "use an SSH tunnel")
-    if not is_loopback(cfg.serve.host) and cfg.serve.weight_sync:
-        _fail("serve.weight_sync", "vLLM's weight-sync endpoints are not protected by its API key: "
-                                   "keep serve.host on loopback for a server the trainer reloads")
-    if cfg.serve.device not in ("auto", "cuda", "cpu"):
-        _fail("serve.device", f"must be auto, cuda or cpu, got {cfg.serve.device!r}")
-    if not 0 <= cfg.serve.port <= 65535:
-        _fail("serve.port", f"{cfg.serve.port} is not a port number")
-    if cfg.serve.replicas < 1 or cfg.serve.tensor_parallel_size < 1:
-        _fail("serve.replicas", "replicas and tensor_parallel_size must be >= 1")
     if cfg.serve.replicas > 1 and cfg.rollout.server_url is not None:
         _fail("serve.replicas", "several replicas are servers the run starts: leave rollout.server_url unset")
-    if cfg.serve.replicas > 1 and cfg.serve.port != 0:
-        _fail("serve.port", "several replicas need a free port each: leave serve.port at 0")
-    if cfg.serve.tensor_parallel_size > 1 and cfg.serve.backend != "vllm":
-        _fail("serve.tensor_parallel_size", "tensor parallelism is vLLM's (serve.backend=vllm)")
-    if cfg.serve.cuda_devices is not None and len(cfg.serve.cuda_devices) != cfg.serve.replicas:
-        _fail("serve.cuda_devices", f"one entry per replica: {cfg.serve.replicas} replicas, "
-                                    f"{len(cfg.serve.cuda_devices)} entries")
-    if cfg.train.demo_replay < 0:
-        _fail("train.demo_replay", "must be >= 0")
-    if cfg.warm_start.demos_per_task < 0 or cfg.warm_start.steps < 0:
-        _fail("warm_start", "demos_per_task and steps must be >= 0")
-    if cfg.warm_start.steps > 0 and cfg.warm_start.demos_per_task == 0:
-        _fail("warm_start.demos_per_task", "warm_start.steps > 0 needs demonstrations (demos_per_task >= 1)")
-    if cfg.select.min_successes > cfg.select.k:
-        _fail("select.min_successes", f"{cfg.select.min_successes} successes cannot come from k={cfg.select.k} rollouts")
-    if not cfg.compare.seeds or len(set(cfg.compare.seeds)) != len(cfg.compare.seeds):
-        _fail("compare.seeds", f"need distinct seeds, got {cfg.compare.seeds}")
-    if not cfg.compare.algos or len(set(cfg.compare.algos)) != len(cfg.compare.algos):
-        _fail("compare.algos", f"need distinct arms, got {cfg.compare.algos}")
-    if cfg.select.max_env_retries < 0:
-        _fail("select.max_env_retries", "must be >= 0")
-    if cfg.compare.baseline_samples_per_task < 1:
-        _fail("compare.baseline_samples_per_task", f"must be >= 1, got {cfg.compare.baseline_samples_per_task}")
-    if cfg.env.ray_num_cpus < 0:
-        _fail("env.ray_num_cpus", "must be >= 0")
-    if cfg.env.backend == "local" and (cfg.env.ray_address or cfg.env.ray_resource):
-        _fail("env.backend", "env.ray_address / env.ray_resource are set but env.backend is local (set env.backend=ray)")
     problem = run_name_problem(cfg.name)
     if problem:
         _fail("name", problem)
@@ -802,6 +845,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Check/convert a YAML value to the field's declared type."""
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
+    if origin is Literal:
+        if value not in args:
+            _fail(key, f"{value!r} is not one of {list(args)}")
+        return value
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             _fail(key, f"expected a mapping, got {type(value).__name__}")
@@ -933,8 +980,7 @@ def config_from_dict(data: dict[str, Any]) -> RunConfig:
 
 def server_urls(cfg: RunConfig) -> list[str]:
     """rollout.server_url as a list ([] when the run starts its own servers)."""
-    url = cfg.rollout.server_url
-    return [] if url is None else [url] if isinstance(url, str) else list(url)
+    return cfg.rollout.server_urls()
 
 
 def save_config(cfg: RunConfig, path: str | Path) -> None:

@@ -130,22 +130,28 @@ class Registry(Mapping[str, T], Generic[T]):
 
 # ---- the workbench's extension points ------------------------------------------------------------
 
-ADV_ESTIMATORS: Registry[Any] = Registry("advantage estimator", home="arpo_lib.algo.advantages",
+ADV_ESTIMATORS: Registry[Callable[[Any, Any], Any]] = Registry("advantage estimator", home="arpo_lib.algo.advantages",
                                          key="algo.adv_estimator")
 """`estimator(rewards, cfg) -> advantages`: rewards (G,) float64 of one group, cfg the run's
 `AlgoConfig`; returns (G,) advantages (arpo_lib/algo/advantages.py)."""
 
-POLICY_LOSSES: Registry[Any] = Registry("policy loss", home="arpo_lib.algo.loss", key="algo.policy_loss")
+POLICY_LOSSES: Registry[Callable[..., tuple[Any, dict[str, float]]]] = Registry("policy loss", home="arpo_lib.algo.loss", key="algo.policy_loss")
 """`loss(logprobs, old_logprobs, advantages, mask, cfg, *, ref_logprobs=None, is_weights=None)
 -> (loss, metrics)`: (B, T) token log-probs, (B,) advantages, (B, T) mask, cfg the run's
 `AlgoConfig`; returns a scalar tensor and a dict of floats (arpo_lib/algo/loss.py)."""
 
-COMPARISON_ARMS: Registry[Any] = Registry("comparison arm", home="arpo_lib.algo.arms", key="compare.algos")
+COMPARISON_ARMS: Registry[Mapping[str, Any]] = Registry("comparison arm", home="arpo_lib.algo.arms", key="compare.algos")
 """Arm name -> the dotted config overrides its runs make (arpo_lib/algo/arms.py)."""
 
-LR_SCHEDULES: Registry[Any] = Registry("lr schedule", home="arpo_lib.training.optim", key="train.lr_schedule")
+LR_SCHEDULES: Registry[Callable[[float, float], float]] = Registry("lr schedule", home="arpo_lib.training.optim",
+                                                                  key="train.lr_schedule")
 """`shape(progress, min_lr_ratio) -> factor` after the warm-up, progress in [0, 1]
 (arpo_lib/training/optim.py)."""
+
+OPTIMIZERS: Registry[Callable[[list[Any], float, float], Any]] = Registry("optimizer", home="arpo_lib.training.optim",
+                                                                       key="train.optimizer")
+"""`make(params, lr, weight_decay) -> torch.optim.Optimizer` (arpo_lib/training/optim.py: `adamw`,
+`adafactor`)."""
 
 PROMPTS: Registry[Any] = Registry("prompt", home="arpo_lib.agent.prompt_library", key="agent.prompt")
 """Name -> `Prompt` (arpo_lib/agent/prompt_library.py)."""

@@ -20,21 +20,29 @@ from typing import Any, Sequence, TypeVar
 
 import torch
 
-from arpo_lib.run.registry import LR_SCHEDULES
+from arpo_lib.run.registry import LR_SCHEDULES, OPTIMIZERS
 
 T = TypeVar("T")
 
 
 def make_optimizer(name: str, params: list[torch.nn.Parameter], lr: float,
                    weight_decay: float) -> torch.optim.Optimizer:
-    """`adamw` (fused on CUDA: one kernel for all parameters) or `adafactor` (low memory)."""
-    if name == "adamw":
-        fused = bool(params) and all(p.is_cuda for p in params)
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused or None)
-    if name == "adafactor":
-        sharded = any(_is_dtensor(p) for p in params)
-        return (ShardedAdafactor if sharded else torch.optim.Adafactor)(params, lr=lr, weight_decay=weight_decay)
-    raise ValueError(f"unknown optimizer {name!r} (adamw or adafactor)")
+    """The registered optimizer `name` (train.optimizer: `adamw`, `adafactor`, or a plug-in's)."""
+    return OPTIMIZERS[name](params, lr, weight_decay)
+
+
+@OPTIMIZERS.register("adamw")
+def adamw(params: list[torch.nn.Parameter], lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    """AdamW, fused on CUDA (one kernel for all parameters)."""
+    fused = bool(params) and all(p.is_cuda for p in params)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused or None)
+
+
+@OPTIMIZERS.register("adafactor")
+def adafactor(params: list[torch.nn.Parameter], lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    """Adafactor (factored second moments: ~no optimizer state), sharded-aware under FSDP2."""
+    sharded = any(_is_dtensor(p) for p in params)
+    return (ShardedAdafactor if sharded else torch.optim.Adafactor)(params, lr=lr, weight_decay=weight_decay)
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:

@@ -186,3 +186,50 @@ def test_the_osworld_runs_do_not_write_a_7b_checkpoint_every_step():
     assert load_config("configs/smoke.yaml").train.checkpoint_every == 1
     with pytest.raises(ConfigError, match=r"train\.checkpoint_every: must be >= 1"):
         load_config("configs/smoke.yaml", ["train.checkpoint_every=0"])
+
+
+def test_a_section_checks_its_own_fields_when_made_not_only_in_a_whole_config():
+    """Rules live beside the fields: a section made alone (or replaced) fails naming the full key."""
+    import dataclasses
+
+    from arpo_lib.run.config import RolloutConfig, ServeConfig, TrainConfig
+
+    cfg = load_config("configs/smoke.yaml")
+    with pytest.raises(ConfigError, match=r"^rollout\.mode: 'eager' is not one of \['lockstep', 'async'\]"):
+        dataclasses.replace(cfg.rollout, mode="eager")
+    with pytest.raises(ConfigError, match=r"^train\.warmup_ratio: must be in \[0, 1\)"):
+        TrainConfig(warmup_ratio=1.0)
+    with pytest.raises(ConfigError, match=r"^serve\.host: '0\.0\.0\.0' makes the server reachable"):
+        ServeConfig(host="0.0.0.0")
+    with pytest.raises(ConfigError, match=r"^algo\.replay\.capacity_per_task: must be >= 1, got 0"):
+        load_config("configs/smoke.yaml", ["algo.replay.capacity_per_task=0"])
+    assert RolloutConfig(server_url=["http://a:1/v1", "http://b:1/v1"]).server_urls() == ["http://a:1/v1", "http://b:1/v1"]
+
+
+def test_closed_choices_are_literal_types_and_the_loss_reads_its_choices_from_the_config():
+    import typing
+
+    from arpo_lib.algo import AGGREGATIONS
+    from arpo_lib.run.config import AlgoConfig, Aggregation
+
+    assert AGGREGATIONS == typing.get_args(Aggregation) == ("seq-mean-token-mean", "token-mean")
+    assert typing.get_type_hints(AlgoConfig)["aggregation"] is Aggregation
+    with pytest.raises(ConfigError, match=r"^algo\.aggregation: 'sum' is not one of"):
+        load_config("configs/smoke.yaml", ["algo.aggregation=sum"])
+
+
+def test_the_optimizer_is_a_registry_a_plugin_can_add_to():
+    import torch
+
+    from arpo_lib.run.registry import OPTIMIZERS
+    from arpo_lib.training.optim import make_optimizer
+
+    with pytest.raises(ConfigError, match=r"^train\.optimizer: unknown optimizer 'lion'.*registered: adamw, adafactor"):
+        load_config("configs/smoke.yaml", ["train.optimizer=lion"])
+    OPTIMIZERS.register("sgd_for_test", lambda params, lr, weight_decay: torch.optim.SGD(params, lr=lr))
+    try:
+        assert load_config("configs/smoke.yaml", ["train.optimizer=sgd_for_test"]).train.optimizer == "sgd_for_test"
+        weight = torch.nn.Parameter(torch.ones(2))
+        assert isinstance(make_optimizer("sgd_for_test", [weight], 0.1, 0.0), torch.optim.SGD)
+    finally:
+        OPTIMIZERS._entries.pop("sgd_for_test")

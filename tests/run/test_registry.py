@@ -60,7 +60,7 @@ def test_the_home_module_is_imported_when_the_registry_is_first_read(tmp_path, m
     assert "arpo_test_schedules_home" in sys.modules
 
 
-@pytest.mark.parametrize("name", ["ADV_ESTIMATORS", "POLICY_LOSSES", "COMPARISON_ARMS", "LR_SCHEDULES", "PROMPTS",
+@pytest.mark.parametrize("name", ["ADV_ESTIMATORS", "POLICY_LOSSES", "COMPARISON_ARMS", "LR_SCHEDULES", "OPTIMIZERS", "PROMPTS",
                                   "EVAL_PROTOCOLS", "ENV_FAMILIES"])
 def test_every_extension_point_has_built_in_entries_and_a_config_key(name):
     registry = getattr(reg, name)
