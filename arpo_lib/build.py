@@ -30,7 +30,6 @@ from arpo_lib.evaluation.protocols import PROTOCOLS
 from arpo_lib.rollout.engine import RolloutEngine
 from arpo_lib.run import config as config_module
 from arpo_lib.run.config import ConfigError, RunConfig, server_urls
-from arpo_lib.run.layout import RunDir
 from arpo_lib.run.records import atomic_write_bytes, safe_join
 from arpo_lib.serving.gateway import announce_host, spans_nodes
 from arpo_lib.serving.launch import ServerHandle, ServerSpec, api_key_from_env, free_port, start_server
@@ -265,7 +264,7 @@ def record_desktop_env(cfg: RunConfig) -> dict[str, Any] | None:
     if build is None:
         return None
 
-    path = RunDir(cfg.run_dir).root / "desktop_env.json"
+    path = cfg.run.root / "desktop_env.json"
     record = {**build, "previous": []}
     if path.is_file():
         try:
@@ -322,7 +321,7 @@ def server(cfg: RunConfig, model_path: str | None = None, replica: int = 0, port
                    "gpu_memory_utilization": s.gpu_memory_utilization, "enable_prefix_caching": True,
                    "device": s.device, "enforce_eager": s.enforce_eager, "weight_sync": s.weight_sync,
                    "tensor_parallel_size": s.tensor_parallel_size}
-    run = RunDir(cfg.run_dir)
+    run = cfg.run
     run.root.mkdir(parents=True, exist_ok=True)
     log_path, info_path = run.server_log, run.server_info
     if replica:
@@ -380,7 +379,7 @@ def served_policy(cfg: RunConfig, trained: HFPolicy, backend: TrainingBackend) -
         return handle
 
     def save() -> str:
-        return str(save_for_server(backend.save_policy, RunDir(cfg.run_dir).server_weights))
+        return str(save_for_server(backend.save_policy, cfg.run.server_weights))
 
     def weights() -> list[tuple[str, Any]]:  # checkpoint names (vLLM maps them), tied weights once
         return backend.full_weights()
@@ -401,7 +400,7 @@ class RunEvaluation:
     when asked); (engine, label, tasks) -> EvalResult in <run>/eval/<label>."""
 
     def __init__(self, cfg: RunConfig):
-        self.cfg, self.run = cfg, RunDir(cfg.run_dir)
+        self.cfg, self.run = cfg, cfg.run
 
     def due(self, step: int) -> bool:
         every = self.cfg.train.eval_every
@@ -434,7 +433,7 @@ def trainer(cfg: RunConfig, *, resume: bool = False, policy: HFPolicy | None = N
                           "train with --nproc-per-node 1 or rollout.max_staleness=0")
     if ranks.distributed:
         init_process_group(ranks, torch.device(device_for(ranks, cfg.model.device).replace("auto", "cpu")))
-    run = RunDir(cfg.run_dir)
+    run = cfg.run
     checkpoint = ckpt.resume_point(run, resume)
     barrier(ranks)  # every rank has looked at the run directory before rank 0 writes into it
     lora = cfg.model.lora_rank > 0

@@ -308,11 +308,10 @@ def _cmd_osworld_tasks(args: argparse.Namespace) -> int:
 
 def _cmd_select_tasks(args: argparse.Namespace) -> int:
     from arpo_lib import build
-    from arpo_lib.run.layout import RunDir
     from arpo_lib.workflows import run_task_selection
 
     cfg = build.load_config(args.config, args.overrides)
-    out = Path(args.out) if args.out else RunDir(cfg.run_dir).selection
+    out = Path(args.out) if args.out else cfg.run.selection
     result = run_task_selection(cfg, out)
     print(result.table())
     print(f"kept tasks: {out / 'kept_tasks.yaml'} (train on them: --config with env.tasks from that file)")

@@ -110,7 +110,7 @@ def run_comparison(cfg: RunConfig, *, report_only: bool = False) -> dict[str, An
 def _require_finished_stages(cfg: RunConfig) -> None:
     """RuntimeError naming what is missing unless the warm start, the selection, both baseline
     evaluations and at least one run have finished (what `--report-only` reads, running nothing)."""
-    stages = [cfg.run_dir / "warm_start" / "done.json", RunDir(cfg.run_dir).selection / layout.SELECTION_RESULT,
+    stages = [cfg.run_dir / "warm_start" / "done.json", cfg.run.selection / layout.SELECTION_RESULT,
               cfg.run_dir / "eval_warm_start" / layout.EVAL_RESULTS,
               cfg.run_dir / "eval_warm_start_train" / layout.EVAL_RESULTS]
     absent = [str(p) for p in stages if not p.is_file()]
@@ -129,7 +129,7 @@ def warm_start_stage(cfg: RunConfig) -> Path:
     require_same_setting(ws_cfg, free=WARM_START_FREE, only=WARM_START_SETTING)
     if _done(cfg.run_dir / "warm_start" / "done.json"):
         return model_dir
-    with build.trainer(ws_cfg, resume=RunDir(ws_cfg.run_dir).config.exists()) as trainer:
+    with build.trainer(ws_cfg, resume=ws_cfg.run.config.exists()) as trainer:
         t0 = time.monotonic()
         losses = trainer.warm_start()
         trainer.backend.save_policy(model_dir)
@@ -178,7 +178,7 @@ def selection_stage(cfg: RunConfig, model_dir: Path) -> list[str]:
     from arpo_lib.evaluation.task_selection import load_selection
     from arpo_lib.workflows.evaluate import run_task_selection
 
-    out = RunDir(cfg.run_dir).selection
+    out = cfg.run.selection
     if not (out / layout.SELECTION_RESULT).is_file():
         # its trajectories are kept: the seeded arm's buffer starts with their successes
         sel_cfg = _derive(cfg, "selection", **{"model.path": str(model_dir), "select.save_trajectories": True})
@@ -249,7 +249,7 @@ def run_config(cfg: RunConfig, algo: str, seed: int, model_dir: Path, tasks: lis
     start in `model_dir` on the kept `tasks` (its directory: `<experiment>/<algo>-s<seed>`)."""
     arm = dict(COMPARISON_ARMS[algo])
     if arm.get("algo.replay.seed_from") == SEED_FROM_SELECTION:
-        trajectories = RunDir(cfg.run_dir).selection / "trajectories"
+        trajectories = cfg.run.selection / "trajectories"
         if not trajectories.is_dir():
             raise RuntimeError(f"arm {algo!r} seeds its replay buffer with task selection's successes, but "
                                f"{trajectories} does not exist: this experiment's selection was made without "
@@ -275,7 +275,7 @@ def run_arm(cfg: RunConfig, algo: str, seed: int, model_dir: Path, tasks: list[s
         return _with_transfer(cfg, _with_final_at_train_temperature(cfg, _done(final), final, tasks),  # type: ignore[arg-type]
                               final, tasks)
     name = run_cfg.name
-    resume = RunDir(run_cfg.run_dir).metrics.exists()
+    resume = run_cfg.run.metrics.exists()
     t0 = time.monotonic()
     with build.trainer(run_cfg, resume=resume) as trainer:
         log.info("[compare] %s: %s (%d steps on %d tasks)", name,
@@ -441,7 +441,7 @@ def stage_fingerprint(cfg: RunConfig, model_dir: Path, tasks: list[str], warm: d
         with safe_open(str(path), framework="pt") as weights:
             for name in weights.keys():
                 norms[name] = float(weights.get_tensor(name).double().norm())
-    selection = json.loads((RunDir(cfg.run_dir).selection / layout.SELECTION_RESULT).read_text())
+    selection = json.loads((cfg.run.selection / layout.SELECTION_RESULT).read_text())
     return {"warm_start_weights_sha256": digest.hexdigest(), "warm_start_weight_norms": norms, "kept": list(tasks),
             "selection_successes": {t["task"]: t["successes"] for t in selection.get("tasks") or []},
             "baselines": {name: (result or {}).get("success_rate")
@@ -563,7 +563,7 @@ def require_same_setting(run_cfg: RunConfig, free: tuple[str, ...] = SETTING_FRE
     another setting: the experiment caches runs by directory, so changing e.g. train.steps and
     rerunning under the same name would otherwise report the old runs as the new setting's, or
     resume them with the new one."""
-    saved = RunDir(run_cfg.run_dir).config
+    saved = run_cfg.run.config
     if not saved.is_file():
         return
     changes = setting_changes(saved, run_cfg, free, only)

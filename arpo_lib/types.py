@@ -235,10 +235,6 @@ class Trajectory:
     def success(self) -> bool:
         return self.ok and self.task_score > SUCCESS_THRESHOLD
 
-    def replay_item(self) -> dict[str, Any]:
-        """What the replay buffer keeps of a trajectory: a reference to its directory, never pixels."""
-        return {"dir": self.directory, "score": self.task_score, "reward": self.reward}
-
     def summary(self) -> dict[str, Any]:
         return {
             "task": self.task, "seed": self.seed, "sample": self.sample, "instruction": self.instruction,

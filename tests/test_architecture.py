@@ -36,7 +36,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "rollout": {"agent", "algo", "envs", "types", "actions", "run"},
     "serving": {"agent", "algo", "envs", "types", "actions", "run"},
     "agent": {"algo", "envs", "types", "actions", "run"},
-    "algo": {"run"},
+    "algo": {"types", "run"},
     "envs": {"types", "actions", "run"},
     "types": {"run"},
     "actions": set(),

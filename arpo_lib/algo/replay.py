@@ -75,6 +75,17 @@ class Injection(Generic[T]):
     def injected(self) -> bool:
         return self.replaced is not None
 
+def replay_item(directory: str | None, task_score: float, reward: float) -> dict[str, Any]:
+    """What the buffer keeps of a trajectory: a reference to its stored directory (never pixels),
+    its task score and its reward. The item's schema lives here only: read it with `item_directory`."""
+    return {"dir": directory, "score": task_score, "reward": reward}
+
+
+def item_directory(item: dict[str, Any]) -> str:
+    """Where the trajectory an item (`replay_item`) refers to is stored."""
+    return str(item["dir"])
+
+
 _FORMAT = "arpo-replay-buffer"
 _VERSION = 1
 

@@ -25,6 +25,7 @@ from typing import Any, ClassVar, Literal
 
 import yaml
 
+from arpo_lib.run.layout import RunDir
 from arpo_lib.run.net import is_loopback
 from arpo_lib.run.records import safe_name
 from arpo_lib.run.registry import (ADV_ESTIMATORS, COMPARISON_ARMS, EVAL_PROTOCOLS, LR_SCHEDULES, OPTIMIZERS,
@@ -752,6 +753,11 @@ class RunConfig:
     @property
     def run_dir(self) -> Path:
         return Path(self.out_dir) / self.name
+
+    @property
+    def run(self) -> RunDir:
+        """The paths of this run's directory (`run.layout.RunDir`): the one way code reaches them."""
+        return RunDir(self.run_dir)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -26,7 +26,6 @@ from typing import Any, Callable
 from arpo_lib.algo import ReplayBuffer
 from arpo_lib.run import layout
 from arpo_lib.run.config import RunConfig, save_config
-from arpo_lib.run.layout import RunDir
 from arpo_lib.run.records import read_jsonl
 
 NOISE = ("OMP_NUM_THREADS", "*****")
@@ -40,7 +39,7 @@ class LaunchedTrainer:
         if nproc_per_node < 1:
             raise ValueError(f"nproc_per_node must be at least 1, not {nproc_per_node}")
         self.cfg, self.nproc_per_node, self.python = cfg, nproc_per_node, python
-        self.run = RunDir(cfg.run_dir)
+        self.run = cfg.run
         self.run_dir = self.run.root
         self.process: subprocess.Popen | None = None
         self.output: deque[str] = deque(maxlen=200)

@@ -17,7 +17,6 @@ import torch
 
 from arpo_lib.run import layout
 from arpo_lib.run.config import RunConfig, config_changes, read_saved_config, save_config
-from arpo_lib.run.layout import RunDir
 from arpo_lib.run.records import append_jsonl
 from arpo_lib.run.tracking import Media, Tracker
 from arpo_lib.training.checkpoint import drop_records_after
@@ -137,7 +136,7 @@ class RunRecords:
 
     def __init__(self, cfg: RunConfig, backend: "TrainingBackend", media: Media | None = None):
         self.cfg, self.backend, self.media = cfg, backend, media
-        self.run = RunDir(cfg.run_dir)
+        self.run = cfg.run
         self.run.root.mkdir(parents=True, exist_ok=True)
         self.progress = cfg.logging.progress and backend.is_main
         """Show progress bars (logging.progress, on rank 0 only)."""

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import torch
 
 from arpo_lib.agent.scripted import SCRIPTED_TASKS, ScriptedPolicy, supports
-from arpo_lib.algo import ReplayBuffer
+from arpo_lib.algo import ReplayBuffer, replay_item
 from arpo_lib.rollout.engine import RolloutEngine
 from arpo_lib.run.layout import RunDir
 from arpo_lib.run.records import append_jsonl
@@ -105,7 +105,7 @@ def warm_start(policy: TrainablePolicy, demos: Sequence[Trajectory], *, per_task
 def seed_replay(replay: ReplayBuffer, demos: Sequence[Trajectory], per_task: int, tasks: Sequence[str]) -> int:
     """Store the first `per_task` demonstrations of each task in the replay buffer; returns how many."""
     chosen = first_per_task(demos, per_task)
-    stored = sum(replay.add(t.task, t.replay_item(), t.task_score) for t in chosen)
+    stored = sum(replay.add(t.task, replay_item(t.directory, t.task_score, t.reward), t.task_score) for t in chosen)
     missing = sorted(set(tasks) - {t.task for t in chosen})
     if missing:
         log.info("no demonstrations for %s; their replay starts empty", missing)
@@ -127,7 +127,7 @@ def seed_replay_from(replay: ReplayBuffer, directory: str | Path, tasks: Sequenc
     wanted, stored, per_task = set(tasks), 0, {}
     for meta in sorted(root.rglob(layout.META)):
         traj = read_trajectory(meta.parent).trajectory
-        if traj.task in wanted and traj.ok and replay.add(traj.task, traj.replay_item(), traj.task_score):
+        if traj.task in wanted and traj.ok and replay.add(traj.task, replay_item(traj.directory, traj.task_score, traj.reward), traj.task_score):
             stored += 1
             per_task[traj.task] = per_task.get(traj.task, 0) + 1
     log.info("replay buffer seeded with %d stored successes from %s (%s)", stored, root,

@@ -33,8 +33,9 @@ from typing import Any, Callable, Protocol
 import torch
 
 from arpo_lib.algo import ADV_ESTIMATORS, ReplayBuffer
+from arpo_lib.algo.grouping import make_groups as group_with_replay
 from arpo_lib.rollout.engine import RolloutEngine
-from arpo_lib.rollout.store import load_trajectory
+from arpo_lib.rollout.store import read_trajectory
 from arpo_lib.run import layout
 from arpo_lib.run.config import RunConfig
 from arpo_lib.run.seeding import stable_seed
@@ -44,8 +45,8 @@ from arpo_lib.training.metrics import RunRecords, step_metrics
 from arpo_lib.training.rollout_source import RolloutSource, task_batch
 from arpo_lib.training.sft import WarmStart, seed_replay_from
 from arpo_lib.training.update import NonFiniteGradientError, PolicyUpdate  # noqa: F401 (its old home)
-from arpo_lib.types import Group, Trajectory
 from arpo_lib.training.contracts import TrainablePolicy
+from arpo_lib.types import Group, Trajectory
 
 class EvalOutcome(Protocol):
     """What the trainer reads of an evaluation's result (`evaluation.evaluate.EvalResult`, a floor
@@ -158,28 +159,12 @@ class Trainer:
 
     def make_groups(self, tasks: list[str], trajs: list[Trajectory]) -> list[Group]:
         """Per task: drop infrastructure failures, inject a replayed success into all-failed groups
-        (ARPO), store fresh successes, compute advantages."""
-        groups = []
-        for task in dict.fromkeys(tasks):
-            fresh = [t for t in trajs if t.task == task and t.ok]
-            if len(fresh) < 2:
-                # No comparison possible (all but one rollout hit infrastructure failures), but a
-                # lone success is still a success: it goes into the replay buffer, as in ARPO.
-                for t in fresh:
-                    self.replay.add(task, t.replay_item(), t.task_score)
-                continue
-            result = self.replay.maybe_inject(task, [t.replay_item() for t in fresh], [t.task_score for t in fresh])
-            group = list(fresh)
-            if result.injected:
-                replayed = load_trajectory(result.group[result.replaced]["dir"], self.policy.processor)
-                replayed.replayed = True
-                group[result.replaced] = replayed
-            for t in fresh:  # after injection, with the fresh (pre-replacement) group
-                self.replay.add(task, t.replay_item(), t.task_score)
-            adv = ADV_ESTIMATORS[self.cfg.algo.adv_estimator](
-                torch.tensor([t.reward for t in group], dtype=torch.float64), self.cfg.algo).tolist()
-            groups.append(Group(task, group, adv, result.injected, result.all_failed))
-        return groups
+        (ARPO), store fresh successes, compute advantages (`algo.grouping.make_groups`). A replayed
+        trajectory is read with its tokens only: the update encodes its screenshots, one
+        micro-batch at a time, as it does every trajectory's."""
+        estimator, algo = ADV_ESTIMATORS[self.cfg.algo.adv_estimator], self.cfg.algo
+        return group_with_replay(tasks, trajs, self.replay, load=lambda d: read_trajectory(d, tokens=True).trajectory,
+                           advantages=lambda r: estimator(torch.tensor(r, dtype=torch.float64), algo).tolist())
 
     def update(self, groups: list[Group]) -> dict[str, Any]:
         """The policy update (`training/update.py`): one PPO epoch, `updates_per_batch` optimizer steps."""

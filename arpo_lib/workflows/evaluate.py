@@ -54,7 +54,7 @@ def run_task_selection(cfg: RunConfig, out_dir: Path | None = None) -> "Selectio
     with at least `min_successes` successes. Resumable; writes <run>/selection by default."""
     from arpo_lib.evaluation.task_selection import select_tasks
 
-    out_dir = Path(out_dir) if out_dir is not None else RunDir(cfg.run_dir).selection
+    out_dir = Path(out_dir) if out_dir is not None else cfg.run.selection
     with build.engine(cfg) as engine:
         s = cfg.select
         result = select_tasks(engine, s.tasks or cfg.env.tasks, out_dir, k=s.k, min_successes=s.min_successes,

@@ -7,7 +7,6 @@ from typing import Any
 
 from arpo_lib import build
 from arpo_lib.run.config import RunConfig
-from arpo_lib.run.layout import RunDir
 from arpo_lib.run.records import read_jsonl
 from arpo_lib.training.contracts import RunTrainer
 
@@ -27,7 +26,7 @@ def open_trainer(cfg: RunConfig) -> RunTrainer:
         launched = LaunchedTrainer(cfg, cfg.train.nproc_per_node)
         log.info("%s on %d processes: %s", cfg.run_dir, cfg.train.nproc_per_node, " ".join(launched.command()))
         return launched
-    run = RunDir(cfg.run_dir)
+    run = cfg.run
     resume = run.metrics.exists() or latest_checkpoint(run.checkpoints) is not None
     trainer = build.trainer(cfg, resume=resume)
     log.info("%s %s at step %d of %d (%s, %d tasks)", "resuming" if resume else "starting", cfg.run_dir, trainer.step,
