@@ -397,7 +397,8 @@ def comparison_report(cfg: RunConfig, warm: dict[str, Any], runs: list[dict[str,
 def write_report(run_dir: Path, report: dict[str, Any]) -> None:
     """report.json, report.md (`viz.report`), comparison.png and instances.png (`viz.plots`) in
     the experiment's directory."""
-    from arpo_lib.viz.plots import plot_comparison, plot_instance_curves, save_figure  # matplotlib: only here
+    from arpo_lib.viz.figures import save_figure  # matplotlib: only here
+    from arpo_lib.viz.study_plots import plot_comparison, plot_instance_curves
 
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / "report.json", json.dumps(report, indent=1))

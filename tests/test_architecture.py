@@ -316,3 +316,14 @@ def test_the_trainer_reads_as_the_algorithm_and_reads_only_its_own_config_sectio
     for path in (trainer, PACKAGE / "training" / "update.py"):
         sections = set(re.findall(r"\bcfg\.(\w+)", path.read_text()))
         assert sections <= {"train", "algo", "to_dict"}, (path.name, sections)
+
+
+MAX_MODULE_LINES = 650
+"""A module longer than this holds several ideas: split it at its seams. The config schema is the
+one exception (one dataclass per section, a docstring per field: docs/architecture.md)."""
+
+
+def test_no_module_but_the_config_schema_is_longer_than_a_reader_holds():
+    long = {str(p.relative_to(ROOT)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert set(long) <= {"arpo_lib/run/config.py"}, long

@@ -17,8 +17,9 @@ from typing import Any, Sequence
 
 from PIL import Image
 
-from arpo_lib.viz.draw import (REPLAYED_COLOUR, WIDGET_MAX_WIDTH, Frame, blank_like, figure_png, filmstrip,
-                               float_or_none, group_figure, list_groups, load_frames, load_group, thumbnail)
+from arpo_lib.viz.draw import (REPLAYED_COLOUR, WIDGET_MAX_WIDTH, Frame, blank_like, float_or_none, list_groups,
+                               load_frames, load_group, thumbnail)
+from arpo_lib.viz.filmstrips import figure_png, filmstrip, group_figure
 
 
 def image_png(image: Image.Image, max_width: int = WIDGET_MAX_WIDTH) -> bytes:

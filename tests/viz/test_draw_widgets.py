@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from arpo_lib.viz import draw, widgets
+from arpo_lib.viz import draw, filmstrips, widgets
 from arpo_lib.actions import Action
 from arpo_lib.rollout import store
 from arpo_lib.types import StepRecord, Trajectory
@@ -278,18 +278,18 @@ def test_list_and_load_group(run_dir: Path, tmp_path: Path, monkeypatch: pytest.
 # --------------------------------------------------------------------------- figures
 
 def test_filmstrip(traj_dir: Path):
-    fig = draw.filmstrip(traj_dir, max_frames=4, thumb_width=120)
+    fig = filmstrips.filmstrip(traj_dir, max_frames=4, thumb_width=120)
     axes = [ax for ax in fig.axes if ax.images]
     assert len(axes) == 4
     titles = [ax.get_title(loc="left") for ax in axes]
     assert titles[0].startswith("step 1") and titles[-1].startswith("end")
     assert all(ax.images[0].get_array().shape[1] <= 120 for ax in axes)
-    png = draw.figure_png(fig)
+    png = filmstrips.figure_png(fig)
     assert png[:4] == b"\x89PNG"
 
 
 def test_group_figure(run_dir: Path):
-    fig = draw.group_figure(run_dir, 3, "miniwob/test-task", thumb_width=100)
+    fig = filmstrips.group_figure(run_dir, 3, "miniwob/test-task", thumb_width=100)
     axes = [ax for ax in fig.axes if ax.images]
     assert len(axes) == 4
     titles = [ax.get_title(loc="left") for ax in axes]
@@ -300,7 +300,7 @@ def test_group_figure(run_dir: Path):
     edge = axes[0].spines["top"].get_edgecolor()
     assert matplotlib.colors.to_hex(edge) == draw.REPLAYED_COLOUR
     assert matplotlib.colors.to_hex(axes[1].spines["top"].get_edgecolor()) != draw.REPLAYED_COLOUR
-    two = draw.group_figure(run_dir, 3, "miniwob/test-task", thumb_width=80, frames_per_member=2)
+    two = filmstrips.group_figure(run_dir, 3, "miniwob/test-task", thumb_width=80, frames_per_member=2)
     assert len([ax for ax in two.axes if ax.images]) == 8
 
 

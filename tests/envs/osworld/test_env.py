@@ -24,6 +24,7 @@ from PIL import Image
 from arpo_lib.actions import Action, to_pyautogui
 from arpo_lib.envs import EnvError, list_envs, make_env
 from arpo_lib.envs.osworld import env as osworld
+from arpo_lib.envs.osworld import machine as osworld_machine
 from arpo_lib.envs.osworld.env import (CONTAINER_FILE, OSWorldEnv, OSWorldSetupError, find_osworld_python, remove_stale_cache_dirs)
 from arpo_lib.envs.osworld.downloads import DownloadCache
 from arpo_lib.envs.osworld.fake import (BOOT_FAILURES_VAR, FAKE_DESKTOP_ENV, FAKE_TASK_LOADER, FakeDesktopEnv, load_fake_task)
@@ -140,7 +141,9 @@ def test_fake_signatures_equal_installed_desktop_env():
 
 
 def test_modules_import_without_heavy_dependencies():
-    code = ("import sys, arpo_lib.envs; assert 'arpo_lib.envs.osworld' not in sys.modules; "
+    # importing the package registers the family (its folder's __init__), not its environment
+    code = ("import sys, arpo_lib.envs; assert 'arpo_lib.envs.osworld' in sys.modules; "
+            "assert not {'arpo_lib.envs.osworld.env', 'arpo_lib.envs.osworld.fake'} & set(sys.modules); "
             "import arpo_lib.envs.osworld.env, arpo_lib.envs.osworld.fake; "
             "heavy = {'torch', 'transformers', 'desktop_env', 'docker', 'gymnasium', 'numpy'} & set(sys.modules); "
             "assert not heavy, heavy")
@@ -530,7 +533,7 @@ def docker_host(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "docker", _docker_module())
     kvm = tmp_path / "kvm"
     kvm.touch()
-    monkeypatch.setattr(osworld, "KVM_DEVICE", str(kvm))
+    monkeypatch.setattr(osworld_machine, "KVM_DEVICE", str(kvm))
     vm = tmp_path / "Ubuntu.qcow2"
     vm.touch()
     monkeypatch.setenv("ARPO_OSWORLD_VM", str(vm))
