@@ -11,6 +11,7 @@ place.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import copy
 import json
 import logging
@@ -206,18 +207,28 @@ def check_server_gpus_are_free(cfg: RunConfig, environ: Mapping[str, str] | None
 
 
 def resolve_task_sets(cfg: RunConfig) -> RunConfig:
-    """Expand task-set names (`osworld/subset32`) in env.tasks, eval.tasks and select.tasks into
-    task names, and env.tasks' MiniWoB tasks into fixed instances (env.instances_per_task), in
-    place. Needs the task data: a ConfigError says how to fetch it."""
+    """`cfg` with the task-set names (`osworld/subset32`) of env.tasks, eval.tasks and select.tasks
+    expanded into task names, and env.tasks' MiniWoB tasks into fixed instances
+    (env.instances_per_task): a new config, the caller's unchanged (`cfg` itself when nothing
+    expands). Needs the task data: a ConfigError says how to fetch it."""
     try:
-        cfg.env.tasks = envs.expand_instances(envs.expand_task_names(cfg.env.tasks), cfg.env.instances_per_task)
-        if cfg.eval.tasks:
-            cfg.eval.tasks = envs.expand_task_names(cfg.eval.tasks)
-        if cfg.select.tasks:
-            cfg.select.tasks = envs.expand_task_names(cfg.select.tasks)
+        env_tasks = envs.expand_instances(envs.expand_task_names(cfg.env.tasks), cfg.env.instances_per_task)
+        eval_tasks = envs.expand_task_names(cfg.eval.tasks) if cfg.eval.tasks else cfg.eval.tasks
+        select_tasks = envs.expand_task_names(cfg.select.tasks) if cfg.select.tasks else cfg.select.tasks
     except (FileNotFoundError, ValueError) as exc:
         raise ConfigError(f"env.tasks: {exc}") from exc
-    return cfg
+    if (env_tasks, eval_tasks, select_tasks) == (cfg.env.tasks, cfg.eval.tasks, cfg.select.tasks):
+        return cfg
+    return dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, tasks=env_tasks),
+                               eval=dataclasses.replace(cfg.eval, tasks=eval_tasks),
+                               select=dataclasses.replace(cfg.select, tasks=select_tasks))
+
+
+def prepare(cfg: RunConfig) -> RunConfig:
+    """A config ready to run: checked against the layers above the config tree (`check_config`)
+    and its task sets expanded (`resolve_task_sets`). What `trainer` and `engine` run on; a
+    workflow that reads the tasks beside an engine prepares first and hands the engine the result."""
+    return resolve_task_sets(check_config(cfg))
 
 
 # -- components ----------------------------------------------------------------------------------
@@ -424,7 +435,7 @@ def trainer(cfg: RunConfig, *, resume: bool = False, policy: HFPolicy | None = N
     passed in (tests, notebooks holding a model) is used instead of loading `model.path`.
     Under torchrun (`ranks`: from its environment variables) this process joins the process
     group and trains its share on its own device (arpo_lib/training/distributed.py)."""
-    cfg = resolve_task_sets(check_config(cfg))
+    cfg = prepare(cfg)
     check_gpus(cfg, policy)
     ranks = Ranks.from_env() if ranks is None else ranks
     if ranks.distributed and cfg.rollout.max_staleness:
@@ -493,7 +504,7 @@ def engine(cfg: RunConfig, scripted: bool = False, protocol: str = "run") -> Ite
     duration); environment workers as configured (env.backend, env.python). `scripted`: the
     scripted agent acts instead (its tokens scored by the model), an upper-bound baseline.
     `protocol` (evaluation.protocols): its prompt, OSWorld pause, sampling and action rules."""
-    cfg = resolve_task_sets(check_config(cfg))
+    cfg = prepare(cfg)
     p = PROTOCOLS[protocol]
     if p.osworld_pause_s is not None and any(t.startswith("osworld/") for t in cfg.env.tasks + (cfg.eval.tasks or [])):
         cfg = copy.deepcopy(cfg)

@@ -201,7 +201,7 @@ def evaluate_model(cfg: RunConfig, model_dir: Path, tasks: list[str], out: Path,
     done = _done(out / layout.EVAL_RESULTS)
     if done:
         return done
-    ev_cfg = eval_config(cfg, model_dir, tasks, out, temperature, samples_per_task)
+    ev_cfg = build.prepare(eval_config(cfg, model_dir, tasks, out, temperature, samples_per_task))
     with build.engine(ev_cfg, protocol=ev_cfg.eval.protocol) as engine:
         result = evaluate_run(engine, ev_cfg, out, description=f"eval {out.name}")
     return result.to_dict()

@@ -79,11 +79,12 @@ def test_instances_per_task_makes_fixed_instances_of_the_training_tasks():
     each, like an OSWorld task); explicit instances and evaluation tasks are left as named."""
     cfg = build.load_config("configs/smoke.yaml", ["env.tasks=[miniwob/click-test, miniwob/focus-text@5]",
                                                    "env.instances_per_task=2", "eval.tasks=[miniwob/click-test]"])
-    build.resolve_task_sets(cfg)
-    assert cfg.env.tasks == ["miniwob/click-test@0", "miniwob/click-test@1", "miniwob/focus-text@5"]
-    assert cfg.eval.tasks == ["miniwob/click-test"]  # fresh layouts: a held-out measure
-    build.resolve_task_sets(cfg)  # a second pass (a derived config) expands nothing twice
-    assert len(cfg.env.tasks) == 3
+    resolved = build.resolve_task_sets(cfg)
+    assert resolved.env.tasks == ["miniwob/click-test@0", "miniwob/click-test@1", "miniwob/focus-text@5"]
+    assert resolved.eval.tasks == ["miniwob/click-test"]  # fresh layouts: a held-out measure
+    assert cfg.env.tasks == ["miniwob/click-test", "miniwob/focus-text@5"]  # the caller's config is unchanged
+    assert build.resolve_task_sets(resolved) is resolved  # a second pass (a derived config) expands nothing twice
+    assert build.prepare(cfg) == resolved
     with pytest.raises(ConfigError, match="env.instances_per_task"):
         build.load_config("configs/smoke.yaml", ["env.instances_per_task=-1"])
     with pytest.raises(ConfigError, match="env.tasks"):

@@ -32,6 +32,7 @@ def evaluate_policy(trainer: "Trainer", label: str, tasks: list[str] | None = No
 
 def run_evaluation(cfg: RunConfig, out_dir: Path) -> EvalResult:
     """Evaluate `cfg.model.path` (or the scripted agent: eval.policy) on the eval tasks (CLI `eval`)."""
+    cfg = build.prepare(cfg)  # the task sets expanded: what the evaluation reads beside the engine
     with build.engine(cfg, scripted=cfg.eval.policy == "scripted", protocol=cfg.eval.protocol) as engine:
         result = evaluate_run(engine, cfg, out_dir)
     export_results(cfg, out_dir)
@@ -55,6 +56,7 @@ def run_task_selection(cfg: RunConfig, out_dir: Path | None = None) -> "Selectio
     from arpo_lib.evaluation.task_selection import select_tasks
 
     out_dir = Path(out_dir) if out_dir is not None else cfg.run.selection
+    cfg = build.prepare(cfg)  # the task sets expanded: the candidates are read beside the engine
     with build.engine(cfg) as engine:
         s = cfg.select
         result = select_tasks(engine, s.tasks or cfg.env.tasks, out_dir, k=s.k, min_successes=s.min_successes,
