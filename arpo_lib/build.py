@@ -57,10 +57,31 @@ def load_config(path: str | Path | None = None, overrides: Any = None) -> RunCon
     return check_config(config_module.load_config(path, overrides))
 
 
+_CHECKED = "_arpo_checked_as"
+"""The attribute of a config `check_config` passed: its contents then (`RunConfig.to_dict`)."""
+_PREPARED = "_arpo_prepared_as"
+"""The attribute of a config `prepare` made: its contents then."""
+
+
+def _stamp(cfg: RunConfig, mark: str) -> RunConfig:
+    object.__setattr__(cfg, mark, cfg.to_dict())
+    return cfg
+
+
+def _stamped(cfg: RunConfig, mark: str) -> bool:
+    """Whether `cfg` still holds what it held when stamped with `mark`. `dataclasses.replace` makes
+    a config without the stamp, and an edit in place (`cfg.env.tasks = [...]`) no longer matches it:
+    both are checked again. A copy (`copy.deepcopy`, pickling to a worker) carries it, rightly."""
+    return getattr(cfg, mark, None) == cfg.to_dict()
+
+
 def check_config(cfg: RunConfig) -> RunConfig:
     """The checks that need more than the config tree: task names against the environment
-    registry (`check_tasks`), the server's context against what an episode sends (`check_context`)."""
-    return check_context(check_tasks(cfg))
+    registry (`check_tasks`), the server's context against what an episode sends (`check_context`).
+    A config passes once: checked again only when it changed since (`_stamped`)."""
+    if _stamped(cfg, _CHECKED):
+        return cfg
+    return _stamp(check_context(check_tasks(cfg)), _CHECKED)
 
 
 def check_tasks(cfg: RunConfig) -> RunConfig:
@@ -227,8 +248,15 @@ def resolve_task_sets(cfg: RunConfig) -> RunConfig:
 def prepare(cfg: RunConfig) -> RunConfig:
     """A config ready to run: checked against the layers above the config tree (`check_config`)
     and its task sets expanded (`resolve_task_sets`). What `trainer` and `engine` run on; a
-    workflow that reads the tasks beside an engine prepares first and hands the engine the result."""
-    return resolve_task_sets(check_config(cfg))
+    workflow that reads the tasks beside an engine prepares first and hands the engine the result.
+    Preparing a prepared config (the trainer's engine, an evaluation's) is free: nothing is checked
+    or expanded twice unless the config changed in between."""
+    if _stamped(cfg, _PREPARED):
+        return cfg
+    ready = resolve_task_sets(check_config(cfg))
+    if ready is not cfg:  # expanded: the new config holds only names the check accepts
+        _stamp(ready, _CHECKED)
+    return _stamp(ready, _PREPARED)
 
 
 # -- components ----------------------------------------------------------------------------------
@@ -438,10 +466,6 @@ def trainer(cfg: RunConfig, *, resume: bool = False, policy: HFPolicy | None = N
     cfg = prepare(cfg)
     check_gpus(cfg, policy)
     ranks = Ranks.from_env() if ranks is None else ranks
-    if ranks.distributed and cfg.rollout.max_staleness:
-        raise ConfigError("rollout.max_staleness: rollouts ahead of the update run in one training process for now "
-                          "(the other ranks' servers would change version under requests they cannot see); "
-                          "train with --nproc-per-node 1 or rollout.max_staleness=0")
     if ranks.distributed:
         init_process_group(ranks, torch.device(device_for(ranks, cfg.model.device).replace("auto", "cpu")))
     run = cfg.run
@@ -509,29 +533,29 @@ def engine(cfg: RunConfig, scripted: bool = False, protocol: str = "run") -> Ite
     if p.osworld_pause_s is not None and any(t.startswith("osworld/") for t in cfg.env.tasks + (cfg.eval.tasks or [])):
         cfg = copy.deepcopy(cfg)
         cfg.env.options = {**cfg.env.options, "pause_s": p.osworld_pause_s}
-    handle = None
-    if cfg.rollout.backend == "server":
-        # Generation on the server: only the processor is loaded here (a GPU's memory stays vLLM's).
-        urls = server_urls(cfg)
-        if not urls:
-            handle = server(cfg)
-            handle.wait_healthy(timeout_s=cfg.serve.startup_timeout_s)
-            urls = [handle.base_url]
-        acting: Any = connect_all(lambda url: server_policy(cfg, url, prompt=p.prompt), urls)
-        log.info("generating with %s at %s", acting.served_model, ", ".join(urls))
-    else:
-        acting = hf_policy(cfg, lora=False, prompt=p.prompt)
-        if scripted:
-            from arpo_lib.agent.scripted import ScriptedPolicy
+    handle, acting = None, None
+    try:  # from the server's start: a stop while it loads (SIGTERM, Ctrl-C) must not orphan it
+        if cfg.rollout.backend == "server":
+            # Generation on the server: only the processor is loaded here (a GPU's memory stays vLLM's).
+            urls = server_urls(cfg)
+            if not urls:
+                handle = server(cfg)
+                handle.wait_healthy(timeout_s=cfg.serve.startup_timeout_s)
+                urls = [handle.base_url]
+            acting = connect_all(lambda url: server_policy(cfg, url, prompt=p.prompt), urls)
+            log.info("generating with %s at %s", acting.served_model, ", ".join(urls))
+        else:
+            acting = hf_policy(cfg, lora=False, prompt=p.prompt)
+            if scripted:
+                from arpo_lib.agent.scripted import ScriptedPolicy
 
-            acting = ScriptedPolicy(acting)
-    try:
+                acting = ScriptedPolicy(acting)
         with env_pool(cfg) as pool:
             yield RolloutEngine(acting, pool, max_steps=cfg.env.max_steps, format_coef=cfg.algo.format_coef,
                                 format_penalty=cfg.algo.format_penalty, rules=p.rollout_rules(response_cap(cfg, p)),
                                 **engine_options(cfg))
     finally:
-        if cfg.rollout.backend == "server":
+        if cfg.rollout.backend == "server" and acting is not None:
             acting.close()
         if handle is not None:
             handle.stop()

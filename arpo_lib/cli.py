@@ -56,7 +56,25 @@ def _torchrun(args: argparse.Namespace, nproc: int, command: list[str]) -> int:
     else:
         launch += ["--standalone"]
     print("launching:", " ".join(launch + ["-m", "arpo_lib", *command]), flush=True)
-    return subprocess.run(launch + ["-m", "arpo_lib", *command], env=env).returncode
+    process = subprocess.Popen(launch + ["-m", "arpo_lib", *command], env=env)
+    try:
+        return process.wait()
+    except BaseException:  # stopped (SIGTERM, Ctrl-C): torchrun passes SIGTERM on to every rank
+        import signal
+
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=TORCHRUN_STOP_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        raise
+
+
+TORCHRUN_STOP_S = 60.0
+"""How long a stopped launch waits for torchrun's ranks to clean up (their servers and
+environments) before it kills torchrun."""
 
 
 def _processes(args: argparse.Namespace, cfg: Any) -> int:
@@ -350,6 +368,22 @@ def _add_launch_options(p: argparse.ArgumentParser) -> None:
                    help="the run's rendezvous id, the same on every node (default: $SLURM_JOB_ID, else 'arpo')")
 
 
+def exit_on_sigterm() -> None:
+    """SIGTERM (a scheduler's stop, `kill`, `timeout`) unwinds the command like Ctrl-C: Python's
+    default ends the process at once, skipping its `finally` and `with` blocks, so the model servers
+    and environment workers a run started (each in a process group of its own) outlived it. A second
+    SIGTERM while it cleans up ends it at once. Only from the main thread (signal's rule)."""
+    import signal
+    import threading
+
+    def stop(signum: int, _frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise SystemExit(128 + signum)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, stop)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="arpo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -471,6 +505,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from arpo_lib.run.config import ConfigError
 
+    if argv is None:  # the command line itself (not a caller in its own process: a test, a notebook)
+        exit_on_sigterm()
     try:
         return args.func(args)
     except (ConfigError, FileNotFoundError, FileExistsError) as exc:

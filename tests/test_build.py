@@ -91,6 +91,43 @@ def test_instances_per_task_makes_fixed_instances_of_the_training_tasks():
         build.load_config("configs/smoke.yaml", ["env.tasks=[miniwob/click-test@one]"])
 
 
+def test_tasks_are_checked_once_on_the_way_from_load_to_the_engine(tmp_path, monkeypatch, tiny_qwen2vl):
+    """Issue 55: `load_config` checks the task names; the trainer, and the engine it and an
+    evaluation open, prepare the config again without checking or expanding anything twice. A
+    config edited in place or rebuilt with `dataclasses.replace` is checked again."""
+    import dataclasses
+
+    checked, expanded = [], []
+    real_check, real_expand = build.check_tasks, build.envs.expand_task_names
+    monkeypatch.setattr(build, "check_tasks", lambda cfg: checked.append(list(cfg.env.tasks)) or real_check(cfg))
+    monkeypatch.setattr(build.envs, "expand_task_names", lambda names: expanded.append(list(names)) or real_expand(names))
+    cfg = build.load_config("configs/smoke.yaml", [f"model.path={tiny_qwen2vl}", f"out_dir={tmp_path}",
+                                                   "env.tasks=[miniwob/click-test]", "env.instances_per_task=2",
+                                                   "env.workers=1", "logging.progress=false"])
+    assert len(checked) == 1
+    prepared = build.prepare(cfg)
+    assert prepared.env.tasks == ["miniwob/click-test@0", "miniwob/click-test@1"]
+    expansions = len(expanded)
+    assert len(checked) == 1 and expansions >= 1
+    assert build.prepare(prepared) is prepared and build.check_config(prepared) is prepared
+    assert len(checked) == 1 and len(expanded) == expansions
+    real_check(prepared)  # the expanded names are ones the check accepts
+    with build.engine(prepared) as engine:
+        assert engine is not None
+    assert len(checked) == 1 and len(expanded) == expansions  # the engine prepared nothing again
+
+    prepared.env.tasks = ["miniwob/click-buton"]  # an edit in place: checked again, and refused
+    with pytest.raises(ConfigError, match="env.tasks"):
+        build.prepare(prepared)
+    assert len(checked) == 2
+    renamed = dataclasses.replace(cfg, name="other")  # a new config: checked again, passes
+    assert build.prepare(renamed).env.tasks == ["miniwob/click-test@0", "miniwob/click-test@1"]
+    assert len(checked) == 3
+    import copy
+    copied = copy.deepcopy(build.prepare(renamed))  # an exact copy (a worker's) carries the stamp
+    assert build.prepare(copied) is copied and len(checked) == 3
+
+
 VLLM = ["rollout.backend=server", "serve.backend=vllm"]
 
 

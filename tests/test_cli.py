@@ -43,7 +43,7 @@ def test_train_then_resume_a_run_without_steps(tmp_path, tiny_qwen2vl, capsys):
 
 
 def _launched(monkeypatch, argv):
-    """The torchrun command `arpo <argv>` starts (subprocess.run captured, nothing run)."""
+    """The torchrun command `arpo <argv>` starts (subprocess.Popen captured, nothing run)."""
     return _launched_with_env(monkeypatch, argv)[0]
 
 
@@ -54,9 +54,16 @@ def _launched_with_env(monkeypatch, argv):
     from arpo_lib import cli
 
     seen = []
+
+    class Launched:
+        def __init__(self, cmd, **kw):
+            seen.append((cmd, kw.get("env")))
+
+        def wait(self, timeout=None):
+            return 0
+
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    monkeypatch.setattr(subprocess, "run",
-                        lambda cmd, **kw: seen.append((cmd, kw.get("env"))) or subprocess.CompletedProcess(cmd, 0))
+    monkeypatch.setattr(subprocess, "Popen", Launched)
     assert cli.main(argv) == 0
     return seen[0]
 
@@ -263,3 +270,62 @@ def test_a_run_on_the_smoke_warm_start_before_it_is_made_says_how_to_make_it(mon
     (tmp_path / "models" / "small-uitars-qwen2vl-smoke" / ".complete").touch()
     prepare.ensure_prebuilt_model("models/small-uitars-qwen2vl-smoke")
     prepare.ensure_prebuilt_model("models/tiny-uitars-qwen2vl")  # not one the workbench makes: not its business
+
+
+@pytest.mark.parametrize("when", ["loading", "evaluating"])
+def test_sigterm_stops_the_model_server_the_command_started(tmp_path, tiny_qwen2vl, chromium_available, when):
+    """A stopped command (SIGTERM: a scheduler, `kill`, `timeout`) ends with its clean-up: the model
+    server it started (in a process group of its own) goes with it, whether the stop comes while
+    the server loads or while the evaluation runs. Python's default SIGTERM skipped every `finally`
+    and left the server running; and the engine started its server outside its clean-up."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    if when == "evaluating" and not chromium_available:
+        pytest.skip("needs chromium")
+    run = tmp_path / "stopped"
+    command = [sys.executable, "-m", "arpo_lib", "eval", "--config", "configs/smoke.yaml", f"model.path={tiny_qwen2vl}",
+               f"out_dir={tmp_path}", "name=stopped", "rollout.backend=server", "serve.backend=hf", "env.workers=1",
+               "eval.samples_per_task=20", "logging.progress=false"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        info = run / "server.json"
+        while not info.exists() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert info.exists(), process.communicate(timeout=30)[0][-3000:]
+        server = json.loads(info.read_text())["pid"]
+        if when == "evaluating":  # an episode's trajectory on disk: the server answered, the evaluation runs
+            while (process.poll() is None and not list(run.rglob("traj.jsonl"))
+                   and time.monotonic() < deadline):
+                time.sleep(0.1)
+            assert list(run.rglob("traj.jsonl")), process.communicate(timeout=30)[0][-3000:]
+        os.kill(server, 0)  # alive before the stop
+        process.send_signal(signal.SIGTERM)
+        output = process.communicate(timeout=120)[0]
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 128 + signal.SIGTERM, output[-3000:]
+    gone = time.monotonic() + 30
+    while time.monotonic() < gone and _alive(server):
+        time.sleep(0.1)
+    assert not _alive(server), f"the server (pid {server}) outlived the stopped command"
+
+
+def _alive(pid: int) -> bool:
+    import os
+    from pathlib import Path
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is gone for our purposes
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False

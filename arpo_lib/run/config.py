@@ -265,7 +265,8 @@ class RolloutConfig(Section):
     loop, rollouts then update). At 1 the next batch starts before this step's update, on the
     weights the servers hold, and each push lands between two requests (never within a response);
     every step records the version that produced it and `algo.stale_correction` weighs the stale
-    ones. Needs rollout.backend=server with a weight_sync, one training process."""
+    ones. Needs rollout.backend=server with a weight_sync. With several training processes every
+    rank plays its share ahead, and holds its requests back around rank 0's pushes."""
     mode: Literal["lockstep", "async"] = "lockstep"
     """`lockstep` (ARPO's loop): every live episode's next action in one batch once ALL the
     environments have answered, so each step waits for the slowest. `async`: an episode's next

@@ -251,12 +251,15 @@ SYNC_MODES = ("none", "stream", "reload", "restart")
 class VersionLock:
     """Requests (many at once) against pushes (one, alone): a push waits for the requests in
     flight and holds new ones back until it is done, so every response comes from one weight
-    version, and that version is known (`ServedPolicy.versioned`). Pushes go first once waiting."""
+    version, and that version is known (`ServedPolicy.versioned`). Pushes go first once waiting.
+    A push inside a push on the same thread is the same push (a distributed run holds every rank's
+    requests back around rank 0's push, which takes the lock again: `RolloutSource.weights_changed`)."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._requests = 0
         self._pushing = self._waiting_pushes = 0
+        self._pusher: int | None = None  # the thread holding the push
 
     @contextlib.contextmanager
     def request(self) -> Iterator[None]:
@@ -272,25 +275,32 @@ class VersionLock:
 
     @contextlib.contextmanager
     def push(self) -> Iterator[None]:
+        me = threading.get_ident()
         with self._cond:
-            self._waiting_pushes += 1
-            self._cond.wait_for(lambda: not self._pushing and not self._requests)
-            self._waiting_pushes -= 1
-            self._pushing = 1
+            if self._pushing and self._pusher == me:  # nested: already held
+                self._pushing += 1
+            else:
+                self._waiting_pushes += 1
+                self._cond.wait_for(lambda: not self._pushing and not self._requests)
+                self._waiting_pushes -= 1
+                self._pushing, self._pusher = 1, me
         try:
             yield
         finally:
             with self._cond:
-                self._pushing = 0
-                self._cond.notify_all()
+                self._pushing -= 1
+                if not self._pushing:
+                    self._pusher = None
+                    self._cond.notify_all()
 
 
 class VersionedPolicy:
-    """A `ServedPolicy`'s client whose every response says which weight version produced it
-    (`Generation.weights_version`): each request holds the version lock, so no push lands while
-    it runs. What asynchronous training's rollouts generate with."""
+    """A `ServedPolicy`'s client (or a `FollowingServed`'s, on the other ranks) whose every response
+    says which weight version produced it (`Generation.weights_version`): each request holds the
+    version lock, so no push lands while it runs. What asynchronous training's rollouts generate
+    with. The client is looked up at each request: a restart's new servers are used at once."""
 
-    def __init__(self, served: "ServedPolicy"):
+    def __init__(self, served: "ServedPolicy | FollowingServed"):
         self._served = served
 
     def __getattr__(self, name: str) -> Any:  # conversations, parsing, counters: the client's
@@ -523,6 +533,22 @@ class FollowingServed:
         self._connect, self.rank = connect, rank
         self.client: Any = None
         self.urls: list[str] | None = None
+        self.served_version: int | None = None
+        """The weight version rank 0 last said its servers hold (`learned`)."""
+        self.version_lock = VersionLock()
+        """Held by this rank's requests of `versioned()` and, around rank 0's push, by the trainer."""
+
+    def versioned(self) -> VersionedPolicy:
+        """This rank's client, each response marked with the version that produced it: rank 0's
+        pushes land while every rank holds its requests back (`RolloutSource.weights_changed`)."""
+        return VersionedPolicy(self)
+
+    def learned(self, version: int, urls: Sequence[str] | None) -> None:
+        """Rank 0 has brought its servers (now at `urls`) to weight version `version`. Called with
+        the version lock held, so no request of this rank straddles the change."""
+        if urls:
+            self.follow(urls)
+        self.served_version = version
 
     def follow(self, urls: Sequence[str]) -> Any:
         """The client of the servers at `urls` (a new one when rank 0's servers moved, e.g. restarted)."""

@@ -177,7 +177,9 @@ class TrainingBackend(abc.ABC):
     def close(self, failed: bool = False) -> None:
         """Leave the process group; `failed`: without waiting for the others (they may be stuck in
         a collective this rank will never join; torchrun stops them when this process exits)."""
-        if not failed:
+        if failed:
+            dist_.abandon_process_group(self.ranks)
+        else:
             dist_.close_process_group(self.ranks)
 
 

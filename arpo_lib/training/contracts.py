@@ -11,7 +11,7 @@ from arpo_lib.types import Policy, Segment
 
 if TYPE_CHECKING:
     from pathlib import Path
-    from typing import Callable
+    from typing import Callable, ContextManager
 
     import torch
     from transformers import ProcessorMixin
@@ -19,6 +19,13 @@ if TYPE_CHECKING:
     from arpo_lib.algo import ReplayBuffer
     from arpo_lib.run.config import RunConfig
     from arpo_lib.run.layout import RunDir
+
+
+class PushLock(Protocol):
+    """Requests against weight pushes (`serving.weight_sync.VersionLock`): `push()` waits for the
+    requests in flight, holds new ones back while it is held, and nests on one thread."""
+
+    def push(self) -> "ContextManager[None]": ...
 
 
 @runtime_checkable
@@ -80,6 +87,16 @@ class ServedWeights(Protocol):
         """Counters for the step's metrics (requests, prompt mismatches, time spent syncing)."""
         ...
 
+    def versioned(self) -> Policy:
+        """The client, each response marked with the weight version that produced it (the batches
+        played ahead of the update: rollout.max_staleness)."""
+        ...
+
+    @property
+    def version_lock(self) -> "PushLock":
+        """Held by each request of `versioned()` and by each push: no response straddles one."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -90,6 +107,11 @@ class FollowingWeights(ServedWeights, Protocol):
 
     def follow(self, urls: Sequence[str]) -> Policy:
         """The client of the servers at `urls` (rank 0's announcement)."""
+        ...
+
+    def learned(self, version: int, urls: Sequence[str] | None) -> None:
+        """Rank 0's servers (at `urls`) now hold weight version `version` (what this rank's
+        `versioned()` responses record from now on)."""
         ...
 
 

@@ -106,7 +106,12 @@ class RolloutSource:
             self._bring_servers_to(version)
         if isinstance(self.served, FollowingWeights):
             self.backend.on_main(lambda: None)  # rank 0 brings its servers to the version meanwhile
-            return self.served.follow(self.backend.broadcast(None))
+            urls = self.backend.broadcast(None)
+            if not self.max_staleness:
+                return self.served.follow(urls)
+            with self.served.version_lock.push():  # the batch ahead's requests see one version each
+                self.served.learned(version, urls)
+            return self.served.versioned()
         if self._gathered and not announce and self.served.passes_over_weights(version):
             raise RuntimeError(f"rank 0 alone cannot bring the servers to weight version {version}: the weights "
                                "exist only as shards, gathered with every rank (weights_changed first)")
@@ -219,13 +224,28 @@ class RolloutSource:
         return trajs
 
     def weights_changed(self, version: int) -> None:
-        """The trained weights are now version `version`: the servers generate with them from now on."""
+        """The trained weights are now version `version`: the servers generate with them from now on.
+        Distributed with batches playing ahead, every rank first holds its own requests back (after
+        those in flight, which end: no push is under way yet), so no rank's response straddles rank
+        0's push; each learns the new version, and the servers' URLs (a restart moves them), before
+        its requests go on."""
         if self.served is None:
             return
-        if self._gathered:  # every rank calls this: they take part in the push
-            self._bring_servers_to(version)
-        else:
-            self.served.policy(version)
+        if not (self.max_staleness and self.backend.ranks.distributed):
+            if self._gathered:  # every rank calls this: they take part in the push
+                self._bring_servers_to(version)
+            else:
+                self.served.policy(version)
+            return
+        with self.served.version_lock.push():
+            self.backend.barrier()  # no rank has a request in flight, none starts one
+            if self._gathered:
+                self._bring_servers_to(version)
+            else:  # rank 0 pushes the full copy it holds; the others wait for it
+                self.backend.on_main(lambda: self.served.policy(version))
+            urls = self.backend.broadcast(None if isinstance(self.served, FollowingWeights) else self.served.urls)
+            if isinstance(self.served, FollowingWeights):
+                self.served.learned(version, urls)
 
     def metrics(self) -> dict[str, Any]:
         """The servers' counters (requests, mismatches, sync time), for the step's metrics."""

@@ -245,7 +245,9 @@ def main(scenario: str, collective_timeout_s: float, out: str) -> None:
         while not other.exists() and time.monotonic() < deadline:
             time.sleep(0.1)
         time.sleep(0.5)
-    if not report.get("raised"):
+    if report.get("raised"):  # as a failed trainer leaves (Trainer.close(failed=True))
+        distributed.abandon_process_group(ranks)
+    else:
         distributed.close_process_group(ranks)
 
 

@@ -50,6 +50,34 @@ def test_a_push_waits_for_the_requests_in_flight_and_holds_new_ones_back():
     assert events == ["first runs", "first done", "push", "second runs", "second done"]
 
 
+def test_a_push_inside_a_push_on_one_thread_is_the_same_push():
+    """A distributed run holds every rank's requests back around rank 0's push, which takes the
+    lock again on the same thread: that must not wait for itself. Another thread's push still
+    waits for the outer one, and requests wait until both are done."""
+    lock, events = VersionLock(), []
+
+    def other_push() -> None:
+        with lock.push():
+            events.append("other push")
+
+    def request() -> None:
+        with lock.request():
+            events.append("request")
+
+    with lock.push():
+        with lock.push():  # nested: does not block
+            events.append("inner")
+        others = [threading.Thread(target=other_push), threading.Thread(target=request)]
+        for t in others:
+            t.start()
+        time.sleep(0.1)
+        events.append("outer done")
+    for t in others:
+        t.join(10)
+    assert events[:2] == ["inner", "outer done"] and sorted(events[2:]) == ["other push", "request"]
+    assert events.index("other push") < events.index("request")  # a waiting push goes first
+
+
 def test_each_response_records_the_version_that_produced_it():
     class Client:
         def generate(self, segments, **kwargs):
@@ -88,16 +116,6 @@ def test_rollouts_ahead_need_servers_that_take_new_weights():
         load_config("configs/smoke.yaml", ["algo.stale_correction=maybe"])
     load_config("configs/smoke.yaml", ["rollout.max_staleness=1", "rollout.backend=server",
                                        "rollout.weight_sync=restart"])
-
-
-def test_one_training_process_only_for_now(tmp_path):
-    from arpo_lib import build
-    from arpo_lib.training.distributed import Ranks
-
-    cfg = load_config("configs/smoke.yaml", [f"out_dir={tmp_path}", "rollout.max_staleness=1",
-                                             "rollout.backend=server", "rollout.weight_sync=restart"])
-    with pytest.raises(ConfigError, match=r"max_staleness: .*one training process"):
-        build.trainer(cfg, ranks=Ranks(rank=0, world_size=2))
 
 
 def test_the_next_batch_plays_on_the_server_while_the_update_runs(warm_tiny_qwen2vl, tmp_path, chromium_available):

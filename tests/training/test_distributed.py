@@ -308,6 +308,36 @@ def test_two_processes_roll_out_through_servers_that_rank_0_keeps_current(tiny_q
         assert (run / "server_1.log").is_file()
 
 
+def test_two_processes_play_the_next_batch_ahead_on_the_servers_that_rank_0_restarts(tiny_qwen2vl,
+                                                                                      chromium_available, tmp_path):
+    """Issue 54 point 4: rollout.max_staleness=1 with 2 training processes. Each rank plays its
+    share of the next batch while the update runs; before rank 0 restarts the server on the new
+    weights, every rank waits for its own requests in flight and holds new ones back, then learns
+    the new version and the new server's URL. Without that, rank 1's requests ran into the stopped
+    server (its episodes failed) or recorded the version before the push."""
+    if not chromium_available:
+        pytest.skip("needs chromium")
+    _run(["train", "--config", "configs/smoke.yaml", "--nproc-per-node=2", f"model.path={tiny_qwen2vl}",
+          f"out_dir={tmp_path}", "name=ahead", *COMMON, "train.steps=3", "train.updates_per_batch=1",
+          "rollout.backend=server", "serve.backend=hf", "rollout.weight_sync=restart", "rollout.max_staleness=1",
+          "rollout.mode=async", "env.max_steps=2", "model.max_new_tokens=24"])
+    run = tmp_path / "ahead"
+    metrics = _metrics(run)
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert metrics[0]["staleness_max"] == 0 and all(m["staleness_max"] <= 1 for m in metrics)
+    for step in (1, 2):  # the batches played ahead, on both ranks (requests interleave by rank)
+        episodes = sorted((run / "rollouts" / f"step_{step:06d}").rglob("meta.json"))
+        assert len(episodes) == 8 and all(json.loads(p.read_text())["status"] == "ok" for p in episodes)
+        by_rank: dict[int, set] = {0: set(), 1: set()}
+        for meta in episodes:
+            index = json.loads(meta.read_text())["sample"]
+            lines = [json.loads(line) for line in (meta.parent / "traj.jsonl").read_text().splitlines()]
+            by_rank.setdefault(index % 2, set()).update(line["weights_version"] for line in lines)
+        warm = 1  # the warm start is version 1; batch k is started on version k (one update each)
+        for versions in by_rank.values():
+            assert versions and versions <= {warm + step - 1, warm + step}, (step, by_rank)
+
+
 def test_interrupting_a_launched_run_stops_its_processes(tmp_path):
     """What a notebook's interrupt does: KeyboardInterrupt inside `train` ends the whole process
     group (torchrun and its ranks) and is raised again; the run can be resumed later."""
