@@ -88,6 +88,22 @@ def osworld_python() -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
+def cpu_times() -> tuple[int, int] | None:
+    """(all, idle) jiffies of the whole machine since boot (Linux /proc/stat; None elsewhere)."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    except (OSError, ValueError, IndexError):
+        return None
+    return sum(fields), fields[3] + fields[4]  # idle + iowait
+
+
+def idle_fraction(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """The share of the machine's CPU time left idle between two `cpu_times` readings."""
+    if before is None or after is None or after[0] <= before[0]:
+        return None
+    return (after[1] - before[1]) / (after[0] - before[0])
+
+
 def run_arm(name: str, config: str, overrides: list[str], url: str, out: Path) -> dict[str, Any]:
     from arpo_lib import build
     from arpo_lib.run.config import load_config
@@ -98,9 +114,9 @@ def run_arm(name: str, config: str, overrides: list[str], url: str, out: Path) -
     with build.trainer(cfg) as trainer:
         trainer.warm_start()  # the demonstrations for the replay buffer (train.demo_replay), untimed
         trainer.seed_replay_with_demos()
-        t0 = time.monotonic()
+        t0, cpu0 = time.monotonic(), cpu_times()
         history = trainer.train()
-        wall = time.monotonic() - t0
+        wall, cpu1 = time.monotonic() - t0, cpu_times()
         source = trainer.rollouts
         workers = cfg.env.workers
     return {
@@ -115,6 +131,10 @@ def run_arm(name: str, config: str, overrides: list[str], url: str, out: Path) -
         "success_rate": sum(m.get("success_rate", 0.0) for m in history) / max(1, len(history)),
         "seconds_rollout": sum(m["seconds_rollout"] for m in history),
         "seconds_update": sum(m["seconds_update"] for m in history),
+        # the machine's CPU left idle while the arm trained: everything (environments, server,
+        # trainer) shares these cores, so no schedule of the same work can be faster than
+        # 1 / (1 - idle) of this arm's (`cpu_bound_speedup`)
+        "cpu_idle_fraction": idle_fraction(cpu0, cpu1),
     }
 
 
@@ -180,10 +200,15 @@ def main(argv: list[str] | None = None) -> int:
         "steps_per_hour_ratio": {r["arm"]: r["steps_per_hour"] / base["steps_per_hour"] for r in rows
                                  if base is not None and r["arm"] != "lockstep"},
         "env_busy_fraction": {r["arm"]: r["env_busy_fraction"] for r in rows},
+        # The most any schedule of lockstep's work could gain on this machine: its steps take the
+        # CPU time they took, and only the idle share is left to fill (an upper bound: running
+        # more at once also costs each process time, as the environment seconds per step show).
+        "cpu_bound_speedup": (1 / max(1e-9, 1 - base["cpu_idle_fraction"])
+                              if base is not None and base.get("cpu_idle_fraction") is not None else None),
     }
     path = write_result(f"async_{args.setting}", result, args.out)
     print(table(rows, ["arm", "steps", "wall_s", "steps_per_hour", "env_busy_fraction", "generator_busy_fraction",
-                       "staleness_max", "seconds_rollout", "seconds_update"]))
+                       "cpu_idle_fraction", "staleness_max", "seconds_rollout", "seconds_update"]))
     print(f"[bench_async] -> {path}")
     shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -198,3 +198,43 @@ class RunRecords:
     def close(self) -> None:
         if self.tracker is not None:
             self.tracker.finish()
+
+
+def staleness_metrics(trajs: list[Trajectory], version: int) -> dict[str, float]:
+    """How many weight versions behind `version` (the weights this step's update starts from) the
+    responses of a batch were sampled: per response (its step's recorded version, else its
+    trajectory's), the mean and max, and the fraction that were stale at all; per sampled token
+    (what the loss weighs), the mean and the stale fraction. A response's tokens are its run of
+    trained tokens in the trajectory's segments (`response_token_counts`)."""
+    ages, tokens = [], []
+    for t in trajs:
+        if not t.ok:
+            continue
+        counts = response_token_counts(t)
+        for s, n in zip(t.steps, counts):
+            ages.append(version - (s.weights_version if s.weights_version is not None else t.policy_version))
+            tokens.append(n)
+    if not ages:
+        return {}
+    out = {"staleness_mean": sum(ages) / len(ages), "staleness_max": float(max(ages)),
+           "stale_fraction": sum(a > 0 for a in ages) / len(ages)}
+    if sum(tokens):
+        out["staleness_token_mean"] = sum(a * n for a, n in zip(ages, tokens)) / sum(tokens)
+        out["stale_token_fraction"] = sum(n for a, n in zip(ages, tokens) if a > 0) / sum(tokens)
+    return out
+
+
+def response_token_counts(traj: Trajectory) -> list[int]:
+    """The sampled tokens of each of `traj`'s responses, in step order: the runs of the loss mask
+    over its segments (a response is one run). Where the runs do not pair with the steps (no token
+    data kept), each response counts 1, so token figures fall back to per-response ones."""
+    runs: list[int] = []
+    for segment in traj.segments:
+        previous = 0
+        for m in segment.loss_mask:
+            if m and not previous:
+                runs.append(0)
+            if m:
+                runs[-1] += 1
+            previous = m
+    return runs if len(runs) == len(traj.steps) else [1] * len(traj.steps)

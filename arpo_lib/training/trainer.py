@@ -41,7 +41,7 @@ from arpo_lib.run.config import RunConfig
 from arpo_lib.run.seeding import stable_seed
 from arpo_lib.training.backend import TrainingBackend
 from arpo_lib.training.checkpoint import Checkpointer
-from arpo_lib.training.metrics import RunRecords, step_metrics
+from arpo_lib.training.metrics import RunRecords, staleness_metrics, step_metrics
 from arpo_lib.training.rollout_source import RolloutSource, task_batch
 from arpo_lib.training.sft import WarmStart, seed_replay_from
 from arpo_lib.training.update import NonFiniteGradientError, PolicyUpdate  # noqa: F401 (its old home)
@@ -213,15 +213,3 @@ class Trainer:
                                      state={"consecutive_skips": self.consecutive_skips,
                                             "weights_version": self.weights_version})
 
-
-
-def staleness_metrics(trajs: list[Trajectory], version: int) -> dict[str, float]:
-    """How many weight versions behind `version` (the weights this step's update starts from) the
-    responses of a batch were sampled: per response (its step's recorded version, else its
-    trajectory's), the mean and max, and the fraction that were stale at all."""
-    ages = [version - (s.weights_version if s.weights_version is not None else t.policy_version)
-            for t in trajs if t.ok for s in t.steps]
-    if not ages:
-        return {}
-    return {"staleness_mean": sum(ages) / len(ages), "staleness_max": float(max(ages)),
-            "stale_fraction": sum(a > 0 for a in ages) / len(ages)}

@@ -11,8 +11,8 @@ import pytest
 
 from arpo_lib.run.config import ConfigError, load_config
 from arpo_lib.serving.weight_sync import VersionLock, VersionedPolicy
-from arpo_lib.training.trainer import staleness_metrics
-from arpo_lib.types import Generation, StepRecord, Trajectory
+from arpo_lib.training.metrics import staleness_metrics
+from arpo_lib.types import Generation, Segment, StepRecord, Trajectory
 
 TASKS = ["miniwob/click-test", "miniwob/click-button"]
 
@@ -103,8 +103,19 @@ def test_staleness_is_counted_per_response():
 
     # update from version 5: a batch started at 4 whose push landed after its first two responses
     trajs = [traj(4, [4, 4, 5]), traj(4, [4, 5]), traj(5, [None, None]), traj(2, [2], ok=False)]
-    assert staleness_metrics(trajs, 5) == {"staleness_mean": 3 / 7, "staleness_max": 1.0, "stale_fraction": 3 / 7}
+    # no token data: each response counts one token
+    assert staleness_metrics(trajs, 5) == {"staleness_mean": 3 / 7, "staleness_max": 1.0, "stale_fraction": 3 / 7,
+                                           "staleness_token_mean": 3 / 7, "stale_token_fraction": 3 / 7}
     assert staleness_metrics([], 5) == {}
+    # with tokens: the first trajectory's responses are 2, 3 and 1 tokens long (prompt and
+    # screenshot tokens between them are not trained on), the second's 4 and 2 (two segments)
+    trajs[0].segments = [Segment(input_ids=list(range(10)), loss_mask=[0, 1, 1, 0, 0, 1, 1, 1, 0, 1])]
+    trajs[1].segments = [Segment(input_ids=list(range(5)), loss_mask=[0, 1, 1, 1, 1]),
+                         Segment(input_ids=list(range(3)), loss_mask=[0, 1, 1])]
+    metrics = staleness_metrics(trajs[:2], 5)
+    stale_tokens = 2 + 3 + 4  # the responses sampled by version 4
+    assert metrics["staleness_token_mean"] == stale_tokens / 12 == metrics["stale_token_fraction"]
+    assert metrics["staleness_mean"] == 3 / 5
 
 
 def test_rollouts_ahead_need_servers_that_take_new_weights():
@@ -159,3 +170,39 @@ def test_the_next_batch_plays_on_the_server_while_the_update_runs(warm_tiny_qwen
         lines = [json.loads(line) for line in (meta.parent / "traj.jsonl").read_text().splitlines()]
         assert all("weights_version" in line for line in lines)
     assert versions == {0, 1}  # the push of version 1 landed between two of batch 1's requests
+
+
+def test_a_run_playing_ahead_evaluates_checkpoints_and_resumes(warm_tiny_qwen2vl, tmp_path, chromium_available):
+    """Staleness 1 in async mode through our hf server: the run stops after its first step, with
+    batch 2 playing ahead; that batch is not in the checkpoint (closing the trainer ends it, its
+    episodes never scored). The resumed run plays batch 2 again from the checkpoint's weights (on
+    policy: staleness 0), batch 3 ahead of its update; the evaluation at step 2 waits for the batch
+    ahead, then takes the environments. Every step is in the metrics once."""
+    from arpo_lib import build
+
+    common = [f"model.path={warm_tiny_qwen2vl}", f"out_dir={tmp_path}", "name=resumed",
+              f"env.tasks=[{','.join(TASKS)}]", "env.workers=2", "env.max_steps=2", "model.max_new_tokens=32",
+              "rollout.group_size=2", "train.tasks_per_batch=2", "train.updates_per_batch=1", "train.steps=3",
+              "train.lr=3e-3", "warm_start.steps=0", "warm_start.demos_per_task=0", "train.demo_replay=1",
+              "rollout.backend=server", "rollout.weight_sync=restart", "serve.backend=hf", "rollout.max_staleness=1",
+              "rollout.mode=async", "train.checkpoint_every=1", "train.eval_every=2", "eval.samples_per_task=1",
+              "logging.progress=false"]
+    cfg = load_config("configs/smoke.yaml", common)
+    with build.trainer(cfg) as trainer:
+        first = trainer.train(steps=1)
+        assert sorted(trainer.rollouts._ahead) == [1]  # batch 2 was playing when the run stopped
+    assert [m["step"] for m in first] == [1]
+    run = tmp_path / "resumed"
+    assert (run / "checkpoints" / "step_000001").is_dir()
+    with build.trainer(load_config("configs/smoke.yaml", common), resume=True) as trainer:
+        assert trainer.step == 1
+        rest = trainer.train()
+    assert [m["step"] for m in rest] == [2, 3]
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in logged] == [1, 2, 3]
+    replayed, ahead = rest
+    assert replayed["staleness_max"] == 0.0 and replayed["env_errors"] == 0  # played again, on policy
+    assert ahead["staleness_max"] <= 1.0 and ahead["env_errors"] == 0
+    assert "eval_success_rate" in replayed and (run / "eval").is_dir()
+    episodes = list((run / "rollouts" / "step_000001").rglob("meta.json"))
+    assert len(episodes) == 4 and all(json.loads(p.read_text())["status"] == "ok" for p in episodes)
