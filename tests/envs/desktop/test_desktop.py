@@ -204,7 +204,9 @@ def test_a_hung_action_server_is_an_env_error_not_a_hang():
 @needs_desktop
 @pytest.mark.slow
 def test_desktop_episodes_on_ray_actors_through_the_rollout_engine(tiny_qwen2vl, tmp_path):
-    """The same contract on the Ray backend: the scripted agent solves a desktop task in an actor."""
+    """The same contract on the Ray backend: the scripted agent solves a desktop task in an actor,
+    each episode asking for its next action as soon as its own screen is in (rollout.mode=async,
+    what an evaluation of the desktop rung runs with it)."""
     ray = pytest.importorskip("ray")
     from arpo_lib.agent.hf_policy import HFPolicy
     from arpo_lib.agent.scripted import ScriptedPolicy
@@ -217,7 +219,7 @@ def test_desktop_episodes_on_ray_actors_through_the_rollout_engine(tiny_qwen2vl,
     policy = ScriptedPolicy(HFPolicy(tiny_qwen2vl, device="cpu", max_new_tokens=32))
     with RayEnvPool(2, {"screen": [960, 600]}, timeout_s=120, init_kwargs={"num_cpus": 2}) as pool:
         requests = [EpisodeRequest("desktop/terminal-mkdir", 0, 0), EpisodeRequest("desktop/editor-clear", 0, 0)]
-        trajs = RolloutEngine(policy, pool, max_steps=6).run(requests, out_dir=tmp_path, progress=False)
+        trajs = RolloutEngine(policy, pool, max_steps=6, mode="async").run(requests, out_dir=tmp_path, progress=False)
     assert [(t.status, t.task_score) for t in trajs] == [("ok", 1.0), ("ok", 1.0)], [t.summary() for t in trajs]
     assert trajs[0].num_steps == 2 and list(tmp_path.rglob("step_*.png"))  # type, then finished
 

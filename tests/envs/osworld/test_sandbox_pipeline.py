@@ -87,11 +87,13 @@ def test_one_arpo_step_on_real_osworld_tasks_with_a_served_policy_and_ray_actors
                                                                                  tmp_path, tiny_qwen25vl):
     """The tiny model fails every episode; the buffer, seeded with the scripted solutions' episodes
     (scored 1 by OSWorld's evaluator in the sandbox), puts a success into each all-failed group,
-    and the update has a gradient."""
+    and the update has a gradient. The episodes run asynchronously (rollout.mode=async: each asks
+    the server as soon as its own desktop has answered)."""
     done = _arpo(["train", "--config", "configs/osworld_sandbox.yaml", f"model.path={tiny_qwen25vl}",
                   f"env.tasks=[osworld/{CHROME[0]},osworld/{CHROME[1]}]", "train.steps=1", "rollout.group_size=2",
                   "env.max_steps=12", "model.max_new_tokens=16", "model.history_images=1",
-                  "rollout.backend=server", "serve.backend=hf", "env.backend=ray", "train.demo_replay=1",
+                  "rollout.backend=server", "serve.backend=hf", "rollout.mode=async", "env.backend=ray",
+                  "train.demo_replay=1",
                   "warm_start.demos_per_task=1", "warm_start.steps=1", f"out_dir={tmp_path}", "logging.progress=false"],
                  osworld_python, task_cache)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
