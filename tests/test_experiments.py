@@ -587,3 +587,29 @@ def test_the_archive_keeps_runs_and_refuses_other_stages(tmp_path, caplog):
         "compare.transfer_samples_per_task=2"])
     with pytest.raises(RuntimeError, match="arpo-s0 finished without the measure .final_at_train_temperature..*restored from compare.archive"):
         run_arm(more_measures, "arpo", 0, model, ["miniwob/click-test@0"])
+
+
+def test_the_figure_draws_every_registered_arm_in_its_own_colour():
+    """The staleness study's arms (arpo_served, arpo_async1) are not among the published four: the
+    comparison figure once failed on them after 8 runs (matplotlib: no colour None). Each arm gets
+    its own colour, the same in every panel, and the paired panel names the arms."""
+    from matplotlib.colors import to_rgba
+
+    from arpo_lib.viz.plots import plot_comparison
+    from arpo_lib.viz.study_plots import ARM_COLORS, arm_color
+    cfg = load_config("configs/learning_miniwob_short.yaml",
+                      ["compare.seeds=[0, 1]", "compare.algos=[arpo_served,arpo_async1]"])
+    warm = {"success_rate": 0.5, "pass_at_k": 1.0, "episodes": 20, "env_errors": 0, "format_error_rate": 0.0,
+            "tasks": [{"task": "a", "success_rate": 0.1}, {"task": "b", "success_rate": 0.5}]}
+    runs = [_run(algo, seed, 0.5 + 0.1 * seed, [0.5, 0.6, 0.7, 0.8], [0] * 4, [0] * 4)
+            for algo in ("arpo_served", "arpo_async1") for seed in (0, 1)]
+    report = comparison_report(cfg, warm, runs, ["a", "b"], warm_train=warm)
+    colors = {a: arm_color(a) for a in ("arpo_served", "arpo_async1")}
+    assert len({*colors.values(), *ARM_COLORS.values()}) == 6  # none shared with another arm
+    fig = plot_comparison(report)
+    eval_panel, paired_panel = fig.axes[3], fig.axes[4]
+    bars = [to_rgba(p.get_facecolor(), 1) for p in eval_panel.patches]
+    assert bars == [to_rgba(colors["arpo_served"]), to_rgba(colors["arpo_async1"])]
+    assert "ARPO async, staleness 1 − ARPO served" in paired_panel.get_yticklabels()[0].get_text()
+    # an arm a plug-in registers later gets a colour too
+    assert arm_color("not_registered_yet").startswith("C")

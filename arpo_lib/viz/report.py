@@ -8,7 +8,8 @@ from typing import Any
 from arpo_lib.evaluation.stats import holm, train_quarter
 from arpo_lib.run.registry import COMPARISON_ARMS
 
-ARM_LABELS = {"grpo": "GRPO", "arpo": "ARPO", "arpo_tis": "ARPO+TIS", "arpo_seeded": "ARPO seeded"}
+ARM_LABELS = {"grpo": "GRPO", "arpo": "ARPO", "arpo_tis": "ARPO+TIS", "arpo_seeded": "ARPO seeded",
+              "arpo_served": "ARPO served", "arpo_async1": "ARPO async, staleness 1"}
 """How the tables name an arm (`compare.algos`); an arm not named here shows its own name."""
 
 PAIRED_LABELS = {"eval": "final eval success", "train": "train success, last quarter",

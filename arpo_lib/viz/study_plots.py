@@ -53,6 +53,19 @@ def plot_selection(selection: str | Path | dict[str, Any]) -> Figure:
 
 
 ARM_COLORS = {"grpo": "C1", "arpo": "C0", "arpo_tis": "C2", "arpo_seeded": "C4"}
+"""The colours of the published arms; any other arm (`arm_color`) takes the next one unused."""
+
+
+def arm_color(algo: str) -> str:
+    """An arm's colour: the published arms' own (`ARM_COLORS`), any other arm one of the colour
+    cycle's remaining colours, fixed by the arm's place in `COMPARISON_ARMS` (a plug-in's arm, the
+    served and asynchronous arms), so the same arm has the same colour in every figure."""
+    if algo in ARM_COLORS:
+        return ARM_COLORS[algo]
+    from arpo_lib.run.registry import COMPARISON_ARMS
+    free = [f"C{i}" for i in range(10) if f"C{i}" not in ARM_COLORS.values()]
+    others = [n for n in COMPARISON_ARMS if n not in ARM_COLORS]
+    return free[(others.index(algo) if algo in others else len(others)) % len(free)]
 
 
 def _plot_seed_gains(ax: Any, arms: dict[str, Any], label: dict[str, str], bar: float = 0.15) -> None:
@@ -61,7 +74,7 @@ def _plot_seed_gains(ax: Any, arms: dict[str, Any], label: dict[str, str], bar: 
     under `bar` is drawn hollow, so "every seed learned" is read off at a glance."""
     drawn = False
     for x, (algo, arm) in enumerate(arms.items()):
-        color = ARM_COLORS.get(algo)
+        color = arm_color(algo)
         for dx, key, marker in ((-0.15, "gains_by_seed", "o"), (0.15, "final_gains_by_seed", "^")):
             gains = arm.get(key) or []
             if not gains:
@@ -104,7 +117,7 @@ def plot_comparison(report: dict[str, Any] | str | Path) -> Figure:
     ax_s, ax_f, ax_g, ax_e, *ax_d = fig.subplots(1, 5 if pairs else 4)  # one arm: nothing to pair
     from arpo_lib.viz.report import ARM_LABELS as label
     for x, (algo, arm) in enumerate(arms.items()):
-        color = ARM_COLORS.get(algo)
+        color = arm_color(algo)
         for ax, key in ((ax_s, "train_success"), (ax_f, "all_failed_groups")):
             rows = (arm.get("curves") or {}).get(key) or []
             if rows:
@@ -150,13 +163,13 @@ def _plot_paired(ax_d: Any, pairs: list[tuple[str, dict[str, Any]]], label: dict
             d = measures.get(key)
             if d is None:
                 continue
-            ax_d.scatter(d["differences"], [y + dy] * len(d["differences"]), color=ARM_COLORS.get(a), s=14,
+            ax_d.scatter(d["differences"], [y + dy] * len(d["differences"]), color=arm_color(a), s=14,
                          marker=marker, zorder=3)
             ax_d.errorbar([d["mean"]], [y + dy], xerr=[[d["mean"] - d["lo"]], [d["hi"] - d["mean"]]], color="0.2",
                           capsize=4, marker=marker)
     ax_d.axvline(0, color="0.4", lw=1)
     ax_d.set_yticks(range(len(pairs)), [
-        f"{label.get(n.split('-')[0])} − {label.get(n.split('-')[1])}\np = {m['eval']['p_permutation']:.3f}"
+        f"{label.get(n.split('-')[0], n.split('-')[0])} − {label.get(n.split('-')[1], n.split('-')[1])}\np = {m['eval']['p_permutation']:.3f}"
         + (f" / {m['final_t']['p_permutation']:.3f}" if "final_t" in m else "") for n, m in pairs], fontsize=8)
     ax_d.set_title("paired difference per seed" + ("\n(o final eval, ^ final policy at T=train)" if with_final
                                                    else " in final eval success"), fontsize=10)
@@ -210,7 +223,7 @@ def plot_instance_curves(report: dict[str, Any] | str | Path, columns: int = 4) 
         for algo, points in curves.get(task, {}).items():
             visits = [r for r in points if r["visit"] != "final"]
             final = [r for r in points if r["visit"] == "final"]
-            color = ARM_COLORS.get(algo)
+            color = arm_color(algo)
             ax.plot([r["visit"] for r in visits], [r["mean"] for r in visits], color=color, marker=".",
                     label=label.get(algo, algo))
             if final:
