@@ -60,7 +60,8 @@ __all__ = ["build_warm_start_model", "comparison_report", "evaluate_model", "fin
            "eval_config", "transfer_stage", "transfer_tasks", "warm_start_stage"]
 
 PAIRS = (("arpo", "grpo"), ("arpo_tis", "arpo"), ("arpo_tis", "grpo"), ("arpo_seeded", "arpo"),
-         ("arpo_seeded", "grpo"), ("arpo_async1", "arpo_served"))
+         ("arpo_seeded", "grpo"), ("arpo_async1", "arpo_served"), ("arpo_async1_plain", "arpo_served"),
+         ("arpo_async1_plain", "arpo_async1"))
 """Paired comparisons the report makes (first minus second), where both arms ran."""
 
 

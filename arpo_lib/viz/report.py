@@ -9,7 +9,8 @@ from arpo_lib.evaluation.stats import holm, train_quarter
 from arpo_lib.run.registry import COMPARISON_ARMS
 
 ARM_LABELS = {"grpo": "GRPO", "arpo": "ARPO", "arpo_tis": "ARPO+TIS", "arpo_seeded": "ARPO seeded",
-              "arpo_served": "ARPO served", "arpo_async1": "ARPO async, staleness 1"}
+              "arpo_served": "ARPO served", "arpo_async1": "ARPO async, staleness 1",
+              "arpo_async1_plain": "ARPO async s1, uncorrected"}
 """How the tables name an arm (`compare.algos`); an arm not named here shows its own name."""
 
 PAIRED_LABELS = {"eval": "final eval success", "train": "train success, last quarter",
