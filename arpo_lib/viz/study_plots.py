@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,11 @@ def arm_color(algo: str) -> str:
     return free[(others.index(algo) if algo in others else len(others)) % len(free)]
 
 
+def _tick(name: str, width: int = 14) -> str:
+    """An arm's name under its bar, wrapped so three long names do not run into each other."""
+    return "\n".join(textwrap.wrap(name, width)) or name
+
+
 def _plot_seed_gains(ax: Any, arms: dict[str, Any], label: dict[str, str], bar: float = 0.15) -> None:
     """Training gain over the warm start of every seed (task by task at the training temperature):
     the last quarter's rollouts (dots) and, where measured, the final policy (triangles); a seed
@@ -90,7 +96,7 @@ def _plot_seed_gains(ax: Any, arms: dict[str, Any], label: dict[str, str], bar: 
     ax.axhline(0, color="0.6", lw=0.8)
     ax.scatter([], [], marker="o", facecolors="none", edgecolors="0.3", label="last quarter")
     ax.scatter([], [], marker="^", facecolors="none", edgecolors="0.3", label="final policy")
-    ax.set_xticks(range(len(arms)), [label.get(a, a) for a in arms])
+    ax.set_xticks(range(len(arms)), [_tick(label.get(a, a)) for a in arms], fontsize=8)
     ax.set_title("training gain per seed (hollow: under the bar)", fontsize=10)
     ax.legend(fontsize=7)
 
@@ -140,7 +146,7 @@ def plot_comparison(report: dict[str, Any] | str | Path) -> Figure:
         ax.legend(fontsize=8)
     warm = report["warm_start_eval"]["success_rate"]
     ax_e.axhline(warm, color="0.4", ls="--", lw=1, label=f"warm start {warm:.2f}")
-    ax_e.set_xticks(range(len(arms)), [label.get(a, a) for a in arms])
+    ax_e.set_xticks(range(len(arms)), [_tick(label.get(a, a)) for a in arms], fontsize=8)
     ax_e.set_ylim(0, 1)
     ax_e.set_title("final evaluation success (95% CI, seeds)", fontsize=10)
     ax_e.legend(fontsize=8)
