@@ -188,13 +188,13 @@ def main(results_dir: Path = RESULTS_DIR, out: Path = ROOT / "benchmarks" / "RES
         parts.append(table(r["arms"], ["arm", "steps", "wall_s", "steps_per_hour", "env_busy_fraction",
                                        "generator_busy_fraction", *extra, "staleness_max", "seconds_rollout",
                                        "seconds_update"]))
-        parts.append("\nsteps per hour over lockstep: " + ", ".join(f"{k} {v:.2f}x"
-                                                                    for k, v in r["steps_per_hour_ratio"].items()))
+        ratios = "\nsteps per hour over lockstep: " + ", ".join(f"{k} {v:.2f}x"
+                                                              for k, v in r["steps_per_hour_ratio"].items())
         lockstep = next((a for a in r["arms"] if a["arm"] == "lockstep"), None)
         if r.get("cpu_bound_speedup") and lockstep is not None:
-            parts.append(f"; the most any schedule of lockstep's work could make on these cores: "
-                         f"{r['cpu_bound_speedup']:.2f}x (lockstep left {lockstep['cpu_idle_fraction']:.0%} "
-                         f"of the CPU idle)")
+            ratios += (f"; the most any schedule of lockstep's work could make on these cores: "
+                       f"{r['cpu_bound_speedup']:.2f}x (lockstep left {lockstep['cpu_idle_fraction']:.0%} of the CPU idle)")
+        parts.append(ratios)
         parts.append(f"\n`{r['command']}` (docs/asynchronous.md)\n")
     for r in (r for r in every if r.get("benchmark") == "async_projection"):
         parts.append(f"## Asynchronous ARPO at GPU scale: a projection ({r['kind']})\n")

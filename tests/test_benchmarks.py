@@ -288,6 +288,11 @@ def test_report_renders_every_committed_result_and_a_gpu_goals_table(tmp_path):
     rendered = [r for r in committed if r.get("benchmark") in ("update", "rollout")]
     assert text.count("\n## Update: ") + text.count("\n## Rollout generation: ") == len(rendered)
     assert ("## The goals" in text) == any(not r["device"].startswith("CPU") for r in rendered)
+    # the async results: the ratios, and where the idle CPU was measured the bound it sets, on one line
+    osworld = json.loads((RESULTS_DIR / "async_osworld.json").read_text())
+    line = next(t for t in text.splitlines() if t.startswith("steps per hour over lockstep: async_s1 "
+                                                             f"{osworld['steps_per_hour_ratio']['async_s1']:.2f}x"))
+    assert f"could make on these cores: {osworld['cpu_bound_speedup']:.2f}x" in line
     results = tmp_path / "results"
     shutil.copytree(RESULTS_DIR, results)
     for path in results.glob("*.json"):  # the CPU results alone
