@@ -620,17 +620,15 @@ def test_the_staleness_arms_differ_from_served_arpo_only_in_schedule_and_correct
     other only in how the stale tokens are weighed (the study's question: what does the correction
     do for the staleness's cost?)."""
     from arpo_lib.experiments import PAIRS, run_config
+    from arpo_lib.run.config import config_changes
     cfg = load_config("configs/learning_miniwob_short.yaml", [f"out_dir={tmp_path}"])
-    runs = {a: run_config(cfg, a, 0, tmp_path / "warm", ["miniwob/click-test-2@0"]).to_dict()
+    runs = {a: run_config(cfg, a, 0, tmp_path / "warm", ["miniwob/click-test-2@0"])
             for a in ("arpo_served", "arpo_async1", "arpo_async1_plain")}
 
     def diff(a, b):
-        flat = lambda d, p="": {k2: v2 for k, v in d.items() for k2, v2 in (flat(v, f"{p}{k}.").items()
-                                if isinstance(v, dict) else [(f"{p}{k}", v)])}
-        fa, fb = flat(runs[a]), flat(runs[b])
-        return {k for k in fa.keys() | fb.keys() if fa.get(k) != fb.get(k) and not k.startswith(("name", "run_dir"))}
+        return {k for k in config_changes(runs[b], runs[a]) if not k.startswith(("name", "run_dir"))}
 
     assert diff("arpo_async1", "arpo_served") == {"rollout.mode", "rollout.max_staleness"}
     assert diff("arpo_async1_plain", "arpo_async1") == {"algo.stale_correction"}
-    assert runs["arpo_async1_plain"]["algo"]["stale_correction"] == "none"
+    assert runs["arpo_async1_plain"].algo.stale_correction == "none"
     assert ("arpo_async1_plain", "arpo_served") in PAIRS and ("arpo_async1_plain", "arpo_async1") in PAIRS

@@ -29,9 +29,8 @@ COMPARISON_ARMS.register("arpo_seeded", {"algo.replay.enabled": True, "algo.repl
 _SERVED = {"algo.replay.enabled": True, "algo.replay.correction": "none", "rollout.backend": "server",
            "rollout.weight_sync": "stream", "serve.backend": "vllm", "serve.weight_sync": True}
 COMPARISON_ARMS.register("arpo_served", {**_SERVED, "rollout.mode": "lockstep", "rollout.max_staleness": 0})
-COMPARISON_ARMS.register("arpo_async1", {**_SERVED, "rollout.mode": "async", "rollout.max_staleness": 1,
-                                         "algo.stale_correction": "tis"})
+_AHEAD = {**_SERVED, "rollout.mode": "async", "rollout.max_staleness": 1}
+COMPARISON_ARMS.register("arpo_async1", {**_AHEAD, "algo.stale_correction": "tis"})
 # the same without the correction: the stale tokens treated as on-policy (the ratio against the
 # weights at the update's start only), to tell what the correction does for the staleness's cost
-COMPARISON_ARMS.register("arpo_async1_plain", {**_SERVED, "rollout.mode": "async", "rollout.max_staleness": 1,
-                                               "algo.stale_correction": "none"})
+COMPARISON_ARMS.register("arpo_async1_plain", {**_AHEAD, "algo.stale_correction": "none"})

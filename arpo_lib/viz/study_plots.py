@@ -13,6 +13,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from arpo_lib.run import layout
+from arpo_lib.run.registry import COMPARISON_ARMS
 from arpo_lib.viz.figures import ReportFigure, no_data
 
 
@@ -63,7 +64,6 @@ def arm_color(algo: str) -> str:
     served and asynchronous arms), so the same arm has the same colour in every figure."""
     if algo in ARM_COLORS:
         return ARM_COLORS[algo]
-    from arpo_lib.run.registry import COMPARISON_ARMS
     free = [f"C{i}" for i in range(10) if f"C{i}" not in ARM_COLORS.values()]
     others = [n for n in COMPARISON_ARMS if n not in ARM_COLORS]
     return free[(others.index(algo) if algo in others else len(others)) % len(free)]
@@ -174,9 +174,11 @@ def _plot_paired(ax_d: Any, pairs: list[tuple[str, dict[str, Any]]], label: dict
             ax_d.errorbar([d["mean"]], [y + dy], xerr=[[d["mean"] - d["lo"]], [d["hi"] - d["mean"]]], color="0.2",
                           capsize=4, marker=marker)
     ax_d.axvline(0, color="0.4", lw=1)
+    names = [[label.get(a, a) for a in n.split("-")] for n, _ in pairs]
     ax_d.set_yticks(range(len(pairs)), [
-        f"{label.get(n.split('-')[0], n.split('-')[0])} − {label.get(n.split('-')[1], n.split('-')[1])}\np = {m['eval']['p_permutation']:.3f}"
-        + (f" / {m['final_t']['p_permutation']:.3f}" if "final_t" in m else "") for n, m in pairs], fontsize=8)
+        f"{a} − {b}\np = {m['eval']['p_permutation']:.3f}"
+        + (f" / {m['final_t']['p_permutation']:.3f}" if "final_t" in m else "") for (a, b), (_, m) in zip(names, pairs)],
+        fontsize=8)
     ax_d.set_title("paired difference per seed" + ("\n(o final eval, ^ final policy at T=train)" if with_final
                                                    else " in final eval success"), fontsize=10)
 
