@@ -45,7 +45,7 @@ sudo_if_needed() { if [ "$(id -u)" = 0 ]; then run "$@"; else run sudo "$@"; fi;
 # Presence checks never pipe into `grep -q`: under pipefail grep's early exit can fail the
 # producer with SIGPIPE and a present thing would read as missing (and reach apt).
 has_cmd() { PATH="$PATH:/usr/sbin:/sbin" command -v "$1" >/dev/null; }
-has_lib() { local libs; libs="$(ldconfig -p 2>/dev/null || true)"; [[ "$libs" == *"$1"* ]]; }
+has_lib() { local libs; libs="$(PATH="$PATH:/usr/sbin:/sbin" ldconfig -p 2>/dev/null || true)"; [[ "$libs" == *"$1"* ]]; }
 is_snap_wrapper() { local head; head="$(head -c 4096 "$1" 2>/dev/null || true)"; [[ "$head" == *snap* ]]; }
 
 # 1. System packages (roles all and env), gathered first and installed with one apt-get update.

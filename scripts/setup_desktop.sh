@@ -53,7 +53,9 @@ say "system: ${PRETTY_NAME:-unknown}; the browser: $([ "$chrome" = google ] && e
 
 apt_pkgs=()
 for pkg in "${APPS[@]}"; do
-  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || apt_pkgs+=("$pkg")
+  # captured, not piped into grep -q (under pipefail grep's early exit can fail dpkg-query)
+  status="$(dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null || true)"
+  [[ "$status" == *"install ok installed"* ]] || apt_pkgs+=("$pkg")
 done
 need_chrome=0
 [ "$chrome" = google ] && [ ! -x /opt/google/chrome/chrome ] && need_chrome=1
