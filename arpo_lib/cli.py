@@ -384,7 +384,21 @@ def exit_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, stop)
 
 
-def main(argv: list[str] | None = None) -> int:
+OVERRIDES_EPILOG = """overrides: KEY=VALUE with the config's dotted key names, values in YAML, e.g.
+  eval.samples_per_task=2 env.workers=4 'eval.tasks=[osworld/abc, osworld/def]' model.path=DIR
+Every key and its doc: ./workbench config --docs; the resolved config: ./workbench config --config F [overrides].
+An unknown key or an impossible combination is refused with the key named."""
+
+
+def _print_commands(sub: argparse._SubParsersAction) -> int:
+    """One line per command: its name and its help (what `./workbench --help` shows)."""
+    for action in sub._choices_actions:
+        print(f"  {action.dest:<18} {action.help}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser: one sub-command per workflow."""
     parser = argparse.ArgumentParser(prog="arpo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -408,11 +422,13 @@ def main(argv: list[str] | None = None) -> int:
     _add_launch_options(p)
     p.set_defaults(func=_cmd_resume)
 
-    p = sub.add_parser("eval", help="evaluate a model on a task set")
+    p = sub.add_parser("eval", help="evaluate a model on a task set", epilog=OVERRIDES_EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="configs/smoke.yaml")
-    p.add_argument("--model", help="model directory (e.g. runs/x/checkpoints/step_000010/model)")
+    p.add_argument("--model", help="model directory or Hugging Face id (e.g. runs/x/checkpoints/step_000010/model, "
+                                   "ByteDance-Seed/UI-TARS-1.5-7B); the same as model.path=...")
     p.add_argument("--out", help="output directory (default: <run>/eval/<time>)")
-    p.add_argument("overrides", nargs="*")
+    p.add_argument("overrides", nargs="*", help="dotted config overrides KEY=VALUE (see below)")
     p.set_defaults(func=_cmd_eval)
 
     p = sub.add_parser("smoke", help="the CPU smoke run: executes notebooks/smoke_test.ipynb")
@@ -436,7 +452,8 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_cmd_build_warm_start)
 
     p = sub.add_parser("notebook", help="execute a notebook headlessly (papermill) into its run directory")
-    p.add_argument("name", help="smoke_test, subset_training, evaluation or gpu_inference_server")
+    notebooks = sorted(path.stem for path in (Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
+    p.add_argument("name", help="one of the notebooks in notebooks/: " + ", ".join(notebooks))
     p.add_argument("parameters", nargs="*", help="config=FILE, overrides='[a.b=1, c=2]', run_name=NAME")
     p.set_defaults(func=_cmd_notebook)
 
@@ -502,7 +519,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. compare.seeds=[0,1,2] name=my-exp")
     p.set_defaults(func=_cmd_compare)
 
-    args = parser.parse_args(argv)
+    p = sub.add_parser("commands", help="these commands, one line each")
+    p.set_defaults(func=lambda _args: _print_commands(sub))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     from arpo_lib.run.config import ConfigError
 
     if argv is None:  # the command line itself (not a caller in its own process: a test, a notebook)

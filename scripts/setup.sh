@@ -161,13 +161,27 @@ if [ ! -f "$stamp" ] || [ "$FORCE" = 1 ] || [ "$DRY" = 1 ]; then
   eval "$decision"
   [ "$TORCH_ACTION" = error ] && die "$TORCH_REASON"
   say "role $ROLE; Python: $PY ($PY_ENV); torch: $TORCH_REASON"
-  layer=$TORCH_LAYER_ON_BASE
-  [ "$PY_ENV" = system ] && layer=1
-  if [ ! -x .venv/bin/python ]; then
-    say "creating .venv with $PY$([ "$layer" = 1 ] && echo ", layered on its packages")"
-    run "$PY" -m venv $([ "$layer" = 1 ] && echo --system-site-packages) .venv
-  elif [ "$layer" = 1 ] && ! grep -qsx "include-system-site-packages = true" .venv/pyvenv.cfg; then
-    say "layering .venv on $PY's packages (include-system-site-packages)"
+  if [ "$PY_ENV" = system ]; then
+    # .venv only points at the base interpreter (a notebook's kernel and ./workbench then run the same
+    # Python, with the same packages): bin/python runs it, bin/activate puts bin/ first on PATH.
+    if [ "$(cat .venv/.system-python 2>/dev/null)" != "$PY" ]; then
+      say "pointing .venv at $PY (packages go into that interpreter)"
+      if [ "$DRY" = 1 ]; then
+        run write .venv/bin/python "(exec $PY)" and .venv/bin/activate
+      else
+        rm -rf .venv && mkdir -p .venv/bin
+        printf '#!/bin/sh\nexec %q "$@"\n' "$PY" > .venv/bin/python
+        chmod +x .venv/bin/python && ln -s python .venv/bin/python3
+        printf 'export VIRTUAL_ENV=%q\nexport PATH="$VIRTUAL_ENV/bin:$PATH"\n' "$PWD/.venv" > .venv/bin/activate
+        echo "$PY" > .venv/.system-python
+      fi
+    fi
+  elif [ ! -x .venv/bin/python ] || [ -f .venv/.system-python ]; then
+    [ -e .venv ] && run rm -rf .venv
+    say "creating .venv with $PY$([ "$TORCH_LAYER_ON_BASE" = 1 ] && echo ", layered on its packages (its torch)")"
+    run "$PY" -m venv $([ "$TORCH_LAYER_ON_BASE" = 1 ] && echo --system-site-packages) .venv
+  elif [ "$TORCH_LAYER_ON_BASE" = 1 ] && ! grep -qsx "include-system-site-packages = true" .venv/pyvenv.cfg; then
+    say "layering .venv on $PY's packages (include-system-site-packages: its torch)"
     run sed -i 's/^include-system-site-packages = .*/include-system-site-packages = true/' .venv/pyvenv.cfg
   fi
   # system: into the base interpreter (the one a notebook's kernel runs); venv: into .venv

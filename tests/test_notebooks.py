@@ -13,7 +13,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 LONG = os.environ.get("ARPO_LONG_TESTS", "") not in ("", "0")  # as tests/conftest.py
-NBVAL_LONG_ONLY = {"arpo_vs_grpo.ipynb", "subset_training.ipynb"}
+NBVAL_LONG_ONLY = {"arpo_vs_grpo.ipynb", "subset_training.ipynb", "smoke_test.ipynb"}
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 EXPECTED = {"smoke_test.ipynb", "subset_training.ipynb", "evaluation.ipynb", "gpu_inference_server.ipynb",
             "arpo_vs_grpo.ipynb"}
@@ -82,7 +82,8 @@ def test_notebook_executes_headlessly(tmp_path, tiny_qwen2vl, chromium_available
     from arpo_lib.workflows import execute_notebook
 
     overrides = [f"model.path={tiny_qwen2vl}", f"out_dir={tmp_path}", *FAST, *extra]
-    out = execute_notebook(f"notebooks/{name}.ipynb", {"overrides": overrides}, run_name="nb", out_dir=tmp_path)
+    params = {"overrides": overrides, **({"config": "configs/smoke.yaml"} if name == "smoke_test" else {})}
+    out = execute_notebook(f"notebooks/{name}.ipynb", params, run_name="nb", out_dir=tmp_path)
     nb = json.loads(out.read_text())
     errors = [o for c in nb["cells"] for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors
@@ -138,10 +139,11 @@ def test_nbval_on_the_committed_notebooks():
         sanitizers = ["--nbval-sanitize-with", "tests/nbval_sanitize_numbers.cfg"]
         warnings.warn(f"the notebooks' outputs were recorded with {recorded}, this machine has {current}: their "
                       "numbers are not compared; re-record with scripts/execute_notebooks.sh and commit")
-    # Two notebooks' defaults are training runs of minutes on 2 cores (arpo_vs_grpo: a 6-run comparison,
-    # ~5 min; subset_training: ~3.5 min). In CI they execute headlessly on smaller settings
-    # (test_notebook_executes_headlessly, tests/test_experiments.py); their committed outputs are
-    # re-checked under ARPO_LONG_TESTS=1. The smoke notebook (the main job) is re-checked in CI.
+    # Three notebooks' defaults are training runs of minutes on 2 cores (arpo_vs_grpo: a 6-run comparison,
+    # ~5 min; subset_training: ~3.5 min; smoke_test: the learning smoke, ~4 min). In CI they execute
+    # headlessly on smaller settings (test_notebook_executes_headlessly, tests/test_experiments.py; the
+    # smoke notebook on the tiny model's configs/smoke.yaml); their committed outputs are re-checked
+    # under ARPO_LONG_TESTS=1.
     notebooks = sorted(str(p.relative_to(REPO)) for p in (REPO / "notebooks").glob("*.ipynb")
                        if LONG or p.name not in NBVAL_LONG_ONLY)
     proc = subprocess.run([sys.executable, "-m", "pytest", "--nbval-lax", "--nbval-current-env", *sanitizers,

@@ -189,7 +189,7 @@ def test_on_colab_the_set_up_keeps_its_torch_and_installs_into_its_interpreter(t
                    ARPO_PYTHON=str(colab), COLAB_RELEASE_TAG="release-colab-20261201")
     assert out.startswith("rc=0"), out
     assert f"Python: {colab} (system)" in out and "keeping the torch 2.9.0+cu126" in out
-    assert f"would run: {colab} -m venv --system-site-packages .venv" in out
+    assert f"pointing .venv at {colab}" in out
     assert f"would run: {colab} -m pip install -q -e .[notebooks,dev]" in out
     assert "pip install -q torch" not in out and "torch==2.9.0 torchvision==0.24.0" in out
 
@@ -244,3 +244,79 @@ def test_a_set_up_with_nothing_to_do_never_reaches_apt_or_pip(tmp_path):
                               timeout=60)
         assert done.returncode == 0 and not list(marks.iterdir()), (done.stderr, [p.read_text() for p in marks.iterdir()])
         assert "installing" not in done.stderr, done.stderr
+
+
+# --- Colab's path: the notebooks' install cell --------------------------------------------------
+
+def _tree_copy(dest: Path) -> Path:
+    """The repository as a clone of it holds it (tracked and new files, not what git ignores)."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True,
+                           capture_output=True).stdout.decode().split("\0")
+    for name in filter(None, files):
+        if (ROOT / name).is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, dest / name)
+    return dest
+
+
+def _stand_in_colab(tmp_path: Path) -> Path:
+    """An interpreter with a preinstalled stack, as Colab's: a bare venv that sees this environment's
+    packages (torch, transformers, jupyter) through a .pth file, and installs into its own."""
+    env = tmp_path / "colab-python"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
+    site = next((env / "lib").glob("python3*/site-packages"))
+    import sysconfig
+
+    (site / "preinstalled.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return env / "bin" / "python"
+
+
+@pytest.mark.slow
+def test_the_notebooks_install_cell_sets_up_a_fresh_checkout_in_colabs_interpreter(tmp_path):
+    """The first code cell after the parameters, run with papermill from a fresh copy of the
+    repository, in a kernel of a stand-in for Colab's interpreter: the workbench installs into that
+    interpreter (system mode, its torch kept), .venv runs the same interpreter, the tiny models the
+    defaults use are built; run again, it does nothing."""
+    import json
+
+    import papermill
+
+    clone = _tree_copy(tmp_path / "clone")
+    colab = _stand_in_colab(tmp_path)
+    nb = json.loads((clone / "notebooks" / "evaluation.ipynb").read_text())
+    first = next(i for i, c in enumerate(nb["cells"]) if "parameters" in c.get("metadata", {}).get("tags", []))
+    nb["cells"] = nb["cells"][:first + 2]  # up to the install cell
+    assert "".join(nb["cells"][-1]["source"]).startswith("# Set-up, for Colab")
+    nb["cells"].append({"cell_type": "code", "execution_count": None, "id": "after", "metadata": {}, "outputs": [],
+                        "source": ["import sys, arpo_lib\n", "print('kernel:', sys.prefix, arpo_lib.__file__)"]})
+    (clone / "notebooks" / "install_only.ipynb").write_text(json.dumps(nb))
+    kernels = tmp_path / "jupyter" / "kernels" / "colab"  # the notebook's kernel runs Colab's interpreter
+    kernels.mkdir(parents=True)
+    (kernels / "kernel.json").write_text(json.dumps({
+        "argv": [str(colab), "-m", "ipykernel_launcher", "-f", "{connection_file}"], "display_name": "Colab",
+        "language": "python"}))
+    env = {"COLAB_RELEASE_TAG": "release-colab-stand-in", "ARPO_PYTHON": str(colab), "ARPO_SKIP_UBUNTU_FONT": "1",
+           "JUPYTER_PATH": str(tmp_path / "jupyter")}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        for attempt in range(2):
+            out = tmp_path / f"out{attempt}.ipynb"
+            papermill.execute_notebook(str(clone / "notebooks" / "install_only.ipynb"), str(out), kernel_name="colab",
+                                       cwd=str(clone / "notebooks"), progress_bar=False)
+            text = "".join("".join(o.get("text", "")) for c in json.loads(out.read_text())["cells"]
+                           for o in c.get("outputs", []))
+            assert f"kernel: {colab.parent.parent} {clone}/arpo_lib/__init__.py" in text, text
+            if attempt == 0:
+                assert f"Python: {colab} (system)" in text and "building models/tiny-uitars-qwen2vl" in text, text
+            else:
+                assert text.startswith("kernel:"), text  # set up: nothing to do, nothing said
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    for model in ("tiny-uitars-qwen2vl", "tiny-uitars-qwen25vl", "small-uitars-qwen2vl"):
+        assert (clone / "models" / model / ".complete").is_file()
+    ran = subprocess.run([str(clone / ".venv" / "bin" / "python"), "-c",
+                          "import sys, arpo_lib, torch; print(sys.prefix); print(arpo_lib.__file__)"],
+                         cwd=tmp_path, capture_output=True, text=True, check=True).stdout.split()
+    assert ran[0] == str(colab.parent.parent) and ran[1].startswith(str(clone))  # Colab's interpreter, the clone's code
