@@ -69,7 +69,7 @@ def test_eval_help_says_how_overrides_are_written(capsys):
     flat = " ".join(text.split())
     assert "KEY=VALUE" in flat and "./workbench config --docs" in flat and "Hugging Face id" in flat
     # the example overrides are ones the config accepts
-    example = re.search(r"overrides: KEY=VALUE.*?e\.g\.\n\s+(.*)\n", text, re.S).group(1)
+    example = re.search(r"overrides: KEY=VALUE.*?e\.g\.\n\s+([^\n]*)", text, re.S).group(1)
     from arpo_lib import build
 
     build.load_config("configs/smoke.yaml", [w.strip("'") for w in re.findall(r"'[^']*'|\S+", example)
