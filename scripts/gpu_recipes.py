@@ -148,19 +148,24 @@ def estimate(recipe: Recipe, rates: dict[str, float]) -> dict:
     }
 
 
+def table(rows: list[dict]) -> list[str]:
+    """The quick start's markdown table of the recipes."""
+    lines = ["| recipe | config | GPU (training GPUs) | planned peak GiB (usable) | est. s per step: rollout + update "
+             "| est. hours (GPU-hours) |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        total = (f"{r['estimated_hours']} ({r['estimated_gpu_hours']}), {r['steps']} steps" if r["steps"]
+                 else f"{r['estimated_hours']} for {r['episodes']} episodes ({r['tasks']} tasks)")
+        lines.append(f"| {r['title']} | `{r['config']}` | {r['card']} x {r['gpus']} | {r['planned_peak_gib']} "
+                     f"({r['usable_gib']}){'' if r['fits'] else ' does NOT fit'} | {r['estimated_rollout_s_per_step']} + "
+                     f"{r['estimated_update_s_per_step']} | {total} |")
+    return lines
+
+
 def main() -> None:
     rates = measured()
     rows = [estimate(r, rates) for r in RECIPES]
     (RESULTS / "gpu_recipes.json").write_text(json.dumps({"rates": rates, "recipes": rows}, indent=1) + "\n")
-    print("| recipe | config | GPU (training GPUs) | planned peak GiB (usable) | est. s per step: rollout + update "
-          "| est. hours (GPU-hours) |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        total = (f"{r['estimated_hours']} ({r['estimated_gpu_hours']}), {r['steps']} steps" if r["steps"]
-                 else f"{r['estimated_hours']} for {r['episodes']} episodes ({r['tasks']} tasks)")
-        print(f"| {r['title']} | `{r['config']}` | {r['card']} x {r['gpus']} | {r['planned_peak_gib']} "
-              f"({r['usable_gib']}){'' if r['fits'] else ' does NOT fit'} | {r['estimated_rollout_s_per_step']} + "
-              f"{r['estimated_update_s_per_step']} | {total} |")
+    print("\n".join(table(rows)))
 
 
 if __name__ == "__main__":

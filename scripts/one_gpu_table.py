@@ -3,7 +3,7 @@
 screenshots kept) and on MiniWoB++, rollouts generated in this process; each cell the peak the
 planner predicts with the levers it chose (cheapest first). Predictions, not measurements.
 
-    python scripts/one_gpu_table.py            # the markdown table (~1 min)
+    python scripts/one_gpu_table.py            # the markdown table, also written to benchmarks/results/one_gpu_table.md
 """
 from __future__ import annotations
 
@@ -52,12 +52,17 @@ def cell(model: str, setting: str, gib: int) -> str:
     return f"{describe(result.overrides)}: {after.peak.total / P.GIB:.1f}"
 
 
+OUT = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "one_gpu_table.md"
+
+
 def main() -> None:
     columns = [(m, s) for s in SETTINGS for m in MODELS]
-    print("| GPU | " + " | ".join(f"{m}, {s}" for m, s in columns) + " |")
-    print("|---|" + "---|" * len(columns))
+    lines = ["| GPU | " + " | ".join(f"{m}, {s}" for m, s in columns) + " |", "|---|" + "---|" * len(columns)]
     for gib in CARDS:
-        print(f"| {gib} GB | " + " | ".join(cell(m, s, gib) for m, s in columns) + " |")
+        lines.append(f"| {gib} GB | " + " | ".join(cell(m, s, gib) for m, s in columns) + " |")
+    print("\n".join(lines))
+    OUT.write_text("The planner's predictions (GiB at the peak with the levers it chose; not measurements), written by\n"
+                   "`python scripts/one_gpu_table.py`.\n\n" + "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

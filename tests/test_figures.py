@@ -1,0 +1,44 @@
+"""Figures the README and the guides show are the ones their results files hold (a figure that
+moves with the code moves in the prose too)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def _table_rows(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("|---")]
+
+
+def test_the_readmes_one_gpu_table_is_the_planners_committed_table():
+    committed = _table_rows((RESULTS / "one_gpu_table.md").read_text())
+    assert len(committed) == 5
+    readme = (ROOT / "README.md").read_text()
+    for row in committed[1:]:
+        assert row in readme, f"README's one-GPU table differs from benchmarks/results/one_gpu_table.md: {row}"
+
+
+def test_the_gpu_quick_starts_table_is_the_committed_estimate():
+    spec = importlib.util.spec_from_file_location("gpu_recipes", ROOT / "scripts" / "gpu_recipes.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_recipes"] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    rows = json.loads((RESULTS / "gpu_recipes.json").read_text())["recipes"]
+    assert [r["recipe"] for r in rows] == [r.key for r in module.RECIPES]
+    doc = (ROOT / "docs" / "gpu-quickstart.md").read_text()
+    for line in module.table(rows):
+        assert line in doc, f"docs/gpu-quickstart.md's table differs from benchmarks/results/gpu_recipes.json: {line}"
+
+
+def test_the_suite_figures_in_getting_started_are_those_of_ci_durations():
+    header = (RESULTS / "ci_durations.txt").read_text().splitlines()[0]
+    passed, skipped = map(int, re.search(r"(\d+) passed, (\d+) skipped", header).groups())
+    minutes = re.search(r"([\d.]+) min with set-up", header).group(1)
+    guide = (ROOT / "docs" / "getting-started.md").read_text()
+    assert f"{passed:,} pass, {skipped} skipped" in guide and f"{minutes} min from a clean clone" in guide
