@@ -128,9 +128,15 @@ class TrainingBackend(abc.ABC):
         """A rank other than 0: its part in rank 0's pass over `full_weights` (nothing to do where
         every rank holds the full model); raises `distributed.RankFailed` when rank 0 stops it."""
 
-    def stop_weights_pass(self) -> None:
+    def expect_weights_pass(self) -> None:
+        """Rank 0, having told the others that a pass over `full_weights` follows: they wait in its
+        gathers from now on, so a failure before the first gather must stop it too (nothing to do
+        where every rank holds the full model)."""
+
+    def stop_weights_pass(self, error: str = "rank 0 stopped (its log says why)") -> None:
         """Rank 0, failing: the other ranks waiting in a pass over the weights it left unfinished
-        (a push that failed mid-way) raise now (nothing to do where every rank holds the full model)."""
+        (a push that failed mid-way) raise now, with `error` (nothing to do where every rank holds
+        the full model)."""
 
     def save_policy(self, directory: Path) -> None:
         """The policy in the Hugging Face layout, written by rank 0 into `directory`. Every rank calls
@@ -285,16 +291,25 @@ class FSDP2(TrainingBackend):
     def full_weights(self) -> list[tuple[str, torch.Tensor]]:
         if self.keeps_full_model:
             return super().full_weights()
-        self.weights_pass = dist_.WeightPass(self._net, self.ranks)
+        expected = self.weights_pass
+        if expected is None or expected.gathered or expected.stopped:  # not the one announced
+            self.weights_pass = dist_.WeightPass(self._net, self.ranks)
         return self.weights_pass.weights
+
+    def expect_weights_pass(self) -> None:
+        if not self.keeps_full_model:
+            self.weights_pass = dist_.WeightPass(self._net, self.ranks)
+
+    def on_main(self, work: Callable[[], T]) -> T | None:
+        return dist_.on_main(work, self.ranks, open_pass=lambda: self.weights_pass)
 
     def join_full_weights(self) -> None:
         if not self.keeps_full_model:
             dist_.join_full_weights(self._net, self.ranks)
 
-    def stop_weights_pass(self) -> None:
+    def stop_weights_pass(self, error: str = "rank 0 stopped (its log says why)") -> None:
         if self.weights_pass is not None:
-            self.weights_pass.stop()
+            self.weights_pass.stop(error)
 
     def save_policy(self, directory: Path) -> None:
         if self.keeps_full_model:

@@ -254,16 +254,19 @@ class WeightPass:
         with torch.no_grad():
             return param.full_tensor() if isinstance(param, DTensor) else param
 
-    def stop(self) -> None:
-        """Rank 0, after a failure: the ranks waiting for the next gather raise. Best effort (the
-        others may be gone already: then nothing waits); idempotent."""
+    def stop(self, error: str = "rank 0 stopped (its log says why)") -> bool:
+        """Rank 0, after a failure: the ranks waiting for the next gather raise, with `error` (rank 0's
+        exception as text), which follows the stop on the same channel. Best effort (the others may
+        be gone already: then nothing waits); idempotent. Returns whether the others were told."""
         if not self.open:
-            return
+            return False
         self.stopped = True
         try:
             _announce(self.ranks, _STOP)
+            broadcast_object(error, self.ranks)
         except Exception as exc:  # rank 0 is failing already: its own error is the one to see
             log.warning("could not tell the other ranks that the pass over the weights stopped: %s", exc)
+        return True
 
 
 class _Announced:
@@ -300,8 +303,9 @@ def join_full_weights(sharded: torch.nn.Module, ranks: Ranks) -> None:
     with torch.no_grad():
         for done, (_, param) in enumerate(entries):
             if _announce(ranks) == _STOP:
-                raise RankFailed(f"rank 0 stopped its pass over the weights after {done} of {len(entries)} "
-                                 "gathers: its own error says why")
+                error = broadcast_object(None, ranks)  # what `WeightPass.stop` sends after the stop
+                raise RankFailed(f"rank 0 failed during its pass over the weights ({done} of {len(entries)} "
+                                 f"gathered): {error}")
             if isinstance(param, DTensor):
                 param.full_tensor()  # this rank's part; the whole tensor is dropped at once
 
@@ -312,9 +316,14 @@ def gather_to_host(weights: WeightPass) -> dict[str, torch.Tensor]:
     ranks call `join_full_weights`; they are released if this fails."""
     try:
         return {name: w.full_tensor().detach().to("cpu", copy=True) for name, w in weights.weights}
-    except BaseException:
-        weights.stop()
+    except BaseException as exc:
+        weights.stop(describe(exc))
         raise
+
+
+def describe(exc: BaseException) -> str:
+    """An exception as the other ranks are told of it."""
+    return f"{type(exc).__name__}: {exc}"
 
 
 # -- splitting the work --------------------------------------------------------------------------
@@ -410,11 +419,16 @@ def broadcast_object(obj: T, ranks: Ranks) -> T:
     return box[0]
 
 
-def on_main(work: Callable[[], T], ranks: Ranks) -> T | None:
+def on_main(work: Callable[[], T], ranks: Ranks, open_pass: Callable[[], "WeightPass | None"] = lambda: None) -> T | None:
     """`work()` on rank 0 while the other ranks wait for it on the control group (gloo, its long
     timeout: rank 0's work may outlast NCCL's); they get None. When `work` raises on rank 0 the
     others raise `RankFailed` at once, with its error, rather than at their next collective when
-    it times out or rank 0 has exited; rank 0 raises its own."""
+    it times out or rank 0 has exited; rank 0 raises its own.
+
+    `open_pass`: rank 0's pass over the weights that the others may be joining while `work` runs (a
+    push to the servers). When `work` fails with that pass open (before its first gather or mid-way)
+    the others are waiting for the pass's next announcement, not here: the pass is stopped with the
+    error, which they read there."""
     if not ranks.distributed:
         return work()
     result, failure = None, None
@@ -423,8 +437,11 @@ def on_main(work: Callable[[], T], ranks: Ranks) -> T | None:
             result = work()
         except BaseException as exc:
             failure = exc
+            weights = open_pass()
+            if weights is not None and weights.stop(describe(exc)):
+                raise
     try:
-        error = broadcast_object(None if failure is None else f"{type(failure).__name__}: {failure}", ranks)
+        error = broadcast_object(None if failure is None else describe(failure), ranks)
     except Exception:
         if failure is None:
             raise

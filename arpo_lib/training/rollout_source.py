@@ -136,7 +136,8 @@ class RolloutSource:
                 self.backend.join_full_weights()
             self.backend.on_main(lambda: None)  # rank 0's servers confirm the version (or fail: raises here too)
             return
-        self.backend.broadcast(self.served.passes_over_weights(version))
+        if self.backend.broadcast(self.served.passes_over_weights(version)):
+            self.backend.expect_weights_pass()  # the others wait in its gathers from now on: a failure stops it
         self.backend.on_main(lambda: self.served.policy(version))  # the others take part in its gathers first
 
     def engine(self, version: int, announce: bool = True, keep_pixels: bool = True,

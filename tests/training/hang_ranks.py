@@ -17,6 +17,10 @@ OUT/rank<R>.json. Scenarios:
 - push: a DCP checkpoint of a sharded optimizer round-trips, planned on the control group; a
   whole pass over the shards' weights; then a pass whose consumer fails at its third tensor
   (a server gone mid-push) while rank 0 lingers: rank 1 raises at once.
+- push-fails-before / push-fails-mid: the trainer's own path to a push, `RolloutSource.weights_changed`
+  over the FSDP2 backend without a full copy, where rank 0's servers fail before the first gather
+  (a refused `/pause`) or at the third tensor (a server gone); rank 0 lingers; rank 1 raises at
+  once with rank 0's error.
 """
 from __future__ import annotations
 
@@ -172,8 +176,8 @@ def push(ranks: Ranks, out: Path) -> dict[str, Any]:
                                                       [p.dtype for _, p in weights.weights])):
                     if sent == 2:
                         raise ConnectionError("the server went away (injected)")
-            except ConnectionError:
-                weights.stop()
+            except ConnectionError as exc:
+                weights.stop(distributed.describe(exc))
                 raise
         else:
             distributed.join_full_weights(net, ranks)
@@ -182,6 +186,65 @@ def push(ranks: Ranks, out: Path) -> dict[str, Any]:
         report["raised"] = f"{type(exc).__name__}: {exc}"
     report["seconds"] = time.monotonic() - t0
     return report
+
+
+class FailingServers:
+    """Rank 0's model servers as `RolloutSource` sees them (`ServedWeights`), whose push fails:
+    before reading any weight (`at` None: the servers refuse to pause) or at tensor `at`."""
+
+    def __init__(self, weights: Any, at: int | None):
+        self._weights, self._at = weights, at
+        self.urls = ["http://127.0.0.1:1"]
+
+    def passes_over_weights(self, version: int) -> bool:
+        return True
+
+    def policy(self, version: int) -> Any:
+        from arpo_lib.serving.weight_sync import full_tensors
+
+        time.sleep(0.5)
+        if self._at is None:
+            raise ConnectionError("POST /pause: connection refused (injected)")
+        weights = self._weights()
+        for sent, _ in enumerate(full_tensors(weights, torch.device("cpu"), [p.dtype for _, p in weights])):
+            if sent == self._at:
+                raise ConnectionError(f"the server went away at tensor {sent} (injected)")
+        return None
+
+    def metrics(self) -> dict[str, Any]:
+        return {}
+
+    def versioned(self) -> Any:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+def push_through_the_trainers_path(ranks: Ranks, out: Path, at: int | None) -> dict[str, Any]:
+    """`RolloutSource.weights_changed` on every rank, the FSDP2 backend keeping only shards."""
+    from arpo_lib.serving.weight_sync import FollowingServed
+    from arpo_lib.training.backend import FSDP2
+    from arpo_lib.training.rollout_source import RolloutSource
+
+    torch.manual_seed(0)
+    model = torch.nn.Module()  # the layout shard_for_training looks for: language_model.layers
+    model.language_model = torch.nn.Module()
+    model.language_model.layers = torch.nn.ModuleList([torch.nn.Linear(6, 6), torch.nn.Linear(6, 6)])
+    model.head = torch.nn.Linear(6, 2)
+    policy = SimpleNamespace(model=model, forward_logprobs=lambda *a, **k: None, compute_dtype=torch.float32)
+    backend = FSDP2(policy, ranks, keep_full_model=False, micro_batch_size=1, token_budget=0, pack=False)  # type: ignore[arg-type]
+    backend.release_full_model()
+    served = FailingServers(backend.full_weights, at) if ranks.is_main else FollowingServed(lambda url: None, ranks.rank)
+    rollouts = RolloutSource(policy, [], lambda: None, backend, served=served, run=RunDir(out / "run"),  # type: ignore[arg-type]
+                             group_size=1, temperature=1.0, top_p=1.0, max_steps=1, format_coef=0.0,
+                             format_penalty=0.0, seed=0, progress=False)
+    t0 = time.monotonic()
+    try:
+        rollouts.weights_changed(1)
+    except Exception as exc:
+        return {"raised": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - t0}
+    return {"raised": None, "seconds": time.monotonic() - t0}
 
 
 def other_rank_fails_mid_pass(ranks: Ranks, out: Path) -> dict[str, Any]:
@@ -234,6 +297,8 @@ def main(scenario: str, collective_timeout_s: float, out: str) -> None:
         report = other_rank_fails_mid_pass(ranks, out_dir)
     elif scenario == "push":
         report = push(ranks, out_dir)
+    elif scenario in ("push-fails-before", "push-fails-mid"):
+        report = push_through_the_trainers_path(ranks, out_dir, None if scenario == "push-fails-before" else 2)
     elif scenario == "failed-checkpoint":
         report = failed_checkpoint(ranks, out_dir)
     else:

@@ -461,8 +461,25 @@ def test_a_push_that_fails_mid_way_makes_every_rank_raise_at_once(push_ranks):
     zero, one = push_ranks
     assert zero["pass_names"] and zero["pass_gap"] == 0.0
     assert zero["raised"] == "ConnectionError: the server went away (injected)"
-    assert one["raised"] == ("RankFailed: rank 0 stopped its pass over the weights after 3 of 6 gathers: its own "
-                             "error says why")
+    assert one["raised"] == ("RankFailed: rank 0 failed during its pass over the weights (3 of 6 gathered): "
+                             "ConnectionError: the server went away (injected)")
+    assert one["seconds"] < 5, one
+
+
+@pytest.mark.parametrize("scenario, error", [
+    ("push-fails-before", "ConnectionError: POST /pause: connection refused (injected)"),
+    ("push-fails-mid", "ConnectionError: the server went away at tensor 2 (injected)"),
+])
+def test_a_push_that_fails_on_rank_0_ends_every_rank_at_once_with_its_error(tmp_path, scenario, error):
+    """The trainer's own path to a push (`RolloutSource.weights_changed` over FSDP2 without a full
+    copy): rank 0's servers fail before the first gather (a refused /pause) or mid-way, and rank 0
+    lingers 10 s. Rank 1, waiting in the pass's gathers, raises within seconds with rank 0's
+    exception text. On the code before, rank 0's error went out as a pickled object whose size
+    rank 1 read as the next gather's announcement, and rank 1 entered a gather rank 0 never joined
+    (on GPUs: NCCL's 30 minutes)."""
+    zero, one = _hang_ranks(scenario, 60, tmp_path)
+    assert zero["raised"] == error, zero
+    assert one["raised"].startswith("RankFailed: rank 0 failed during its pass over the weights") and error in one["raised"], one
     assert one["seconds"] < 5, one
 
 
