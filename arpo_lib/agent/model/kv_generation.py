@@ -46,7 +46,7 @@ class SlabLayer(DynamicLayer):
         self.length = 0
         if keys is not None:
             self._allocate(keys)
-            self._write(keys, values)
+            self._write(keys.to(self.dtype), values.to(self.dtype))
 
     def _allocate(self, like: torch.Tensor) -> None:
         batch, heads, _, dim = like.shape  # (B, H_kv, L, D)
@@ -83,15 +83,16 @@ class BatchSlab:
     not be NaN). Each row's prefill writes into it in place through `row` and decoding appends to
     it: one allocation per layer and step, no per-row cache beside it."""
 
-    def __init__(self, batch: int, capacity: int):
-        self.batch, self.capacity = batch, capacity
+    def __init__(self, batch: int, capacity: int, dtype: torch.dtype | None = None):
+        self.batch, self.capacity, self.dtype = batch, capacity, dtype
+        """`dtype`: what the keys and values are stored in (None: the first keys' dtype)."""
         self.key_buf: torch.Tensor | None = None
         self.value_buf: torch.Tensor | None = None
 
     def allocate(self, like: torch.Tensor) -> None:
         if self.key_buf is None:
             _, heads, _, dim = like.shape
-            self.key_buf = like.new_zeros(self.batch, heads, self.capacity, dim)
+            self.key_buf = like.new_zeros(self.batch, heads, self.capacity, dim, dtype=self.dtype or like.dtype)
             self.value_buf = torch.zeros_like(self.key_buf)
 
     def row(self, row: int, offset: int, keys: torch.Tensor | None = None,
@@ -121,7 +122,7 @@ class RowLayer(SlabLayer):
         if self.is_initialized:
             raise RuntimeError("a row of a BatchSlab cannot grow: size the slab for the whole call")
         self.slab.allocate(like)
-        self.dtype, self.device = like.dtype, like.device
+        self.dtype, self.device = self.slab.key_buf.dtype, like.device
         self.key_buf = self.slab.key_buf[self.row:self.row + 1, :, self.offset:]
         self.value_buf = self.slab.value_buf[self.row:self.row + 1, :, self.offset:]
         self.is_initialized = True
@@ -235,6 +236,10 @@ class CachedGenerator:
         this many tokens (0: one forward per row; `auto`: `PREFILL_BATCH_TOKENS_CUDA` on a GPU, 0
         on the CPU, where a batch saves no time). Needs SDPA over full attention (else per row)."""
         self.entries: dict[Hashable, _Entry] = {}
+        self.kv_dtype: torch.dtype | None = getattr(policy, "compute_dtype", None)
+        """What keys and values are kept in: the compute dtype. Under bf16 autocast RoPE hands them
+        over in fp32, and SDPA (in autocast's cast list) casts them to bf16 before every attention
+        call, so fp32 storage would only double the cache and recast it at every decoded token."""
         self.stats: Counter = Counter()
         """prefill_tokens, decode_tokens, images_encoded, cache_hits, cache_misses (cumulative)."""
 
@@ -272,6 +277,7 @@ class CachedGenerator:
             inputs["image_grid_thw"] = torch.stack(segment.image_grid_thw[n_cached_images:]).to(policy.device)
         if entry:
             layers = [slab.row(row, offset, k, v) for slab, (k, v) in zip(slabs, entry.kv)]
+            entry.kv = []  # in the slab now: nothing of the old copy stays alive through the forward
         else:
             layers = [slab.row(row, offset) for slab in slabs]
         cache = Cache(layers=layers)
@@ -340,6 +346,7 @@ class CachedGenerator:
                     slab.allocate(k)
                     slab.key_buf[r, :, lo:lo + start] = k[0]
                     slab.value_buf[r, :, lo:lo + start] = v[0]
+                entry.kv = []  # in the slab now
         sub = [_Rows(slab, rows[0], rows[-1] + 1) for slab in slabs]  # groups are consecutive rows
         real = torch.zeros(len(rows), t, dtype=torch.bool, device=device)
         for i, n in enumerate(new):
@@ -373,12 +380,14 @@ class CachedGenerator:
         lengths = [len(s.input_ids) for s in segments]
         width = max(lengths)
         n_layers = model.config.get_text_config().num_hidden_layers
-        slabs = [BatchSlab(batch, width + max_new_tokens) for _ in range(n_layers)]
-        entries = [self._reusable(key, segment.input_ids) for segment, key in zip(segments, keys)]
+        slabs = [BatchSlab(batch, width + max_new_tokens, self.kv_dtype) for _ in range(n_layers)]
+        entries: list[_Entry | None] = [self._reusable(key, segment.input_ids) for segment, key in zip(segments, keys)]
         new = [n - (len(e.ids) if e else 0) for n, e in zip(lengths, entries)]
         rows: list[tuple[torch.Tensor, int]] = []
         for group in self._batches(new, width):
             rows += self._prefill_rows(group, segments, entries, slabs, lengths, width)
+            for r in group:  # its keys and values are in the slab now: the episode's old copy goes
+                entries[r] = None
         merged = [slab.layer(width) for slab in slabs]
         cache = Cache(layers=merged)
         device = policy.device

@@ -226,7 +226,7 @@ def test_one_kv_slab_per_step_sized_by_the_response_cap(policy, monkeypatch, n_e
 
 @pytest.mark.parametrize("budget", [10**6, 700])
 def test_batched_prefill_draws_what_the_naive_path_draws(policy, monkeypatch, budget):
-    """Issue 52: the rows' new turns prefilled together (left-padded, each row's cached keys before
+    """The rows' new turns prefilled together (left-padded, each row's cached keys before
     its new ones, one vision-tower call for the batch's screenshots) rather than one forward per
     episode: the same tokens and log-probs as re-prefilling every history, with 3 episodes of 4
     steps (a budget of 700 tokens splits the first step's long prompts, not the later turns)."""
@@ -279,3 +279,67 @@ def test_the_prefill_budget_is_a_config_key(tiny_qwen2vl):
         == "auto"
     with pytest.raises(ConfigError, match=r"model\.prefill_batch_tokens: must be >= 0"):
         load_config("configs/smoke.yaml", ["model.prefill_batch_tokens=-1"])
+
+
+def test_an_episodes_old_cache_is_released_once_its_row_is_in_the_slab(policy):
+    """One KV copy per live episode plus the step's slab: at a cache-hit step each episode's old
+    copy is dropped as soon as its keys and values are written into the slab, so none is alive
+    while the batch decodes (before, every old copy lived until the step ended, beside the slab
+    and the new copies: three copies at the peak)."""
+    import gc
+    import weakref
+
+    n = 3
+    convs = _padded_batch(policy, n)
+    keys = [("release", i) for i in range(n)]
+    gens = policy.generate([c.current for c in convs], seeds=list(range(n)), cache_keys=keys,
+                           sampling=SamplingParams(temperature=1.0, max_new_tokens=4))
+    for c, g in zip(convs, gens):
+        c.add_response(g.text, g.token_ids, g.logprobs)
+        c.add_observation(_shot(7))
+    old = [weakref.ref(t) for key in keys for pair in policy.cached.entries[key].kv for t in pair]
+    seen = []
+
+    def probe(module, args, kwargs):
+        gc.collect()
+        ids = kwargs.get("input_ids")
+        seen.append((tuple(ids.shape), sum(ref() is not None for ref in old)))
+
+    hook = policy.model.model.register_forward_pre_hook(probe, with_kwargs=True)
+    try:
+        policy.generate([c.current for c in convs], seeds=list(range(n)), cache_keys=keys,
+                        sampling=SamplingParams(temperature=1.0, max_new_tokens=4))
+    finally:
+        hook.remove()
+        for key in keys:
+            policy.release(key)
+    prefills = [alive for shape, alive in seen if shape[1] > 1]
+    decodes = [alive for shape, alive in seen if shape == (n, 1)]
+    assert prefills and decodes
+    per_episode = len(old) // n
+    assert prefills[0] <= (n - 1) * per_episode  # the row being prefilled has let its old copy go
+    assert set(decodes) == {0}, seen  # nothing of the old copies while the batch decodes
+
+
+def test_keys_and_values_are_kept_in_the_compute_dtype(tiny_model):
+    """Under bf16 autocast the cache is stored in bf16: the same tokens and log-probs as fp32
+    storage (SDPA casts the keys and values to bf16 before attending anyway), half the bytes."""
+    from arpo_lib.agent.hf_policy import HFPolicy
+
+    bf16 = HFPolicy(tiny_model, device="cpu", compute_dtype="bfloat16")
+    runs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        bf16.cached.kv_dtype = dtype
+        gens = _episodes(bf16, 2, 3, cached=True, temperature=1.0)
+        convs = _padded_batch(bf16, 2)
+        bf16.generate([c.current for c in convs], seeds=[0, 1], cache_keys=["a", "b"],
+                      sampling=SamplingParams(temperature=1.0, max_new_tokens=4))
+        k = bf16.cached.entries["a"].kv[0][0]
+        runs[dtype] = ([[g.token_ids for g in step] for step in gens], [[g.logprobs for g in step] for step in gens],
+                       k.dtype, k.numel() * k.element_size())
+        bf16.cached.clear()
+    (t32, lp32, d32, b32), (t16, lp16, d16, b16) = runs[torch.float32], runs[torch.bfloat16]
+    assert (d32, d16) == (torch.float32, torch.bfloat16) and b16 * 2 == b32
+    assert t16 == t32
+    np.testing.assert_array_equal(np.array(lp16, dtype=object), np.array(lp32, dtype=object))
+    assert HFPolicy(tiny_model, device="cpu").cached.kv_dtype == torch.float32  # fp32 compute: fp32 cache
