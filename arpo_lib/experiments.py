@@ -23,7 +23,7 @@ run directory `<out_dir>/<name>`):
    have anything to do?); `report.json`, `report.md`, `comparison.png`.
 
 Every stage is skipped when its result exists, and a run resumes from its last checkpoint, so
-rerunning the same command (in this session or a later one) continues where it stopped; with
+rerunning the same command (now or later, on the same machine) continues where it stopped; with
 `compare.archive` the finished runs' records outlive the run directory (a fresh checkout makes
 the stages again, checks them against the archive's `stages.json` and runs only what is
 missing). The replay buffer starts empty in every arm (`train.demo_replay` is forced to 0): ARPO's buffer
@@ -408,7 +408,7 @@ def write_report(run_dir: Path, report: dict[str, Any]) -> None:
     save_figure(plot_instance_curves(report), run_dir / "instances.png")
 
 
-# ------------------------------------------------- the archive: results kept across sessions
+# ------------------------------------- the archive: results kept across machines and checkouts
 
 ARCHIVE_STAGES = "stages.json"
 ARCHIVED_RUN_FILES = ("final.json", layout.CONFIG)
@@ -427,7 +427,7 @@ tolerance (the same recipe in another kind of process differed in the 7th digit 
 
 def stage_fingerprint(cfg: RunConfig, model_dir: Path, tasks: list[str], warm: dict[str, Any],
                       warm_train: dict[str, Any] | None, warm_transfer: dict[str, Any] | None) -> dict[str, Any]:
-    """What the experiment's runs start from, in a form two sessions can compare: the warm start's
+    """What the experiment's runs start from, in a form two checkouts can compare: the warm start's
     weights (sha256 of its weight files, and every tensor's norm), the instances selection kept
     with every candidate's successes, the baselines' success rates, and the host's numerics."""
     import hashlib

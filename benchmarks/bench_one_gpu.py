@@ -1,12 +1,12 @@
 """The one-GPU configs against the planner: one rollout batch and one update of a planned config on
 a card capped to the size the config is planned for, measured per phase beside the planner's
-prediction (issue 53, point 6).
+prediction.
 
   python benchmarks/bench_one_gpu.py --config configs/one_gpu_40gb.yaml --cap-gb 40 --out "$OUT"   # a GPU
   python benchmarks/bench_one_gpu.py --config configs/one_gpu_24gb.yaml --cap-gb 24 --out "$OUT"
   python benchmarks/bench_one_gpu.py --config configs/one_gpu_24gb.yaml --cap-gb 24 --shape tiny \\
       --resolution 448x336 --trajectories 2 --device cpu --out /tmp/r          # the CPU rehearsal (seconds)
-  python benchmarks/run_gpu.py 5 --out "$OUT"                                 # both, as a device part
+  python benchmarks/run_gpu.py 5 --out "$OUT"                                 # both, as part 5 of the GPU runs
 
 On CUDA the process is capped first (`torch.cuda.set_per_process_memory_fraction(cap / total)`,
 `--cap-gb` read as GiB, the planner's unit), then the config's model shape is built with random

@@ -1,5 +1,5 @@
 """How long a reset waits after a task's set-up, before and after it waited for what the set-up
-opened (issue: "Reset waits for what the set-up opens, not for a timeout when it opens nothing").
+opened ("Reset waits for what the set-up opens, not for a timeout when it opens nothing").
 
 Before: `Sandbox.wait_for_windows(20)`, until at least one window exists and stays the same for 1 s
 (20 s when the set-up opens none). Now: `Sandbox.settle(20)`, until the windows are unchanged and the

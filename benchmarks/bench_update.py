@@ -2,8 +2,8 @@
 
 naive: transformers' per-window vision attention loop, LM head over all trained positions at once
 ours:  batched vision window attention, LM head in checkpointed chunks (the trainer's defaults)
-Both: fp32 master weights, bf16 autocast on CUDA, SDPA, activation checkpointing (as the issue's
-naive measurement). Levers go on top of a path with '+' (`--paths ours,ours+compile,ours+cudnn`:
+Both: fp32 master weights, bf16 autocast on CUDA, SDPA, activation checkpointing (as the naive
+baseline is defined). Levers go on top of a path with '+' (`--paths ours,ours+compile,ours+cudnn`:
 torch.compile of the decoder layers, checkpointing every N-th layer, activation offload, a forced
 SDPA backend); every path is checked against the first one's log-probs and gradients.
 Reported: seconds per fwd+bwd (and the first call's, which holds a compile), tokens/s, MFU (FLOP
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-checkpointing", action="store_true")
     ap.add_argument("--weights", default="auto", choices=["auto", "fp32", "bf16"],
                     help="parameter storage: auto = bf16 for the fwd+bwd comparison of a real shape on CUDA "
-                         "(as the issue's naive measurement), fp32 master weights with --update or on the CPU")
+                         "(as the naive baseline is defined), fp32 master weights with --update or on the CPU")
     ap.add_argument("--pack", type=int, default=0, metavar="N",
                     help="also compare N trajectories of 1..N screenshots padded vs packed in one row")
     ap.add_argument("--text-layers", type=int, default=None, help="shrink the decoder (a CPU check of a real shape)")

@@ -22,7 +22,7 @@ Phases, each its own peak (bytes of rank 0; every rank holds the same):
   already there (as from the second step on);
 - weight push: every trainable parameter gathered whole, cast to bf16, one at a time.
 "full copy" is measured (the fp32 model `model.to_empty` allocates) and resident through every
-phase; "without it" subtracts it: what server mode holds once the full copy is gone (issue 35).
+phase; "without it" subtracts it: what server mode holds once the full copy is gone (the 7B-on-8-GPUs preparation).
 
 What this cannot see (a GPU run can): the CUDA caching allocator's fragmentation and reserve, NCCL's
 buffers, CUDA autocast's op list (CPU autocast is measured: the same matmuls in bf16), kernels'

@@ -20,7 +20,7 @@ torch's meta device (no weights, no memory). Per GPU, in bytes, with P parameter
   (model.frozen_weights_dtype=auto on CUDA), the rest fp32, only the adapters have gradients and
   moments.
 Activations are not counted: they depend on the sequence (15 screenshots at 1080p: ~41.7k tokens)
-and on activation checkpointing; the GPU issue measures them.
+and on activation checkpointing; the GPU runs (benchmarks/run_gpu.py) measure them.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Asynchronous ARPO at GPU scale, projected from measured parts (issue 54, point 5).
+"""Asynchronous ARPO at GPU scale, projected from measured parts.
 
 No GPU and no VM fleet ran here, so this is a model, not a measurement: a seeded discrete-event
 simulation of ARPO's full run (16 tasks x 8 rollouts = 128 environments, 15 steps, one update per
@@ -16,7 +16,7 @@ batch) under the two schedules the trainer has, fed with figures measured elsewh
 Inputs (each a flag; defaults and where they come from):
   --step-s LO HI       an environment step, uniform (0.5-2.4 s: OSWorld's tasks on the desktop
                        sandbox with its 1 s pause, benchmarks/results/osworld_sandbox.json and the
-                       issue's measured range; one environment per machine, as VMs)
+                       sandbox's measured range of step times; one environment per machine, as VMs)
   --reset-s LO HI      a reset, uniform (0.4-3 s, same source) ...
   --slow-reset P S     ... except with probability P it takes S (0.05, 21 s: a set-up that opens no window)
   --gen-s              one request's generation on the GPU server (ASSUMED 2.0 s: a 7B response of

@@ -20,7 +20,7 @@ naive path and ours in one process (ratios within one run); the exact command is
 is `train_flops` in [common.py](common.py) (text linears, causal attention, LM head at trained
 positions, vision linears and windowed attention; recomputation excluded).
 
-## The levers (issue 5) and where they stand
+## The levers and where they stand
 
 | lever | where | default | status |
 |---|---|---|---|
@@ -65,7 +65,7 @@ def plot_rollout(r: dict, path: Path) -> bool:
     return True
 
 
-GOALS = """## The goals (GPU issue)
+GOALS = """## The goals on a GPU
 
 | goal | measured | status |
 |---|---|---|
@@ -73,7 +73,8 @@ GOALS = """## The goals (GPU issue)
 
 
 def goals(gpu: list[dict]) -> str:
-    """The GPU issue's goals against the GPU results present: met, missed, or not measured."""
+    """The GPU goals (speed, MFU, memory, 7B on one GPU) against the GPU results present: met,
+    missed, or not measured."""
     def full_shots(r: dict, shape: str) -> bool:
         return (r.get("benchmark") == "update" and r["shape"] == shape and r["screenshots"] >= 15
                 and not r.get("text_layers") and not r.get("vision_layers"))

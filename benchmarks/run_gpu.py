@@ -1,4 +1,4 @@
-"""Every GPU figure of the GPU issue, in parts that each end inside a lent device's 10-minute command.
+"""Every GPU figure of the speed and memory goals, in parts that each end inside a 10-minute command.
 
   python benchmarks/run_gpu.py --list                      # the parts, their steps and time estimates
   python benchmarks/run_gpu.py 1 --out "$OUT"              # part 1 on the GPU (results + log into $OUT)
@@ -8,19 +8,19 @@
 A part runs its steps in order (most needed first), each a subprocess with a timeout, and starts a
 step only when the part's remaining time covers the step's estimate: a part never outruns its
 deadline (default 9 minutes), and what ran is in `$OUT` (one JSON per step, `part<N>.log`,
-`part<N>_status.json`), at most 8 files per part (the device returns no more). Then, here:
-copy the JSON into benchmarks/results/ and run `python benchmarks/report.py`.
+`part<N>_status.json`), at most 8 files per part. Then, in the checkout
+the results go to: copy the JSON into benchmarks/results/ and run `python benchmarks/report.py`.
 
 The estimates are minutes measured on an H100 on 2026-11-25 (benchmarks/results/h100_logs/), rounded
-up; the steps not run that day (2B Adafactor, 7B Adafactor with the tower frozen) are guesses. Device session
-(the `run` recipe is in docs/speed-and-memory.md, "Running the benchmarks on a lent device"):
+up; the steps not run that day (2B Adafactor, 7B Adafactor with the tower frozen) are guesses. The parts
+(the recipe is in docs/speed-and-memory.md, "Running the benchmarks on a GPU machine without network"):
   part 1  update fwd+bwd naive vs ours, 7B and 2B, 15 screenshots (goal: 3x, 40% MFU); 2B with half
           the layers checkpointed and with cuDNN attention
   part 2  complete updates: 2B AdamW and Adafactor (goal < 40 GB), 7B LoRA AdamW, 7B Adafactor with the
           vision tower frozen (goal: fits 80 GB; full Adafactor ran out of memory); the GPU tests
   part 3  rollouts 2B 8 x 15 KV-cached vs re-prefill
   part 4  levers for the 7B update: torch.compile, SDPA backends, frozen vision, a profile (if goals are missed)
-  part 5  the one-GPU configs against the planner (issue 53): configs/one_gpu_40gb.yaml (7B LoRA r16, 5
+  part 5  the one-GPU configs against the planner: configs/one_gpu_40gb.yaml (7B LoRA r16, 5
           screenshots) capped at 40 GiB and configs/one_gpu_24gb.yaml (2B Adafactor, vision frozen) at 24 GiB,
           random weights, one rollout batch and one update each, peak and seconds per phase beside the
           planner's prediction (benchmarks/bench_one_gpu.py). Not run on a GPU yet: its estimates are guesses

@@ -167,7 +167,7 @@ def test_typed_text_arrives_whole_non_ascii_included(screen, text):
     driver, env = screen
     driver.execute_script("const t = document.getElementById('t'); t.value = '';")
     _run(to_pyautogui(Action("click", point=_screen_xy(driver, "t")), SCREEN), env)
-    # Keystrokes sent before the click has focused the field are lost (a loaded machine: stop 48's
+    # Keystrokes sent before the click has focused the field are lost (a loaded machine: a
     # clean-clone run lost a whole text after a fixed 0.1 s): wait until the page says it is focused.
     deadline = time.monotonic() + 10
     while driver.execute_script("return document.activeElement && document.activeElement.id;") != "t":

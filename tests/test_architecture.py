@@ -290,7 +290,7 @@ def test_public_names_keep_working():
 
 def test_the_retired_old_names_are_gone_and_nothing_uses_them():
     """`arpo_lib.plots` and `arpo_lib.trainer` (the shims of the names before the package layout)
-    are retired (issue 55): the notebooks, docs and tests use `arpo_lib.viz.plots` and
+    are retired: the notebooks, docs and tests use `arpo_lib.viz.plots` and
     `arpo_lib.build.trainer(cfg)`."""
     import importlib
 
@@ -304,7 +304,7 @@ def test_the_retired_old_names_are_gone_and_nothing_uses_them():
 
 
 def test_the_trainer_reads_as_the_algorithm_and_reads_only_its_own_config_sections():
-    """Issue 34's target: `training/trainer.py` under ~250 lines, `train_step` about 40, and the
+    """The trainer's size target: `training/trainer.py` under ~250 lines, `train_step` about 40, and the
     trainer and its update read `train.*` and `algo.*` only (the rest is read by the components
     `build.trainer` hands them)."""
     trainer = PACKAGE / "training" / "trainer.py"

@@ -167,17 +167,17 @@ def test_desktop_benchmark_runs_small(tmp_path):
 
 
 @pytest.mark.slow
-def test_gpu_plan_parts_fit_a_device_command_and_rehearse_on_cpu(tmp_path):
-    """benchmarks/run_gpu.py: each part's estimate fits the device's 10-minute command with room,
+def test_gpu_plan_parts_fit_a_ten_minute_command_and_rehearse_on_cpu(tmp_path):
+    """benchmarks/run_gpu.py: each part's estimate fits a 10-minute command with room,
     and every step (both benchmarks, every lever path, the profile, the GPU tests) runs shrunk on
     the CPU and leaves its results file."""
     from benchmarks import run_gpu
 
     for part, steps in run_gpu.PARTS.items():
         assert sum(minutes for _, minutes, _ in steps) <= 8.5, part
-        assert len(steps) + 2 <= 8  # one JSON per step, the log and the status: the device returns 8 files
+        assert len(steps) + 2 <= 8  # one JSON per step, the log and the status: 8 files at most
     if not LONG:  # ~2 min of CI: a long variant (the 2B paths run shrunk above in every CI run)
-        pytest.skip("the full rehearsal of benchmarks/run_gpu.py runs under ARPO_LONG_TESTS=1 (before a GPU session)")
+        pytest.skip("the full rehearsal of benchmarks/run_gpu.py runs under ARPO_LONG_TESTS=1 (before a GPU run)")
     statuses = run_gpu.main(["all", "--rehearse", "--out", str(tmp_path)])
     assert [s["step"] for s in statuses] == [name for steps in run_gpu.PARTS.values() for name, _, _ in steps]
     assert all(s["status"] == "ok" for s in statuses), statuses
@@ -193,7 +193,7 @@ def test_gpu_plan_parts_fit_a_device_command_and_rehearse_on_cpu(tmp_path):
 
 
 def test_the_one_gpu_part_rehearses_on_cpu_measured_beside_the_planner(tmp_path):
-    """benchmarks/run_gpu.py part 5 (issue 53): both one-GPU configs at the tiny shapes of their
+    """benchmarks/run_gpu.py part 5: both one-GPU configs at the tiny shapes of their
     architectures (~20 s): each phase (one rollout batch, old log-probs, the update) has its
     measured peak, seconds, the planner's prediction and the ratio; no cap on the CPU, said so."""
     from benchmarks import run_gpu
@@ -325,7 +325,7 @@ def test_settle_benchmark_runs_small(tmp_path):
 
 
 def test_the_async_projection_is_a_schedule_not_a_guess(tmp_path):
-    """benchmarks/project_async.py (issue 54's GPU-scale projection): with identical environments
+    """benchmarks/project_async.py (asynchronous ARPO's GPU-scale projection): with identical environments
     and no update the two schedules take the same time (nothing to overlap, no one to wait for);
     with varied steps and an update, async with staleness 1 makes more steps per hour and keeps the
     environments busier, staleness 2 at least as many; the result file carries its inputs."""

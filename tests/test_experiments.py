@@ -317,8 +317,8 @@ def _run_digest(root: Path, out_dir: Path) -> dict[str, Any]:
 @pytest.mark.slow
 def test_a_seed_reproduces_bit_for_bit(tmp_path, tiny_qwen2vl, chromium_available):
     """Warm start, selection, training and evaluation twice from nothing with the same seeds: every
-    weight, token, log-probability, screenshot and number is the same (issue 16: a fresh clone's
-    warm start and selection differed from the committed ones)."""
+    weight, token, log-probability, screenshot and number is the same (a regression test: a fresh clone's
+    warm start and selection once differed from the committed ones)."""
     from arpo_lib.experiments import run_comparison
 
     digests = []

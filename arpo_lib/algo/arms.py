@@ -25,7 +25,7 @@ COMPARISON_ARMS.register("arpo_seeded", {"algo.replay.enabled": True, "algo.repl
 # ARPO with generation served (vLLM, weights streamed after every update), the next batch waiting for
 # the update (staleness 0), against the same with one batch playing ahead on the weights of one batch
 # before (`rollout.max_staleness=1`, asynchronous episodes, stale tokens weighted by truncated
-# importance ratios): does asynchronous ARPO cost learning? (issue 54, docs/asynchronous.md)
+# importance ratios): does asynchronous ARPO cost learning? (docs/asynchronous.md)
 _SERVED = {"algo.replay.enabled": True, "algo.replay.correction": "none", "rollout.backend": "server",
            "rollout.weight_sync": "stream", "serve.backend": "vllm", "serve.weight_sync": True}
 COMPARISON_ARMS.register("arpo_served", {**_SERVED, "rollout.mode": "lockstep", "rollout.max_staleness": 0})

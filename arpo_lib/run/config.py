@@ -592,7 +592,7 @@ class CompareConfig(Section):
     and its counts, the baselines' success, the host's numerics). A later call, in a fresh
     checkout too, makes the warm start, selection and baselines again, checks them against
     `stages.json` (RuntimeError where they differ: the archived runs came from other weights) and
-    runs only the runs the archive does not hold: a long experiment goes on across sessions. None:
+    runs only the runs the archive does not hold: a long experiment goes on across machines. None:
     no archive."""
     preregistered: bool = False
     """The report states the verdict of the comparison fixed in advance (`viz.report.PREREGISTERED`,

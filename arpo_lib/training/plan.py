@@ -7,9 +7,9 @@ parameters counted) and the run's config, in bytes per GPU, for the phases of on
 
 - generation (in-process rollouts, `rollout.backend=hf`): what stays resident (weights, the
   optimizer's state) + the KV cache + one prefill's working set. The cache is counted twice over:
-  each episode's compact copy and the step's batch slab of every row (kv_generation.py), both in
-  the keys' dtype, fp32 under autocast here (RoPE's fp32 cos/sin promote them; the 2B rollout on
-  an H100 bears it out). Per token: layers x 2 x kv_heads x head_dim x 4 bytes. The copies: every
+  each episode's compact copy and the step's batch slab of every row (kv_generation.py releases
+  an episode's old copy once its row is in the slab), both in the compute dtype (bf16 on a GPU).
+  Per token: layers x 2 x kv_heads x head_dim x 2 bytes. The copies: every
   live episode of this GPU (its share of tasks_per_batch x group_size, at most its environments:
   env.workers / GPUs x envs_per_worker; fewer workers is the lever); the slab: those generating
   together (all of them, or `rollout.max_batch` in async mode). With
@@ -46,8 +46,6 @@ RESERVE_BYTES = 1.5 * GIB
 """The CUDA context, cuBLAS and attention workspaces: memory the card has that tensors never get."""
 FRAGMENTATION = 0.05
 """Share of the card kept free for the caching allocator's fragmentation."""
-KV_BYTES = 4
-"""Bytes per cached key/value element: fp32 (see the module docstring)."""
 ACTIVATION_COEFFICIENTS = {
     "text_working": 2.67,
     "lora_working": 4.87,
@@ -80,6 +78,8 @@ class Training:
     """Master weights' bytes per element (4: fp32, as the trainer keeps them)."""
     compute_bytes: int = 2
     """Activations' bytes per element (2: bf16 autocast on a GPU; 4 on the CPU)."""
+    kv_bytes: int = 2
+    """Bytes per cached key/value element: the compute dtype's (kv_generation.py stores them so)."""
     frozen_bytes: int = 2
     """Frozen Linear weights under LoRA (model.frozen_weights_dtype=auto: the compute dtype)."""
     logprob_chunk: int = 1024
@@ -99,7 +99,7 @@ def training_of(cfg: Any, gpus: int | None = None, device: str = "cuda") -> Trai
     return Training(lora_rank=cfg.model.lora_rank, optimizer=cfg.train.optimizer,
                     freeze_vision=cfg.model.freeze_vision_tower, checkpointing=cfg.model.gradient_checkpointing,
                     offload=cfg.model.gradient_checkpointing and cfg.model.activation_offload and on_gpu,
-                    compute_bytes=2 if on_gpu else 4,
+                    compute_bytes=2 if on_gpu else 4, kv_bytes=2 if on_gpu else 4,
                     frozen_bytes=2 if on_gpu and cfg.model.frozen_weights_dtype == "auto" else 4,
                     logprob_chunk=cfg.model.logprob_chunk or 10 ** 9,
                     gpus=gpus or cfg.train.nproc_per_node, in_process=cfg.rollout.backend == "hf",
@@ -199,7 +199,7 @@ def phases(shape: ModelShape, w: Workload, t: Training) -> list[Phase]:
     grads = {"gradients": grad_bytes * _trained_params(shape, t) / t.gpus}
     out = []
     if w.generation_rows:
-        per_token = shape.layers * 2 * shape.kv_heads * shape.head_dim * KV_BYTES
+        per_token = shape.layers * 2 * shape.kv_heads * shape.head_dim * t.kv_bytes
         cached = per_token * w.generation_rows * w.generation_context
         slab = per_token * (w.generation_batch or w.generation_rows) * (w.generation_context + w.max_new_tokens)
         prefill = activation_bytes(shape, Workload(tokens=w.prefill_tokens, patches=w.prefill_patches, trained=1), t,

@@ -115,7 +115,7 @@ class PolicyUpdate:
         episode's were dropped once written to disk, or it is another rank's episode) is
         re-encoded from its trajectory directory and dropped again after: the update holds one
         micro-batch's pixels, not the batch's (a 1080p screenshot is ~50 MB of fp32 pixels, up to 15
-        per episode: ~130 GB at 32x8 episodes, issue 52)."""
+        per episode: ~130 GB at 32x8 episodes)."""
         loaded = [s for s in segs if s.screenshot_steps and not s.pixel_values]
         try:
             for seg in loaded:

@@ -24,8 +24,9 @@ held-out run: ARPO − GRPO on the final policy at the training temperature, pai
 permutation test at 5%; ARPO+TIS − ARPO and ARPO seeded − ARPO secondary, Holm-corrected."""
 
 REGIME_ALL_FAILED, REGIME_INJECTIONS = 0.25, 10
-"""When replay has something to do (issue 36's bar): in an arm with replay, at least this share of
-groups all-failed in the first half of training, and at least this many injections per run."""
+"""When replay has something to do (the bar of docs/learning.md, section 8): in an arm with replay,
+at least this share of groups all-failed in the first half of training, and at least this many
+injections per run."""
 
 
 def report_markdown(report: dict[str, Any]) -> str:

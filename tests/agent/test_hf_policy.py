@@ -1,4 +1,4 @@
-"""HFPolicy's own memory behaviour (issue 52): generation holds one copy of the weights.
+"""HFPolicy's own memory behaviour: generation holds one copy of the weights.
 
 Autocast keeps the low-precision copy of every fp32 weight that requires grad until its context
 exits (so that a backward finds the copy its forward used). Generation runs without gradients,

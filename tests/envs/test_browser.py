@@ -1,4 +1,4 @@
-"""Finding a browser and its driver without snap (issue 37, point 0): stand-in executables for
+"""Finding a browser and its driver without snap: stand-in executables for
 Ubuntu's snap wrapper, Google Chrome's .deb, Chrome for Testing in Selenium Manager's cache, and
 drivers of the wrong version. Nothing here downloads anything."""
 from __future__ import annotations

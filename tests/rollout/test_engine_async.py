@@ -1,4 +1,4 @@
-"""Asynchronous rollouts (`rollout.mode=async`, issue 54): episodes that never wait for each other.
+"""Asynchronous rollouts (`rollout.mode=async`): episodes that never wait for each other.
 
 Over real environment worker processes (the example plug-in's red boxes, one seed slowed down),
 against the lockstep loop: the same trajectories, while the fast episodes no longer wait for the

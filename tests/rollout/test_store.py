@@ -110,7 +110,7 @@ def test_every_record_written_has_exactly_the_schemas_keys(written):
 
 
 def test_a_steps_weights_version_is_written_and_read_back(written):
-    """Issue 54: a response produced by another weight version than its trajectory's says which."""
+    """Asynchronous ARPO: a response produced by another weight version than its trajectory's says which."""
     _, traj, _ = written
     directory = Path(traj.directory)
     _edit_line(directory, 2, lambda r: r.update(weights_version=7))

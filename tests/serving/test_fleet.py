@@ -73,7 +73,7 @@ def test_an_empty_fleet_is_refused():
 
 
 def test_eight_ranks_spread_their_episodes_over_three_replicas():
-    """Every training process holds its own fleet of the same servers (issue 35): 8 ranks with 2
+    """Every training process holds its own fleet of the same servers: 8 ranks with 2
     episodes each over 3 replicas. Each fleet's first tie-break is at `rank % replicas`, so the
     16 episodes land 6/5/5, not 8/8/0 (each rank starting at server 0)."""
     from arpo_lib.serving.weight_sync import FollowingServed, connect_all

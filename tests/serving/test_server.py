@@ -200,7 +200,7 @@ def test_vllm_backend_without_vllm_is_a_clear_error(tiny_qwen2vl):
 
 
 def test_a_vllm_without_the_weight_transfer_api_is_refused_by_name_at_the_servers_start(tmp_path):
-    """Issue 52: the extension skipped its registration silently on a vLLM without the
+    """Regression: the extension skipped its registration silently on a vLLM without the
     weight-transfer API, and the first push failed later with vLLM's own words. Imported in a
     server (vllm loaded) it now raises naming the version it needs; in a trainer (no vllm) it
     imports as before."""
@@ -356,7 +356,7 @@ def test_an_evaluation_spreads_its_episodes_over_servers_given_by_url(tiny_qwen2
 def test_stop_leaves_no_process(tiny_qwen2vl, tmp_path):
     handle = start_server(tiny_qwen2vl, device="cpu", threads=1, log_path=tmp_path / "server.log")
     handle.wait_healthy(timeout_s=60, poll_s=0.2)
-    assert stop_server(handle.pid) is True  # as a later session would, from the saved pid
+    assert stop_server(handle.pid) is True  # as a later process would, from the saved pid
     assert _gone(handle.pid) and not handle.health()
     handle.stop()  # idempotent
     assert "shutting down" in (tmp_path / "server.log").read_text()

@@ -1,4 +1,4 @@
-"""Rollouts that run ahead of the update (`rollout.max_staleness`, issue 54): the next batch plays
+"""Rollouts that run ahead of the update (`rollout.max_staleness`, asynchronous ARPO): the next batch plays
 on the servers while the trainer updates, each push lands between two requests (never within
 one), every response records the version that produced it, and the stale ones are weighed."""
 from __future__ import annotations

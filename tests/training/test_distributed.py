@@ -210,7 +210,7 @@ def test_two_nodes_rendezvous_and_train_like_one_process(runs, tiny_qwen2vl):
 def test_lora_with_activation_checkpointing_a_token_budget_token_mean_and_clipping_too(tiny_qwen2vl,
                                                                                        chromium_available, tmp_path):
     """Also the loss aggregated as one token mean over the mini-batch across ranks, and gradient
-    clipping that fires (issue 35: neither had run on two ranks); the sync after each update
+    clipping that fires (neither had run on two ranks before this test); the sync after each update
     gathers only the adapters (the frozen base is never gathered)."""
     if not chromium_available:
         pytest.skip("needs chromium")
@@ -280,7 +280,7 @@ def test_two_processes_roll_out_through_servers_that_rank_0_keeps_current(tiny_q
                                                                           replicas):
     """rollout.backend=server with 2 processes: rank 0 starts the server(s) (serve.replicas) and
     restarts them on the new weights after every update; both ranks spread their episodes over
-    all of them. No rank keeps the full model once training starts (issue 35): the weights the
+    all of them. No rank keeps the full model once training starts: the weights the
     servers load and the checkpoints hold are gathered from the shards with both ranks."""
     if not chromium_available:
         pytest.skip("needs chromium")
@@ -310,7 +310,7 @@ def test_two_processes_roll_out_through_servers_that_rank_0_keeps_current(tiny_q
 
 def test_two_processes_play_the_next_batch_ahead_on_the_servers_that_rank_0_restarts(tiny_qwen2vl,
                                                                                       chromium_available, tmp_path):
-    """Issue 54 point 4: rollout.max_staleness=1 with 2 training processes. Each rank plays its
+    """Asynchronous ARPO on two ranks: rollout.max_staleness=1 with 2 training processes. Each rank plays its
     share of the next batch while the update runs; before rank 0 restarts the server on the new
     weights, every rank waits for its own requests in flight and holds new ones back, then learns
     the new version and the new server's URL. Without that, rank 1's requests ran into the stopped
@@ -364,7 +364,7 @@ def test_interrupting_a_launched_run_stops_its_processes(tmp_path):
 
 
 def test_on_gpus_the_control_traffic_goes_on_a_gloo_side_group(monkeypatch):
-    """Issue 35: NCCL carries FSDP2's collectives with a 30-minute timeout; objects, sums and
+    """NCCL carries FSDP2's collectives with a 30-minute timeout; objects, sums and
     barriers go on a gloo side group with the long one (pickles never touch GPU memory; CPU
     tensors cannot go through NCCL). The calls are recorded: this machine has no GPU."""
     import torch.distributed as dist
@@ -416,7 +416,7 @@ def _hang_ranks(scenario: str, collective_timeout_s: float, out: Path) -> list[d
 
 
 def test_a_warm_start_longer_than_the_collective_timeout_still_reaches_every_rank(tmp_path):
-    """Issue 52: rank 0 warm-starts alone (hours at 7B) while the others wait to receive the
+    """Rank 0 warm-starts alone (hours at 7B) while the others wait to receive the
     weights. They wait on the gloo control group, not in the broadcast: with a 3 s collective
     timeout and a 6 s warm start, the broadcast on the old code timed out on rank 1."""
     from tests.training.hang_ranks import WARM_START_S
@@ -484,7 +484,7 @@ def test_a_push_that_fails_on_rank_0_ends_every_rank_at_once_with_its_error(tmp_
 
 
 def test_a_rank_other_than_0_failing_mid_pass_ends_the_run_when_it_exits(tmp_path):
-    """Issue 52: a rank other than 0 whose gather fails (its own out-of-memory) leaves rank 0 inside
+    """A rank other than 0 whose gather fails (its own out-of-memory) leaves rank 0 inside
     that gather; nothing of ours can announce it (rank 0 is in the collective, not waiting for an
     announcement). The failing rank leaves the group without waiting (`backend.close(failed=True)`),
     closes its environments and exits: rank 0 is then stopped (torchrun ends the other processes of a

@@ -38,7 +38,7 @@ def test_two_gloo_ranks_step_like_the_whole_model(tiny_qwen25vl, flags):
 
 @pytest.mark.slow
 def test_two_gloo_ranks_with_bf16_parameters_and_fp32_reduction_start_at_ratio_1(tiny_qwen25vl):
-    """Issue 35: bf16 shards (FSDP2's mixed precision, fp32 gradient reduction) on two ranks, as on
+    """bf16 shards (FSDP2's mixed precision, fp32 gradient reduction) on two ranks, as on
     GPUs. The old log-probs come from the shards on the update's own plan, so the first
     micro-batch's ratio is exactly 1 (from the whole model under autocast they differed by bf16
     noise); against the whole model the gaps are bf16-sized."""
@@ -61,7 +61,7 @@ def test_nccl_fsdp2_step_on_the_gpu_like_the_whole_model(tiny_qwen25vl):
 
 @pytest.mark.slow
 def test_without_a_full_copy_the_shards_step_save_and_stream_like_the_whole_model(tiny_qwen2vl, tmp_path):
-    """Issue 35: with model servers no rank keeps the full model (keep_full_model=False): it is
+    """With model servers no rank keeps the full model (keep_full_model=False): it is
     dropped to the meta device when the update starts, the shards take the same step as the whole
     model, the saved model (rank 0 writes, every rank gathers) is the whole model's in the same
     checkpoint names, and a push's pass hands over one gathered parameter at a time."""

@@ -127,7 +127,7 @@ class _Pushing(Leading):
 
 
 def test_without_a_full_copy_every_rank_takes_part_in_each_pass_over_the_weights(tmp_path):
-    """Issue 35: where no rank keeps the full model, a push (or the save a server loads) gathers
+    """Where no rank keeps the full model, a push (or the save a server loads) gathers
     the shards with every rank: rank 0 tells the others before each, they join exactly then."""
     lead, zero = _Pushing(), _ShardsOnly(0)
     source = _source(lead, zero, tmp_path)
@@ -198,7 +198,7 @@ def _episode(tmp_path: Path, processor: Any, sample: int) -> Any:
 
 
 def test_ranks_exchange_tokens_not_pixels_and_re_encode_the_pixels_exactly(tmp_path, tiny_qwen2vl):
-    """Issue 35: an episode's screenshots went to every rank as fp32 pixels (~50 MB per 1080p
+    """Regression: an episode's screenshots went to every rank as fp32 pixels (~50 MB per 1080p
     screenshot, over NCCL). Now a rank sends tokens and metadata, keeps its own episodes' pixels,
     and `load_pixels` re-encodes another rank's from the run directory bit for bit."""
     import pickle
@@ -223,7 +223,7 @@ def test_ranks_exchange_tokens_not_pixels_and_re_encode_the_pixels_exactly(tmp_p
 
 
 def test_a_rollout_batch_drops_its_pixels_once_written_and_rank_0s_evaluation_keeps_them(tmp_path, monkeypatch):
-    """Issue 52: a batch held every finished episode's fp32 pixels until the update (~130 GB at
+    """Regression: a batch held every finished episode's fp32 pixels until the update (~130 GB at
     32x8 1080p episodes); the training batch's engine drops them once written (the update
     re-encodes them per micro-batch), the evaluation's keeps its default."""
     from arpo_lib.training import rollout_source
@@ -247,7 +247,7 @@ def test_a_rollout_batch_drops_its_pixels_once_written_and_rank_0s_evaluation_ke
 
 
 def test_the_rollouts_caches_are_freed_before_the_update(tmp_path, monkeypatch):
-    """Issue 52: nothing returned the rollouts' memory before the update: episodes' KV caches left
+    """Regression: nothing returned the rollouts' memory before the update: episodes' KV caches left
     by an episode that did not release its own, and the GPU allocator's cached blocks. After an
     in-process batch the policy forgets every cache and, on a GPU, empties the allocator's cache;
     with servers generating there is nothing of ours to free."""

@@ -1,4 +1,4 @@
-"""Memory of the FSDP2 shards beside each rank's full model (issue 35): building the shards makes
+"""Memory of the FSDP2 shards beside each rank's full model: building the shards makes
 no second copy of the model (it was a `deepcopy`: a second fp32 7B on the GPU at start-up), and
 the weight sync after an update gathers one parameter at a time (a full state dict held a second
 whole model on every rank: 31 GB at 7B). Run in one process with torch's fake process group at

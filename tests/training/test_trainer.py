@@ -360,7 +360,7 @@ def test_demonstrations_for_fixed_instances_come_from_fresh_layouts(tiny_qwen2vl
 
 
 def test_a_failing_trainer_releases_the_ranks_waiting_for_it_before_closing_anything_else():
-    """Issue 52: on rank 0, a push that failed mid-way leaves the others waiting in its pass over
+    """On rank 0, a push that failed mid-way leaves the others waiting in its pass over
     the weights; closing the environments can take minutes, so they are released first."""
     from types import SimpleNamespace
 

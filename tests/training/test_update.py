@@ -158,7 +158,7 @@ def test_a_malformed_response_ends_the_episode_through_the_checker(tmp_path, tin
 def test_replayed_members_are_weighted_by_truncated_importance_ratios(tmp_path, tiny_qwen2vl, kind):
     """algo.replay.correction=tis: a replayed member's tokens weigh min(pi_old / mu, cap), mu the
     stored behaviour probability; fresh members weigh 1. Checked against the loss written out.
-    `stale` (issue 54): a fresh member sampled by older weights (a batch played ahead of the
+    `stale` (asynchronous ARPO): a fresh member sampled by older weights (a batch played ahead of the
     update) weighs the same under algo.stale_correction=tis, the default."""
     from arpo_lib.algo import truncated_is_weights
 
@@ -211,7 +211,7 @@ def test_without_correction_replayed_data_is_treated_as_on_policy(tmp_path, tiny
 
 @pytest.mark.slow
 def test_a_rollout_batch_keeps_no_pixels_and_the_update_trains_as_with_them(tmp_path, tiny_qwen2vl):
-    """Issue 52: every finished episode kept its fp32 pixels until the update (~50 MB per 1080p
+    """Regression: every finished episode kept its fp32 pixels until the update (~50 MB per 1080p
     screenshot, ~130 GB at 32x8 episodes). With `keep_pixels=False` the engine drops them once the
     trajectory is written; the update re-encodes each micro-batch's from disk and drops them after,
     with the same loss, metrics and weights as from pixels held in memory."""

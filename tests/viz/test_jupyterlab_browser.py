@@ -1,4 +1,4 @@
-"""The viewers as a person sees them (issue 37, point 1): JupyterLab started on loopback, a small
+"""The viewers as a person sees them: JupyterLab started on loopback, a small
 notebook with `viz.show_trajectory` and `viz.show_group` over a recorded run, opened and run in
 headless Chromium (the project's own browser and driver). Checked in the page: the screenshot
 with the action drawn appears, moving the slider changes it, the group view opens another

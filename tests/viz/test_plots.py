@@ -204,7 +204,7 @@ def test_compare_eval_table_numbers(trained: dict, base: dict, tmp_path: Path) -
 
 
 def test_the_live_curve_redraws_one_output_per_step_with_success_evaluation_and_injections(tmp_path: Path) -> None:
-    """Issue 37.4: the training notebooks' on_step shows one figure that updates in place, with
+    """The training notebooks' on_step shows one figure that updates in place, with
     what each step reported; a resumed run's earlier steps are read from its metrics.jsonl."""
     run = tmp_path / "run"
     run.mkdir()

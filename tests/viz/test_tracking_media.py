@@ -1,4 +1,4 @@
-"""wandb with trajectories (issue 37, point 3): the episode and evaluation tables' rows from a run
+"""wandb with trajectories: the episode and evaluation tables' rows from a run
 directory, and an offline wandb run read back from its files: the tables, their images, the
 per-task curves and the config are there; nothing is logged when disabled, and no table when
 logging.wandb_episodes=0. A real training step from the smoke config ends it."""

@@ -168,7 +168,7 @@ def test_lora_weights_for_a_server_carry_the_base_names_and_are_merged_one_at_a_
 
 
 def test_a_lora_checkpoint_merges_one_weight_at_a_time_on_the_device(tiny_qwen2vl, monkeypatch):
-    """Issue 52: the save's merge held an fp32 merged copy of every adapted weight on the model's
+    """Regression: the save's merge held an fp32 merged copy of every adapted weight on the model's
     device at once (~26 GB at 7B, at every checkpoint). Each is now moved to host memory before
     the next is made: when a merge starts, no earlier merge's device tensor is alive. The saved
     values are the merge's, exactly."""

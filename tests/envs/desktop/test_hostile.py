@@ -1,11 +1,11 @@
-"""The desktop sandbox against a hostile agent (issue: "the desktop sandbox is a security boundary").
+"""The desktop sandbox against a hostile agent ("the desktop sandbox is a security boundary").
 
 The agent is model output: whatever it can type into the terminal, save from the editor or click on
 the desktop is tried here, through `env.step` with GUI actions where the attack is reachable that
 way (attack scripts are placed in the sandbox's home through the trusted API to keep typing short;
 the agent could type them, and running them is always typed). Each test asserts that nothing
 leaked, that the host is untouched, and that the environment still resets and scores correctly
-after. Each finding of the review that opened the issue has a test here that fails on the sandbox
+after. Each finding of the sandbox's security review has a test here that fails on the sandbox
 as it was then (`--ro-bind / /`, the host environment, the socket in the sandbox's /tmp, actions
 run from the home directory, no seccomp, no limits, a one-pass reset).
 """

@@ -222,7 +222,7 @@ def test_an_osworld_episode_on_the_sandbox_in_an_environment_worker(osworld_pyth
 
 
 def test_the_borrowed_torch_follows_the_checkout_that_borrows_it(osworld_python, tmp_path):
-    """Regression (stop 47's CI): the tests' OSWorld environment borrows torch from the checkout that
+    """Regression (a CI run): the tests' OSWorld environment borrows torch from the checkout that
     built it, by a path in a .pth file; that environment is cached across checkouts, and a CI clone in
     a removed temporary folder left it pointing nowhere ("No module named 'torch'") while its packages
     were up to date. setup_osworld.sh now rewrites the path on every run."""
