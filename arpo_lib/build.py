@@ -31,6 +31,7 @@ from arpo_lib.evaluation.protocols import PROTOCOLS
 from arpo_lib.rollout.engine import RolloutEngine
 from arpo_lib.run import config as config_module
 from arpo_lib.run.config import ConfigError, RunConfig, server_urls
+from arpo_lib.run.net import weak_key_reason
 from arpo_lib.run.records import atomic_write_bytes, safe_join
 from arpo_lib.serving.gateway import announce_host, spans_nodes
 from arpo_lib.serving.launch import ServerHandle, ServerSpec, api_key_from_env, free_port, start_server
@@ -77,11 +78,34 @@ def _stamped(cfg: RunConfig, mark: str) -> bool:
 
 def check_config(cfg: RunConfig) -> RunConfig:
     """The checks that need more than the config tree: task names against the environment
-    registry (`check_tasks`), the server's context against what an episode sends (`check_context`).
-    A config passes once: checked again only when it changed since (`_stamped`)."""
+    registry (`check_tasks`), the server's context against what an episode sends (`check_context`),
+    the servers' key of a run over several nodes (`check_nodes`). A config passes once: checked
+    again only when it changed since (`_stamped`)."""
     if _stamped(cfg, _CHECKED):
         return cfg
-    return _stamp(check_context(check_tasks(cfg)), _CHECKED)
+    return _stamp(check_nodes(check_context(check_tasks(cfg))), _CHECKED)
+
+
+def check_nodes(cfg: RunConfig, environ: Mapping[str, str] | None = None) -> RunConfig:
+    """A torchrun job with processes on other nodes (`gateway.spans_nodes`) whose rank 0 starts the
+    servers must give them a key, set on this node: the other nodes reach them through a gateway
+    that passes on only key-protected requests (serving/gateway.py), and without one rank 0 would
+    fail only once its model had loaded. ConfigError at load, on every rank, naming the fix."""
+    environ = os.environ if environ is None else environ
+    if not spans_nodes(environ) or cfg.rollout.backend != "server" or server_urls(cfg):
+        return cfg
+    name = cfg.rollout.api_key_env or cfg.serve.api_key_env
+    fix = (f"export {name or 'ARPO_SERVE_API_KEY'}, the same long random value, on every node (scripts/slurm_train.sh "
+           f"generates one)")
+    if name is None:
+        raise ConfigError("serve.api_key_env: this run spans several nodes, whose ranks reach rank 0's servers through "
+                          f"a gateway that wants a key: set serve.api_key_env=ARPO_SERVE_API_KEY and {fix}")
+    key = environ.get(name, "")
+    if not key:
+        raise ConfigError(f"serve.api_key_env: {name} is not set (or empty) on this node: {fix}")
+    if weak := weak_key_reason(key, "the other nodes"):
+        raise ConfigError(f"serve.api_key_env: {name} on this node: {weak}")
+    return cfg
 
 
 def check_tasks(cfg: RunConfig) -> RunConfig:
@@ -176,22 +200,30 @@ def engine_options(cfg: RunConfig) -> dict[str, Any]:
     return {"mode": r.mode, "gather_window_s": r.gather_window_s, "max_batch": r.max_batch}
 
 
-def check_gpus(cfg: RunConfig, policy: HFPolicy | None = None) -> None:
+def check_gpus(cfg: RunConfig, policy: HFPolicy | None = None, *, on_gpus: bool | None = None) -> None:
     """A training run on a GPU that starts its own model server on a GPU must say which GPUs the
     server gets (serve.cuda_devices), or ConfigError: a server that inherits every GPU takes GPU 0,
     where the first training process holds the model (vLLM at serve.gpu_memory_utilization 0.9
     then refuses to start; the hf server loads a second copy beside it). `policy`: the trained
-    policy when one is passed in (its device counts instead of model.device)."""
+    policy when one is passed in (its device counts instead of model.device). `on_gpus`: whether
+    the run's nodes have GPUs, for a launch checked from another machine (`train --dry-run`, which
+    checks serve.cuda_devices against its own plan); None: this machine's devices."""
     if cfg.rollout.backend != "server" or server_urls(cfg):
         return
     from arpo_lib.agent.hf_policy import resolve_device
 
-    trains_on = policy.device.type if policy is not None else resolve_device(cfg.model.device).type
+    if on_gpus is not None:
+        trains_on = "cuda" if on_gpus and cfg.model.device != "cpu" else "cpu"
+    else:
+        trains_on = policy.device.type if policy is not None else resolve_device(cfg.model.device).type
     if cfg.serve.cuda_devices is not None:
-        if trains_on == "cuda":
+        if trains_on == "cuda" and on_gpus is None:
             check_server_gpus_are_free(cfg)
         return
-    if cfg.serve.backend == "vllm":
+    if on_gpus is not None:
+        on_cpu = cfg.serve.device == "cpu" if cfg.serve.backend == "vllm" else cfg.model.device == "cpu"
+        serves_on = "cuda" if on_gpus and not on_cpu else "cpu"
+    elif cfg.serve.backend == "vllm":
         serves_on = ServerSpec(cfg.model.path, backend="vllm", options={"device": cfg.serve.device}).vllm_device
     else:  # our hf server loads the model on model.device, as the trainer does
         serves_on = resolve_device(cfg.model.device).type
@@ -207,24 +239,65 @@ def check_gpus(cfg: RunConfig, policy: HFPolicy | None = None) -> None:
             f"server started elsewhere")
 
 
+def training_gpus(processes: int, visible: list[str] | None = None) -> list[str]:
+    """The GPUs a node's `processes` training processes take: process k its k-th visible GPU
+    (`visible`: CUDA_VISIBLE_DEVICES's list; none: the node's GPUs 0, 1, ...)."""
+    return list(visible[:processes]) if visible else [str(i) for i in range(processes)]
+
+
+def serving_gpus(cfg: RunConfig) -> list[str]:
+    """The GPUs serve.cuda_devices gives the run's own servers, each once, in order."""
+    named = [d.strip() for entry in cfg.serve.cuda_devices or [] for d in str(entry).split(",") if d.strip()]
+    return list(dict.fromkeys(named))
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuClash:
+    """Training processes and the run's own servers on the same GPUs of a node."""
+
+    training: list[str]
+    """The GPUs the node's training processes take, process k the k-th."""
+    shared: list[str]
+    """Those of them serve.cuda_devices also gives the servers."""
+
+    @property
+    def processes_that_fit(self) -> int:
+        """Training processes the node can start before the first GPU a server takes."""
+        return self.training.index(self.shared[0])
+
+    def fix(self) -> str:
+        fit = self.processes_that_fit
+        if fit == 0:
+            return (f"give the servers GPUs the training processes do not take (serve.cuda_devices past GPU "
+                    f"{self.training[-1]})")
+        return (f"start fewer training processes: --nproc-per-node {fit} (train.nproc_per_node; under "
+                f"scripts/slurm_train.sh ARPO_NPROC_PER_NODE={fit}), or give the servers other GPUs")
+
+    def __str__(self) -> str:
+        return (f"serve.cuda_devices: the run's servers would share GPU(s) {', '.join(self.shared)} with this node's "
+                f"{len(self.training)} training processes (on GPUs {', '.join(self.training)}). {self.fix()}")
+
+
+def server_gpu_clash(cfg: RunConfig, training: list[str]) -> GpuClash | None:
+    """Where the GPUs serve.cuda_devices gives the run's servers overlap `training`, the GPUs a
+    node's training processes take (`training_gpus`); None when they do not (or the servers run
+    on the CPU)."""
+    serving = set(serving_gpus(cfg))
+    shared = [g for g in training if g in serving]
+    return GpuClash(list(training), shared) if shared and cfg.serve.device != "cpu" else None
+
+
 def check_server_gpus_are_free(cfg: RunConfig, environ: Mapping[str, str] | None = None) -> None:
     """ConfigError when the GPUs serve.cuda_devices gives the run's own servers are ones this node's
-    training processes use (process k of a node takes its k-th visible GPU): `--nproc-per-node 8`
-    beside servers on GPUs 6 and 7 puts two trainers and two vLLM servers on the same GPUs."""
+    training processes use (`server_gpu_clash`): `--nproc-per-node 8` beside servers on GPUs 6
+    and 7 puts two trainers and two vLLM servers on the same GPUs."""
     environ = os.environ if environ is None else environ
     local = int(environ.get("LOCAL_WORLD_SIZE", 0) or 0)
     if local < 1:
         return  # not under torchrun: one process, on the GPU model.device names
     visible = [d.strip() for d in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-    training = visible[:local] if visible else [str(i) for i in range(local)]
-    serving = {d.strip() for entry in cfg.serve.cuda_devices for d in str(entry).split(",") if d.strip()}
-    shared = sorted(serving & set(training), key=str)
-    if shared and cfg.serve.device != "cpu":
-        raise ConfigError(
-            f"serve.cuda_devices: the run's servers would share GPU(s) {', '.join(shared)} with this node's "
-            f"{local} training processes (on GPUs {', '.join(training)}). Start fewer training processes "
-            f"(--nproc-per-node {local - len(shared)}, train.nproc_per_node; under scripts/slurm_train.sh "
-            f"ARPO_NPROC_PER_NODE={local - len(shared)}) or give the servers other GPUs")
+    if clash := server_gpu_clash(cfg, training_gpus(local, visible)):
+        raise ConfigError(str(clash))
 
 
 def resolve_task_sets(cfg: RunConfig) -> RunConfig:
@@ -322,11 +395,19 @@ def record_desktop_env(cfg: RunConfig) -> dict[str, Any] | None:
 
 
 def hf_policy(cfg: RunConfig, path: str | Path | None = None, *, lora: bool = True,
-              prompt: str | None = None, device: str | None = None, model: Any = None) -> HFPolicy:
+              prompt: str | None = None, device: str | None = None, model: Any = None,
+              trainable: bool = True) -> HFPolicy:
     """The in-process policy with every `model.*` switch and `agent.prompt` (or `prompt`).
     `lora=False` for inference on saved (merged) weights; `device` replaces model.device; `model`:
-    a ready network instead of the checkpoint's weights (the benchmarks' random real shapes)."""
+    a ready network instead of the checkpoint's weights (the benchmarks' random real shapes).
+    `trainable=False` (an evaluation): one copy of the weights in the compute dtype, no training levers."""
     m = cfg.model
+    if not trainable:
+        return HFPolicy(path or m.path, device=device or m.device, compute_dtype=m.compute_dtype,
+                        coord_mode=m.coord_mode, history_images=m.history_images, max_new_tokens=m.max_new_tokens,
+                        kv_cache=m.kv_cache, prefill_batch_tokens=m.prefill_batch_tokens,
+                        vision_attention=m.vision_attention, logprob_chunk=m.logprob_chunk,
+                        prompt=prompt or cfg.agent.prompt, model=model, weights_dtype="compute")
     return HFPolicy(
         path or m.path, device=device or m.device, compute_dtype=m.compute_dtype, coord_mode=m.coord_mode,
         history_images=m.history_images, max_new_tokens=m.max_new_tokens,
@@ -545,7 +626,7 @@ def engine(cfg: RunConfig, scripted: bool = False, protocol: str = "run") -> Ite
             acting = connect_all(lambda url: server_policy(cfg, url, prompt=p.prompt), urls)
             log.info("generating with %s at %s", acting.served_model, ", ".join(urls))
         else:
-            acting = hf_policy(cfg, lora=False, prompt=p.prompt)
+            acting = hf_policy(cfg, lora=False, prompt=p.prompt, trainable=False)  # one copy, compute dtype
             if scripted:
                 from arpo_lib.agent.scripted import ScriptedPolicy
 

@@ -3,6 +3,7 @@
     build-tiny-model --variant qwen2vl --out models/tiny-uitars-qwen2vl
     train   --config configs/smoke.yaml [key=value ...]     start a run
             [--nproc-per-node N [--nnodes M --master-addr A [--rdzv-id ID]]]   on N processes per node (torchrun)
+            [--dry-run [--gpus-per-node G]]                     check the whole launch, print its plan, start nothing
     resume  --run runs/smoke [--nproc-per-node N ...]       continue a run from its last checkpoint
     eval    --config configs/smoke.yaml [--model DIR] [key=value ...]
     smoke   [--config FILE] [--seeds 0,1,2,3,4] [key=value ...]   execute notebooks/smoke_test.ipynb headlessly
@@ -14,6 +15,7 @@
     select-tasks --config F [--out DIR] [key=value ...]      ARPO's task selection (select.k rollouts per task)
     export-osworld EVAL_DIR [--model NAME] [--out DIR]     an evaluation in OSWorld's result layout
     compare --config configs/learning_miniwob.yaml [--report-only] [key=value ...]   ARPO vs GRPO from one warm start
+    fetch-model NAME [--revision R] [--cache DIR] [--offline]   a hub checkpoint into the shared HF cache, and a report
 """
 from __future__ import annotations
 
@@ -92,11 +94,25 @@ def _is_main_process() -> bool:
     return Ranks.from_env().is_main
 
 
+def _dry_run(args: argparse.Namespace, cfg: Any, config: str) -> int:
+    """`--dry-run`: the whole launch checked and its plan printed; nothing started, no model loaded.
+    0 with "launch OK", 2 with every problem and its fix."""
+    from arpo_lib.workflows.launch_plan import Launch, check_launch
+
+    launch = Launch(args.nproc_per_node, args.nnodes, args.master_addr, args.master_port, args.rdzv_id,
+                    args.gpus_per_node)
+    plan = check_launch(cfg, launch, config)
+    print(plan.report())
+    return 0 if plan.ok else 2
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from arpo_lib import build
     from arpo_lib.training.distributed import Ranks
 
     cfg = build.load_config(args.config, args.overrides)
+    if args.dry_run:
+        return _dry_run(args, cfg, args.config)
     if not Ranks.under_torchrun():  # the launching process asks the memory planner once, before anything starts
         from arpo_lib.workflows.train import check_fit
 
@@ -116,6 +132,8 @@ def _cmd_resume(args: argparse.Namespace) -> int:
     from arpo_lib.run.layout import RunDir
 
     cfg = build.load_config(RunDir(Path(args.run)).config, args.overrides)
+    if args.dry_run:
+        return _dry_run(args, cfg, str(RunDir(Path(args.run)).config))
     if nproc := _processes(args, cfg):
         # as `train --resume` (torchrun's own parser would take `--run` for its `--run-path`)
         return _torchrun(args, nproc, ["train", "--config", str(RunDir(Path(args.run)).config), "--resume",
@@ -190,6 +208,14 @@ def _cmd_smoke(args: argparse.Namespace) -> int:
     if args.seeds:
         table, every = smoke_seeds_table(summaries, args.min_gain)
         print(table)
+        if args.out:
+            from arpo_lib.run.records import atomic_write_bytes
+
+            record = {"command": "./workbench smoke --seeds " + args.seeds, "config": args.config,
+                      "overrides": list(args.overrides), "date": time.strftime("%Y-%m-%d"), "table": table,
+                      "every_seed_gained": every, "min_gain": args.min_gain, "summaries": summaries}
+            atomic_write_bytes(Path(args.out), (json.dumps(record, indent=1, default=str) + "\n").encode())
+            print(f"table and summaries: {args.out}")
         return 0 if every else 1
     return 0
 
@@ -356,6 +382,22 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_fetch_model(args: argparse.Namespace) -> int:
+    from arpo_lib.agent.hf_policy import checkpoint_sampling_defaults
+    from arpo_lib.agent.prompt import coord_mode_for, image_processor_limits, load_processor
+    from arpo_lib.run import model_fetch
+
+    loaders = model_fetch.CheckpointLoaders(load_processor, coord_mode_for, image_processor_limits,
+                                            checkpoint_sampling_defaults)
+    try:
+        result = model_fetch.fetch_model(args.name, loaders, revision=args.revision, cache=args.cache,
+                                         offline=args.offline)
+    except model_fetch.FetchModelError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 1 if result.report.problems else 0
+
+
 def _add_launch_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("several processes (torchrun underneath; one per GPU)")
     g.add_argument("--nproc-per-node", type=int, default=None,
@@ -366,6 +408,13 @@ def _add_launch_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--master-port", type=int, default=29500, help="a free port on that node")
     g.add_argument("--rdzv-id", default=os.environ.get("SLURM_JOB_ID", "arpo"),
                    help="the run's rendezvous id, the same on every node (default: $SLURM_JOB_ID, else 'arpo')")
+    g.add_argument("--dry-run", action="store_true",
+                   help="check the whole launch (config, memory, processes against GPUs and the servers' GPUs, "
+                        "what several nodes need, the Ray head) and print its plan; start nothing. "
+                        "Exit 0: launch OK; 2: every problem with its fix")
+    g.add_argument("--gpus-per-node", type=int, default=None,
+                   help="with --dry-run: GPUs of each node (default: $SLURM_GPUS_PER_NODE, CUDA_VISIBLE_DEVICES or "
+                        "nvidia-smi here, else unknown)")
 
 
 def exit_on_sigterm() -> None:
@@ -441,6 +490,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated training seeds, e.g. 0,1,2,3,4: one smoke run each, then a table of "
                         "success before -> after per seed; exit status 1 unless every seed gained --min-gain")
     p.add_argument("--min-gain", type=float, default=0.10, help="the gain --seeds asks of every seed (default 0.10)")
+    p.add_argument("--out", default=None, help="with --seeds: write the table and every seed's summary to this JSON file")
     p.add_argument("overrides", nargs="*")
     p.set_defaults(func=_cmd_smoke)
 
@@ -465,7 +515,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="each phase's peak GPU memory for a config, whether it fits, the levers")
     p.add_argument("--config", default="configs/smoke.yaml")
-    p.add_argument("--gpu-memory", default="80GB", help="memory of one GPU: 16GB, 24GB, 40GB, 80GB (read as GiB)")
+    p.add_argument("--gpu-memory", default="H100-80GB",
+                   help="one GPU: a card's name (A100-40GB, A100-80GB, H100-80GB, H200, L40S, A10G, L4, RTX4090, "
+                        "RTX3090, T4: the memory it reports) or a size read as written (40GB = 40e9 bytes, 39.6GiB, 80)")
     p.add_argument("--gpus", type=int, default=None, help="training GPUs (default: train.nproc_per_node)")
     p.add_argument("--screen", default=None,
                    help="screenshot size WxH (default: MiniWoB's 480x630 at scale 3 for MiniWoB tasks, else 1920x1080)")
@@ -518,6 +570,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run nothing: write the report of the runs finished so far (while it runs, or after a stop)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. compare.seeds=[0,1,2] name=my-exp")
     p.set_defaults(func=_cmd_compare)
+
+    p = sub.add_parser("fetch-model", help="download a hub checkpoint into the shared Hugging Face cache (size and "
+                                           "disk checked first) and report what the workbench makes of it")
+    p.add_argument("name", help="hub id, e.g. ByteDance-Seed/UI-TARS-1.5-7B")
+    p.add_argument("--revision", default="main", help="branch, tag or commit (default main)")
+    p.add_argument("--cache", default=None, help="hub cache directory (default: $HF_HUB_CACHE, else $HF_HOME/hub, "
+                                                 "else ~/.cache/huggingface/hub)")
+    p.add_argument("--offline", action="store_true", help="do not ask the hub: report a checkpoint already cached")
+    p.set_defaults(func=_cmd_fetch_model)
 
     p = sub.add_parser("commands", help="these commands, one line each")
     p.set_defaults(func=lambda _args: _print_commands(sub))

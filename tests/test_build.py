@@ -92,7 +92,7 @@ def test_instances_per_task_makes_fixed_instances_of_the_training_tasks():
 
 
 def test_tasks_are_checked_once_on_the_way_from_load_to_the_engine(tmp_path, monkeypatch, tiny_qwen2vl):
-    """Issue 55: `load_config` checks the task names; the trainer, and the engine it and an
+    """`load_config` checks the task names; the trainer, and the engine it and an
     evaluation open, prepare the config again without checking or expanding anything twice. A
     config edited in place or rebuilt with `dataclasses.replace` is checked again."""
     import dataclasses
@@ -180,7 +180,7 @@ def test_the_shipped_configs_load_with_their_rollouts_on_vllm(path):
 
 
 def test_the_shipped_osworld_runs_generate_on_their_own_vllm_servers_beside_the_training_ranks(monkeypatch):
-    """Issue 52: a 7B full fine-tune with in-process generation keeps a full fp32 copy on every rank
+    """A 7B full fine-tune with in-process generation keeps a full fp32 copy on every rank
     beside its shard (over 80 GB); the shipped OSWorld runs train on GPUs 0-5 and generate on two
     vLLM replicas on GPUs 6 and 7, and a launch whose trainers would take the servers' GPUs is
     refused naming the number of processes that fits."""

@@ -90,58 +90,100 @@ def test_several_processes_start_torchrun_with_the_same_command(monkeypatch, cap
     assert "--nproc-per-node=2" in _launched(monkeypatch, ["resume", "--run", str(run), "--nproc-per-node", "2"])
 
 
+FIRST_NODE = __import__("socket").gethostname()
+"""The fake SLURM job's first node: this machine's name, so that the launch check resolves it."""
+
+
 def _fake_slurm(tmp_path, gpus_per_node: str) -> dict[str, str]:
-    """The environment of a two-node SLURM job (gpu-a, gpu-b) whose `srun` writes the command it
-    would run on each node to tmp_path/cmd instead."""
+    """The environment of a two-node SLURM job (FIRST_NODE, gpu-b) whose `srun` writes the command
+    it would run on each node to tmp_path/cmd instead, and the servers' key it passes on to
+    tmp_path/key."""
     import os
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text("#!/bin/sh\nprintf 'gpu-a\\ngpu-b\\n'\n")
-    (bin_dir / "srun").write_text(f"#!/bin/sh\nprintf '%s' \"$4\" > {tmp_path}/cmd\n")  # srun OPT bash -c CMD
+    (bin_dir / "scontrol").write_text(f"#!/bin/sh\nprintf '{FIRST_NODE}\\ngpu-b\\n'\n")
+    (bin_dir / "srun").write_text(f"#!/bin/sh\nprintf '%s' \"$4\" > {tmp_path}/cmd\n"  # srun OPT bash -c CMD
+                                  f"printf '%s' \"$ARPO_SERVE_API_KEY\" > {tmp_path}/key\n")
     for f in bin_dir.iterdir():
         f.chmod(0o755)
-    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu-[a-b]",
+    env = {k: v for k, v in os.environ.items() if k not in ("ARPO_SERVE_API_KEY", "ARPO_NPROC_PER_NODE")}
+    return {**env, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu-[a-b]",
             "SLURM_NNODES": "2", "SLURM_GPUS_PER_NODE": gpus_per_node, "SLURM_JOB_ID": "4242"}
 
 
-def test_the_slurm_script_launches_every_node_into_one_c10d_rendezvous(tmp_path, monkeypatch):
+def _on_a_node(tmp_path, address: str = "10.1.2.3") -> list[str]:
+    """The arpo arguments the recorded srun command runs with on a node whose first address
+    (`hostname -I`) is `address`: the command run by bash, printing its arguments instead."""
     import os
-    import shlex
+    import subprocess
+
+    cmd = (tmp_path / "cmd").read_text()
+    python = f"{os.getcwd()}/.venv/bin/python"
+    assert cmd.startswith(f"exec '{python}' -m arpo_lib train ")
+    node_bin = tmp_path / "node-bin"
+    node_bin.mkdir(exist_ok=True)
+    (node_bin / "hostname").write_text(f"#!/bin/sh\necho '{address} 172.17.0.1 '\n")
+    (node_bin / "hostname").chmod(0o755)
+    done = subprocess.run(["bash", "-c", cmd.replace(f"exec '{python}'", "printf '%s\\n'", 1)], check=True,
+                          env={**os.environ, "PATH": f"{node_bin}:{os.environ['PATH']}"}, capture_output=True, text=True)
+    return done.stdout.splitlines()[2:]  # past `-m arpo_lib`
+
+
+def test_the_slurm_script_launches_every_node_into_one_c10d_rendezvous(tmp_path, monkeypatch):
+    """The config's processes per node (osworld_full128.yaml: 6 beside two servers on GPUs 6 and 7),
+    ARPO_NPROC_PER_NODE over them; one generated key for every node, never printed; each node
+    announces rank 0's servers at its own address (rank 0 lands on whichever node c10d says)."""
     import subprocess
 
     env = _fake_slurm(tmp_path, gpus_per_node="h100:8")
-    # fewer training processes than GPUs when the run's own servers take some (osworld_full128.yaml: 6 of 8)
+    done = subprocess.run(["bash", "scripts/slurm_train.sh", "configs/osworld_full128.yaml", "train.steps=60"],
+                          env=env, check=True, capture_output=True, text=True)
+    key = (tmp_path / "key").read_text()
+    assert len(key) == 32 and key not in done.stdout + done.stderr and "launch OK" in done.stdout
+    argv = _on_a_node(tmp_path, "10.1.2.3")
+    assert argv[-2:] == ["train.steps=60", "serve.announce_host=10.1.2.3"]
     subprocess.run(["bash", "scripts/slurm_train.sh", "configs/osworld_full128.yaml"],
-                   env={**env, "ARPO_NPROC_PER_NODE": "6"}, check=True)
-    six = shlex.split((tmp_path / "cmd").read_text().replace("$SLURM_NODEID", "1"))
-    subprocess.run(["bash", "scripts/slurm_train.sh", "configs/osworld_full128.yaml", "train.steps=60"],
-                   env=env, check=True)
-    cmd = shlex.split((tmp_path / "cmd").read_text().replace("$SLURM_NODEID", "1"))
-    assert cmd[:4] == ["exec", f"{os.getcwd()}/.venv/bin/python", "-m", "arpo_lib"]
-    launch = _launched(monkeypatch, cmd[4:])
-    assert "--nproc-per-node=8" in launch and "--rdzv-backend=c10d" in launch
-    assert "--rdzv-endpoint=gpu-a:29500" in launch and "--rdzv-id=4242" in launch
-    assert launch[-5:] == ["train", "--config", "configs/osworld_full128.yaml", "--resume", "train.steps=60"]
-    assert "--nproc-per-node=6" in _launched(monkeypatch, six[4:])
+                   env={**env, "ARPO_NPROC_PER_NODE": "4", "ARPO_SERVE_API_KEY": "k" * 40}, check=True)
+    assert (tmp_path / "key").read_text() == "k" * 40  # a key set beforehand is kept
+    four = _on_a_node(tmp_path)
+    launch = _launched(monkeypatch, argv)  # (from here on subprocess.Popen is a fake)
+    assert "--nproc-per-node=6" in launch and "--rdzv-backend=c10d" in launch
+    assert f"--rdzv-endpoint={FIRST_NODE}:29500" in launch and "--rdzv-id=4242" in launch
+    assert launch[-6:] == ["train", "--config", "configs/osworld_full128.yaml", "--resume", "train.steps=60",
+                           "serve.announce_host=10.1.2.3"]
+    assert "--nproc-per-node=4" in _launched(monkeypatch, four)
+
+
+def test_the_slurm_script_stops_before_srun_when_the_launch_would_be_refused(tmp_path):
+    """8 processes per node beside servers on GPUs 6 and 7: the launch check in the batch script
+    names the clash and its fix, and no node starts anything."""
+    import subprocess
+
+    env = _fake_slurm(tmp_path, gpus_per_node="8")
+    done = subprocess.run(["bash", "scripts/slurm_train.sh", "configs/osworld_full128.yaml"],
+                          env={**env, "ARPO_NPROC_PER_NODE": "8"}, capture_output=True, text=True)
+    assert done.returncode == 2 and not (tmp_path / "cmd").exists()
+    assert "GPUs 6, 7" in done.stdout and "use --nproc-per-node 6" in done.stdout
+    assert "nothing was started" in done.stderr
 
 
 def test_on_several_nodes_gloo_and_nccl_get_the_interface_that_reaches_the_master(tmp_path, monkeypatch):
-    """Issue 52: without GLOO_SOCKET_IFNAME the control group of a two-node run can bind to an
+    """Without GLOO_SOCKET_IFNAME the control group of a two-node run can bind to an
     address the other node cannot reach and wait 2 hours. Each node's launch (slurm_train.sh's
     command on every node) sets it, and NCCL_SOCKET_IFNAME, to the interface that reaches the
     master, here from a fake route table; a value the user exported is kept; one node: unset."""
-    import shlex
     import subprocess
 
     from arpo_lib.training import distributed
 
-    monkeypatch.setattr(distributed, "interface_towards", lambda host, interfaces=None: {"gpu-a": "ib0"}.get(host))
+    monkeypatch.setattr(distributed, "interface_towards",
+                        lambda host, interfaces=None: {FIRST_NODE: "ib0"}.get(host))
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
     env = _fake_slurm(tmp_path, gpus_per_node="8")
     subprocess.run(["bash", "scripts/slurm_train.sh"], env=env, check=True)
-    argv = shlex.split((tmp_path / "cmd").read_text())[4:]
+    argv = _on_a_node(tmp_path)
     _, launched_env = _launched_with_env(monkeypatch, argv)
     assert launched_env["GLOO_SOCKET_IFNAME"] == "ib0" and launched_env["NCCL_SOCKET_IFNAME"] == "ib0"
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "eth1")

@@ -8,7 +8,10 @@ spans several nodes, the ranks there still need the server's OpenAI API, so rank
 gateway passes on only `/v1/...` requests that carry the run's API key, and nothing else.
 
 `announce_host` says which address that is: `serve.announce_host`, else torchrun's MASTER_ADDR
-(the other ranks already reach rank 0's node there: it hosts the process group's store).
+(the other ranks already reach rank 0's node there: it hosts the process group's store). Under
+c10d rendezvous MASTER_ADDR is rank 0's own host name (`socket.getfqdn()`), which /etc/hosts often
+maps to a loopback address on that node (Debian's 127.0.1.1) while the other nodes resolve it to the
+node's network address: a gateway for this node's own name listens on every interface then.
 """
 from __future__ import annotations
 
@@ -52,6 +55,14 @@ def announce_host(explicit: str | None = None, env: Mapping[str, str] = os.envir
     return host
 
 
+def own_host_name(host: str) -> bool:
+    """Whether `host` is this machine's own name, short or qualified (`socket.gethostname()`,
+    `socket.getfqdn()`: what c10d rendezvous hands the ranks as MASTER_ADDR)."""
+    names = {n.lower() for n in (socket.gethostname(), socket.getfqdn()) if n}
+    names |= {n.split(".", 1)[0] for n in names}
+    return host.lower().rstrip(".") in names - {"localhost"}
+
+
 def _unspecified(host: str) -> bool:
     try:
         return ipaddress.ip_address(host.strip("[]")).is_unspecified
@@ -76,7 +87,8 @@ class Gateway:
 
     Args:
         upstream: the server's root URL.
-        host: the address to listen on (reachable from the other nodes).
+        host: the address to listen on (reachable from the other nodes); this node's own host name
+            listens on every interface where it resolves to loopback here (`own_host_name`).
         api_key: the key clients send (`rollout.api_key_env`, else `serve.api_key_env`).
         port: 0 picks a free one.
         timeout_s: how long a forwarded request may take (a long generation).
@@ -134,8 +146,11 @@ class Gateway:
         try:
             family, _, _, _, (address, *_) = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
             if is_loopback(address):  # e.g. a host name that /etc/hosts maps to 127.0.1.1 here
-                raise ServerError(f"{host!r} is {address} on this node, which other nodes cannot reach: set "
-                                  "serve.announce_host to this node's address on the network the nodes share")
+                if not own_host_name(host):
+                    raise ServerError(f"{host!r} is {address} on this node, which other nodes cannot reach: set "
+                                      "serve.announce_host to this node's address on the network the nodes share")
+                # the other nodes resolve this node's name to its network address: listen there too
+                address = "::" if family == socket.AF_INET6 else "0.0.0.0"
             server_class = type("GatewayServer", (ThreadingHTTPServer,), {"address_family": family,
                                                                           "daemon_threads": True})
             self._server = server_class((address, port), Forward)

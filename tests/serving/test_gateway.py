@@ -170,3 +170,76 @@ def test_a_trainer_over_several_nodes_announces_through_a_gateway_or_says_what_i
     assert build.served_policy(cfg, trained, backend=None)._announce_host == "10.0.0.5"
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # one node: loopback as before
     assert build.served_policy(cfg, trained, backend=None)._announce_host is None
+
+
+def test_a_gateway_for_this_nodes_own_name_that_resolves_to_loopback_here_listens_where_others_reach_it(
+        other_host, monkeypatch):
+    """c10d hands the ranks rank 0's host name as MASTER_ADDR; /etc/hosts on that node often maps it
+    to 127.0.1.1 while the other nodes resolve it to the node's network address. The gateway for
+    that name listens on every interface, announces the name, and the other host (resolving the name
+    as a cluster would) reaches the servers' API through it; a name not this node's own is refused."""
+    import socket
+
+    this_host, there = other_host
+    name = socket.gethostname()
+    resolve = socket.getaddrinfo
+
+    def etc_hosts(host, *args, **kwargs):  # this node's name as Debian's /etc/hosts has it
+        if host == name:
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.1.1", args[0] if args else 0))]
+        return resolve(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", etc_hosts)
+    upstream = ThreadingHTTPServer(("127.0.0.1", 0), _Upstream)
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    served = ServedPolicy(connect=_Client, save_weights=str, sync="none",
+                          url=f"http://127.0.0.1:{upstream.server_port}/v1", announce_host=name, api_key=KEY)
+    try:
+        served.policy(0)  # rank 0's own client: the gateways open with the fleet
+        (announced,) = served.urls
+        parts = urllib.parse.urlsplit(announced)
+        assert parts.hostname == name
+        as_resolved_there = announced.replace(f"//{name}:", f"//{this_host}:")
+        calls = f'fetch("{as_resolved_there}/models", "{KEY}"), fetch("{as_resolved_there}/models")'
+        models, keyless = json.loads(there(_FETCH.format(calls=calls)))
+        assert models == [200, {"path": "/v1/models", "method": "GET", "body": ""}] and keyless[0] == 401
+    finally:
+        served.close()
+        upstream.shutdown()
+        upstream.server_close()
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, *a, **k: etc_hosts(name, *a, **k))
+    with pytest.raises(ServerError, match="serve.announce_host"):  # another name resolving to loopback here
+        Gateway("http://127.0.0.1:1", "not-this-node", KEY)
+
+
+def test_a_run_over_several_nodes_without_the_servers_key_is_refused_when_its_config_loads(monkeypatch, capsys):
+    """Every rank of a torchrun job spanning nodes loads the config first: a run whose rank 0 starts
+    servers (weights streamed to them) without a key the gateway can use stops there, naming the
+    fix, before a model loads (before: rank 0 failed at the gateway once its model had loaded)."""
+    from arpo_lib import build, cli
+    from arpo_lib.run.config import ConfigError
+
+    monkeypatch.setenv("WORLD_SIZE", "12")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "6")
+    monkeypatch.setenv("MASTER_ADDR", "node0")
+    monkeypatch.delenv("ARPO_SERVE_API_KEY", raising=False)
+    full = "configs/osworld_full128.yaml"
+    with pytest.raises(ConfigError, match=r"^serve\.api_key_env: this run spans several nodes.*"
+                                          r"set serve\.api_key_env=ARPO_SERVE_API_KEY"):
+        build.load_config(full, ["serve.api_key_env=null"])
+    with pytest.raises(ConfigError, match="ARPO_SERVE_API_KEY is not set"):
+        build.load_config(full)
+    monkeypatch.setenv("ARPO_SERVE_API_KEY", "short")
+    with pytest.raises(ConfigError, match="at least 16"):
+        build.load_config(full)
+    monkeypatch.setenv("ARPO_SERVE_API_KEY", KEY)
+    assert build.load_config(full).serve.api_key_env == "ARPO_SERVE_API_KEY"
+    monkeypatch.delenv("ARPO_SERVE_API_KEY")
+    build.load_config(full, ["serve.replicas=1", "serve.cuda_devices=null", "rollout.weight_sync=reload",
+                             "rollout.server_url=http://10.0.0.9:8000/v1"])  # servers started elsewhere: no gateway
+    monkeypatch.setattr(build, "trainer", lambda *a, **k: pytest.fail("a trainer (and its model) was built"))
+    monkeypatch.setenv("LOCAL_RANK", "0")  # as torchrun starts each rank
+    assert cli.main(["train", "--config", full, "serve.api_key_env=null"]) == 2
+    assert "serve.api_key_env" in capsys.readouterr().err
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "12")  # one node: the servers stay on loopback, no key needed
+    assert build.load_config(full, ["serve.api_key_env=null"]).serve.api_key_env is None
