@@ -43,6 +43,10 @@ class Counts:
     """LoRA adapter parameters per unit of rank: sum of (in + out) over the target projections."""
     vision: int = 0
     """The vision module's parameters (blocks and merger): frozen with `model.freeze_vision_tower`."""
+    frozen_linear: int = 0
+    """Parameters of every nn.Linear but a tied LM head (weights and biases): what LoRA leaves frozen
+    and `lora.cast_frozen_linears` stores in the compute dtype (the language model's projections,
+    the vision tower's, the merger's, an untied LM head)."""
 
 
 def count(model: Any) -> Counts:
@@ -60,7 +64,10 @@ def count(model: Any) -> Counts:
             if name.rsplit(".", 1)[-1] in LORA_TARGETS:
                 lora += module.in_features + module.out_features
     visual = getattr(getattr(model, "model", model), "visual", None)
-    return Counts(total=sum(p.numel() for p in params),
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    linear = sum(p.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and id(m.weight) not in embeddings
+                 for p in m.parameters(recurse=False))
+    return Counts(frozen_linear=linear,total=sum(p.numel() for p in params),
                   root=sum(p.numel() for p in params if id(p) not in in_units),
                   largest_unit=max(sum(p.numel() for p in u.parameters()) for u in units),
                   text_linear=text_linear,

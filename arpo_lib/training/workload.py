@@ -51,7 +51,9 @@ class ModelShape:
     params: int
     vision_params: int
     text_linear: int
-    """The language model's Linear weights (kept in the compute dtype when frozen under LoRA)."""
+    """The language model's Linear weights (the projections LoRA adapts)."""
+    frozen_linear: int
+    """Every Linear's parameters but a tied LM head's: kept in the compute dtype when frozen under LoRA."""
     lora_per_rank: int
     """LoRA parameters per unit of rank (q/k/v/o/gate/up/down of every decoder layer)."""
     factored: int
@@ -116,6 +118,7 @@ def model_shape(path: str) -> ModelShape:
                           if isinstance(m, torch.nn.Linear) and "language_model.layers" in n), default=0)
     return ModelShape(
         model_type=config.model_type, params=c.total, vision_params=c.vision, text_linear=c.text_linear,
+        frozen_linear=c.frozen_linear,
         lora_per_rank=c.lora_per_rank, factored=c.factored,
         largest_param=max(p.numel() for p in model.parameters()), largest_text_linear=largest_linear,
         root=c.root, largest_unit=c.largest_unit, layers=text.num_hidden_layers, hidden=text.hidden_size,

@@ -112,8 +112,16 @@ def test_server_mode_has_no_generation_phase_and_a_push(shapes):
     assert names == ["old log-probs", "update", "weight push"]
 
 
-def test_memory_sizes_parse():
-    assert P.parse_memory("40GB") == P.parse_memory("40GiB") == P.parse_memory("40") == 40 * GIB
+def test_gpu_memory_is_a_cards_name_or_a_size_read_as_written():
+    """`--gpu-memory A100-40GB` is what such a card reports to torch (~39.6 GiB), not 40 GiB; a
+    size means its unit: 40GB is 40 x 10^9 bytes (37.3 GiB), 40GiB is 40 GiB, a bare number GiB."""
+    assert P.parse_memory("A100-40GB") == pytest.approx(39.6 * GIB) and P.parse_memory("l4") == pytest.approx(22.0 * GIB)
+    for name in ("A10G", "RTX4090", "H100-80GB", "h100_80gb"):
+        assert 20 * GIB < P.parse_memory(name) < 80 * GIB
+    assert P.parse_memory("40GB") == 40e9 and P.parse_memory("40GiB") == P.parse_memory("40") == 40 * GIB
+    assert P.parse_memory("24 GB") == 24e9
+    with pytest.raises(ValueError, match="A100-40GB"):
+        P.parse_memory("a big one")
 
 
 def test_the_cli_plans_and_writes(tmp_path, monkeypatch, capsys):
