@@ -8,7 +8,8 @@ an estimate until it has.
 The time model, per ARPO step (one rollout batch and its update), stated so it can be checked:
 - update: trajectories x update tokens per trajectory x the H100's measured seconds per token of a
   complete update of that model and mode (7B LoRA r16: 9.57 s, 7B full fine-tune fwd+bwd: 13.3 s,
-  2B full fine-tune with AdamW: 9.83 s, each for one 41,814-token trajectory), x 4/3 for the old
+  2B full fine-tune with AdamW: 9.83 s, each for one 41,814-token trajectory; a 2B LoRA update at the
+  2B's rate times the 7B's LoRA-to-full ratio), x 4/3 for the old
   log-probs' forward, x the card's speed against an H100 (dense bf16 tensor throughput, vendor
   figures), / the training GPUs. A sliding screenshot window (model.history_images < env.max_steps)
   makes each step past the window a new segment of the whole kept context: update tokens per
@@ -35,29 +36,14 @@ sys.path.insert(0, str(ROOT))
 from arpo_lib.envs.osworld.task_sets import known_solutions  # noqa: E402
 from arpo_lib.run.config import load_config  # noqa: E402
 from arpo_lib.training import plan as P  # noqa: E402
+from arpo_lib.training.cards import CARDS  # noqa: E402
 from arpo_lib.training.workload import RESPONSE_TOKENS, cached_shape, workload  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 
 
-@dataclass(frozen=True)
-class Card:
-    name: str
-    gib: float
-    """memory the card reports to torch (approximate)"""
-    speed: float
-    """dense bf16 tensor throughput against an H100 SXM (vendor figures)"""
-    bandwidth: float
-    """memory bandwidth against an H100 SXM (vendor figures)"""
-
-
-CARDS = {
-    "H100-80GB": Card("H100-80GB", 79.1, 1.0, 1.0),
-    "A100-80GB": Card("A100-80GB", 79.1, 312 / 989, 2.04 / 3.35),
-    "A100-40GB": Card("A100-40GB", 39.6, 312 / 989, 1.56 / 3.35),
-    "L4": Card("L4", 22.0, 121 / 989, 0.30 / 3.35),
-    "RTX4090": Card("RTX4090", 23.6, 165 / 989, 1.01 / 3.35),
-}
+H100 = CARDS["H100-80GB"]
+"""The card the measured figures come from."""
 
 
 @dataclass(frozen=True)
@@ -72,7 +58,7 @@ class Recipe:
 
 
 RECIPES = [
-    Recipe("eval-7b", "evaluate UI-TARS-1.5-7B on the sandbox's tasks", "configs/osworld_sandbox.yaml", "A100-80GB",
+    Recipe("eval-7b", "evaluate UI-TARS-1.5-7B on the sandbox's tasks", "configs/osworld_sandbox.yaml", "A100-40GB",
            evaluation_only=True),
     Recipe("colab-a100", "ARPO on a Colab A100 40 GB", "configs/one_gpu_40gb.yaml", "A100-40GB"),
     Recipe("24gb", "ARPO on a 24 GB card (UI-TARS-2B)", "configs/one_gpu_24gb.yaml", "RTX4090"),
@@ -104,32 +90,34 @@ def measured() -> dict[str, float]:
 def estimate(recipe: Recipe, rates: dict[str, float]) -> dict:
     cfg = load_config(recipe.config, list(recipe.overrides))
     card = CARDS[recipe.card]
+    speed, bandwidth = card.bf16_tflops / H100.bf16_tflops, card.bandwidth_tbs / H100.bandwidth_tbs
     shape = cached_shape(cfg.model.path)
     w = workload(cfg, shape, gpus=recipe.gpus)
-    p = P.plan(cfg, card.gib * P.GIB, recipe.gpus)
+    p = P.plan(cfg, card.bytes, recipe.gpus)
     trajectories = cfg.train.tasks_per_batch * cfg.rollout.group_size
     window = min(cfg.model.history_images, cfg.env.max_steps)
     segments = cfg.env.max_steps - window + 1
     update_tokens = w.tokens * segments
     big = "7b" if shape.params > 4e9 else "2b"
     mode = "lora" if cfg.model.lora_rank else "full"
-    rate = rates.get(f"{big}_{mode}", rates["7b_full"])
-    update_s = trajectories * update_tokens * rate * 4 / 3 / card.speed / recipe.gpus
-    gen_s = rates["gen_step_s"] / card.bandwidth * (0.1 if cfg.rollout.backend == "server" else 1.0)
+    # the one LoRA measurement is the 7B's: another model's LoRA update is its full update's rate
+    # times the 7B's LoRA-to-full ratio
+    rate = rates.get(f"{big}_{mode}") or rates[f"{big}_full"] * rates["7b_lora"] / rates["7b_full"]
+    update_s = trajectories * update_tokens * rate * 4 / 3 / speed / recipe.gpus
+    gen_s = rates["gen_step_s"] / bandwidth * (0.1 if cfg.rollout.backend == "server" else 1.0)
     waves = math.ceil(trajectories / max(1, cfg.env.workers * cfg.env.envs_per_worker))
     rollout_s = waves * cfg.env.max_steps * (rates["env_step_s"] + gen_s)
     if recipe.evaluation_only:
         # one copy of the weights as loaded and the episodes' KV caches: generation without the
         # trainer's optimizer state and gradients
-        gen = next(ph for ph in p.phases if ph.name == "generation")
-        peak = sum(v for k, v in gen.parts.items() if not k.startswith(("optimizer", "gradients")))
+        peak = p.evaluation.total  # the planner's standalone evaluation: one bf16 copy, the episodes' caches
         tasks = len(known_solutions())  # osworld/sandbox_solved: the tasks with a scripted solution
         episodes = tasks * cfg.eval.samples_per_task
         rollout_s = math.ceil(episodes / max(1, cfg.env.workers)) * cfg.env.max_steps * (rates["env_step_s"] + gen_s)
         return {
             "recipe": recipe.key, "title": recipe.title, "config": recipe.config, "card": card.name, "gpus": 1,
             "planned_peak_gib": round(peak / P.GIB, 1), "planned_phase": "evaluation",
-            "fits": peak <= P.usable(card.gib * P.GIB), "usable_gib": round(P.usable(card.gib * P.GIB) / P.GIB, 1),
+            "fits": peak <= P.usable(card.bytes), "usable_gib": round(P.usable(card.bytes) / P.GIB, 1),
             "tasks": tasks, "episodes": episodes, "estimated_rollout_s_per_step": round(rollout_s),
             "estimated_update_s_per_step": 0, "estimated_hours": round(rollout_s / 3600, 1), "steps": 0,
             "estimated_gpu_hours": round(rollout_s / 3600, 1),
@@ -139,7 +127,7 @@ def estimate(recipe: Recipe, rates: dict[str, float]) -> dict:
     return {
         "recipe": recipe.key, "title": recipe.title, "config": recipe.config, "card": card.name,
         "gpus": recipe.gpus, "planned_peak_gib": round(p.peak.total / P.GIB, 1), "planned_phase": p.peak.name,
-        "fits": p.fits, "usable_gib": round(P.usable(card.gib * P.GIB) / P.GIB, 1),
+        "fits": p.fits, "usable_gib": round(P.usable(card.bytes) / P.GIB, 1),
         "trajectories_per_step": trajectories, "update_tokens_per_trajectory": update_tokens,
         "segments_per_trajectory": segments, "estimated_rollout_s_per_step": round(rollout_s),
         "estimated_update_s_per_step": round(update_s) if not recipe.evaluation_only else 0,

@@ -1,5 +1,5 @@
 """The planner's "what fits on one GPU" table (docs/speed-and-memory.md and the README): for
-16, 24, 40 and 80 GB cards, UI-TARS-1.5-7B and UI-TARS-2B on OSWorld's sandbox tasks (15 1080p
+80, 40, 24 and 16 GB cards (an H100, an A100-40GB, an L4, a T4: the memory each reports), UI-TARS-1.5-7B and UI-TARS-2B on OSWorld's sandbox tasks (15 1080p
 screenshots kept) and on MiniWoB++, rollouts generated in this process; each cell the peak the
 planner predicts with the levers it chose (cheapest first). Predictions, not measurements.
 
@@ -20,7 +20,8 @@ SETTINGS = {  # (config, overrides): the shipped configs with the model swapped,
     "OSWorld": ("configs/osworld_sandbox.yaml", ["rollout.backend=hf", "model.gradient_checkpointing=true"]),
     "MiniWoB": ("configs/subset_miniwob.yaml", ["model.gradient_checkpointing=true"]),
 }
-CARDS = (80, 40, 24, 16)
+CARDS = ("H100-80GB", "A100-40GB", "L4", "T4")
+"""Cards of 80, 40, 24 and 16 GB, planned against the memory each reports (`training.cards`)."""
 
 WORDS = {  # an override as the table says it
     "train.optimizer=adafactor": "Adafactor", "model.freeze_vision_tower=true": "vision frozen",
@@ -41,14 +42,15 @@ def describe(overrides: list[str]) -> str:
     return ", ".join(dict.fromkeys(words)) or "as configured"
 
 
-def cell(model: str, setting: str, gib: int) -> str:
+def cell(model: str, setting: str, card: str) -> str:
     path, overrides = SETTINGS[setting]
     cfg = load_config(path, [*overrides, f"model.path={MODELS[model]}",
                              f"model.coord_mode={'qwen25vl' if '1.5' in model else 'qwen2vl'}"])
-    result = P.plan(cfg, gib * P.GIB, 1)
+    memory = P.parse_memory(card)
+    result = P.plan(cfg, memory, 1)
     if not result.fits_with_levers:
         return "does not fit"
-    after = P.plan(P.fitted(cfg, result), gib * P.GIB, 1)
+    after = P.plan(P.fitted(cfg, result), memory, 1)
     return f"{describe(result.overrides)}: {after.peak.total / P.GIB:.1f}"
 
 
@@ -58,8 +60,8 @@ OUT = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "one_gpu_
 def main() -> None:
     columns = [(m, s) for s in SETTINGS for m in MODELS]
     lines = ["| GPU | " + " | ".join(f"{m}, {s}" for m, s in columns) + " |", "|---|" + "---|" * len(columns)]
-    for gib in CARDS:
-        lines.append(f"| {gib} GB | " + " | ".join(cell(m, s, gib) for m, s in columns) + " |")
+    for card in CARDS:
+        lines.append(f"| {card} | " + " | ".join(cell(m, s, card) for m, s in columns) + " |")
     print("\n".join(lines))
     OUT.write_text("The planner's predictions (GiB at the peak with the levers it chose; not measurements), written by\n"
                    "`python scripts/one_gpu_table.py`.\n\n" + "\n".join(lines) + "\n")

@@ -241,6 +241,26 @@ def phases(shape: ModelShape, w: Workload, t: Training) -> list[Phase]:
     return out
 
 
+def evaluation_phase(cfg: Any, shape: ModelShape, screen: tuple[int, int] | None = None,
+                     device: str = "cuda") -> Phase:
+    """A standalone evaluation on one GPU (`build.engine`): the weights once, in the compute dtype
+    (HFPolicy weights_dtype="compute"), the episodes' KV caches (one live episode per environment)
+    and one prefill; the response cap is the evaluation's (`eval.max_new_tokens`, else the model's)."""
+    compute = 2 if device != "cpu" else 4
+    t = Training(optimizer="none", weights_bytes=compute, compute_bytes=compute, kv_bytes=compute,
+                 attention_scores=device == "cpu")
+    w = workload(cfg, shape, screen, gpus=1)
+    rows = max(1, cfg.env.workers * cfg.env.envs_per_worker)
+    cap = cfg.eval.max_new_tokens or cfg.model.max_new_tokens
+    per_token = shape.layers * 2 * shape.kv_heads * shape.head_dim * t.kv_bytes
+    prefill = activation_bytes(shape, Workload(tokens=w.prefill_tokens or w.tokens, patches=w.prefill_patches or w.patches,
+                                               trained=1), t, backward=False)
+    return Phase("evaluation", {"weights": compute * shape.params,
+                                "KV cache (episodes' copies)": per_token * rows * w.tokens,
+                                "KV cache (the step's slab)": per_token * rows * (w.tokens + cap),
+                                "prefill": sum(prefill.values())})
+
+
 def usable(gpu_memory: float) -> float:
     """What of a card's memory the planner lets tensors have."""
     return gpu_memory * (1 - FRAGMENTATION) - RESERVE_BYTES
@@ -309,6 +329,9 @@ class Plan:
     """Overrides the config was planned with (the levers applied)."""
     levers: list[tuple[Lever, list[str], float]] = field(default_factory=list)
     """Levers tried in order: (lever, the overrides it adds, the peak after it)."""
+    evaluation: Phase | None = None
+    """A standalone evaluation of the config's model (`./workbench eval`, evaluation.ipynb) on one
+    GPU, generating in process: not part of a training step, so not of `peak`."""
 
     @property
     def peak(self) -> Phase:
@@ -333,7 +356,7 @@ class Plan:
 
     def report(self) -> str:
         w = self.workload
-        lines = [f"{self.model} on {self.gpus} GPU(s) of {self.gpu_memory / GIB:.0f} GiB "
+        lines = [f"{self.model} on {self.gpus} GPU(s) of {self.gpu_memory / GIB:.1f} GiB "
                  f"(usable {usable(self.gpu_memory) / GIB:.1f} GiB: {RESERVE_BYTES / GIB:.1f} GiB reserve, "
                  f"{FRAGMENTATION:.0%} fragmentation)",
                  f"trajectory: {w.tokens:,} tokens, {w.patches:,} patches, {w.trained:,} trained; "
@@ -344,6 +367,12 @@ class Plan:
         host = max((sum(p.host.values()) for p in self.phases), default=0)
         if host:
             lines.append(f"host memory beside it: {host / GIB:.1f} GiB pinned (model.activation_offload)")
+        if self.evaluation is not None:
+            e = self.evaluation
+            big = ", ".join(f"{k} {v / GIB:.1f}" for k, v in sorted(e.parts.items(), key=lambda kv: -kv[1])[:3])
+            lines.append(f"evaluation (`./workbench eval`, in process, one copy of the weights in the compute dtype): "
+                         f"{e.total / GIB:.1f} GiB ({big}): "
+                         + ("fits" if e.total <= usable(self.gpu_memory) else "does NOT fit"))
         if self.levers:
             lines += ["", "levers, cheapest first, each on top of the ones above:"]
             for lever, added, peak in self.levers:
@@ -361,7 +390,10 @@ class Plan:
                                     **({"host_gib": {k: v / GIB for k, v in p.host.items()}} if p.host else {})}
                            for p in self.phases},
                 "levers": [{"overrides": added, "cost": lever.cost, "peak_gib": peak / GIB}
-                           for lever, added, peak in self.levers]}
+                           for lever, added, peak in self.levers],
+                **({"evaluation": {"total_gib": self.evaluation.total / GIB,
+                                   "parts_gib": {k: v / GIB for k, v in self.evaluation.parts.items()}}}
+                   if self.evaluation is not None else {})}
 
 
 def plan(cfg: Any, gpu_memory: float, gpus: int | None = None, screen: tuple[int, int] | None = None,
@@ -376,7 +408,8 @@ def plan(cfg: Any, gpu_memory: float, gpus: int | None = None, screen: tuple[int
     def evaluate(c: Any) -> list[Phase]:
         return phases(shape, workload(c, shape, screen, gpus), training_of(c, gpus, device))
 
-    first = Plan(cfg.model.path, gpu_memory, gpus, workload(cfg, shape, screen, gpus), evaluate(cfg))
+    first = Plan(cfg.model.path, gpu_memory, gpus, workload(cfg, shape, screen, gpus), evaluate(cfg),
+                 evaluation=evaluation_phase(cfg, shape, screen, device))
     if first.fits:
         return first
     # Greedy, cheapest first: each round takes the first lever (in LEVERS' order) whose gentlest
