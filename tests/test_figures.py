@@ -42,3 +42,12 @@ def test_the_suite_figures_in_getting_started_are_those_of_ci_durations():
     minutes = re.search(r"([\d.]+) min with set-up", header).group(1)
     guide = (ROOT / "docs" / "getting-started.md").read_text()
     assert f"{passed:,} pass, {skipped} skipped" in guide and f"{minutes} min from a clean clone" in guide
+
+
+def test_the_smoke_seeds_table_in_getting_started_is_the_committed_run():
+    record = json.loads((RESULTS / "smoke_seeds.json").read_text())
+    assert record["every_seed_gained"] and len(record["summaries"]) == 5
+    guide = (ROOT / "docs" / "getting-started.md").read_text()
+    for row in _table_rows(record["table"])[1:]:
+        seed, before, after, gain, steps = (c.strip() for c in row.strip("|").split("|")[:5])
+        assert f"| {seed} | {before} -> {after} | {gain} | {steps} |" in guide, row
