@@ -139,9 +139,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--vision-layers", type=int, help="fewer vision blocks (a quick CPU check)")
     ap.add_argument("--freeze-vision", action="store_true", help="the vision tower not trained")
     ap.add_argument("--out", default=str(RESULTS_DIR))
+    ap.add_argument("--gpu-check", action="store_true",
+                    help="only the check against the H100: one fwd+bwd of the whole 7B in bf16 on one device "
+                         "(writes memory_measured_gpu_check.json)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.gpu_check:
+        size = tuple(int(v) for v in args.resolution.lower().split("x"))
+        t0 = time.monotonic()
+        measured = one_gpu_fwd_bwd("7b", trajectory_batch("7b", args.screenshots, size)) / GIB
+        h100 = next(r for r in json.loads((RESULTS_DIR / "update_7b_15shots.json").read_text())["rows"]
+                    if r["path"] == "ours")["peak GiB"]
+        record = {"kind": "measured (FakeTensorMode) against the H100's torch.cuda.max_memory_allocated",
+                  "command": "python benchmarks/memory_measured.py --gpu-check", "torch": torch.__version__,
+                  "shape": "7b", "screenshots": args.screenshots, "fake_gib": round(measured, 2),
+                  "h100_gib": round(h100, 2), "ratio": round(measured / h100, 3),
+                  "seconds": round(time.monotonic() - t0, 1)}
+        (out / "memory_measured_gpu_check.json").write_text(json.dumps(record, indent=1) + "\n")
+        print(f"fake {measured:.1f} GiB, H100 {h100:.1f} GiB: {measured / h100:.3f}x")
+        return record
     path = out / "memory_measured.json"
     # resumable: what the file already holds is kept, and not measured again
     results: list[dict[str, Any]] = json.loads(path.read_text())["results"] if path.is_file() else []
