@@ -18,7 +18,8 @@ from arpo_lib.training import plan as P  # noqa: E402
 MODELS = {"UI-TARS-1.5-7B": "ByteDance-Seed/UI-TARS-1.5-7B", "UI-TARS-2B": "bytedance-research/UI-TARS-2B-SFT"}
 SETTINGS = {  # (config, overrides): the shipped configs with the model swapped, generation in this process
     "OSWorld": ("configs/osworld_sandbox.yaml", ["rollout.backend=hf", "model.gradient_checkpointing=true"]),
-    "MiniWoB": ("configs/subset_miniwob.yaml", ["model.gradient_checkpointing=true"]),
+    "MiniWoB": ("configs/subset_miniwob.yaml", ["model.gradient_checkpointing=true", "env.max_steps=5",
+                                                "model.history_images=5", "rollout.group_size=4"]),
 }
 CARDS = ("H100-80GB", "A100-40GB", "L4", "T4")
 """Cards of 80, 40, 24 and 16 GB, planned against the memory each reports (`training.cards`)."""
