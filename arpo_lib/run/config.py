@@ -206,6 +206,11 @@ class ModelConfig(Section):
         if self.activation_offload and not self.gradient_checkpointing:
             self.fail("activation_offload", "moves the inputs kept by activation checkpointing to host memory: "
                                             "it needs model.gradient_checkpointing=true")
+        if self.activation_offload and (found := installed_version("transformers")) < OFFLOAD_TRANSFORMERS:
+            self.fail("activation_offload", f"needs transformers >= {_dotted(OFFLOAD_TRANSFORMERS)} (installed: "
+                                            f"{_dotted(found)}): pip install 'transformers>={_dotted(OFFLOAD_TRANSFORMERS)},"
+                                            "<5.24', or model.activation_offload=false (then "
+                                            "`./workbench plan` plans without it)")
 
 
 @dataclass
@@ -796,6 +801,27 @@ def longest_response(cfg: RunConfig) -> tuple[int, str]:
     return cfg.model.max_new_tokens, "model.max_new_tokens"
 
 
+OFFLOAD_TRANSFORMERS = (5, 23)
+"""The oldest transformers whose activation checkpointing takes the `offload` switch."""
+LORA_FSDP2_TORCH = (2, 8)
+"""The oldest torch whose FSDP2 accepts a unit mixing bf16 frozen and fp32 trained parameters."""
+
+
+def installed_version(package: str) -> tuple[int, ...]:
+    """`package`'s installed version as numbers (0,) when it is not installed."""
+    import re
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return tuple(int(p) for p in re.findall(r"\d+", version(package).split("+")[0])[:3])
+    except PackageNotFoundError:
+        return (0,)
+
+
+def _dotted(v: tuple[int, ...]) -> str:
+    return ".".join(map(str, v))
+
+
 def validate(cfg: RunConfig) -> None:
     """What no section can check alone, failing with the key: the names registries hold (known
     only once the config's plug-ins are imported), and the rules that span sections. Each
@@ -829,6 +855,10 @@ def validate(cfg: RunConfig) -> None:
                   f"episodes) it takes {needed:.0f} s, and a runaway sample that times out is retried with the same "
                   f"seed until the run stops. Raise rollout.request_timeout_s to {math.ceil(needed)} or more, or "
                   f"lower {lower}")
+    if cfg.model.lora_rank and cfg.train.nproc_per_node > 1 and installed_version("torch") < LORA_FSDP2_TORCH:
+        _fail("model.lora_rank", f"LoRA on several training processes puts bf16 frozen and fp32 trained parameters in "
+                                 f"one FSDP2 unit, which FSDP2 accepts from torch {_dotted(LORA_FSDP2_TORCH)} on "
+                                 f"(installed: {_dotted(installed_version('torch'))}): a newer torch, or one process")
     if cfg.eval.policy == "scripted" and cfg.rollout.backend != "hf":
         _fail("eval.policy", "the scripted agent acts in this process: use rollout.backend=hf")
     if cfg.rollout.constrained and cfg.algo.old_logprobs != "recompute":
