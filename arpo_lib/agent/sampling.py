@@ -28,11 +28,15 @@ class SeededGumbelSampler:
         self.temperature = temperature
         self.top_p = top_p
         self.suppress_ids = list(suppress_ids)
+        self._suppress: torch.Tensor | None = None
+        """The suppressed ids on the logits' device, made once (not a host list at every token)."""
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         logp = torch.log_softmax(scores.float() / self.temperature, dim=-1)  # (B, V)
         if self.suppress_ids:
-            logp[:, self.suppress_ids] = float("-inf")
+            if self._suppress is None or self._suppress.device != logp.device:
+                self._suppress = torch.tensor(self.suppress_ids, device=logp.device)
+            logp.index_fill_(1, self._suppress, float("-inf"))
             logp = torch.log_softmax(logp, dim=-1)  # renormalise, as the behaviour log-probs do
         if self.top_p < 1.0:
             sorted_logp, order = logp.sort(dim=-1, descending=True)

@@ -410,9 +410,11 @@ class CachedGenerator:
         logprobs: list[torch.Tensor] = []
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
         counts = torch.zeros_like(logits) if frequency_penalty else None  # (B, V) tokens generated so far
+        # the suppressed ids on the device once: indexing with a host list copies it to the device at every token
+        suppress = torch.tensor(policy.suppress_ids, device=device) if policy.suppress_ids else None
         for step in range(max_new_tokens):
-            if policy.suppress_ids:
-                logits[:, policy.suppress_ids] = float("-inf")
+            if suppress is not None:
+                logits.index_fill_(1, suppress, float("-inf"))
             if counts is not None:  # sampled from, and scored under, the penalised distribution
                 logits = logits - frequency_penalty * counts
             scores = sampler(None, logits) if sampler else logits

@@ -343,3 +343,36 @@ def test_keys_and_values_are_kept_in_the_compute_dtype(tiny_model):
     assert t16 == t32
     np.testing.assert_array_equal(np.array(lp16, dtype=object), np.array(lp32, dtype=object))
     assert HFPolicy(tiny_model, device="cpu").cached.kv_dtype == torch.float32  # fp32 compute: fp32 cache
+
+
+def test_decoding_makes_no_tensor_from_host_data_per_token(policy):
+    """The suppressed ids go to the device once per call, not at every decoded token (indexing with
+    a Python list makes a tensor from host data each time: on a GPU a blocking host-to-device copy).
+    A dispatch-mode spy counts the tensors made from host data over calls of 4 and of 16 tokens:
+    the same count, whatever the length."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Spy(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen[str(func)] += 1
+            return func(*args, **(kwargs or {}))
+
+    assert policy.suppress_ids
+    made = []
+    for tokens in (4, 16):
+        convs = _padded_batch(policy, 2)
+        spy = Spy()
+        with spy:
+            gens = policy.generate([c.current for c in convs], seeds=[0, 1], cache_keys=[("h2d", tokens, i) for i in range(2)],
+                                   sampling=SamplingParams(temperature=1.0, max_new_tokens=tokens))
+        for i in range(2):
+            policy.release(("h2d", tokens, i))
+        assert max(len(g.token_ids) for g in gens) > 4 or tokens == 4
+        made.append(spy.seen["aten.lift_fresh.default"])
+    assert made[0] == made[1], made
