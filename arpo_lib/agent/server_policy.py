@@ -95,6 +95,8 @@ class ServerPolicy(UITarsConversations):
         self.served_model = served_model or self._first_model()
         self.resize = image_processor_limits(self.processor)
         self.eos_ids, self.suppress_ids = special_token_ids(self.tokenizer)
+        self.max_concurrency = max_concurrency
+        """Requests this client sends at once (its pool's threads)."""
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="arpo-client")
         self._lock = threading.Lock()
         self.requests = 0
@@ -208,7 +210,10 @@ class FleetPolicy:
         self._server_of: dict[Any, int] = {}
         self._lock = threading.Lock()  # asynchronous rollouts call from several threads
         self._turn = first % len(self.clients)  # where the next tie-break starts: episodes in turn rotate
-        self._pool = ThreadPoolExecutor(max_workers=len(self.clients), thread_name_prefix="arpo-fleet")
+        # asynchronous rollouts call from one thread per episode: the fleet passes on as many requests
+        # at once as its servers' clients take (one thread per server held 2 replicas to 2 in flight)
+        workers = sum(getattr(c, "max_concurrency", 1) for c in self.clients)
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="arpo-fleet")
 
     def __getattr__(self, name: str) -> Any:  # processor, parse, new_conversation, history_images, ...
         if name in ("clients", "_server_of", "_turn", "_pool", "_lock"):

@@ -88,3 +88,43 @@ def test_eight_ranks_spread_their_episodes_over_three_replicas():
     started_at_zero = [FleetPolicy(servers) for _ in range(8)]
     picks = [f.server_for(("e", i)) for f in started_at_zero for i in range(2)]
     assert sorted(picks.count(s) for s in range(3)) == [0, 8, 8]  # what every rank starting at 0 did
+
+
+def test_asynchronous_episodes_reach_the_servers_as_many_at_once_as_their_clients_take():
+    """Asynchronous rollouts call the fleet from one thread per episode, a segment each. The fleet
+    passes on as many at once as its clients take (`max_concurrency` each), not one per server:
+    8 episodes on 2 servers of 4 each are all in flight together (2 before)."""
+    in_flight, most, lock = [0], [0], threading.Lock()
+    release = threading.Event()
+
+    class Slow(_Recording):
+        max_concurrency = 4
+
+        def generate(self, segments, **options):
+            with lock:
+                in_flight[0] += 1
+                most[0] = max(most[0], in_flight[0])
+            release.wait(timeout=10)
+            with lock:
+                in_flight[0] -= 1
+            return super().generate(segments, **options)
+
+    fleet = FleetPolicy([Slow("a"), Slow("b")])
+    out = [None] * 8
+
+    def episode(i):
+        out[i] = fleet.generate([f"s{i}"], contexts=[None], seeds=[i], cache_keys=[f"e{i}"])[0]
+
+    threads = [threading.Thread(target=episode, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for _ in range(200):  # until every episode's request is in flight, or 2 s
+        with lock:
+            if in_flight[0] == 8:
+                break
+        threading.Event().wait(0.01)
+    release.set()
+    for t in threads:
+        t.join(timeout=10)
+    assert most[0] == 8 and all(out)
+    fleet.close()
