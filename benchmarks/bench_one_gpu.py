@@ -2,8 +2,8 @@
 a card capped to the size the config is planned for, measured per phase beside the planner's
 prediction.
 
-  python benchmarks/bench_one_gpu.py --config configs/one_gpu_40gb.yaml --cap-gb 40 --out "$OUT"   # a GPU
-  python benchmarks/bench_one_gpu.py --config configs/one_gpu_24gb.yaml --cap-gb 24 --out "$OUT"
+  python benchmarks/bench_one_gpu.py --config configs/one_gpu_40gb.yaml --cap-gb 38.5 --out "$OUT"   # a GPU
+  python benchmarks/bench_one_gpu.py --config configs/one_gpu_24gb.yaml --cap-gb 22.0 --out "$OUT"
   python benchmarks/bench_one_gpu.py --config configs/one_gpu_24gb.yaml --cap-gb 24 --shape tiny \\
       --resolution 448x336 --trajectories 2 --device cpu --out /tmp/r          # the CPU rehearsal (seconds)
   python benchmarks/run_gpu.py 5 --out "$OUT"                                 # both, as part 5 of the GPU runs
@@ -19,14 +19,18 @@ made as from the second step on (as a run's steady state). Then the phases, each
 - generation: one rollout batch of the planner's live episodes (its `generation_rows`:
   env.workers x envs_per_worker, at most the batch) over `env.max_steps` steps of synthetic
   screenshots at the config's screen, KV-cached as rollouts run (bench_rollout.run_episodes),
-  responses cut at `--max-new-tokens` (default 16: random weights sample noise; the planner's
-  prediction "as run" uses the same cap and the context reached);
+  responses of `--max-new-tokens` (default 128, the planner's typical response: random weights
+  rarely end early; the planner's prediction "as run" uses the same cap and the context reached),
+  the host synchronisations counted (CUDA's sync debug mode) and the live blocks right after it
+  summarised by where they were allocated (`generation_snapshot`);
 - old log-probs and update: `training.update.PolicyUpdate`, the trainer's update (old log-probs,
   the clipped loss, `train.updates_per_batch` optimizer steps) over `--trajectories` sequences
   (default the batch, tasks_per_batch x group_size), each the planner's trajectory: the last
   segment of `env.max_steps` steps with `model.history_images` screenshots kept and responses of
   RESPONSE_TOKENS (one built, copied: the same memory and time, a fraction of the CPU work).
 
+Then the pinned host memory (activation offload's) and, under LoRA, the merge a checkpoint writes
+(seconds, host RSS). Each phase records the allocator's reserved peak beside the allocated one.
 Each phase is written beside the planner's prediction for the config (`plan.plan` on the cap, the
 config's screen) and "as run" (the planner's arithmetic on the trajectory and context measured
 here), with the ratios measured / predicted. An out-of-memory is a result (`"oom": true` and the
@@ -142,6 +146,8 @@ class Meter:
                 out = fn()
                 sync(self.device)
                 row["measured_bytes"] = torch.cuda.max_memory_allocated(self.device)
+                row["reserved_bytes"] = torch.cuda.max_memory_reserved(self.device)
+                row["reserved_gib"] = row["reserved_bytes"] / GIB
             else:
                 row["measured_bytes"], out = self._cpu(fn, row)
         except (torch.OutOfMemoryError, RuntimeError) as exc:  # some kernels raise a plain RuntimeError
@@ -150,6 +156,7 @@ class Meter:
             row.update(oom=True, error=str(exc).splitlines()[0][:200])
             if self.device.type == "cuda":
                 row["measured_bytes"] = torch.cuda.max_memory_allocated(self.device)
+                row["reserved_bytes"] = torch.cuda.max_memory_reserved(self.device)
         row["seconds"] = time.perf_counter() - start
         return row, out
 
@@ -222,6 +229,81 @@ class LiveBytes:
         self.mode.__exit__(*exc)
 
 
+def snapshot_summary(device: torch.device, top: int = 12) -> dict | None:
+    """The live CUDA blocks grouped by where they were allocated (the innermost frame in the
+    workbench or transformers), largest first: what holds the memory right after a phase.
+    Needs `torch.cuda.memory._record_memory_history` on before the phase; None on the CPU."""
+    if device.type != "cuda":
+        return None
+    try:
+        snap = torch.cuda.memory._snapshot()
+    except Exception as exc:  # noqa: BLE001
+        return {"error": str(exc)[:200]}
+    by_site: dict[str, list[int]] = {}
+    for segment in snap.get("segments", []):
+        for block in segment.get("blocks", []):
+            if block.get("state") != "active_allocated":
+                continue
+            frames = block.get("frames") or []
+            site = next((f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in frames
+                         if "arpo_lib" in f["filename"] or "transformers" in f["filename"]), "elsewhere")
+            entry = by_site.setdefault(site, [0, 0])
+            entry[0] += block["size"]
+            entry[1] += 1
+    ranked = sorted(by_site.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"top": [{"site": site, "gib": b / GIB, "blocks": n} for site, (b, n) in ranked]}
+
+
+def count_syncs(device: torch.device, fn: Callable[[], Any]) -> tuple[Any, int | None]:
+    """`fn()` with CUDA's sync debug mode warning at every host synchronisation; returns its result
+    and the syncs counted (None on the CPU)."""
+    if device.type != "cuda":
+        return fn(), None
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return out, sum(1 for w in seen if "synchroniz" in str(w.message).lower())
+
+
+def pinned_host_bytes() -> dict | None:
+    """The pinned host memory CUDA's caching host allocator holds (activation offload's)."""
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if stats is None or not torch.cuda.is_available():
+        return None
+    try:
+        s = stats()
+    except Exception as exc:  # noqa: BLE001
+        return {"error": str(exc)[:200]}
+    keys = [k for k in s if "allocated_bytes" in k or "reserved_bytes" in k]
+    return {k: s[k] for k in keys}
+
+
+def lora_merge(policy: Any) -> dict | None:
+    """A LoRA checkpoint's merge (`lora.merged_state_dict`, what a checkpoint writes): seconds and
+    the host RSS before and after (the merged fp32 weights land in host memory one at a time)."""
+    if getattr(policy, "peft_model", None) is None:
+        return None
+    import psutil
+
+    from arpo_lib.agent.model.lora import merged_state_dict
+
+    rss = psutil.Process().memory_info().rss
+    start = time.perf_counter()
+    merged = merged_state_dict(policy.model)
+    seconds = time.perf_counter() - start
+    after = psutil.Process().memory_info().rss
+    size = sum(t.numel() * t.element_size() for t in merged.values())
+    del merged
+    return {"seconds": seconds, "host_rss_before_gib": rss / GIB, "host_rss_after_gib": after / GIB,
+            "merged_gib": size / GIB}
+
+
 def warm_optimizer_state(update: Any) -> None:
     """The optimizer's state as from the second step on (a run's generation and old log-probs hold
     it): one step on zero gradients, then the gradients freed."""
@@ -256,7 +338,8 @@ def main(argv: list[str] | None = None) -> dict:
                          "the local tiny model of the same architecture (a CPU rehearsal)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--resolution", default=None, help="screenshot WxH (default: the config's screen)")
-    ap.add_argument("--max-new-tokens", type=int, default=16, help="the rollout's response cap (random weights)")
+    ap.add_argument("--max-new-tokens", type=int, default=128,
+                    help="the rollout's response length (random weights rarely end early: about this many are decoded)")
     ap.add_argument("--steps", type=int, default=None, help="rollout steps and trajectory length (default env.max_steps)")
     ap.add_argument("--trajectories", type=int, default=None,
                     help="sequences in the update (default the batch: tasks_per_batch x group_size)")
@@ -330,9 +413,17 @@ def main(argv: list[str] | None = None) -> dict:
 
     # generation: one rollout batch of the planned live episodes
     policy.model.eval()
+    if device.type == "cuda":
+        torch.cuda.memory._record_memory_history(max_entries=200_000)
     with torch.no_grad():
-        row, episodes = meter.run("generation", lambda: run_episodes(
-            policy, planned.generation_rows, steps, screen, args.max_new_tokens, True, device))
+        (row, episodes), syncs = count_syncs(device, lambda: meter.run("generation", lambda: run_episodes(
+            policy, planned.generation_rows, steps, screen, args.max_new_tokens, True, device)))
+    row["host_syncs"] = syncs
+    decoded = sum(len(t) for step in (episodes or {}).get("tokens", []) for t in step) or None
+    row["host_syncs_per_decoded_token"] = syncs / decoded if syncs is not None and decoded else None
+    result["generation_snapshot"] = snapshot_summary(device)  # the episodes' caches still alive
+    if device.type == "cuda":
+        torch.cuda.memory._record_memory_history(enabled=None)
     policy.free_generation_memory()
     rows.append(row)
     context = episodes["final_tokens"] // planned.generation_rows if episodes else None
@@ -353,6 +444,11 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append(row)
     if metrics:
         result["update_metrics"] = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+    result["pinned_host"] = pinned_host_bytes()
+    try:
+        result["lora_merge"] = lora_merge(policy)
+    except Exception as exc:  # noqa: BLE001 (a result, not a crash)
+        result["lora_merge"] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
 
     # the planner's arithmetic on what ran: the trajectory built here, the rollout's context and cap
     as_run = dataclasses.replace(planned, tokens=len(segment), patches=sum(int(g.prod()) for g in segment.image_grid_thw),
@@ -360,6 +456,10 @@ def main(argv: list[str] | None = None) -> dict:
                                  max_new_tokens=args.max_new_tokens)
     predicted_as_run = {p.name: p for p in P.phases(model_shape, as_run, training)}
     result["planner"]["workload_as_run"] = dataclasses.asdict(as_run)
+    for table_ in (predicted, predicted_as_run):  # the update's peak is the larger of its two moments
+        tower = table_.pop("update, frozen tower's forward", None)
+        if tower is not None and tower.total > table_["update"].total:
+            table_["update"] = tower
     for row in rows:
         for key, table_ in (("predicted", predicted), ("predicted_as_run", predicted_as_run)):
             phase = table_.get(row["phase"])

@@ -20,11 +20,16 @@ up; the steps not run that day (2B Adafactor, 7B Adafactor with the tower frozen
           vision tower frozen (goal: fits 80 GB; full Adafactor ran out of memory); the GPU tests
   part 3  rollouts 2B 8 x 15 KV-cached vs re-prefill
   part 4  levers for the 7B update: torch.compile, SDPA backends, frozen vision, a profile (if goals are missed)
-  part 5  the one-GPU configs against the planner: configs/one_gpu_40gb.yaml (7B LoRA r16, 5
-          screenshots) capped at 40 GiB and configs/one_gpu_24gb.yaml (2B Adafactor, vision frozen) at 24 GiB,
-          random weights, one rollout batch and one update each, peak and seconds per phase beside the
-          planner's prediction (benchmarks/bench_one_gpu.py). Not run on a GPU yet: its estimates are guesses
-          (from the H100 runs of parts 1-3: a 7B LoRA update of 41.8k tokens 9.6 s, a 2B 8 x 15 rollout 89 s)
+  part 5  the one-GPU truth probe: what the machine's Python has (benchmarks/probe_imports.py: the
+          transformers the offload lever needs: carry its wheel where the machine's is older), then the
+          one-GPU configs against the planner (benchmarks/bench_one_gpu.py): configs/one_gpu_24gb.yaml
+          (2B LoRA r16) capped at 22.0 GiB (an L4) and configs/one_gpu_40gb.yaml (7B LoRA r16, 15
+          screenshots) at 38.5 GiB (an A100-40GB's usable), random weights, 128-token responses, one
+          rollout batch and one update each: per phase the allocated and reserved peaks, seconds, the
+          host syncs of generation, a summary of the live blocks after it, pinned host bytes, the LoRA
+          merge; then bf16 against fp32 KV storage and the batched prefill under the fast SDPA kernels
+          only (benchmarks/bench_kv_probe.py). Not run on a GPU yet: its estimates are guesses (from the
+          H100 runs of parts 1-3: a 7B LoRA update of 41.8k tokens 9.6 s, a 2B 8 x 15 rollout 89 s)
 """
 from __future__ import annotations
 
@@ -72,11 +77,13 @@ PARTS: dict[str, list[tuple[str, float, list[str]]]] = {
                                         "--repeats", "2", "--paths", "ours,ours+cudnn,ours+flash,ours+frozenvision",
                                         "--tag", "sdpa_vision"]),
     ],
-    "5": [  # guesses, never run on a GPU (module docstring): build + rollout + 8 sequences' update each
-        ("one_gpu_40gb", 3.5, ["benchmarks/bench_one_gpu.py", "--config", "configs/one_gpu_40gb.yaml",
-                               "--cap-gb", "40", "--shape", "7b"]),
+    "5": [  # guesses, never run on a GPU (module docstring); the import probe first: what the rest needs
+        ("imports", 0.2, ["benchmarks/probe_imports.py"]),
         ("one_gpu_24gb", 3.0, ["benchmarks/bench_one_gpu.py", "--config", "configs/one_gpu_24gb.yaml",
-                               "--cap-gb", "24", "--shape", "2b"]),
+                               "--cap-gb", "22.0", "--shape", "2b"]),
+        ("one_gpu_40gb", 4.0, ["benchmarks/bench_one_gpu.py", "--config", "configs/one_gpu_40gb.yaml",
+                               "--cap-gb", "38.5", "--shape", "7b"]),
+        ("kv_probe", 1.0, ["benchmarks/bench_kv_probe.py", "--shape", "2b"]),
     ],
 }
 
@@ -91,6 +98,8 @@ REHEARSAL = {
     # 8 steps (past the 40 GB config's 5 screenshots kept: segments restart), two trajectories
     "benchmarks/bench_one_gpu.py": ["--resolution", "224x224", "--steps", "8", "--trajectories", "2",
                                     "--max-new-tokens", "4"],
+    "benchmarks/bench_kv_probe.py": ["--resolution", "224x224", "--steps", "2", "--max-new-tokens", "4"],
+    "benchmarks/probe_imports.py": [],
 }
 REAL_SHAPES_SHRUNK = ["--text-layers", "1", "--vision-layers", "1", "--resolution", "224x224"]
 TINY_OF = {"2b": "tiny", "7b": "tiny25"}
