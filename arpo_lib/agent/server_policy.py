@@ -95,6 +95,8 @@ class ServerPolicy(UITarsConversations):
         self.served_model = served_model or self._first_model()
         self.resize = image_processor_limits(self.processor)
         self.eos_ids, self.suppress_ids = special_token_ids(self.tokenizer)
+        self.first_prompt_mismatch: str | None = None
+        """Where the first prompt the server tokenized otherwise than ours differs (`prompt_difference`)."""
         self.max_concurrency = max_concurrency
         """Requests this client sends at once (its pool's threads)."""
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="arpo-client")
@@ -178,6 +180,9 @@ class ServerPolicy(UITarsConversations):
             self.requests += 1
             if prompt_ids is not None and list(prompt_ids) != list(segment.input_ids):
                 self.prompt_mismatches += 1
+                if self.first_prompt_mismatch is None:
+                    self.first_prompt_mismatch = prompt_difference(self.tokenizer, list(segment.input_ids),
+                                                                   list(prompt_ids))
         if ids is None or len(logprobs) != len(ids):
             # A server without token ids: our tokens of its text; no behaviour log-probs.
             with self._lock:
@@ -189,6 +194,19 @@ class ServerPolicy(UITarsConversations):
         else:  # the history text is the sampled tokens' own text, whatever the server's detokenizer did
             text = response_text(self.tokenizer, list(ids), self.eos_ids)
         return Generation(text=text, token_ids=list(ids), logprobs=logprobs)
+
+
+def prompt_difference(tokenizer: Any, ours: list[int], theirs: list[int]) -> str:
+    """Where two tokenizations of one prompt part: the first differing position, both tokens and the
+    text before it."""
+    at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+
+    def token(ids: list[int]) -> str:
+        return repr(tokenizer.convert_ids_to_tokens(ids[at])) if at < len(ids) else "(the prompt ends)"
+
+    before = tokenizer.decode(ours[max(0, at - 12):at])
+    return (f"token {at} of {len(ours)} (the server's prompt has {len(theirs)}): ours {token(ours)}, the server's "
+            f"{token(theirs)}, after {before!r}")
 
 
 class FleetPolicy:
@@ -283,6 +301,10 @@ class FleetPolicy:
     @property
     def prompt_mismatches(self) -> int:
         return sum(c.prompt_mismatches for c in self.clients)
+
+    @property
+    def first_prompt_mismatch(self) -> str | None:
+        return next((c.first_prompt_mismatch for c in self.clients if getattr(c, "first_prompt_mismatch", None)), None)
 
     @property
     def inexact(self) -> int:

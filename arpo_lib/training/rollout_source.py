@@ -46,6 +46,10 @@ def task_batch(tasks: list[str], step: int, tasks_per_batch: int, seed: int) -> 
     return order[index * tasks_per_batch:(index + 1) * tasks_per_batch]
 
 
+class PromptMismatchError(RuntimeError):
+    """The servers' prompts are not the trainer's (`RolloutSource._check_prompts`)."""
+
+
 class RolloutSource:
     """A trainer's rollouts (see the module docstring).
 
@@ -85,6 +89,7 @@ class RolloutSource:
         self._ahead: dict[int, tuple[Future, RolloutEngine]] = {}  # step -> its batch running in the background
         self._runner: ThreadPoolExecutor | None = None
         self._shared = SharedWorkers() if max_staleness else None
+        self._prompts_checked = False
         """The environments, shared by the batches that run at once (the oldest first)."""
         self.env_seconds = self.generator_seconds = 0.0
         """Over the run so far: seconds the environments were busy (summed over this process's
@@ -191,6 +196,7 @@ class RolloutSource:
             future, engine = self._ahead.pop(step)
             mine = future.result()
             self._count(engine)
+            self._check_prompts()
             return self.gather(mine), int(self.backend.all_reduce_sum([engine.env_steps])[0])
         requests = episode_requests(tasks, self.group_size, self.seed, step)
         out_dir = self.run.rollouts(step)
@@ -203,10 +209,25 @@ class RolloutSource:
                           out_dir=out_dir, progress=self.progress, description=f"rollout {step}",
                           policy_version=version)
         self._count(engine)
+        self._check_prompts()
         free = getattr(self.policy, "free_generation_memory", None)
         if self.served is None and free is not None:  # it generated here: its caches go before the update
             free()
         return self.gather(mine), int(self.backend.all_reduce_sum([engine.env_steps])[0])
+
+    def _check_prompts(self) -> None:
+        """After this process's first batch through servers: a prompt the server tokenized otherwise
+        than the trainer (another chat template or tokenizer) stops the run, naming the first
+        differing token. Its behaviour log-probs belong to another prompt than the one trained on."""
+        if self._prompts_checked or self.served is None:
+            return
+        self._prompts_checked = True
+        mismatch = getattr(getattr(self.served, "client", None), "first_prompt_mismatch", None)
+        if mismatch:
+            raise PromptMismatchError(
+                f"the servers tokenized a prompt otherwise than the trainer ({mismatch}): their chat template or "
+                "tokenizer is not the model's (serve a copy of model.path's own files, or a server that matches); "
+                "training on this would pair the server's log-probs with another prompt")
 
     def _count(self, engine: RolloutEngine) -> None:
         busy = getattr(engine, "busy", None)  # (a stand-in engine may not keep the time)
