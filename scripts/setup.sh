@@ -151,7 +151,9 @@ fi
 # 2. The Python environment. The base interpreter: $ARPO_PYTHON, else python3.11, else python3.
 # (.venv's own bin/ is left out of the search: a command run inside the activated environment, a
 # notebook's kernel, must find the same base interpreter as one run outside it)
-BASE_PATH="$(printf '%s' "$PATH" | tr ':' '\n' | grep -vx "$PWD/.venv/bin" | paste -sd: -)"
+BASE_PATH=""
+IFS=: read -ra path_dirs <<< "$PATH"
+for d in "${path_dirs[@]}"; do [ "$d" = "$PWD/.venv/bin" ] || BASE_PATH="${BASE_PATH:+$BASE_PATH:}$d"; done
 PY="${ARPO_PYTHON:-$(PATH="$BASE_PATH" command -v python3.11 || PATH="$BASE_PATH" command -v python3)}"
 PY_ENV="${ARPO_PYTHON_ENV:-$([ -n "${COLAB_RELEASE_TAG:-}" ] && echo system || echo venv)}"
 case "$PY_ENV" in venv|system) ;; *) die "ARPO_PYTHON_ENV must be venv or system, not $PY_ENV" ;; esac

@@ -32,6 +32,9 @@ def test_notebook_is_a_thin_parameterised_protocol(path):
     src = "".join(params[0]["source"])
     names = re.findall(r"^(\w+) = ", src, re.M)
     assert names == ["config", "overrides", "run_name"], "parameters map onto the run config"
+    import papermill  # what papermill itself reads (a default or comment it cannot parse drops the parameter)
+
+    assert sorted(papermill.inspect_notebook(str(path))) == ["config", "overrides", "run_name"]
     for cell in code:
         body = "".join(cell["source"])
         assert not re.search(r"^\s*(def|class) ", body, re.M), "notebooks call arpo_lib, they define nothing"
@@ -82,7 +85,8 @@ def test_notebook_executes_headlessly(tmp_path, tiny_qwen2vl, chromium_available
     from arpo_lib.workflows import execute_notebook
 
     overrides = [f"model.path={tiny_qwen2vl}", f"out_dir={tmp_path}", *FAST, *extra]
-    params = {"overrides": overrides, **({"config": "configs/smoke.yaml"} if name == "smoke_test" else {})}
+    # the tiny model's configs (the smoke and evaluation notebooks default to the learning smoke and the scripted agent)
+    params = {"overrides": overrides, **({"config": "configs/smoke.yaml"} if name in ("smoke_test", "evaluation") else {})}
     out = execute_notebook(f"notebooks/{name}.ipynb", params, run_name="nb", out_dir=tmp_path)
     nb = json.loads(out.read_text())
     errors = [o for c in nb["cells"] for o in c.get("outputs", []) if o.get("output_type") == "error"]

@@ -169,7 +169,7 @@ def test_gpu_machine_and_vm_machine_flow(tiny_qwen2vl, tmp_path, monkeypatch, ch
         assert info["api_key_env"] == KEY_VAR and KEY not in text and KEY not in json.dumps(info)
         port = info["url"].rsplit(":", 1)[1]
         url = f"http://127.0.0.1:{port}/v1"  # the other machine's view of it
-        out = execute_notebook("notebooks/evaluation.ipynb", {"overrides": [
+        out = execute_notebook("notebooks/evaluation.ipynb", {"config": "configs/smoke.yaml", "overrides": [
             *common, "eval.samples_per_task=1", "env.workers=1", "rollout.backend=server",
             f"rollout.server_url={url}", f"rollout.api_key_env={KEY_VAR}"]}, run_name="vm", out_dir=tmp_path)
         assert f"generating with {tiny_qwen2vl.name} at {url}" in out.read_text()

@@ -296,7 +296,7 @@ def test_the_server_reports_its_nccl_so_a_mismatched_nccl_stream_is_refused_befo
 def test_evaluation_notebook_pointed_at_the_server_by_parameters(server, served_model, tmp_path):
     from arpo_lib.workflows import execute_notebook
 
-    out = execute_notebook("notebooks/evaluation.ipynb", {"overrides": [
+    out = execute_notebook("notebooks/evaluation.ipynb", {"config": "configs/smoke.yaml", "overrides": [
         f"model.path={served_model}", f"out_dir={tmp_path}", "env.tasks=[miniwob/click-test]",
         "eval.samples_per_task=2", "env.workers=1",
         "rollout.backend=server", f"rollout.server_url={server.base_url}", "logging.progress=false"]},

@@ -31,8 +31,8 @@ CLOSE = ["loss", "grad_norm", "approx_kl", "lr"]
 # -- the pieces ----------------------------------------------------------------------------------
 def test_the_declared_torch_has_fsdp2_where_the_training_imports_it_and_the_set_up_satisfies_it():
     """pyproject's torch floor is a release with FSDP2 public (fully_shard, MixedPrecisionPolicy:
-    from torch.distributed.fsdp since 2.6; the floor is 2.7), and the torch scripts/setup.sh
-    installs meets it."""
+    from torch.distributed.fsdp since 2.6; the floor is 2.7), and the torch the set-up installs
+    (scripts/choose_torch.py) meets it."""
     import re
 
     from packaging.requirements import Requirement
@@ -44,7 +44,7 @@ def test_the_declared_torch_has_fsdp2_where_the_training_imports_it_and_the_set_
     (torch_req,) = [Requirement(d) for d in deps if Requirement(d).name == "torch"]
     floors = [Version(s.version) for s in torch_req.specifier if s.operator == ">="]
     assert floors and min(floors) >= Version("2.7"), torch_req
-    installed = re.search(r'"torch==([0-9.]+)"', (root / "scripts" / "setup.sh").read_text()).group(1)
+    installed = re.search(r'PAIR = \("([0-9.]+)"', (root / "scripts" / "choose_torch.py").read_text()).group(1)
     assert torch_req.specifier.contains(installed), (torch_req, installed)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: F401 (where training imports them)
 
