@@ -24,7 +24,7 @@ def server_instructions(server: Any) -> str:
              f"  curl{auth} {server.base_url}/models",
              f"  python: serving.chat_completion('{server.base_url}', serving.ui_tars_messages(instruction, [screenshot], []), "
              f"model='{server.model}'{', api_key=os.environ[' + repr(key_env) + ']' if key_env else ''})",
-             f"  evaluate with it: ./workbench notebook evaluation "
+             f"  evaluate with it: ./workbench notebook evaluation config=configs/smoke.yaml "
              f"overrides='[rollout.backend=server, rollout.server_url={server.base_url}{client_key}]'"]
     if is_loopback(server.spec.host):
         lines.append(f"  from another machine: ssh -N -L {port}:127.0.0.1:{port} <user>@<this machine>, then "
