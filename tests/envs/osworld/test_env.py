@@ -124,12 +124,11 @@ print(json.dumps({m: [[p.name, str(p.kind), repr(p.default)]
 
 
 @pytest.mark.slow
-def test_fake_signatures_equal_installed_desktop_env():
+def test_fake_signatures_equal_installed_desktop_env(osworld_python):
+    """The fake's signatures are desktop-env's own, read in the OSWorld interpreter the tests build."""
     import inspect
 
-    python = find_osworld_python()
-    if python is None:
-        pytest.skip("no interpreter with desktop_env (bash scripts/setup_osworld.sh builds one)")
+    python = osworld_python
     result = subprocess.run([python, "-c", _INSPECT_SCRIPT, *ADAPTER_METHODS], capture_output=True,
                             text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -716,13 +715,12 @@ def test_worker_hang_and_setup_errors(tmp_path):
 
 
 @pytest.mark.slow
-def test_worker_in_the_osworld_interpreter(tmp_path):
-    """Where desktop-env's own venv exists: the backend imports there without torch, an episode
-    with the fake runs in a worker on that interpreter, and the real DesktopEnv is imported and
-    its refusal of an unknown provider becomes a set-up error."""
-    python = find_osworld_python()
-    if python is None or os.path.abspath(python) == os.path.abspath(sys.executable):
-        pytest.skip("no separate interpreter with desktop_env (bash scripts/setup_osworld.sh builds one)")
+def test_worker_in_the_osworld_interpreter(tmp_path, osworld_python):
+    """In desktop-env's own interpreter (the one the tests build): the backend imports there without
+    torch, an episode with the fake runs in a worker on that interpreter, and the real DesktopEnv is
+    imported and its refusal of an unknown provider becomes a set-up error."""
+    python = osworld_python
+    assert os.path.abspath(python) != os.path.abspath(sys.executable)
     with EnvPool(1, _worker_options(tmp_path), timeout_s=120, python=python) as pool:
         worker = pool.workers[0]
         worker.call("reset", ("osworld/fake-click", 0))
