@@ -92,16 +92,8 @@ elif [ ! -r /dev/kvm ] || [ ! -w /dev/kvm ]; then
 fi
 
 # 1. The venv itself.
-if [ ! -x "$VP" ] || ! "$VP" -c 'import sys; assert (3, 10) <= sys.version_info[:2] <= (3, 12)' 2>/dev/null; then
-  if [ -e "$VENV" ]; then
-    # Only ever delete something that is a virtual environment (guards against a mistyped ARPO_OSWORLD_VENV).
-    [ -f "$VENV/pyvenv.cfg" ] || die "$VENV exists and is not a virtual environment: refusing to touch it"
-    say "removing unusable $VENV"; rm -rf "$VENV"
-  fi
-  say "creating $VENV with $PY"
-  "$PY" -m venv "$VENV"
-fi
-[ -f "$VENV/.gitignore" ] || printf '*\n' > "$VENV/.gitignore"
+. scripts/venv.sh
+ensure_venv "$VENV" "$PY" "assert (3, 10) <= sys.version_info[:2] <= (3, 12)" ARPO_OSWORLD_VENV
 
 # The borrowed torch is a path into another environment, which can move or vanish (a CI checkout
 # in a temporary folder): written on every run, not only when the packages are installed.

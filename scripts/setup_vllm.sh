@@ -82,16 +82,8 @@ PY="${VLLM_PYTHON:-$(command -v python3.11 || command -v python3.12 || command -
 "$PY" -c 'import sys; sys.exit(not (3, 11) <= sys.version_info[:2] < (3, 15))' \
   || die "$PY is not Python 3.11-3.14, which vLLM $VLLM_VERSION needs (set VLLM_PYTHON)"
 mkdir -p "$(dirname "$VENV")"
-if [ ! -x "$VP" ] || ! "$VP" -c 'import sys' 2>/dev/null; then
-  if [ -e "$VENV" ]; then
-    # Only ever delete something that is a virtual environment (guards against a mistyped VLLM_VENV).
-    [ -f "$VENV/pyvenv.cfg" ] || die "$VENV exists and is not a virtual environment: refusing to touch it"
-    say "removing unusable $VENV"; rm -rf "$VENV"
-  fi
-  say "creating $VENV with $PY"
-  "$PY" -m venv "$VENV"
-fi
-[ -f "$VENV/.gitignore" ] || printf '*\n' > "$VENV/.gitignore"
+. scripts/venv.sh
+ensure_venv "$VENV" "$PY" "" VLLM_VENV
 
 # 3. The packages (first time: ~5 min and 8.5 GB, most of it torch's CUDA libraries). Nothing else:
 # the workbench's vLLM extension (arpo_lib/serving/vllm_ext) needs only torch and vLLM, and the launcher puts

