@@ -83,7 +83,7 @@ PARTS: dict[str, list[tuple[str, float, list[str]]]] = {
                                "--cap-gb", "22.0", "--shape", "2b"]),
         ("one_gpu_40gb", 4.0, ["benchmarks/bench_one_gpu.py", "--config", "configs/one_gpu_40gb.yaml",
                                "--cap-gb", "38.5", "--shape", "7b"]),
-        ("kv_probe", 1.0, ["benchmarks/bench_kv_probe.py", "--shape", "2b"]),
+        ("kv_probe", 0.8, ["benchmarks/bench_kv_probe.py", "--shape", "2b"]),
     ],
 }
 

@@ -199,8 +199,8 @@ def test_the_one_gpu_part_rehearses_on_cpu_measured_beside_the_planner(tmp_path)
     no cap on the CPU, said so."""
     from benchmarks import run_gpu
 
-    # the part's guesses fit one command of at most 10 minutes, with a minute to spare
-    assert sum(minutes for _, minutes, _ in run_gpu.PARTS["5"]) <= 9
+    # the part's estimates add up to 8 minutes at most: one 10-minute command with room for start-up
+    assert sum(minutes for _, minutes, _ in run_gpu.PARTS["5"]) <= 8
     statuses = run_gpu.main(["5", "--rehearse", "--out", str(tmp_path)])
     assert [(s["step"], s["status"]) for s in statuses] == [
         ("imports", "ok"), ("one_gpu_24gb", "ok"), ("one_gpu_40gb", "ok"), ("kv_probe", "ok")], statuses

@@ -17,7 +17,7 @@ import torch
 
 from arpo_lib.run import layout
 from arpo_lib.run.config import RunConfig, config_changes, read_saved_config, save_config
-from arpo_lib.run.records import append_jsonl
+from arpo_lib.run.records import append_jsonl, read_jsonl
 from arpo_lib.run.tracking import Media, Tracker
 from arpo_lib.training.checkpoint import drop_records_after
 from arpo_lib.types import EpisodeStatus, Group, Trajectory
@@ -188,6 +188,12 @@ class RunRecords:
         """Step `step`'s groups as trained on (groups.json: the group view reads it)."""
         if self.backend.is_main:
             layout.write_groups(self.run.groups(step), [g.record() for g in groups])
+
+    def logged(self, step: int) -> bool:
+        """Whether step `step`'s metric line is in metrics.jsonl (rank 0 reads; the others are told)."""
+        found = (self.backend.is_main and self.run.metrics.exists()
+                 and any(m.get("step") == step for m in read_jsonl(self.run.metrics)))
+        return bool(self.backend.broadcast(found))
 
     def log(self, metrics: dict[str, Any]) -> None:
         if self.backend.is_main:

@@ -26,6 +26,7 @@ Departures from the original, on purpose:
 """
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Any, Callable, Protocol
@@ -47,6 +48,9 @@ from arpo_lib.training.sft import WarmStart, seed_replay_from
 from arpo_lib.training.update import NonFiniteGradientError, PolicyUpdate  # noqa: F401 (its old home)
 from arpo_lib.training.contracts import TrainablePolicy
 from arpo_lib.types import Group, Trajectory
+
+log = logging.getLogger(__name__)
+
 
 class EvalOutcome(Protocol):
     """What the trainer reads of an evaluation's result (`evaluation.evaluate.EvalResult`, a floor
@@ -87,6 +91,7 @@ class Trainer:
         """Counts weight changes (warm start, optimizer steps): what a rollout server must hold,
         and how old a replayed trajectory is (checkpointed)."""
         self.updater.consecutive_skips = int(state.get("consecutive_skips", 0))
+        self._pending_metrics: dict[str, Any] | None = state.get("pending_metrics")
         self.seconds_warm_start = 0.0
         self._replay_seeded_from = False
         records.start(self.step, resume)
@@ -116,6 +121,8 @@ class Trainer:
             self.warm_start()
             self.seed_replay_with_demos()
         history: list[dict[str, Any]] = []
+        if (finished := self.finish_pending_step()) is not None:
+            history.append(finished)
         with self.records.progress_bar(end, self.step, "ARPO" if self.replay.enabled else "GRPO") as shown:
             while self.step < end:
                 history.append(metrics := self.train_step())
@@ -145,17 +152,38 @@ class Trainer:
         t_update = time.monotonic() - t1
         self.step += 1
 
-        evaluation = {}
-        if self.evaluator.due(self.step):  # rank 0's, the others wait
-            self.rollouts.wait_ahead()  # the evaluation takes the environments
-            evaluation = self.backend.on_main(lambda: self.evaluate(layout.step_name(self.step)).metrics()) or {}
         metrics = step_metrics(self.step, tasks, trajs, groups, replay_size=len(self.replay), env_steps=env_steps,
                                lr=self.scheduler.get_last_lr()[0], update=update, seconds_rollout=t_rollout,
-                               seconds_update=t_update, extra={**self.rollouts.metrics(), **staleness, **evaluation})
-        self.records.log(metrics)
+                               seconds_update=t_update, extra={**self.rollouts.metrics(), **staleness})
+        if not self.evaluator.due(self.step):
+            self.records.log(metrics)
+            if self.checkpoints.due(self.step):
+                self.save_checkpoint()
+            return metrics
+        # An evaluation can take hours (the final one: every task): the step's checkpoint comes
+        # first, holding the step's metrics, so a run that dies evaluating resumes at the
+        # evaluation, not at the update before it (`finish_pending_step`).
         if self.checkpoints.due(self.step):
-            self.save_checkpoint()
+            self.save_checkpoint(pending_metrics=metrics)
+        return self.evaluate_and_log(metrics)
+
+    def evaluate_and_log(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        """The step's evaluation (rank 0's, the others wait), its figures added to the step's
+        metrics, which are then logged."""
+        self.rollouts.wait_ahead()  # the evaluation takes the environments
+        evaluation = self.backend.on_main(lambda: self.evaluate(layout.step_name(self.step)).metrics()) or {}
+        metrics = {**metrics, **evaluation}
+        self.records.log(metrics)
         return metrics
+
+    def finish_pending_step(self) -> dict[str, Any] | None:
+        """A run resumed from a checkpoint written before its step's evaluation that never logged
+        the step: evaluate now and log the step's metrics (None when nothing was pending)."""
+        pending, self._pending_metrics = self._pending_metrics, None
+        if pending is None or self.records.logged(self.step):
+            return None
+        log.info("step %d was checkpointed before its evaluation: evaluating now", self.step)
+        return self.evaluate_and_log(pending)
 
     def make_groups(self, tasks: list[str], trajs: list[Trajectory]) -> list[Group]:
         """Per task: drop infrastructure failures, inject a replayed success into all-failed groups
@@ -206,10 +234,12 @@ class Trainer:
         `evaluation.evaluate.EvalResult`)."""
         return self.evaluator(self.rollouts.engine(self.weights_version, announce=False), label, tasks)
 
-    def save_checkpoint(self) -> Path:
-        """Write this step's checkpoint (distributed: every rank calls this)."""
+    def save_checkpoint(self, pending_metrics: dict[str, Any] | None = None) -> Path:
+        """Write this step's checkpoint (distributed: every rank calls this); `pending_metrics`:
+        the step's metrics when its evaluation, and so its metric line, comes after."""
+        state = {"consecutive_skips": self.consecutive_skips, "weights_version": self.weights_version}
+        if pending_metrics is not None:
+            state["pending_metrics"] = pending_metrics
         return self.checkpoints.save(self.step, policy=self.policy, optimizer=self.optimizer, scheduler=self.scheduler,
-                                     replay=self.replay, config=self.cfg.to_dict(),
-                                     state={"consecutive_skips": self.consecutive_skips,
-                                            "weights_version": self.weights_version})
+                                     replay=self.replay, config=self.cfg.to_dict(), state=state)
 

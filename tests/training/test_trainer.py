@@ -128,6 +128,49 @@ def test_resume_continues_exactly(tmp_path, tiny_qwen2vl, chromium_available):
         assert torch.allclose(opt_straight["state"][k]["exp_avg"], opt_split["state"][k]["exp_avg"], atol=1e-6)
 
 
+@pytest.mark.slow
+def test_a_run_that_dies_in_its_final_evaluation_resumes_at_the_evaluation(tmp_path, tiny_qwen2vl, chromium_available):
+    """The last step's checkpoint is written before its evaluation (hours at full scale): a run
+    that fails evaluating resumes with the update kept, evaluates, and logs the step once, with the
+    same metrics as a run that never failed."""
+    evaluating = ["train.eval_every=2", "eval.samples_per_task=1"]
+    straight = _cfg(tmp_path, tiny_qwen2vl, "name=straight", *evaluating)
+    with build.trainer(straight) as t:
+        t.train()
+        w_straight = _params(t)
+    died = _cfg(tmp_path, tiny_qwen2vl, "name=died", *evaluating)
+    t = build.trainer(died)
+    evaluator = t.evaluator
+
+    class DiesEvaluating:
+        def due(self, step):
+            return evaluator.due(step)
+
+        def __call__(self, *args, **kwargs):
+            raise RuntimeError("the machine went away during the final evaluation")
+
+    t.evaluator = DiesEvaluating()
+    with pytest.raises(RuntimeError, match="went away"), t:
+        t.train()
+    assert latest_checkpoint(tmp_path / "died" / "checkpoints").name == "step_000002"  # the update is kept
+    assert [m["step"] for m in read_jsonl(tmp_path / "died" / "metrics.jsonl")] == [1]
+    with build.trainer(died, resume=True) as t:
+        assert t.step == 2
+        finished = t.train()
+        w_died = _params(t)
+    assert [m["step"] for m in finished] == [2] and "eval_success_rate" in finished[0]
+    drop = ("seconds_rollout", "seconds_update", "seconds_eval", "env_steps_per_s")
+    a = [{k: v for k, v in m.items() if k not in drop} for m in read_jsonl(tmp_path / "straight" / "metrics.jsonl")]
+    b = [{k: v for k, v in m.items() if k not in drop} for m in read_jsonl(tmp_path / "died" / "metrics.jsonl")]
+    assert a == b and "eval_success_rate" in a[1]
+    for k in w_straight:
+        assert torch.equal(w_straight[k], w_died[k]), k
+    # resumed again: nothing is pending, nothing is evaluated twice
+    with build.trainer(died, resume=True) as t:
+        assert t.train() == []
+    assert [m["step"] for m in read_jsonl(tmp_path / "died" / "metrics.jsonl")] == [1, 2]
+
+
 def test_partial_checkpoint_is_skipped(tmp_path):
     ck = tmp_path / "checkpoints"
     (ck / "step_000001").mkdir(parents=True)
