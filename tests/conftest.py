@@ -90,6 +90,17 @@ LONG = os.environ.get("ARPO_LONG_TESTS", "") not in ("", "0")
 FIGURES_DIR = Path(os.environ.get("ARPO_FIGURES_DIR", REPO / "runs" / "reliability"))
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `long` (end-to-end runs of minutes whose paths shorter tests also cover) run
+    under ARPO_LONG_TESTS=1 only, which keeps the CI suite near 45 minutes on 2 cores."""
+    if LONG:
+        return
+    skip = pytest.mark.skip(reason="a long test: ARPO_LONG_TESTS=1 runs it")
+    for item in items:
+        if item.get_closest_marker("long") is not None:
+            item.add_marker(skip)
+
+
 def _scale(short: Any, long: Any) -> Any:
     return long if LONG else short
 

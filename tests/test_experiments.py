@@ -164,6 +164,7 @@ def test_compare_config_is_checked():
 
 
 @pytest.mark.slow
+@pytest.mark.long  # the stages themselves: test_a_seed_reproduces_bit_for_bit
 def test_tiny_comparison_end_to_end_and_rerun_repeats_nothing(tmp_path, tiny_qwen2vl, chromium_available):
     """The first run goes through notebooks/arpo_vs_grpo.ipynb headlessly (its nbval re-execution at
     the committed defaults is a long test): the notebook's cells and the library's stages at once."""

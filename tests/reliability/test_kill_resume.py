@@ -173,7 +173,8 @@ def references(tiny_qwen2vl, chromium_available, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("nproc", [1, 2], ids=["1-process", "2-processes"])
+# two processes: long only (a killed launch and a killed rank are tested below at CI size)
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.long)], ids=["1-process", "2-processes"])
 def test_sigkill_at_random_moments_then_resume_continues_exactly(tmp_path, tiny_qwen2vl, references, figures, scale,
                                                                  nproc):
     """With 2 processes (torchrun, FSDP2 on gloo) the whole group -- torchrun, both ranks, their
@@ -280,6 +281,31 @@ def _rank_pid(root: int, rank: int, timeout_s: float = 120.0) -> int:
                 return pid
         time.sleep(0.2)
     raise AssertionError(f"no process of rank {rank} appeared")
+
+
+def test_a_killed_launch_takes_its_ranks_with_it(tmp_path, tiny_qwen2vl):
+    """torchrun starts each rank in a session of its own, so a SIGKILL of the launch's process
+    group misses them: they went on training into the run directory, and the run resumed from it
+    logged every step twice. Each rank ends once torchrun is gone, with its environment workers."""
+    run = tmp_path / "orphans"
+    proc = _start(_train_args(tiny_qwen2vl, tmp_path, run.name, 2))
+    try:
+        ranks = [_rank_pid(proc.pid, 0), _rank_pid(proc.pid, 1)]
+        while not (run / "config.yaml").is_file():  # both ranks are well past their imports
+            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+            time.sleep(0.05)
+        tree = {pid: _identity(pid) for pid in {*ranks, *_descendants(ranks[0]), *_descendants(ranks[1])}}
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and torchrun, not the ranks' sessions
+        proc.wait()
+        proc.stderr.close()
+    deadline = time.monotonic() + 20
+    while (left := [pid for pid, ident in tree.items() if ident and _alive(pid, ident)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"processes of the killed launch still run: {left}"
+    lines = len(read_jsonl(run / "metrics.jsonl"))
+    time.sleep(2)
+    assert len(read_jsonl(run / "metrics.jsonl")) == lines  # nothing writes into the run any more
 
 
 def test_one_rank_killed_stops_the_whole_group_and_the_run_resumes_exactly(tmp_path, tiny_qwen2vl, references,

@@ -59,7 +59,7 @@ def _slope(ys: list[float]) -> float:
 
 
 def test_soak_no_growth_in_memory_files_or_processes(tiny_qwen2vl, chromium_available, figures, scale):
-    budget_s = scale(90, 900)
+    budget_s = scale(60, 900)
     warmup_batches = 3
     policy = HFPolicy(tiny_qwen2vl, device="cpu", max_new_tokens=24)
     samples, episodes, batch = [], 0, 0

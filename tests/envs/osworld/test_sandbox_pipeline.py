@@ -42,6 +42,7 @@ def _arpo(args: list[str], osworld_python: str, cache: Path, timeout: float = 15
                           text=True, timeout=timeout)
 
 
+@pytest.mark.long  # the scoring: test_sandbox_provider.py; serving and Ray: the ARPO step below
 def test_eval_scores_osworlds_tasks_1_with_the_scripted_solutions_and_0_with_the_tiny_model_served(
         osworld_python, task_cache, tmp_path, tiny_qwen25vl, monkeypatch):
     done = _arpo(["eval", "--config", "configs/osworld_sandbox.yaml", "eval.policy=scripted",
