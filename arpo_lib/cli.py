@@ -437,36 +437,21 @@ def exit_with_torchrun() -> None:
     """A rank started by torchrun ends (with what it started in its process group) when torchrun
     is gone. torchrun starts each rank in a session of its own, so a SIGKILL of the launch's
     process group (`kill -9`, a test, a killed terminal) does not reach the ranks: they went on
-    training into the run directory, and the run resumed from it got every step's line twice.
-    A thread watches the parent (as the environment workers do); a parent already gone when this
-    starts (reparented to init or a subreaper) ends the rank at once."""
-    import signal
-    import threading
+    training into the run directory. A parent already gone when this starts (reparented to init
+    or a subreaper) ends the rank at once."""
+    from arpo_lib.run.lifetime import end_group, end_group_with_parent
 
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return
     parent = os.getppid()
-
-    def torchrun_alive() -> bool:
-        try:
-            cmdline = Path(f"/proc/{parent}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            return False
-        return any(b"torch.distributed.run" in part or part.endswith(b"torchrun") for part in cmdline)
-
-    def end() -> None:
-        print(f"error: torchrun (process {parent}) is gone: this rank stops", file=sys.stderr, flush=True)
-        os.killpg(os.getpgid(0), signal.SIGKILL)
-
-    if not torchrun_alive():
-        end()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        end()
-
-    threading.Thread(target=watch, daemon=True, name="arpo-exit-with-torchrun").start()
+    message = f"error: torchrun (process {parent}) is gone: this rank stops"
+    try:
+        cmdline = Path(f"/proc/{parent}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        cmdline = []
+    if not any(b"torch.distributed.run" in part or part.endswith(b"torchrun") for part in cmdline):
+        end_group(message)
+    end_group_with_parent(parent, interval_s=0.5, message=message)
 
 
 OVERRIDES_EPILOG = """overrides: KEY=VALUE with the config's dotted key names, values in YAML, e.g.

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -88,6 +89,13 @@ def warm_tiny_qwen2vl(tiny_qwen2vl, chromium_available, tmp_path_factory: pytest
 # runs/reliability/<test>.json, which `./workbench reliability` renders into docs/reliability.md.
 LONG = os.environ.get("ARPO_LONG_TESTS", "") not in ("", "0")
 FIGURES_DIR = Path(os.environ.get("ARPO_FIGURES_DIR", REPO / "runs" / "reliability"))
+
+
+def served_model_overrides(config: Path) -> list[str]:
+    """What a shipped config needs beside a switch to served rollouts: one whose evaluation is the
+    scripted agent (which acts in process) evaluates the model instead."""
+    scripted = (yaml.safe_load(config.read_text()) or {}).get("eval", {}).get("policy") == "scripted"
+    return ["eval.policy=model"] if scripted else []
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

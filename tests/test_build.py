@@ -5,11 +5,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from arpo_lib import build
 from arpo_lib.run.config import ConfigError, config_from_dict, load_config
 from arpo_lib.serving.weight_sync import ServedPolicy
+from tests.conftest import served_model_overrides
 
 
 @pytest.mark.parametrize("override, key", [
@@ -177,9 +177,8 @@ def test_the_context_check_reads_the_checkpoint_and_the_family_screen(tiny_qwen2
 def test_the_shipped_configs_load_with_their_rollouts_on_vllm(path):
     """The documented switch to a vLLM fleet (configs/osworld_full128.yaml's header) loads as it is
     (a config whose evaluation is the scripted agent evaluates the model once it is served)."""
-    scripted = yaml.safe_load(path.read_text()).get("eval", {}).get("policy") == "scripted"
     cfg = build.load_config(path, [*VLLM, "rollout.weight_sync=stream", "serve.weight_sync=true",
-                                   *(["eval.policy=model"] if scripted else [])])
+                                   *served_model_overrides(path)])
     assert cfg.serve.backend == "vllm"
 
 

@@ -5,9 +5,9 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-import yaml
 
 from arpo_lib.run.config import ConfigError, RunConfig, config_from_dict, field_docs, load_config, parse_overrides
+from tests.conftest import served_model_overrides
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 
@@ -175,8 +175,7 @@ def test_a_response_at_the_cap_must_fit_in_the_request_timeout():
     load_config("configs/osworld_subset32.yaml", ["rollout.backend=hf", "model.max_new_tokens=8192",
                                                   "rollout.request_timeout_s=1"])
     for path in CONFIGS:
-        scripted = yaml.safe_load(path.read_text()).get("eval", {}).get("policy") == "scripted"
-        cfg = load_config(path, ["rollout.backend=server", *(["eval.policy=model"] if scripted else [])])
+        cfg = load_config(path, ["rollout.backend=server", *served_model_overrides(path)])
         assert cfg.rollout.request_timeout_s * SERVER_DECODE_TOKENS_PER_S >= cfg.model.max_new_tokens, path.name
 
 

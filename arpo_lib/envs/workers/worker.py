@@ -51,6 +51,7 @@ import arpo_lib
 import desktop_sandbox
 from arpo_lib.actions import Action
 from arpo_lib.envs.base import EnvError
+from arpo_lib.run.lifetime import end_group_with_parent
 from arpo_lib.run.registry import import_plugins, plugin_path
 
 
@@ -181,14 +182,7 @@ def _exit_with_parent() -> None:
     that started it disappears. An idle worker sees EOF on its connection anyway; this covers a
     worker stuck inside a browser call when its parent is SIGKILLed (a Ray actor killed on
     timeout, a trainer killed by the OOM killer)."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os.killpg(os.getpgid(0), signal.SIGKILL)
-
-    threading.Thread(target=watch, daemon=True, name="arpo-exit-with-parent").start()
+    end_group_with_parent()
 
 
 def step_actions(env: Any, payload: list[dict[str, Any]]) -> tuple:
