@@ -285,8 +285,8 @@ def _rank_pid(root: int, rank: int, timeout_s: float = 120.0) -> int:
 
 def test_a_killed_launch_takes_its_ranks_with_it(tmp_path, tiny_qwen2vl):
     """torchrun starts each rank in a session of its own, so a SIGKILL of the launch's process
-    group misses them: they went on training into the run directory, and the run resumed from it
-    logged every step twice. Each rank ends once torchrun is gone, with its environment workers."""
+    group misses them: they went on training into the run directory beside whatever resumed it.
+    Each rank ends once torchrun is gone, with its environment workers."""
     run = tmp_path / "orphans"
     proc = _start(_train_args(tiny_qwen2vl, tmp_path, run.name, 2))
     try:
