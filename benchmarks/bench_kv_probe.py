@@ -6,8 +6,8 @@
 1. bf16 against fp32 storage of the episodes' keys and values (`CachedGenerator.kv_dtype`): the
    same seeded episodes (3 episodes, 3 KV-cached steps, bf16 autocast) both ways; whether the
    sampled tokens are the same, the largest |log-prob difference|, the bytes each keeps.
-2. The batched prefill (several episodes' new turns in one forward, its boolean mask) with SDPA
-   allowed only its flash, memory-efficient and cuDNN kernels (`torch.nn.attention.sdpa_kernel`):
+2. The batched prefill (several episodes' new turns in one forward, its boolean mask, each
+   key/value head attended by its query heads as a broadcast view) with SDPA allowed only its flash, memory-efficient and cuDNN kernels (`torch.nn.attention.sdpa_kernel`):
    it runs (a fast kernel took the mask) or the error says a math fallback was needed.
 Random weights of the real shape (benchmarks/common.build_policy), synthetic 1080p screenshots."""
 from __future__ import annotations

@@ -184,6 +184,60 @@ def prefill_mask(lengths: Sequence[int], new: Sequence[int], width: int, device:
     return torch.where(real, sees, key == width - 1)[:, None]
 
 
+GROUPED_PREFILL = "arpo_grouped_prefill_sdpa"
+"""The attention implementation the text model runs under during a batched prefill."""
+
+
+def grouped_prefill_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attention_mask: torch.Tensor | None, *, scaling: float | None = None,
+                         dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Grouped-query attention of a batched prefill without expanding the cache to every head.
+
+    Transformers' SDPA path lets SDPA group the heads itself (`enable_gqa`) only without a mask:
+    with the batched prefill's boolean mask it copies every layer's whole cache to all query
+    heads (`repeat_kv`: 7x at UI-TARS-7B's 28 heads over 4). Here each key/value head is attended
+    by its own query heads in one SDPA call, the key/value head broadcast to them as a view
+    (stride 0, no copy), so the fused masked kernels stay eligible. Exact: the same sums as
+    `repeat_kv`. Anything else (no mask, one query token, no grouping) goes to transformers' SDPA.
+
+    query: (B, H, T, D); key, value: (B, H_kv, W, D); attention_mask: (B, 1, T, W) bool.
+    Returns (B, T, H, D), as transformers' attention functions do.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups == 1 or attention_mask is None or query.shape[2] == 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                      dropout=dropout, **kwargs)
+    b, _, t, _ = query.shape
+    heads = []
+    for g in range(key.shape[1]):
+        k = key[:, g:g + 1].expand(b, groups, *key.shape[2:])  # (B, groups, W, D), a view
+        v = value[:, g:g + 1].expand(b, groups, *value.shape[2:])
+        heads.append(torch.nn.functional.scaled_dot_product_attention(
+            query[:, g * groups:(g + 1) * groups], k, v, attn_mask=attention_mask, scale=scaling,
+            dropout_p=dropout if module.training else 0.0))
+    return torch.cat(heads, dim=1).transpose(1, 2).contiguous(), None
+
+
+class _GroupedPrefill:
+    """Runs the text model's attention through `grouped_prefill_sdpa` for the duration of a
+    batched prefill (registered once; the configured SDPA is restored after, even on error)."""
+
+    def __init__(self, model: Any):
+        self.text = model.config.get_text_config()
+
+    def __enter__(self) -> None:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(GROUPED_PREFILL, grouped_prefill_sdpa)
+        self.before = self.text._attn_implementation
+        self.text._attn_implementation = GROUPED_PREFILL
+
+    def __exit__(self, *exc: Any) -> None:
+        self.text._attn_implementation = self.before
+
+
 PREFILL_BATCH_TOKENS_CUDA = 8192
 """`prefill_batch_tokens="auto"` on a GPU: new tokens per batched prefill (rows x the longest)."""
 PREFILL_MASK_ELEMENTS = 2**28
@@ -318,7 +372,8 @@ class CachedGenerator:
                       slabs: list[BatchSlab], lengths: Sequence[int], width: int) -> list[tuple[torch.Tensor, int]]:
         """`_prefill` of several rows in one forward: their new tokens left-padded to the longest
         (T), each row's cached keys written into the slab first, the vision tower run once over
-        their new screenshots, the mask `prefill_mask`. Same outputs as row by row, up to
+        their new screenshots, the mask `prefill_mask`, grouped-query attention kept
+        (`grouped_prefill_sdpa`). Same outputs as row by row, up to
         floating-point rounding (different matmul shapes)."""
         if len(rows) == 1:
             r = rows[0]
@@ -357,7 +412,7 @@ class CachedGenerator:
         if pixels:
             inputs["pixel_values"] = torch.cat(pixels).to(device)
             inputs["image_grid_thw"] = torch.stack(grids).to(device)
-        with policy.autocast():
+        with policy.autocast(), _GroupedPrefill(model):
             hidden = model.model(input_ids=ids.to(device), position_ids=positions.to(device),
                                  attention_mask={"full_attention": mask}, past_key_values=Cache(layers=layers),
                                  use_cache=True, **inputs).last_hidden_state

@@ -243,6 +243,43 @@ def test_batched_prefill_draws_what_the_naive_path_draws(policy, monkeypatch, bu
     assert 3 <= stats["batched_prefills"] <= 4  # one forward for the rows of each later step (and the first)
 
 
+@pytest.mark.parametrize("variant", ["qwen2vl", "qwen25vl"])
+def test_the_batched_prefill_attends_each_key_head_without_copying_it(variant, tmp_path, monkeypatch):
+    """Under the batched prefill's mask, transformers' SDPA path copies the whole cache to every
+    query head (`repeat_kv`); the prefill attends each key/value head with a broadcast view
+    instead: no key or value handed to SDPA is an expanded copy, the tokens and log-probs stay
+    those of the naive path, and the configured attention is back once the prefill is done. Two
+    key/value heads of two query heads each (with one key/value head, `repeat_kv` is a view)."""
+    import torch.nn.functional as F
+
+    from arpo_lib.agent.hf_policy import HFPolicy
+    from arpo_lib.training.tiny_model import build_tiny_model
+
+    path = build_tiny_model(tmp_path / "grouped", variant, hidden_size=128, num_attention_heads=4,
+                            num_key_value_heads=2, intermediate_size=256)
+    torch.manual_seed(0)
+    grouped = HFPolicy(path, device="cpu", max_new_tokens=24, history_images=15)
+    config = grouped.model.config.get_text_config()
+    real, seen = F.scaled_dot_product_attention, []
+
+    def spy(query, key, value, *args, **kwargs):
+        if kwargs.get("attn_mask") is not None and query.shape[2] > 1:
+            seen.append((key.shape[1], key.stride(1), value.stride(1)))
+        return real(query, key, value, *args, **kwargs)
+
+    naive = _episodes(grouped, 3, 3, cached=False, temperature=1.0)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(grouped.cached, "prefill_batch_tokens", 10**6)
+    batched = _episodes(grouped, 3, 3, cached=True, temperature=1.0)
+    assert seen and grouped.cached.stats["batched_prefills"] >= 3
+    assert all(k_stride == 0 and v_stride == 0 for heads, k_stride, v_stride in seen if heads > 1), seen
+    for a_step, b_step in zip(naive, batched):
+        for a, b in zip(a_step, b_step):
+            assert a.token_ids == b.token_ids
+            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=2e-4)
+    assert config._attn_implementation == "sdpa"
+
+
 def test_prefill_rows_are_grouped_within_the_token_budget(policy, monkeypatch):
     from arpo_lib.agent.model import kv_generation
 
