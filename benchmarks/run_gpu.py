@@ -64,7 +64,7 @@ PARTS: dict[str, list[tuple[str, float, list[str]]]] = {
                                                    "--paths", "ours+frozenvision", "--repeats", "2", "--update",
                                                    "--optimizer", "adafactor", "--tag", "frozenvision"]),
         ("gpu_tests", 2.0, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/agent/model/test_gpu.py",
-                            "tests/training/test_distributed_gpu.py"]),
+                            "tests/agent/model/test_shards.py", "tests/training/test_distributed_gpu.py"]),
     ],
     "3": [
         ("rollout_2b", 7.5, ["benchmarks/bench_rollout.py", "--shape", "2b", "--envs", "8", "--steps", "15",

@@ -145,8 +145,8 @@ class WeightStream:
             with ThreadPoolExecutor(max_workers=len(self.roots), thread_name_prefix="arpo-stream") as pool:
                 jobs = [pool.submit(post_json, root + "/update_weights", {"update_info": info},
                                     timeout_s=self.timeout_s, retries=0) for root in self.roots]
-                for name, full in full_tensors(params, self.device, wire):
-                    digest.add(name, full)
+                # the next tensor is gathered, cast, checksummed on its device and copied while this one is sent
+                for _, full in full_tensors(params, self.device, wire, on_gathered=digest.add):
                     broadcast(self.group, full)
                     del full
                 for job in jobs:

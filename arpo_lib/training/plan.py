@@ -16,7 +16,8 @@ parameters counted) and the run's config, in bytes per GPU, for the phases of on
   `rollout.backend=server` generation runs in the servers' own processes, not on these GPUs.
 - old log-probs: resident + one micro-batch's forward without gradients.
 - update: resident + gradients + one micro-batch's forward and backward (activations).
-- weight push (server mode): resident + the largest trainable tensor gathered whole in bf16.
+- weight push (server mode): resident + the largest trainable tensor gathered whole in bf16 (and,
+  over rollout.stream_backend=nccl, the one being sent beside it: the pass runs one ahead on a GPU).
 
 The activations of one micro-batch are counted per token and per vision patch, with activation
 checkpointing as the trainer runs it: each decoder layer's and vision block's input kept (bf16),
@@ -89,6 +90,10 @@ class Training:
     """Training ranks (FSDP2 above 1)."""
     in_process: bool = True
     """Rollouts generate with this process's model (rollout.backend=hf)."""
+    push_on_gpu: bool = False
+    """rollout.weight_sync=stream over rollout.stream_backend=nccl: the push sends from the GPU, so
+    the tensor being sent stays there while the next is gathered (agent.model.shards.full_tensors
+    runs one ahead on a GPU); over gloo the one being sent is in host memory."""
     attention_scores: bool = False
     """Attention materialises its (heads, T, T) scores: the CPU's SDPA does, a GPU's flash / cuDNN
     kernels do not. One layer's at a time (tests/training/test_plan.py measures it)."""
@@ -104,6 +109,8 @@ def training_of(cfg: Any, gpus: int | None = None, device: str = "cuda") -> Trai
                     frozen_bytes=2 if on_gpu and cfg.model.frozen_weights_dtype == "auto" else 4,
                     logprob_chunk=cfg.model.logprob_chunk or 10 ** 9,
                     gpus=gpus or cfg.train.nproc_per_node, in_process=cfg.rollout.backend == "hf",
+                    push_on_gpu=(on_gpu and cfg.rollout.weight_sync == "stream"
+                                 and cfg.rollout.stream_backend == "nccl"),
                     attention_scores=not on_gpu)
 
 
@@ -235,9 +242,12 @@ def phases(shape: ModelShape, w: Workload, t: Training) -> list[Phase]:
                                                             **inputs, **frozen_tower_forward(shape, w, t)}))
     if not t.in_process:
         largest = shape.largest_text_linear if t.lora_rank else shape.largest_param
-        # one at a time (agent.model.shards.full_tensors): over several ranks gathered in fp32, then cast to bf16
-        gathered = 2 * largest if t.gpus == 1 else 6 * largest
-        out.append(Phase("weight push", {**resident, "one tensor gathered": gathered}))
+        # agent.model.shards.full_tensors: over several ranks gathered in fp32, then cast to bf16; the
+        # tensor being sent beside it when it is sent from the GPU (the pass runs one ahead there)
+        gathered = {"one tensor gathered": 2 * largest if t.gpus == 1 else 6 * largest}
+        if t.push_on_gpu:
+            gathered["the tensor being sent (NCCL)"] = 2 * largest
+        out.append(Phase("weight push", {**resident, **gathered}))
     return out
 
 

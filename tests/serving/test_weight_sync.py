@@ -255,6 +255,18 @@ def test_the_checksum_sees_every_bit_the_name_the_dtype_and_the_shape_but_not_th
     whole = ext.tensor_bitsum(b)
     monkeypatch.setattr(ext, "_CHUNK", 2)
     assert ext.tensor_bitsum(b) == whole == int(b.view(torch.int32).to(torch.int64).sum())
+    # nothing is read back while tensors are added (on a GPU each read is a sync), one read per
+    # device when the checksum is asked for
+    reads = []
+    for method in ("item", "tolist", "__int__"):
+        real = getattr(torch.Tensor, method)
+        monkeypatch.setattr(torch.Tensor, method,
+                            lambda self, *a, _real=real, _name=method: (reads.append(_name), _real(self, *a))[1])
+    d = ext.WeightsDigest()
+    d.add("a", a)
+    d.add("b", b)
+    assert reads == []
+    assert d.hexdigest() == base and reads == ["tolist"]
 
 
 def test_the_checksum_of_a_saved_directory_is_the_checksum_of_its_tensors(tmp_path):

@@ -112,6 +112,23 @@ def test_server_mode_has_no_generation_phase_and_a_push(shapes):
     assert names == ["old log-probs", "update", "update, frozen tower's forward", "weight push"]
 
 
+def test_a_push_over_nccl_counts_the_tensor_being_sent_beside_the_next_one_gathered(shapes):
+    """On a GPU the push's pass runs one ahead (agent/model/shards.py): over NCCL the tensor being
+    sent is still on the GPU while the next is gathered; over gloo it is in host memory."""
+    def push(backend: str, gpus: int) -> dict[str, float]:
+        cfg = load_config(REPO / "configs" / "osworld_sandbox.yaml",
+                          ["rollout.backend=server", "serve.backend=vllm", "serve.weight_sync=true",
+                           "rollout.weight_sync=stream", f"rollout.stream_backend={backend}"])
+        return next(p for p in P.plan(cfg, 80 * GIB, gpus, shape=shapes["7b"]).phases if p.name == "weight push").parts
+
+    largest = shapes["7b"].largest_param
+    for gpus in (1, 8):
+        gloo, nccl = push("gloo", gpus), push("nccl", gpus)
+        assert "the tensor being sent (NCCL)" not in gloo
+        assert nccl["the tensor being sent (NCCL)"] == 2 * largest
+        assert sum(nccl.values()) - sum(gloo.values()) == 2 * largest
+
+
 def test_gpu_memory_is_a_cards_name_or_a_size_read_as_written():
     """`--gpu-memory A100-40GB` is what such a card reports to torch (~39.6 GiB), not 40 GiB; a
     size means its unit: 40GB is 40 x 10^9 bytes (37.3 GiB), 40GiB is 40 GiB, a bare number GiB."""

@@ -38,37 +38,58 @@ from typing import Any
 import torch
 
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_CHUNK = 1 << 24  # elements summed at a time: bounds the int64 copy to 128 MB for any tensor
+_CHUNK = 1 << 24  # elements summed at a time (device_bitsum)
 
 
-def tensor_bitsum(tensor: torch.Tensor) -> int:
+def device_bitsum(tensor: torch.Tensor) -> torch.Tensor:
     """The sum of a tensor's elements read as integers of their width (bf16 as int16, fp32 as
-    int32): exact and the same on any device, so two copies agree iff their bits do (up to
-    reorderings inside the tensor, which a transfer does not make)."""
+    int32), as a 0-d int64 tensor on the tensor's own device: exact and the same on any device, so
+    two copies agree iff their bits do (up to reorderings inside the tensor, which a transfer does
+    not make). Nothing is read back to the host here (a GPU does not sync). Summed `_CHUNK`
+    elements at a time: `sum(dtype=torch.int64)` makes an int64 copy of what it sums (measured on
+    the CPU: 1.5 GB for 200M int16 elements), so this bounds it to 128 MB for any tensor."""
     flat = tensor.detach().contiguous().view(-1)
     if flat.dtype == torch.bool:
         flat = flat.to(torch.uint8)
     ints = flat.view(_INT_VIEW[flat.element_size()])
-    total = 0
+    total = torch.zeros((), dtype=torch.int64, device=ints.device)
     for start in range(0, ints.numel(), _CHUNK):
-        total += int(ints[start:start + _CHUNK].to(torch.int64).sum().item())
+        total += ints[start:start + _CHUNK].sum(dtype=torch.int64)
     return total
+
+
+def tensor_bitsum(tensor: torch.Tensor) -> int:
+    """`device_bitsum` read back as a Python integer."""
+    return int(device_bitsum(tensor).item())
 
 
 @dataclass
 class WeightsDigest:
     """A checksum of named tensors, independent of the order they are added in: sha256 over
-    `name|dtype|shape|bitsum` lines sorted by name."""
+    `name|dtype|shape|bitsum` lines sorted by name. Each tensor's sum stays on its device until the
+    checksum is asked for, then each device's sums are read back at once (one sync per device per
+    push, not one per tensor)."""
 
-    lines: list[str] = field(default_factory=list)
+    entries: list[tuple[str, torch.Tensor]] = field(default_factory=list)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         dtype = str(tensor.dtype).removeprefix("torch.")
-        self.lines.append(f"{name}|{dtype}|{list(tensor.shape)}|{tensor_bitsum(tensor)}")
+        self.entries.append((f"{name}|{dtype}|{list(tensor.shape)}", device_bitsum(tensor)))
 
     @property
     def count(self) -> int:
-        return len(self.lines)
+        return len(self.entries)
+
+    @property
+    def lines(self) -> list[str]:
+        by_device: dict[torch.device, list[int]] = {}
+        for i, (_, total) in enumerate(self.entries):
+            by_device.setdefault(total.device, []).append(i)
+        sums: dict[int, int] = {}
+        for indices in by_device.values():
+            values = torch.stack([self.entries[i][1] for i in indices]).tolist()
+            sums.update(zip(indices, values))
+        return [f"{head}|{sums[i]}" for i, (head, _) in enumerate(self.entries)]
 
     def hexdigest(self) -> str:
         return hashlib.sha256("\n".join(sorted(self.lines)).encode()).hexdigest()
