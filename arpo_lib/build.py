@@ -26,7 +26,7 @@ import torch
 from arpo_lib import envs
 from arpo_lib.agent.hf_policy import HFPolicy
 from arpo_lib.agent.server_policy import ServerPolicy
-from arpo_lib.evaluation.evaluate import EvalResult, evaluate_run
+from arpo_lib.evaluation.evaluate import EvalResult, Spread, evaluate_run
 from arpo_lib.evaluation.protocols import PROTOCOLS
 from arpo_lib.rollout.engine import RolloutEngine
 from arpo_lib.run import config as config_module
@@ -526,10 +526,11 @@ class RunEvaluation:
         every = self.cfg.train.eval_every
         return bool(every) and (step % every == 0 or step == self.cfg.train.steps)
 
-    def __call__(self, engine: RolloutEngine, label: str, tasks: list[str] | None = None) -> EvalResult:
+    def __call__(self, engine: RolloutEngine, label: str, tasks: list[str] | None = None,
+                 spread: Spread | None = None) -> EvalResult:
         # The training engine: the run's prompt and environment options, so protocol `run`.
         return evaluate_run(engine, self.cfg, safe_join(self.run.eval_root, label), tasks=tasks,
-                            description=f"eval {label}", protocol="run")
+                            description=f"eval {label}", protocol="run", spread=spread)
 
 
 def evaluator(cfg: RunConfig) -> RunEvaluation:

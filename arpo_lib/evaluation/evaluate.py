@@ -11,7 +11,7 @@ import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 
@@ -83,6 +83,9 @@ class EvalResult:
     desktop_env: dict[str, Any] | None = None
     """Which desktop_env scored the OSWorld episodes (envs/osworld/build_info.py: its `label`, the
     version, a hash of its evaluator sources, whether it pauses the VM); None without OSWorld."""
+    episodes_by_rank: list[int] | None = None
+    """Spread over the training ranks (`Spread`): the episodes each rank played, reruns included
+    (None: one process played them all)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -224,6 +227,18 @@ def _rerun_without_result(engine: RolloutEngine, trajs: list[Trajectory], passes
     return record
 
 
+class Spread(Protocol):
+    """The processes an evaluation is spread over (a training backend: `training.backend`): each
+    plays `share(requests)` on its own environments, and every one gets every process's list back
+    (`gather_lists`). Rank 0 (`is_main`) writes the result."""
+
+    is_main: bool
+
+    def share(self, items: Sequence[Any]) -> list[Any]: ...
+
+    def gather_lists(self, mine: list[Any]) -> list[list[Any]]: ...
+
+
 def evaluate(
     engine: RolloutEngine,
     tasks: Sequence[str],
@@ -238,36 +253,70 @@ def evaluate(
     max_new_tokens: int | None = None,
     rerun_passes: int | None = None,
     desktop_env: dict[str, Any] | None = None,
+    spread: Spread | None = None,
 ) -> EvalResult:
     """Run k episodes per task with seeds fixed by (seed, task, sample); same seeds every call.
     Then up to `rerun_passes` (None: the protocol's) more passes over the episodes left without a
-    result, as the OSWorld fork's runner runs them again."""
+    result, as the OSWorld fork's runner runs them again.
+
+    `spread`: every process of a distributed run calls this together; each plays its share of the
+    episodes (and reruns its own), then every process summarizes all of them (the same result
+    everywhere); rank 0 writes it. An episode's seed is its (seed, task, sample): who plays it
+    does not change it. Each process writes its episodes' directories under `out_dir` (one
+    directory on a shared file system; on nodes without one, each node holds its ranks' episodes)."""
     requests = episode_requests(tasks, samples_per_task, seed)
     t0 = time.monotonic()
     steps_before = engine.env_steps
     torch.manual_seed(stable_seed(seed, "eval-sampling"))
-    trajs = engine.run(requests, temperature=temperature, out_dir=out_dir, progress=progress, description=description)
+    mine = spread.share(requests) if spread is not None else requests
+    progress = progress and (spread is None or spread.is_main)
+    trajs = engine.run(mine, temperature=temperature, out_dir=out_dir, progress=progress, description=description)
     p = PROTOCOLS[protocol]
     passes = p.rerun_passes if rerun_passes is None else rerun_passes
     rerun = _rerun_without_result(engine, trajs, passes, temperature=temperature, out_dir=out_dir,
                                   progress=progress, description=description) if passes > 0 else []
+    env_steps = engine.env_steps - steps_before
+    by_rank = None
+    if spread is not None:
+        trajs, rerun, env_steps, by_rank = _gathered(spread, requests, trajs, rerun, env_steps)
     result = summarize(trajs, samples_per_task)
     result.rerun = rerun
+    result.episodes_by_rank = by_rank
     result.desktop_env = desktop_env
     result.lead_with_fork_acc = p.report_fork_acc_first
     result.protocol = protocol
     result.max_new_tokens = max_new_tokens
     result.seconds = time.monotonic() - t0
-    result.env_steps = engine.env_steps - steps_before
-    if out_dir is not None:
+    result.env_steps = env_steps
+    if out_dir is not None and (spread is None or spread.is_main):
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         (Path(out_dir) / layout.EVAL_RESULTS).write_text(json.dumps(result.to_dict(), indent=1))
     return result
 
 
+def _gathered(spread: Spread, requests: Sequence[EpisodeRequest], mine: list[Trajectory],
+              rerun: list[dict[str, Any]], env_steps: int
+              ) -> tuple[list[Trajectory], list[dict[str, Any]], int, list[int]]:
+    """Every process's episodes (without pixels: what a summary reads), in request order, their
+    reruns pass by pass and environment steps summed, and the episodes each process played."""
+    from arpo_lib.rollout.store import without_pixels
+
+    parts = [part for (part,) in spread.gather_lists([([without_pixels(t) for t in mine], rerun, env_steps)])]
+    order = {(r.task, r.sample): i for i, r in enumerate(requests)}
+    trajs = sorted((t for part in parts for t in part[0]), key=lambda t: order[(t.task, t.sample)])
+    passes: dict[int, dict[str, Any]] = {}
+    for _, records, _ in parts:
+        for rec in records:
+            into = passes.setdefault(rec["pass"], {"pass": rec["pass"], "episodes": 0, "still_without_result": 0})
+            into["episodes"] += rec["episodes"]
+            into["still_without_result"] += rec["still_without_result"]
+    by_rank = [len(part[0]) + sum(rec["episodes"] for rec in part[1]) for part in parts]
+    return trajs, [passes[n] for n in sorted(passes)], sum(part[2] for part in parts), by_rank
+
+
 def evaluate_run(engine: RolloutEngine, cfg: RunConfig, out_dir: str | Path | None, *,
                  tasks: Sequence[str] | None = None, description: str = "eval",
-                 protocol: str | None = None) -> EvalResult:
+                 protocol: str | None = None, spread: Spread | None = None) -> EvalResult:
     """A run's evaluation (`eval.samples_per_task`, `eval.seed`, the temperature of the protocol
     or `eval.temperature`) on `tasks`, else `eval.tasks`, else the training tasks. `protocol`
     (default eval.protocol) must be the one the engine was built for (`build.engine`)."""
@@ -279,4 +328,4 @@ def evaluate_run(engine: RolloutEngine, cfg: RunConfig, out_dir: str | Path | No
                     temperature=temperature, seed=cfg.eval.seed, out_dir=out_dir, progress=cfg.logging.progress,
                     description=description, protocol=p.name,
                     max_new_tokens=cfg.eval.max_new_tokens if p.max_new_tokens is not None else None,
-                    rerun_passes=cfg.eval.rerun_passes, desktop_env=desktop_env_of(cfg))
+                    rerun_passes=cfg.eval.rerun_passes, desktop_env=desktop_env_of(cfg), spread=spread)

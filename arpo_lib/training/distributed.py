@@ -30,7 +30,7 @@ at a time, every rank taking part (`full_weights`, `join_full_weights`, `gather_
 FSDP2 all-gathers inside every forward, so all ranks must run the same number of forwards: a rank
 with fewer micro-batches than the busiest runs the shortest sequence with its loss times 0.
 
-Where rank 0 works alone (the warm start, the evaluation, a push it leads), the others wait on the
+Where rank 0 works alone (the warm start, a push it leads), the others wait on the
 gloo control group, whose timeout is long, never in an NCCL collective, and they raise as soon as
 rank 0 fails (`on_main`, `WeightPass`) instead of at a timeout (NCCL's: 30 minutes).
 
@@ -92,8 +92,9 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
 """NCCL's collectives (FSDP2's all-gathers and gradient reductions, all in lockstep): a rank that
 died or hung is noticed within this."""
 CONTROL_TIMEOUT = datetime.timedelta(hours=2)
-"""Objects, sums of metrics and barriers (the control traffic): rank 0 alone runs the periodic
-evaluation, and a slow OSWorld episode keeps the others waiting at the gather, for this long."""
+"""Objects, sums of metrics and barriers (the control traffic): a slow OSWorld episode keeps the
+others waiting at a rollout batch's or an evaluation's gather, and rank 0's warm start keeps them
+waiting, for this long."""
 
 _control_group: Any = None
 """The gloo side group of the control traffic on GPUs (None: the default group, gloo on the CPU)."""

@@ -104,7 +104,8 @@ class RolloutSource:
     def acting(self, version: int, announce: bool = True) -> Policy:
         """Who generates: this process's model, or the servers holding weight version `version`.
         Distributed, rank 0 brings the servers up to date and (`announce`) tells the other ranks
-        their URLs, which all call this together; `announce=False`: rank 0 alone (its evaluation)."""
+        their URLs, which all call this together (a rollout batch, a run's evaluation); `announce=False`:
+        this process alone (an evaluation outside a distributed run)."""
         if self.served is None:
             return self.policy
         if announce and self._gathered:

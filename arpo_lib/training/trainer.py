@@ -63,7 +63,8 @@ class Evaluator(Protocol):
     """The run's periodic evaluation (`build.evaluator`): when it is due, and an engine's policy
     evaluated with the run's protocol into <run>/eval/<label> (tasks None: the protocol's)."""
     def due(self, step: int) -> bool: ...
-    def __call__(self, engine: RolloutEngine, label: str, tasks: list[str] | None = None) -> EvalOutcome: ...
+    def __call__(self, engine: RolloutEngine, label: str, tasks: list[str] | None = None,
+                 spread: Any = None) -> EvalOutcome: ...
 
 
 class Trainer:
@@ -168,10 +169,16 @@ class Trainer:
         return self.evaluate_and_log(metrics)
 
     def evaluate_and_log(self, metrics: dict[str, Any]) -> dict[str, Any]:
-        """The step's evaluation (rank 0's, the others wait), its figures added to the step's
-        metrics, which are then logged."""
+        """The step's evaluation, its figures added to the step's metrics, which are then logged.
+        Distributed, every rank plays its share of the episodes on its own environments (as it
+        does a rollout batch's), and every rank summarizes all of them; rank 0 writes them."""
         self.rollouts.wait_ahead()  # the evaluation takes the environments
-        evaluation = self.backend.on_main(lambda: self.evaluate(layout.step_name(self.step)).metrics()) or {}
+        label = layout.step_name(self.step)
+        if self.backend.ranks.distributed:
+            engine = self.rollouts.engine(self.weights_version)  # every rank: the servers brought up to date together
+            evaluation = self.evaluator(engine, label, None, spread=self.backend).metrics()
+        else:
+            evaluation = self.evaluate(label).metrics()
         metrics = {**metrics, **evaluation}
         self.records.log(metrics)
         return metrics

@@ -46,3 +46,75 @@ def test_scripted_agent_as_the_upper_bound_baseline(tiny_qwen2vl, chromium_avail
     assert scripted.success_rate == 1.0 and scripted.episodes == 4
     with pytest.raises(ConfigError, match="eval.policy"):
         load_config(None, base + ["eval.policy=scripted", "rollout.backend=server"])
+
+
+class _Engine:
+    """Plays each request at once: a success where (sample + len(task)) is even; the first attempt
+    at (miniwob/b, 1) is lost to the environment (a rerun pass plays it again)."""
+
+    def __init__(self):
+        self.env_steps, self.played = 0, []
+
+    def run(self, requests, **_):
+        out = []
+        for r in requests:
+            lost = (r.task, r.sample) == ("miniwob/b", 1) and (r.task, r.sample) not in self.played
+            self.played.append((r.task, r.sample))
+            t = _traj(r.task, float((r.sample + len(r.task)) % 2 == 0), status="env_error" if lost else "ok",
+                      steps=1 + r.sample)
+            t.seed, t.sample = r.seed, r.sample
+            self.env_steps += len(t.steps)
+            out.append(t)
+        return out
+
+
+class _Spread:
+    """Rank `rank` of `world` threads, exchanging their lists through a barrier."""
+
+    def __init__(self, rank, world, board, barrier):
+        self.rank, self.world, self.board, self.barrier = rank, world, board, barrier
+        self.is_main = rank == 0
+
+    def share(self, items):
+        return list(items[self.rank::self.world])
+
+    def gather_lists(self, mine):
+        self.board[self.rank] = mine
+        self.barrier.wait()
+        return [self.board[r] for r in range(self.world)]
+
+
+def test_an_evaluation_spread_over_ranks_sums_up_as_one_process_and_each_plays_its_share(tmp_path):
+    """Two ranks (threads), each on its own engine: every rank gets the one process's summary
+    (reruns pass by pass and environment steps summed), only rank 0 writes it, and each rank
+    played its own share."""
+    import json
+    import threading
+
+    from arpo_lib.evaluation.evaluate import evaluate
+
+    tasks, kwargs = ["miniwob/a", "miniwob/b", "miniwob/cc"], dict(samples_per_task=3, rerun_passes=1, progress=False)
+    alone = evaluate(_Engine(), tasks, **kwargs).to_dict()
+    board, barrier, results, engines = {}, threading.Barrier(2), {}, {0: _Engine(), 1: _Engine()}
+
+    def rank(r):
+        results[r] = evaluate(engines[r], tasks, out_dir=tmp_path / f"rank{r}", spread=_Spread(r, 2, board, barrier),
+                              **kwargs).to_dict()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert alone["rerun"] == [{"pass": 1, "episodes": 1, "still_without_result": 0}]
+    for r in (0, 1):
+        got = dict(results[r])
+        assert got.pop("episodes_by_rank") == [6, 4]  # 9 episodes (5 and 4), and rank 0 reruns its lost one
+        assert {k: v for k, v in got.items() if k != "seconds"} == \
+            {k: v for k, v in alone.items() if k not in ("seconds", "episodes_by_rank")}
+    assert (tmp_path / "rank0" / "results.json").is_file() and not (tmp_path / "rank1").exists()
+    assert json.loads((tmp_path / "rank0" / "results.json").read_text())["episodes_by_rank"] == [6, 4]
+    assert sorted(engines[0].played + engines[1].played) == sorted([
+        (t, s) for t in tasks for s in range(3)] + [("miniwob/b", 1)])
+    assert engines[0].played[:5] == [("miniwob/a", 0), ("miniwob/a", 2), ("miniwob/b", 1), ("miniwob/cc", 0),
+                                     ("miniwob/cc", 2)]

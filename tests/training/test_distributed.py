@@ -26,6 +26,7 @@ COMMON = ["train.steps=2", "warm_start.steps=10", "warm_start.demos_per_task=2",
 EXACT = ["step", "tasks", "success_rate", "success_by_task", "mean_reward", "format_error_rate", "mean_steps",
          "all_failed_groups", "replay_injections", "replay_size", "tokens", "sequences", "optimizer_steps", "env_steps"]
 CLOSE = ["loss", "grad_norm", "approx_kl", "lr"]
+FINAL_EVAL = ["train.eval_every=2", "eval.samples_per_task=2"]  # the `runs` pair: evaluated at their last step
 
 
 # -- the pieces ----------------------------------------------------------------------------------
@@ -150,7 +151,7 @@ def _train_from_a_notebook(out: Path, model: Path, name: str, nproc: int) -> tup
     from arpo_lib import workflows
 
     cfg = workflows.prepare_run("configs/smoke.yaml", [f"model.path={model}", f"out_dir={out}",
-                                                       f"train.nproc_per_node={nproc}", *COMMON], name)
+                                                       f"train.nproc_per_node={nproc}", *COMMON, *FINAL_EVAL], name)
     trainer = workflows.open_trainer(cfg)
     assert trainer.warm_start() == [] and trainer.step == 0
     streamed: list[dict] = []
@@ -167,7 +168,7 @@ def runs(tiny_qwen2vl, chromium_available, tmp_path_factory):
         pytest.skip("needs chromium")
     out = tmp_path_factory.mktemp("distributed")
     two, streamed, report = _train_from_a_notebook(out, tiny_qwen2vl, "np2", 2)
-    return out, {1: _train(out, tiny_qwen2vl, "np1", 1), 2: two}, streamed, report
+    return out, {1: _train(out, tiny_qwen2vl, "np1", 1, *FINAL_EVAL), 2: two}, streamed, report
 
 
 def test_two_processes_take_the_same_arpo_steps_as_one(runs):
@@ -181,6 +182,22 @@ def test_two_processes_take_the_same_arpo_steps_as_one(runs):
     assert len((run[2] / "metrics.jsonl").read_text().splitlines()) == 2
     assert len(list((run[2] / "rollouts" / "step_000000").rglob("meta.json"))) == 8
     _assert_sharded_checkpoint(run[2] / "checkpoints" / "step_000002", ranks=2)
+
+
+def test_the_final_evaluation_is_spread_over_the_ranks_and_scores_like_one_process(runs):
+    """Each rank plays its share of the evaluation's episodes on its own environments (rank 0
+    alone played them all before); every episode's seed is its (seed, task, sample), so the
+    summary rank 0 writes is the one process's."""
+    from arpo_lib.run import layout
+
+    _, run, streamed, _ = runs
+    one, two = (json.loads((run[n] / "eval" / layout.step_name(2) / layout.EVAL_RESULTS).read_text()) for n in (1, 2))
+    assert one["episodes"] == 6 and one["episodes_by_rank"] is None
+    assert two["episodes_by_rank"] == [3, 3]  # three tasks, two samples each, over two ranks
+    for key in ("episodes", "success_rate", "pass_at_k", "mean_steps", "format_error_rate", "env_steps", "tasks"):
+        assert one[key] == two[key], key
+    assert len(list((run[2] / "eval" / layout.step_name(2)).rglob("meta.json"))) == 6  # both ranks' episodes
+    assert streamed[-1]["eval_success_rate"] == one["success_rate"] == _metrics(run[1])[-1]["eval_success_rate"]
 
 
 def test_two_nodes_rendezvous_and_train_like_one_process(runs, tiny_qwen2vl):
@@ -228,6 +245,7 @@ def test_a_checkpoint_resumes_with_another_number_of_processes(runs, written_by,
     copy = out / f"resume-{written_by}-{resumed_by}"
     shutil.copytree(run[written_by], copy)
     shutil.rmtree(copy / "checkpoints" / "step_000002")  # as if killed during step 2
+    shutil.rmtree(copy / "eval", ignore_errors=True)  # (before its evaluation)
     _run(["resume", "--run", str(copy), f"--nproc-per-node={resumed_by}", f"name={copy.name}"])
     _assert_same(run[1], copy)
 
@@ -287,8 +305,11 @@ def test_two_processes_roll_out_through_servers_that_rank_0_keeps_current(tiny_q
     output = _run(["train", "--config", "configs/smoke.yaml", "--nproc-per-node=2", f"model.path={tiny_qwen2vl}",
                    f"out_dir={tmp_path}", "name=served", *COMMON, "rollout.backend=server", "serve.backend=hf",
                    "rollout.weight_sync=restart", "env.max_steps=2", "model.max_new_tokens=24",
-                   f"serve.replicas={replicas}"])
+                   f"serve.replicas={replicas}", *FINAL_EVAL])
     run = tmp_path / "served"
+    # the final evaluation through the servers too, each rank playing its share
+    evaluated = json.loads((run / "eval" / "step_000002" / "results.json").read_text())
+    assert evaluated["episodes"] == 6 and evaluated["episodes_by_rank"] == [3, 3], evaluated
     for rank in (0, 1):
         assert f"rank {rank}: the full model is dropped" in output, output[-3000:]
     metrics = _metrics(run)
