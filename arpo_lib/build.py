@@ -549,7 +549,7 @@ def trainer(cfg: RunConfig, *, resume: bool = False, policy: HFPolicy | None = N
     check_gpus(cfg, policy)
     ranks = Ranks.from_env() if ranks is None else ranks
     if ranks.distributed:
-        init_process_group(ranks, torch.device(device_for(ranks, cfg.model.device).replace("auto", "cpu")))
+        ranks = init_process_group(ranks, torch.device(device_for(ranks, cfg.model.device).replace("auto", "cpu")))
     run = cfg.run
     checkpoint = ckpt.resume_point(run, resume)
     barrier(ranks)  # every rank has looked at the run directory before rank 0 writes into it

@@ -321,10 +321,10 @@ class FSDP2(TrainingBackend):
             dist_.join_full_weights(self._net, self.ranks)
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any] | Path) -> None:
-        load_optimizer_state(state, optimizer, self.policy.model, sharded=self._net)
+        load_optimizer_state(state, optimizer, self.policy.model, sharded=self._net, control=self.ranks.control)
 
     def save_optimizer_shards(self, directory: Path, optimizer: torch.optim.Optimizer) -> None:
-        save_optimizer_shards(directory, self._net, optimizer)
+        save_optimizer_shards(directory, self._net, optimizer, control=self.ranks.control)
 
     def close(self, failed: bool = False) -> None:
         if not failed:

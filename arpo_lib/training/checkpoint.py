@@ -33,7 +33,7 @@ from arpo_lib.algo import ReplayBuffer
 from arpo_lib.run import layout
 from arpo_lib.run.layout import RunDir
 from arpo_lib.run.records import atomic_write_text, fsync_dir, read_jsonl
-from arpo_lib.training.distributed import control_group, load_full_optimizer_state
+from arpo_lib.training.distributed import load_full_optimizer_state
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
@@ -59,20 +59,22 @@ def begin_checkpoint(ckpt_dir: Path, step: int) -> Path:
     return tmp
 
 
-def save_optimizer_shards(tmp: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def save_optimizer_shards(tmp: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                          control: Any = None) -> None:
     """Every rank writes its shard of the optimizer state (FSDP2: DTensors keyed by parameter
     name) into `tmp/optimizer_shards/` with torch.distributed.checkpoint, in parallel: nothing is
     gathered. A collective: all ranks call it. Its planning (pickled plans and metadata, object
     collectives) goes on the gloo control group: on the default group they would run on NCCL,
-    through GPU memory and under NCCL's timeout."""
+    through GPU memory and under NCCL's timeout. `control`: that group (`Ranks.control`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=tmp / layout.OPTIMIZER_SHARDS,
-             process_group=control_group())
+             process_group=control)
 
 
-def load_optimizer_shards(shards: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def load_optimizer_shards(shards: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                          control: Any = None) -> None:
     """Read `optimizer_shards/` into `optimizer` (its parameters named as in `model`), re-sharded
     for however many processes load it: each reads only the pieces of its own shard; one
     process (no process group) reads whole tensors. A collective when distributed, planned on the
@@ -82,7 +84,7 @@ def load_optimizer_shards(shards: Path, model: torch.nn.Module, optimizer: torch
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     state = get_optimizer_state_dict(model, optimizer)  # the layout to fill (creates the state)
-    dcp.load(state, checkpoint_id=shards, no_dist=not dist.is_initialized(), process_group=control_group())
+    dcp.load(state, checkpoint_id=shards, no_dist=not dist.is_initialized(), process_group=control)
     set_optimizer_state_dict(model, optimizer, optim_state_dict=state)
 
 
@@ -208,14 +210,14 @@ class Checkpointer:
 
 # -- optimizer states written by another number of processes -------------------------------------
 def load_optimizer_state(state: dict[str, Any] | Path, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
-                         sharded: torch.nn.Module | None) -> None:
+                         sharded: torch.nn.Module | None, control: Any = None) -> None:
     """Load a checkpoint's optimizer state into `optimizer` (of `model`'s trainable parameters,
     or of their FSDP2 shards in `sharded`), whichever number of processes wrote it: by position
     (one process), by parameter name (gathered from FSDP shards by earlier versions), or the
     directory of torch.distributed.checkpoint shards a distributed run writes (re-sharded for
     this number of processes)."""
     if isinstance(state, Path):
-        load_optimizer_shards(state, sharded if sharded is not None else _named_as_sharded(model), optimizer)
+        load_optimizer_shards(state, sharded if sharded is not None else _named_as_sharded(model), optimizer, control)
         return
     names = [f"net.{n}" for n, p in model.named_parameters() if p.requires_grad]
     by_name = any(isinstance(k, str) for k in state["state"]) or any(

@@ -47,7 +47,7 @@ import datetime
 import logging
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import torch
@@ -65,6 +65,11 @@ class Ranks:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    control: Any = field(default=None, compare=False, repr=False)
+    """The process group of the control traffic (objects, sums, barriers, the weight pass's
+    announcements, torch.distributed.checkpoint's planning), gloo: a side group on GPUs
+    (`init_process_group` returns the ranks carrying it), None for the default group (gloo on
+    the CPU)."""
 
     @property
     def distributed(self) -> bool:
@@ -96,37 +101,26 @@ CONTROL_TIMEOUT = datetime.timedelta(hours=2)
 others waiting at a rollout batch's or an evaluation's gather, and rank 0's warm start keeps them
 waiting, for this long."""
 
-_control_group: Any = None
-"""The gloo side group of the control traffic on GPUs (None: the default group, gloo on the CPU)."""
-
-
 class RankFailed(RuntimeError):
     """Raised on the other ranks when rank 0 failed in work they were waiting for."""
 
 
-def control_group() -> Any:
-    """The process group of the control traffic, gloo: the side group on GPUs, the default group
-    (None) on the CPU. torch.distributed.checkpoint's planning (object collectives) goes on it too."""
-    return _control_group
-
-
-def init_process_group(ranks: Ranks, device: torch.device) -> None:
-    """Join the process group unless already in one. On GPUs: NCCL for the training collectives
-    (`COLLECTIVE_TIMEOUT`) and a gloo side group for objects, sums and barriers (`CONTROL_TIMEOUT`;
-    CPU tensors and pickles never go through NCCL and GPU memory). On the CPU one gloo group
-    carries both, with the long timeout."""
+def init_process_group(ranks: Ranks, device: torch.device) -> Ranks:
+    """Join the process group unless already in one; returns `ranks` carrying the control group
+    (what every collective of this module then goes on). On GPUs: NCCL for the training
+    collectives (`COLLECTIVE_TIMEOUT`) and a gloo side group for objects, sums and barriers
+    (`CONTROL_TIMEOUT`; CPU tensors and pickles never go through NCCL and GPU memory). On the CPU
+    one gloo group carries both, with the long timeout."""
     import torch.distributed as dist
 
-    global _control_group
     if not ranks.distributed or dist.is_initialized():
-        return
+        return ranks
     if device.type == "cuda":
         torch.cuda.set_device(ranks.local_rank)
         dist.init_process_group("nccl", rank=ranks.rank, world_size=ranks.world_size, timeout=COLLECTIVE_TIMEOUT)
-        _control_group = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-    else:
-        dist.init_process_group("gloo", rank=ranks.rank, world_size=ranks.world_size, timeout=CONTROL_TIMEOUT)
-        _control_group = None
+        return replace(ranks, control=dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT))
+    dist.init_process_group("gloo", rank=ranks.rank, world_size=ranks.world_size, timeout=CONTROL_TIMEOUT)
+    return replace(ranks, control=None)
 
 
 def device_for(ranks: Ranks, device: str) -> str:
@@ -291,7 +285,7 @@ def _announce(ranks: Ranks, signal: int | None = None) -> int:
     import torch.distributed as dist
 
     box = torch.tensor([signal if ranks.is_main else -1], dtype=torch.int64)
-    dist.broadcast(box, src=0, group=_control_group)
+    dist.broadcast(box, src=0, group=ranks.control)
     return int(box.item())
 
 
@@ -347,7 +341,7 @@ def gather_objects(mine: list[T], ranks: Ranks) -> list[list[T]]:
     if not ranks.distributed:
         return [mine]
     out: list[Any] = [None] * ranks.world_size
-    dist.all_gather_object(out, mine, group=_control_group)
+    dist.all_gather_object(out, mine, group=ranks.control)
     return out
 
 
@@ -365,7 +359,7 @@ def all_reduce_sum(values: Sequence[float], ranks: Ranks) -> list[float]:
     if not ranks.distributed:
         return list(values)
     t = torch.tensor(list(values), dtype=torch.float64)
-    dist.all_reduce(t, group=_control_group)
+    dist.all_reduce(t, group=ranks.control)
     return t.tolist()
 
 
@@ -373,7 +367,7 @@ def barrier(ranks: Ranks) -> None:
     import torch.distributed as dist
 
     if ranks.distributed:
-        dist.barrier(group=_control_group)
+        dist.barrier(group=ranks.control)
 
 
 def load_full_into_sharded(full: torch.nn.Module, sharded: LogprobNet) -> None:
@@ -416,7 +410,7 @@ def broadcast_object(obj: T, ranks: Ranks) -> T:
     if not ranks.distributed:
         return obj
     box = [obj if ranks.is_main else None]
-    dist.broadcast_object_list(box, src=0, group=_control_group)
+    dist.broadcast_object_list(box, src=0, group=ranks.control)
     return box[0]
 
 
@@ -478,12 +472,10 @@ def close_process_group(ranks: Ranks) -> None:
 
     import torch.distributed as dist
 
-    global _control_group
     if ranks.distributed and dist.is_initialized():
         gc.collect()
-        dist.barrier(group=_control_group)
+        dist.barrier(group=ranks.control)
         dist.destroy_process_group()  # every group, the side group too
-        _control_group = None
 
 
 ABANDON_TIMEOUT_S = 10.0
@@ -502,7 +494,6 @@ def abandon_process_group(ranks: Ranks, timeout_s: float = ABANDON_TIMEOUT_S) ->
 
     import torch.distributed as dist
 
-    global _control_group
     if not (ranks.distributed and dist.is_initialized()):
         return
     gc.collect()
@@ -516,7 +507,6 @@ def abandon_process_group(ranks: Ranks, timeout_s: float = ABANDON_TIMEOUT_S) ->
     worker = threading.Thread(target=teardown, name="abandon-process-group", daemon=True)
     worker.start()
     worker.join(timeout_s)
-    _control_group = None
 
 
 # -- several nodes -------------------------------------------------------------------------------

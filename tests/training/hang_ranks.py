@@ -28,6 +28,7 @@ import datetime
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -155,11 +156,11 @@ def push(ranks: Ranks, out: Path) -> dict[str, Any]:
     real_save, real_load = dcp.save, dcp.load
     dcp.save = lambda *a, **kw: groups.append(("save", kw.get("process_group"))) or real_save(*a, **kw)
     dcp.load = lambda *a, **kw: groups.append(("load", kw.get("process_group"))) or real_load(*a, **kw)
-    save_optimizer_shards(out, net, opt)
+    save_optimizer_shards(out, net, opt, control=ranks.control)
     again = torch.optim.AdamW(net.parameters(), lr=0.01)
-    load_optimizer_shards(out / "optimizer_shards", net, again)
+    load_optimizer_shards(out / "optimizer_shards", net, again, control=ranks.control)
     dcp.save, dcp.load = real_save, real_load
-    report["dcp_on_control_group"] = [(kind, group is distributed.control_group() and group is not None)
+    report["dcp_on_control_group"] = [(kind, group is ranks.control and group is not None)
                                       for kind, group in groups]
     saved, loaded = (get_optimizer_state_dict(net, o)["state"] for o in (opt, again))
     report["optimizer_state_gap"] = max(float((loaded[n][k].to_local() - v.to_local()).abs().max())
@@ -292,7 +293,7 @@ def main(scenario: str, collective_timeout_s: float, out: str) -> None:
     ranks = Ranks.from_env()
     out_dir = Path(out)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=collective_timeout_s))
-    distributed._control_group = dist.new_group(backend="gloo", timeout=distributed.CONTROL_TIMEOUT)
+    ranks = replace(ranks, control=dist.new_group(backend="gloo", timeout=distributed.CONTROL_TIMEOUT))
     if scenario == "other-fails-mid-pass":
         report = other_rank_fails_mid_pass(ranks, out_dir)
     elif scenario == "push":

@@ -400,23 +400,23 @@ def test_on_gpus_the_control_traffic_goes_on_a_gloo_side_group(monkeypatch):
     monkeypatch.setattr(dist, "new_group", lambda **kw: calls.append(("new_group", kw["backend"], kw["timeout"])) or side)
     for name in ("all_gather_object", "barrier", "broadcast_object_list", "all_reduce"):
         monkeypatch.setattr(dist, name, lambda *a, _name=name, **kw: calls.append((_name, kw.get("group"))))
-    ranks = dist_.Ranks(rank=1, world_size=8, local_rank=1)
-    dist_.init_process_group(ranks, torch.device("cuda"))
-    try:
-        dist_.gather_objects(["episode"], ranks)
-        dist_.barrier(ranks)
-        dist_.all_reduce_sum([1.0], ranks)
-        monkeypatch.setattr(dist, "broadcast_object_list", lambda box, **kw: calls.append(("broadcast", kw["group"])))
-        dist_.broadcast_object("urls", ranks)
-    finally:
-        cuda_group, dist_._control_group = dist_._control_group, None
+    monkeypatch.setattr(dist, "broadcast", lambda box, **kw: calls.append(("announce", kw["group"])))
+    plain = dist_.Ranks(rank=1, world_size=8, local_rank=1)
+    ranks = dist_.init_process_group(plain, torch.device("cuda"))  # the ranks carry the side group
+    dist_.gather_objects(["episode"], ranks)
+    dist_.barrier(ranks)
+    dist_.all_reduce_sum([1.0], ranks)
+    dist_._announce(ranks)
+    monkeypatch.setattr(dist, "broadcast_object_list", lambda box, **kw: calls.append(("broadcast", kw["group"])))
+    dist_.broadcast_object("urls", ranks)
     assert calls[:3] == [("set_device", 1), ("init", "nccl", dist_.COLLECTIVE_TIMEOUT),
                          ("new_group", "gloo", dist_.CONTROL_TIMEOUT)]
-    assert cuda_group is side and [c[1] for c in calls[3:]] == [side] * 4
+    assert ranks.control is side and [c[1] for c in calls[3:]] == [side] * 5
+    assert ranks == plain and plain.control is None  # the same place among the ranks; nothing global changed
     assert dist_.COLLECTIVE_TIMEOUT.total_seconds() == 1800 and dist_.CONTROL_TIMEOUT > dist_.COLLECTIVE_TIMEOUT
     calls.clear()
-    dist_.init_process_group(ranks, torch.device("cpu"))  # the CPU: one gloo group, the long timeout
-    assert calls == [("init", "gloo", dist_.CONTROL_TIMEOUT)] and dist_._control_group is None
+    on_cpu = dist_.init_process_group(plain, torch.device("cpu"))  # the CPU: one gloo group, the long timeout
+    assert calls == [("init", "gloo", dist_.CONTROL_TIMEOUT)] and on_cpu.control is None
 
 
 # -- waiting for rank 0, and rank 0 failing (2 gloo ranks; gloo stands in for NCCL) -------------
