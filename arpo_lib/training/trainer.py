@@ -170,16 +170,10 @@ class Trainer:
 
     def evaluate_and_log(self, metrics: dict[str, Any]) -> dict[str, Any]:
         """The step's evaluation, its figures added to the step's metrics, which are then logged.
-        Distributed, every rank plays its share of the episodes on its own environments (as it
-        does a rollout batch's), and every rank summarizes all of them; rank 0 writes them."""
+        Distributed, every rank plays its share on its own environments; rank 0 writes the result."""
         self.rollouts.wait_ahead()  # the evaluation takes the environments
-        label = layout.step_name(self.step)
-        if self.backend.ranks.distributed:
-            engine = self.rollouts.engine(self.weights_version)  # every rank: the servers brought up to date together
-            evaluation = self.evaluator(engine, label, None, spread=self.backend).metrics()
-        else:
-            evaluation = self.evaluate(label).metrics()
-        metrics = {**metrics, **evaluation}
+        spread = self.backend if self.backend.ranks.distributed else None
+        metrics = {**metrics, **self.evaluate(layout.step_name(self.step), spread=spread).metrics()}
         self.records.log(metrics)
         return metrics
 
@@ -236,10 +230,12 @@ class Trainer:
             stored += seed_replay_from(self.replay, seed_from, self.rollouts.tasks)
         return stored
 
-    def evaluate(self, label: str, tasks: list[str] | None = None) -> EvalOutcome:
+    def evaluate(self, label: str, tasks: list[str] | None = None, spread: Any = None) -> EvalOutcome:
         """Evaluate the current policy with the run's protocol into <run>/eval/<label> (an
-        `evaluation.evaluate.EvalResult`)."""
-        return self.evaluator(self.rollouts.engine(self.weights_version, announce=False), label, tasks)
+        `evaluation.evaluate.EvalResult`); `spread`: every rank together, each playing its share
+        (`evaluation.evaluate.Spread`: the backend), the servers brought up to date together."""
+        engine = self.rollouts.engine(self.weights_version, announce=spread is not None)
+        return self.evaluator(engine, label, tasks, spread=spread)
 
     def save_checkpoint(self, pending_metrics: dict[str, Any] | None = None) -> Path:
         """Write this step's checkpoint (distributed: every rank calls this); `pending_metrics`:
