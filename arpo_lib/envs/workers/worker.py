@@ -359,6 +359,11 @@ class EnvWorker:
             self.python = os.path.abspath(sys.executable)
         self._ctx = mp.get_context("spawn")
         self.restarts = 0
+        # an episode's thread restarts a worker whose connection broke while the trainer's thread
+        # closes the pool (a batch playing ahead at the end of a run): one at a time, and a closed
+        # worker stays closed (its process was half started under the close, or outlived it)
+        self._lifecycle = threading.RLock()
+        self._closed = False
         self._start()
 
     def _start(self) -> None:
@@ -493,9 +498,11 @@ class EnvWorker:
         return self.recv()
 
     def restart(self) -> None:
-        self.restarts += 1
-        self.kill()
-        self._start()
+        with self._lifecycle:
+            self.restarts += 1
+            self.kill()
+            if not self._closed:
+                self._start()
 
     def kill(self) -> None:
         try:
@@ -513,13 +520,15 @@ class EnvWorker:
         self.process.join(timeout=10)
 
     def close(self) -> None:
-        if self.process.is_alive():
-            try:
-                self.conn.send(("close", None))
-                self.process.join(timeout=15)
-            except Exception:
-                pass
-        self.kill()  # also reaps any browser process left in the worker's group
+        with self._lifecycle:
+            self._closed = True
+            if self.process.is_alive():
+                try:
+                    self.conn.send(("close", None))
+                    self.process.join(timeout=15)
+                except Exception:
+                    pass
+            self.kill()  # also reaps any browser process left in the worker's group
 
 
 def action_payload(actions: list[Action]) -> list[dict[str, Any]]:
