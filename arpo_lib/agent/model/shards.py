@@ -42,7 +42,7 @@ def full_tensors(params: Sequence[tuple[str, torch.Tensor]], device: torch.devic
     `on_gathered(name, tensor)` sees each tensor once, cast, on the device it was gathered on and
     before any copy (a checksum taken there needs no host copy and, on a GPU, no sync)."""
     if ahead is None:
-        ahead = any(getattr(p, "device", torch.device("cpu")).type == "cuda" for _, p in params[:1])
+        ahead = bool(params) and getattr(params[0][1], "device", torch.device("cpu")).type == "cuda"
     pending: _Pending | None = None
     for (name, param), dtype in zip(params, dtypes):
         started = _start(name, param, device, dtype, on_gathered)
