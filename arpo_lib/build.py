@@ -24,7 +24,7 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from arpo_lib import envs
-from arpo_lib.agent.hf_policy import HFPolicy
+from arpo_lib.agent.hf_policy import HFPolicy, resolve_device
 from arpo_lib.agent.server_policy import ServerPolicy
 from arpo_lib.evaluation.evaluate import EvalResult, Spread, evaluate_run
 from arpo_lib.evaluation.protocols import PROTOCOLS
@@ -39,7 +39,8 @@ from arpo_lib.serving.weight_sync import FollowingServed, ServedPolicy, connect_
 from arpo_lib.training import checkpoint as ckpt
 from arpo_lib.training.backend import TrainingBackend, training_backend
 from arpo_lib.training.checkpoint import Checkpointer
-from arpo_lib.training.distributed import Ranks, barrier, device_for, init_process_group
+from arpo_lib.training.distributed import (Ranks, barrier, broadcast_model, device_for, empty_model,
+                                           init_process_group)
 from arpo_lib.training.metrics import RunRecords
 from arpo_lib.training.rollout_source import RolloutSource
 from arpo_lib.training.sft import WarmStart
@@ -420,12 +421,18 @@ def hf_policy(cfg: RunConfig, path: str | Path | None = None, *, lora: bool = Tr
         prompt=prompt or cfg.agent.prompt, model=model)
 
 
-def reference_model(cfg: RunConfig, device: torch.device) -> Any:
-    """The frozen KL reference: the model the run started from (`model.path`)."""
+def reference_model(cfg: RunConfig, device: torch.device, ranks: Ranks) -> Any:
+    """The frozen KL reference: the model the run started from (`model.path`), read by rank 0
+    and broadcast to the others."""
     from transformers import AutoModelForImageTextToText
 
-    model = AutoModelForImageTextToText.from_pretrained(cfg.model.path, dtype=torch.float32)
-    return model.to(device).eval().requires_grad_(False)
+    if ranks.is_main:
+        model = AutoModelForImageTextToText.from_pretrained(cfg.model.path, dtype=torch.float32)
+    else:
+        model = empty_model(cfg.model.path, device)
+    model = model.to(device).eval().requires_grad_(False)
+    broadcast_model(model, ranks)
+    return model
 
 
 def server(cfg: RunConfig, model_path: str | None = None, replica: int = 0, port: int | None = None) -> ServerHandle:
@@ -558,14 +565,18 @@ def trainer(cfg: RunConfig, *, resume: bool = False, policy: HFPolicy | None = N
         # With LoRA a resume loads the base weights plus the saved adapter (the checkpoint's
         # merged weights would apply the adapter twice).
         model_path = str(checkpoint / "model") if checkpoint is not None and not lora else cfg.model.path
-        trained = hf_policy(cfg, model_path, device=device_for(ranks, cfg.model.device))
+        device = device_for(ranks, cfg.model.device)
+        # rank 0 reads the checkpoint, every other rank receives it (read once per run, not per rank)
+        shell = None if ranks.is_main else empty_model(model_path, resolve_device(device))
+        trained = hf_policy(cfg, model_path, device=device, model=shell)
+        broadcast_model(trained.model, ranks)
     else:
         trained = policy
         if checkpoint is not None and not lora:
             trained.model.load_state_dict(ckpt.load_model_state(checkpoint / "model"))
     if checkpoint is not None and lora:
         trained.load_adapter(checkpoint / "model")
-    reference = reference_model(cfg, trained.device) if cfg.algo.kl_coef > 0 else None
+    reference = reference_model(cfg, trained.device, ranks) if cfg.algo.kl_coef > 0 else None
     t, r = cfg.train, cfg.rollout
     # With model servers and full fine-tuning, no rank keeps a full copy once training starts:
     # nothing generates in-process (training/backend.py, FSDP2). LoRA keeps it (the merge for

@@ -5,7 +5,8 @@ bookkeeping that makes N ranks compute the update one process would.
 
 What each rank holds and does (rollout.backend=hf, the in-process mode):
 - the policy's full model (`HFPolicy.model`), used for generation: no collective inside
-  generation, so episodes of different lengths never have to run in lockstep;
+  generation, so episodes of different lengths never have to run in lockstep (rank 0 reads the
+  checkpoint, the others build an `empty_model` and receive it: `broadcast_model`);
 - a sharded copy for the update (`shard_for_training`, built on the meta device and filled from the
   full model, so no second whole copy is ever made: every text decoder layer and vision block
   its own FSDP2 unit, the rest in the root unit; bf16 compute with fp32 reduction on CUDA), whose
@@ -42,6 +43,7 @@ master node (`socket_interface_env`, set by the launch).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import logging
@@ -449,18 +451,39 @@ def on_main(work: Callable[[], T], ranks: Ranks, open_pass: Callable[[], "Weight
 
 
 def broadcast_model(model: torch.nn.Module, ranks: Ranks) -> None:
-    """Rank 0's weights and buffers into every rank's copy of `model`, in place. Every rank first
-    waits at the control group's barrier: rank 0 comes from work it did alone (the warm start, up
-    to hours), and that wait must be on gloo's long timeout, not in an NCCL broadcast whose
-    watchdog aborts the waiting ranks after `COLLECTIVE_TIMEOUT`."""
+    """Rank 0's weights and buffers into every rank's copy of `model`, in place, the buffers no
+    checkpoint holds too (the rotary embeddings' `inv_freq`: an `empty_model` has garbage there).
+    Every rank first waits at the control group's barrier: rank 0 comes from work it did alone
+    (reading the checkpoint, the warm start: up to hours), and that wait must be on gloo's long
+    timeout, not in an NCCL broadcast whose watchdog aborts the waiting ranks after
+    `COLLECTIVE_TIMEOUT`."""
     import torch.distributed as dist
 
     if not ranks.distributed:
         return
     barrier(ranks)
+    sent: set[int] = set()
     with torch.no_grad():
-        for tensor in model.state_dict().values():
-            dist.broadcast(tensor, src=0)
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if id(tensor) not in sent:  # a tied embedding once
+                sent.add(id(tensor))
+                dist.broadcast(tensor.detach(), src=0)
+
+
+def empty_model(path: str, device: torch.device | str) -> torch.nn.Module:
+    """`path`'s network, fp32, its memory allocated on `device` and nothing read but the config:
+    what a rank other than 0 builds while rank 0 reads the checkpoint, for `broadcast_model` to
+    fill. The checkpoint is read once per run instead of once per rank (at 7B, 8 ranks on a node
+    held 8 x 30.9 GiB of host memory while loading, and read the checkpoint 8 times)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText, GenerationConfig
+
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
+    model.to_empty(device=device)
+    model.tie_weights()  # to_empty keeps the tie; said again so no version of either library can lose it
+    with contextlib.suppress(OSError):  # the checkpoint's, as from_pretrained sets it (some have none)
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    return model
 
 
 def close_process_group(ranks: Ranks) -> None:

@@ -96,6 +96,27 @@ def test_every_decoder_layer_and_vision_block_is_a_unit(tiny_model):
         distributed.shard_units(torch.nn.Linear(2, 2))
 
 
+def test_the_checkpoint_is_read_once_per_run_and_every_rank_holds_it_whole(tiny_qwen2vl, tmp_path):
+    """Rank 0 reads the policy's and the KL reference's weights; rank 1 builds the network with
+    nothing read and receives them, the buffers no checkpoint holds too (the rotary embeddings'
+    inv_freq, garbage after allocation) and the tied embedding once. Before, every rank read the
+    checkpoint (at 7B, 8 x 30.9 GiB of host memory on a node while loading)."""
+    from transformers import AutoModelForImageTextToText
+
+    from tests.training.load_once_ranks import digest
+
+    here = Path(__file__).resolve().parent
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                           str(here / "load_once_ranks.py"), str(tmp_path), "configs/smoke.yaml", f"model.path={tiny_qwen2vl}",
+                           f"out_dir={tmp_path}", "name=once", "algo.kl_coef=0.05", "logging.progress=false"],
+                          capture_output=True, text=True, timeout=600, cwd=here.parents[1])
+    assert done.returncode == 0, done.stderr[-4000:]
+    zero, one = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert zero["reads"] == [str(tiny_qwen2vl)] * 2 and one["reads"] == [], (zero["reads"], one["reads"])
+    assert zero["policy"] == one["policy"] and zero["reference"] == one["reference"]
+    assert one["reference"] == digest(AutoModelForImageTextToText.from_pretrained(tiny_qwen2vl).eval())
+
+
 # -- real runs -----------------------------------------------------------------------------------
 def _train(out: Path, model: Path, name: str, nproc: int, *extra: str) -> Path:
     _run(["train", "--config", "configs/smoke.yaml", f"--nproc-per-node={nproc}", f"model.path={model}",
