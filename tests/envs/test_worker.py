@@ -81,6 +81,40 @@ def test_our_own_interpreter_keeps_the_spawn_path():
         worker.close()
 
 
+def test_a_worker_closed_while_an_episode_restarts_it_stays_closed():
+    """An episode's thread restarts a worker whose pipe broke while the trainer's thread closes the
+    pool (a batch playing ahead at a run's end). The close waits for the restart, then closes the
+    worker the restart started: no process outlives the close. Before, the close ran between the
+    restart's kill and its start, and the new worker process was left behind (or the close joined
+    a process not yet started: "can only join a started process")."""
+    import threading
+
+    worker = EnvWorker({}, timeout_s=30)
+    killed, real_kill, errors = threading.Event(), worker.kill, []
+
+    def slow_first_kill() -> None:  # the window between the restart's kill and its start
+        real_kill()
+        if not killed.is_set():
+            killed.set()
+            time.sleep(1.0)
+
+    worker.kill = slow_first_kill
+
+    def restart() -> None:
+        try:
+            worker.restart()
+        except Exception as exc:  # noqa: BLE001 (the test reports it)
+            errors.append(exc)
+
+    episode = threading.Thread(target=restart)
+    episode.start()
+    assert killed.wait(10)
+    worker.close()
+    episode.join(30)
+    assert not episode.is_alive() and errors == []
+    assert worker.restarts == 1 and not worker.process.is_alive(), "a worker process outlived the close"
+
+
 # ---- plug-ins ----------------------------------------------------------------------------------
 
 PLUGIN = "tests.plugins.example_plugin"
