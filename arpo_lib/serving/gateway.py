@@ -80,6 +80,50 @@ def reachable_url(url: str, host: str) -> str:
     return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
 
 
+class Forward(BaseHTTPRequestHandler):
+    """A gateway's answer to one request: passed on to its server (`self.server.gateway`) when it
+    asks for `/v1/...` with the key, refused otherwise."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self):  # noqa: N802
+        self._forward()
+
+    def do_POST(self):  # noqa: N802
+        self._forward()
+
+    def _forward(self) -> None:
+        gateway = self.server.gateway
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if not self.path.startswith(FORWARDED_PREFIX):
+            return self._answer(404, {"error": {"message": f"{self.path} is not forwarded"}})
+        scheme, _, sent = (self.headers.get("Authorization") or "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(hashlib.sha256(sent.encode()).digest(),
+                                                                    gateway.key_digest):
+            return self._answer(401, {"error": {"message": "Unauthorized"}})
+        headers = {k: v for k in ("Content-Type", "Authorization") if (v := self.headers.get(k))}
+        request = urllib.request.Request(gateway.upstream + self.path, method=self.command, headers=headers,
+                                         data=body if self.command == "POST" else None)
+        try:
+            with urllib.request.urlopen(request, timeout=gateway.timeout_s) as resp:
+                self._answer(resp.status, resp.read(), resp.headers.get("Content-Type"))
+        except urllib.error.HTTPError as exc:  # the server's own answer (a 400, a 503) goes back as it is
+            self._answer(exc.code, exc.read(), exc.headers.get("Content-Type"))
+        except OSError as exc:
+            self._answer(502, {"error": {"message": f"the server behind the gateway: {exc}"}})
+
+    def _answer(self, status: int, payload: bytes | dict, content_type: str | None = None) -> None:
+        raw = json.dumps(payload).encode() if isinstance(payload, dict) else payload
+        self.send_response(status)
+        self.send_header("Content-Type", content_type or "application/json")
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
 class Gateway:
     """An HTTP listener on `host` that forwards `/v1/...` requests bearing `api_key` to the server
     at `upstream` (its root URL, e.g. http://127.0.0.1:8000) and answers 404 to any other path.
@@ -100,49 +144,8 @@ class Gateway:
                               "set serve.api_key_env (the NAME of a variable holding one) for a run over several nodes")
         if weak := weak_key_reason(api_key, host):
             raise ServerError(weak)
-        self.upstream = upstream.rstrip("/")
-        token = hashlib.sha256(api_key.encode()).digest()
-        gateway = self
-
-        class Forward(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def do_GET(self):  # noqa: N802
-                self._forward()
-
-            def do_POST(self):  # noqa: N802
-                self._forward()
-
-            def _forward(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                if not self.path.startswith(FORWARDED_PREFIX):
-                    return self._answer(404, {"error": {"message": f"{self.path} is not forwarded"}})
-                scheme, _, sent = (self.headers.get("Authorization") or "").partition(" ")
-                if scheme.lower() != "bearer" or not secrets.compare_digest(hashlib.sha256(sent.encode()).digest(),
-                                                                            token):
-                    return self._answer(401, {"error": {"message": "Unauthorized"}})
-                headers = {k: v for k in ("Content-Type", "Authorization") if (v := self.headers.get(k))}
-                request = urllib.request.Request(gateway.upstream + self.path, method=self.command, headers=headers,
-                                                 data=body if self.command == "POST" else None)
-                try:
-                    with urllib.request.urlopen(request, timeout=timeout_s) as resp:
-                        self._answer(resp.status, resp.read(), resp.headers.get("Content-Type"))
-                except urllib.error.HTTPError as exc:  # the server's own answer (a 400, a 503) goes back as it is
-                    self._answer(exc.code, exc.read(), exc.headers.get("Content-Type"))
-                except OSError as exc:
-                    self._answer(502, {"error": {"message": f"the server behind the gateway: {exc}"}})
-
-            def _answer(self, status: int, payload: bytes | dict, content_type: str | None = None) -> None:
-                raw = json.dumps(payload).encode() if isinstance(payload, dict) else payload
-                self.send_response(status)
-                self.send_header("Content-Type", content_type or "application/json")
-                self.send_header("Content-Length", str(len(raw)))
-                self.end_headers()
-                self.wfile.write(raw)
-
-            def log_message(self, *args) -> None:
-                pass
-
+        self.upstream, self.timeout_s = upstream.rstrip("/"), timeout_s
+        self.key_digest = hashlib.sha256(api_key.encode()).digest()
         try:
             family, _, _, _, (address, *_) = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
             if is_loopback(address):  # e.g. a host name that /etc/hosts maps to 127.0.1.1 here
@@ -152,7 +155,7 @@ class Gateway:
                 # the other nodes resolve this node's name to its network address: listen there too
                 address = "::" if family == socket.AF_INET6 else "0.0.0.0"
             server_class = type("GatewayServer", (ThreadingHTTPServer,), {"address_family": family,
-                                                                          "daemon_threads": True})
+                                                                          "daemon_threads": True, "gateway": self})
             self._server = server_class((address, port), Forward)
         except OSError as exc:
             raise ServerError(f"could not listen on {host}:{port} for the other nodes ({exc}): set "

@@ -1,20 +1,9 @@
 """Pushing a trainer's updated weights to the servers that generate its rollouts.
 
-Three ways, chosen with `rollout.weight_sync` (see docs/serving.md for the measured trade-offs):
-
-- `stream`: vLLM's weight-transfer lifecycle with our engine `arpo_stream` (see
-  `vllm_ext/arpo_vllm_ext.py`): the trainer broadcasts one tensor at a time, in the server's
-  dtype, to every replica at once over a process group of its own (gloo on the CPU, NCCL on
-  GPUs); nothing touches the disk and no full state dict is built. Needs `serve.weight_sync=true`
-  and servers that can reach this machine's `rollout.stream_host`.
-- `reload`: the weights are saved as a model directory; the running vLLM server (started with
-  `serve.weight_sync=true`: dev endpoints and our worker extension `arpo_vllm_ext`) pauses,
-  reloads them in place, drops every cache that holds results of the old weights (prefix KV,
-  encoder outputs, multimodal inputs) and resumes. No restart, no re-compilation; the server keeps
-  its KV memory. The server must be able to read the directory (same machine or shared storage).
-- `restart`: stop the server and start a new one on the saved directory. Works with any backend
-  (our `hf` server, a vLLM without dev mode), costs a full start-up per update (vLLM: ~30-60 s on
-  CPU, minutes for a 7B model on GPU with compilation).
+Three ways, chosen with `rollout.weight_sync` (`SYNC_MODES`; docs/serving.md has the measured
+trade-offs): `StreamSync` broadcasts the tensors, `ReloadSync` has the running servers read a saved
+model directory in place, `RestartSync` starts new servers on it. What a push asks of vLLM's
+servers (pause, reset the caches, resume, an update, an RPC to every worker) is `ControlPlane`'s.
 
 After `stream` and `reload` every server confirms what it loaded: the version (stream) and a
 checksum of the tensors it received or read, compared with the trainer's own; a mismatch raises
@@ -64,29 +53,83 @@ class WeightSyncError(RuntimeError):
     """A server did not confirm the weights the trainer pushed."""
 
 
+class ControlPlane:
+    """What every weight sync asks of the vLLM servers at `urls` (their development endpoints), one
+    server after another in URL order. `timeout_s`: how long a call that waits on the servers' work
+    (a pause, a load) may take; the quick ones get a minute and retries."""
+
+    def __init__(self, urls: Sequence[str], timeout_s: float = 600.0):
+        self.roots, self.timeout_s = [_root(u) for u in urls], timeout_s
+
+    def each(self) -> list[tuple[str, ControlPlane]]:
+        """(root, that server's own control plane): to act on a server's answer before asking the next."""
+        return [(root, ControlPlane([root], self.timeout_s)) for root in self.roots]
+
+    def post(self, path: str, body: Any = None, *, timeout_s: float | None = None, retries: int = 0) -> list[Any]:
+        return [post_json(root + path, body, timeout_s=timeout_s or self.timeout_s, retries=retries)
+                for root in self.roots]
+
+    def get(self, path: str) -> list[Any]:
+        answers = []
+        for root in self.roots:
+            with urllib.request.urlopen(root + path, timeout=30) as resp:
+                answers.append(json.loads(resp.read() or b"null"))
+        return answers
+
+    def rpc(self, method: str) -> list[list[Any]]:
+        """Each server's answers to `method` of our worker extension, one per worker."""
+        answers = self.post("/collective_rpc", {"method": method}, timeout_s=60, retries=1)
+        return [(a or {}).get("results", []) for a in answers]
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Requests in flight finish first and new ones wait; once the weights have changed no answer
+        comes from a cache the old ones filled (encoder outputs, multimodal inputs, prefix KV); the
+        servers resume even after a failure."""
+        self.post("/pause?mode=wait")
+        try:
+            yield
+            for cache in ("/reset_encoder_cache", "/reset_mm_cache", "/reset_prefix_cache"):
+                self.post(cache, timeout_s=60, retries=1)
+        finally:
+            self.post("/resume", timeout_s=60, retries=2)
+
+    @contextlib.contextmanager
+    def updating(self, version: int) -> Iterator[None]:
+        """vLLM's weight-transfer update, begun and (unless it failed) finished as weight version `version`."""
+        self.post("/start_weight_update")
+        yield
+        self.post("/finish_weight_update", {"weight_version": str(version)})
+
+    @contextlib.contextmanager
+    def posting(self, path: str, bodies: Sequence[Any]) -> Iterator[None]:
+        """POST `bodies` (one per server) to every server at once: they answer once the block has
+        joined them in a collective; the first failure is raised after it."""
+        with ThreadPoolExecutor(max_workers=len(self.roots), thread_name_prefix="arpo-stream") as pool:
+            jobs = [pool.submit(post_json, root + path, body, timeout_s=self.timeout_s, retries=0)
+                    for root, body in zip(self.roots, bodies)]
+            yield
+            for job in jobs:
+                job.result()
+
+
 def reload_weights(server_url: str, model_dir: str | Path, *, timeout_s: float = 600.0,
                    expect: str | None = None) -> dict[str, Any]:
     """Make a running vLLM server (weight_sync enabled) serve the weights in `model_dir`.
 
-    Requests in flight finish first (`/pause?mode=wait`); afterwards no answer can come from a
+    Requests in flight finish first (`ControlPlane.paused`); afterwards no answer can come from a
     cache filled by the old weights. Returns timings and what the extension reported. `expect`:
     the checksum of the directory's tensors (`digest_of_directory`); every worker must report it."""
-    root = _root(server_url)
+    server = ControlPlane([server_url], timeout_s)
     t0 = time.monotonic()
-    post_json(root + "/pause?mode=wait", None, timeout_s=timeout_s, retries=0)
-    try:
-        result = post_json(root + "/collective_rpc", {"method": "arpo_reload_weights",
-                                                      "kwargs": {"weights_path": str(Path(model_dir).resolve())}},
-                           timeout_s=timeout_s, retries=0)
-        for cache in ("/reset_encoder_cache", "/reset_mm_cache", "/reset_prefix_cache"):
-            post_json(root + cache, None, timeout_s=60, retries=1)
-    finally:
-        post_json(root + "/resume", None, timeout_s=60, retries=2)
+    with server.paused():
+        [result] = server.post("/collective_rpc", {"method": "arpo_reload_weights",
+                                                   "kwargs": {"weights_path": str(Path(model_dir).resolve())}})
     if expect is not None:
         reported = [r.get("checksum") if isinstance(r, dict) else None for r in (result or {}).get("results", [None])]
         if not reported or any(c != expect for c in reported):
-            raise WeightSyncError(f"the server at {root} read weights with checksum(s) {reported} from {model_dir}, "
-                                  f"not the {expect} the trainer saved there")
+            raise WeightSyncError(f"the server at {server.roots[0]} read weights with checksum(s) {reported} from "
+                                  f"{model_dir}, not the {expect} the trainer saved there")
     return {"seconds": time.monotonic() - t0, "result": result}
 
 
@@ -107,26 +150,21 @@ class WeightStream:
                  timeout_s: float = 1800.0):
         from arpo_lib.serving.launch import free_port
 
-        self.roots = [_root(u) for u in urls]
-        self.backend, self.timeout_s = backend, timeout_s
+        self.servers = ControlPlane(urls, timeout_s)
+        self.roots, self.backend = self.servers.roots, backend
         if backend == "nccl":  # before any group: NCCL aborts (not raises) on a version mismatch
             check_same_nccl(self.roots, runtime_versions())
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self.served_dtype = served_dtype(self.roots)
-        sizes = [int((_get_json(root + "/get_world_size?include_dp=true") or {}).get("world_size", 1))
-                 for root in self.roots]
+        sizes = [int((a or {}).get("world_size", 1)) for a in self.servers.get("/get_world_size?include_dp=true")]
         offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
         world, port = 1 + sum(sizes), free_port(host)
-        with ThreadPoolExecutor(max_workers=len(self.roots), thread_name_prefix="arpo-stream") as pool:
-            jobs = [pool.submit(post_json, root + "/init_weight_transfer_engine",
-                                {"init_info": {"master_address": host, "master_port": port, "rank_offset": offset,
-                                               "world_size": world, "backend": backend, "timeout_s": timeout_s}},
-                                timeout_s=timeout_s, retries=0)
-                    for root, offset in zip(self.roots, offsets)]
+        bodies = [{"init_info": {"master_address": host, "master_port": port, "rank_offset": offset,
+                                 "world_size": world, "backend": backend, "timeout_s": timeout_s}}
+                  for offset in offsets]
+        with self.servers.posting("/init_weight_transfer_engine", bodies):
             self.group = open_group(master_address=host, master_port=port, rank=0, world_size=world,
                                     backend=backend, timeout_s=timeout_s)
-            for job in jobs:
-                job.result()
 
     def push(self, params: Sequence[tuple[str, torch.Tensor]], version: int,
              dtype: torch.dtype | None = None) -> dict[str, Any]:
@@ -139,42 +177,26 @@ class WeightStream:
         info = {"names": [n for n, _ in params], "dtype_names": [str(d).removeprefix("torch.") for d in wire],
                 "shapes": [list(p.shape) for _, p in params], "version": int(version)}
         digest = WeightsDigest()
-        self._each("/pause?mode=wait", None)
-        try:
-            self._each("/start_weight_update", None)
-            with ThreadPoolExecutor(max_workers=len(self.roots), thread_name_prefix="arpo-stream") as pool:
-                jobs = [pool.submit(post_json, root + "/update_weights", {"update_info": info},
-                                    timeout_s=self.timeout_s, retries=0) for root in self.roots]
-                # the next tensor is gathered, cast, checksummed on its device and copied while this one is sent
-                for _, full in full_tensors(params, self.device, wire, on_gathered=digest.add):
-                    broadcast(self.group, full)
-                    del full
-                for job in jobs:
-                    job.result()
-            self._each("/finish_weight_update", {"weight_version": str(version)})
-            for cache in ("/reset_encoder_cache", "/reset_mm_cache", "/reset_prefix_cache"):
-                self._each(cache, None)
-        finally:
-            self._each("/resume", None, retries=2)
+        with (self.servers.paused(), self.servers.updating(version),
+              self.servers.posting("/update_weights", [{"update_info": info}] * len(self.roots))):
+            # the next tensor is gathered, cast, checksummed on its device and copied while this one is sent
+            for _, full in full_tensors(params, self.device, wire, on_gathered=digest.add):
+                broadcast(self.group, full)
+                del full
         expected = digest.hexdigest()
-        for root in self.roots:
-            states = (post_json(root + "/collective_rpc", {"method": "arpo_weight_state"}, timeout_s=60,
-                                retries=1) or {}).get("results", [])
-            served = (_get_json(root + "/weight_info") or {}).get("weight_version")
+        for root, server in self.servers.each():
+            [states] = server.rpc("arpo_weight_state")
+            served = (server.get("/weight_info")[0] or {}).get("weight_version")
             bad = [s for s in states if s.get("version") != int(version) or s.get("checksum") != expected]
             if not states or bad or served != str(version):
                 raise WeightSyncError(f"the server at {root} did not confirm weight version {version}: its workers "
                                       f"report {states}, /weight_info {served!r}; expected checksum {expected}")
         return {"seconds": time.monotonic() - t0, "tensors": digest.count, "checksum": expected}
 
-    def _each(self, path: str, body: Any, retries: int = 0) -> None:
-        for root in self.roots:
-            post_json(root + path, body, timeout_s=self.timeout_s, retries=retries)
-
     def close(self) -> None:
-        for root in self.roots:
+        for root, server in self.servers.each():
             try:
-                post_json(root + "/shutdown_weight_transfer_engine", None, timeout_s=30, retries=0)
+                server.post("/shutdown_weight_transfer_engine", timeout_s=30)
             except Exception as exc:  # the server may be gone already
                 log.debug("shutting down the weight stream of %s: %s", root, exc)
         self.group = None
@@ -185,16 +207,12 @@ def served_dtype(roots: Sequence[str]) -> torch.dtype | None:
     push sends its tensors in: fp32 master weights would otherwise travel at twice the bytes, to
     be cast on arrival. None when a server does not say (its weights then travel as they are);
     servers that disagree are refused (one broadcast carries one dtype to all)."""
-    found: set[str] = set()
-    for root in map(_root, roots):
-        try:
-            reports = (post_json(root + "/collective_rpc", {"method": "arpo_serving_dtype"}, timeout_s=60,
-                                 retries=1) or {}).get("results", [])
-        except Exception as exc:  # a server without the method: send as they are
-            log.warning("the server at %s did not say its weights' dtype (%s): the push sends them as they are",
-                        root, exc)
-            return None
-        found.update(r for r in reports if isinstance(r, str))
+    try:
+        reports = ControlPlane(roots).rpc("arpo_serving_dtype")
+    except Exception as exc:  # a server without the method: send as they are
+        log.warning("a server did not say its weights' dtype (%s): the push sends them as they are", exc)
+        return None
+    found = {r for answers in reports for r in answers if isinstance(r, str)}
     if len(found) > 1:
         raise WeightSyncError(f"the servers hold their weights in different dtypes ({', '.join(sorted(found))}): "
                               "one weight stream carries one dtype; start them with the same serve.dtype")
@@ -206,9 +224,8 @@ def check_same_nccl(roots: Sequence[str], ours: dict[str, Any]) -> None:
     """Raise WeightSyncError unless every worker of the servers at `roots` links the NCCL that
     `ours` (this process's `runtime_versions()`) names: the trainer's torch and vLLM's torch live in
     different environments, and NCCL aborts a group whose members' versions differ."""
-    for root in map(_root, roots):
-        reports = (post_json(root + "/collective_rpc", {"method": "arpo_runtime_versions"}, timeout_s=60,
-                             retries=1) or {}).get("results", [])
+    for root, server in ControlPlane(roots).each():
+        [reports] = server.rpc("arpo_runtime_versions")
         theirs = [r if isinstance(r, dict) else {} for r in reports] or [{}]
         if ours.get("nccl") is None or any(r.get("nccl") != ours["nccl"] for r in theirs):
             described = ", ".join(f"torch {r.get('torch', '?')} with NCCL {r.get('nccl') or 'none'}" for r in theirs)
@@ -217,12 +234,6 @@ def check_same_nccl(roots: Sequence[str], ours: dict[str, Any]) -> None:
                 f"{ours.get('torch')} with NCCL {ours.get('nccl') or 'none'}, the server at {root} has {described}. "
                 "Install the same torch build (hence the same NCCL) in the trainer's and vLLM's environments, or "
                 "send the weights another way: rollout.stream_backend=gloo, or rollout.weight_sync=reload")
-
-
-def _get_json(url: str, timeout_s: float = 30.0) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-        raw = resp.read()
-    return json.loads(raw) if raw else None
 
 
 def save_for_server(save: Callable[[Path], Any], directory: Path) -> Path:
@@ -243,9 +254,6 @@ def save_for_server(save: Callable[[Path], Any], directory: Path) -> Path:
     if old.exists():
         shutil.rmtree(old)
     return directory
-
-
-SYNC_MODES = ("none", "stream", "reload", "restart")
 
 
 class VersionLock:
@@ -354,7 +362,7 @@ class ServedPolicy:
                  wire_dtype: torch.dtype | None = None, stream_host: str = "127.0.0.1", stream_backend: str = "gloo",
                  announce_host: str | None = None, api_key: str | None = None):
         if sync not in SYNC_MODES:
-            raise ValueError(f"sync must be one of {SYNC_MODES}, not {sync!r}")
+            raise ValueError(f"sync must be one of {tuple(SYNC_MODES)}, not {sync!r}")
         if url is None and start is None:
             raise ValueError("ServedPolicy needs a server url or a way to start one")
         if sync == "restart" and start is None:
@@ -370,7 +378,7 @@ class ServedPolicy:
         if replicas < 1 or (urls is not None and replicas != 1):
             raise ValueError(f"replicas must be >= 1 (and 1 for servers given by url: their number is the "
                              f"urls'), not {replicas}")
-        self._connect, self._save, self.sync = connect, save_weights, sync
+        self._connect, self.save_weights, self.sync = connect, save_weights, sync
         self._urls, self._start, self._initial_model = urls, start, initial_model
         self.replicas = len(urls) if urls is not None else replicas
         self.servers: list[Any] = []
@@ -380,9 +388,9 @@ class ServedPolicy:
         self.served_version: int | None = None
         """The trainer's weight version the servers generate with; None = unknown (someone else's server)."""
         self.seconds_sync = 0.0
-        self._weights, self._wire_dtype = weights, wire_dtype
-        self._stream_host, self._stream_backend = stream_host, stream_backend
-        self._stream: WeightStream | None = None
+        self.weights, self.wire_dtype = weights, wire_dtype
+        self.stream_host, self.stream_backend = stream_host, stream_backend
+        self._sync_mode = SYNC_MODES[sync](self) if SYNC_MODES[sync] else None
         self.last_push: dict[str, Any] = {}
         """What the last push reported (seconds, and the checksum the servers confirmed)."""
         self._announce_host, self._api_key = announce_host, api_key
@@ -426,16 +434,18 @@ class ServedPolicy:
         """The client policy, its servers holding weight version `version` (unless sync is none)."""
         if self.client is None:
             if self._urls is None:  # our own servers, started on the weights we hold now
-                self._start_all(self._save() if self.sync != "none" else self._initial_model)
+                self._start_all(self.save_weights() if self.sync != "none" else self._initial_model)
                 self.served_version = version
             else:  # someone else's servers: what they hold is unknown, so they get our weights first
                 self.client = connect_all(self._connect, self._urls)
             if self.sync == "none" and version > 0:
                 log.warning("rollout.weight_sync=none, so the server does not have the weights of the warm "
                             "start or of the updates: rollouts are off-policy")
-        if self.served_version != version and self.sync != "none":
+        if self.served_version != version and self._sync_mode is not None:
             with self.version_lock.push():  # after the requests in flight; new ones wait for it
-                self._push(version)
+                t0 = time.monotonic()
+                self.last_push, self.served_version = self._sync_mode.push(version), version
+                self.seconds_sync += time.monotonic() - t0
         return self.client
 
     def passes_over_weights(self, version: int) -> bool:
@@ -460,30 +470,15 @@ class ServedPolicy:
             server.stop()
         self.servers = []
 
-    def _push(self, version: int) -> None:
-        t0 = time.monotonic()
-        if self.sync == "stream":
-            urls = [_root(u) for u in self.client.base_urls]
-            if self._stream is None or self._stream.roots != urls:
-                self._stream = WeightStream(urls, host=self._stream_host, backend=self._stream_backend)
-            self.last_push = self._stream.push(list(self._weights()), version, self._wire_dtype)
-        elif self.sync == "reload":
-            model_dir = self._save()
-            expect = digest_of_directory(model_dir)["checksum"]
-            with ThreadPoolExecutor(max_workers=len(self.client.base_urls), thread_name_prefix="arpo-sync") as pool:
-                list(pool.map(lambda url: reload_weights(url, model_dir, expect=expect), self.client.base_urls))
-            self.last_push = {"checksum": expect}
-        else:  # restart
-            model_dir = self._save()
-            for counter in _COUNTERS:  # totals over the run
-                self._carried[counter] += getattr(self.client, counter)
-            for i, requests in enumerate(_requests_by_replica(self.client)):
-                self._carried_by_replica[i] += requests
-            self.client.close()
-            self._stop_all()
-            self._start_all(model_dir)
-        self.served_version = version
-        self.seconds_sync += time.monotonic() - t0
+    def restart(self, model_dir: str) -> None:
+        """Replace the servers by new ones on `model_dir`; what the old clients counted stays in the run's totals."""
+        for counter in _COUNTERS:
+            self._carried[counter] += getattr(self.client, counter)
+        for i, requests in enumerate(_requests_by_replica(self.client)):
+            self._carried_by_replica[i] += requests
+        self.client.close()
+        self._stop_all()
+        self._start_all(model_dir)
 
     def metrics(self) -> dict[str, Any]:
         if self.client is None:
@@ -496,9 +491,8 @@ class ServedPolicy:
         return {**out, "seconds_sync_total": round(self.seconds_sync, 3)}
 
     def close(self) -> None:
-        if self._stream is not None:
-            self._stream.close()
-            self._stream = None
+        if self._sync_mode is not None:
+            self._sync_mode.close()
         for gateway in self._gateways.values():
             gateway.close()
         self._gateways = {}
@@ -507,6 +501,68 @@ class ServedPolicy:
             self.client = None
         self._stop_all()
 
+
+class SyncMode:
+    """How `ServedPolicy` brings its servers to a new weight version (`SYNC_MODES`): `push(version)`
+    returns what they confirmed (`last_push`); `close()` lets go of what the pushes hold open."""
+
+    def __init__(self, served: ServedPolicy):
+        self.served = served
+
+    def push(self, version: int) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class StreamSync(SyncMode):
+    """`stream`: vLLM's weight-transfer lifecycle with our engine `arpo_stream` (see
+    `vllm_ext/arpo_vllm_ext.py`): the trainer broadcasts one tensor at a time, in the server's
+    dtype, to every replica at once over a process group of its own (`WeightStream`: gloo on the
+    CPU, NCCL on GPUs); nothing touches the disk and no full state dict is built. Needs
+    `serve.weight_sync=true` and servers that can reach this machine's `rollout.stream_host`."""
+
+    stream: WeightStream | None = None
+
+    def push(self, version: int) -> dict[str, Any]:
+        served = self.served
+        if self.stream is None:  # its servers stay the same: only a restart replaces them
+            self.stream = WeightStream(served.client.base_urls, host=served.stream_host, backend=served.stream_backend)
+        return self.stream.push(list(served.weights()), version, served.wire_dtype)
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None
+
+
+class ReloadSync(SyncMode):
+    """`reload`: the weights are saved as a model directory, which every running vLLM server
+    (started with `serve.weight_sync=true`: dev endpoints and our worker extension) reloads in
+    place, all at once (`reload_weights`). No restart, no re-compilation; the server keeps its KV
+    memory. The server must be able to read the directory (same machine or shared storage)."""
+
+    def push(self, version: int) -> dict[str, Any]:
+        model_dir, urls = self.served.save_weights(), self.served.client.base_urls
+        expect = digest_of_directory(model_dir)["checksum"]
+        with ThreadPoolExecutor(max_workers=len(urls), thread_name_prefix="arpo-sync") as pool:
+            list(pool.map(lambda url: reload_weights(url, model_dir, expect=expect), urls))
+        return {"checksum": expect}
+
+
+class RestartSync(SyncMode):
+    """`restart`: stop the servers and start new ones on the saved directory. Works with any backend
+    (our `hf` server, a vLLM without dev mode), costs a full start-up per update (vLLM: ~30-60 s on
+    CPU, minutes for a 7B model on GPU with compilation)."""
+
+    def push(self, version: int) -> dict[str, Any]:
+        self.served.restart(self.served.save_weights())
+        return {}
+
+
+SYNC_MODES = {"none": None, "stream": StreamSync, "reload": ReloadSync, "restart": RestartSync}
+"""`rollout.weight_sync` -> how each new version reaches the servers (`none`: it never does)."""
 
 _COUNTERS = ("requests", "prompt_mismatches", "inexact")
 
