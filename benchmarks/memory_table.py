@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from arpo_lib.training.memory_model import Counts, count  # noqa: E402,F401  (Counts: the tests' import)
+from arpo_lib.training.workload import Counts, count  # noqa: E402,F401  (Counts: the tests' import)
 from benchmarks.common import REAL_SHAPES, RESULTS_DIR, meta_model, table  # noqa: E402
 
 GIB = 2 ** 30

@@ -1,82 +1,30 @@
-"""What a model's training step holds in memory, without its weights and without a GPU: the
-machinery `benchmarks/memory_measured.py` measures with and the planner (`arpo_lib/training/plan.py`)
-counts from.
+"""The measured path: what one training step holds in memory, without the model's weights and
+without a GPU, measured through the training code itself (the planner, `training/plan.py`, is the
+model this checks).
 
-- Parameter counts of a Qwen2-VL / Qwen2.5-VL model built on torch's meta device (`count`).
-- The measured path: torch's fake process group (`fake_ranks`: this process is rank 0 of N, the
-  collectives move nothing), every tensor a FakeTensor (`fake_tensors`: shapes and dtypes, no
-  storage), and torch's FSDP2 memory tracker counting what exists, by kind, through one training
-  step of the training code itself (`measure_step`).
-
-Everything here imports torch lazily where it can and reads no file but a model's config.json.
+Torch's fake process group (`fake_ranks`: this process is rank 0 of N, the collectives move
+nothing), every tensor a FakeTensor (`fake_tensors`: shapes and dtypes, no storage), and torch's
+FSDP2 memory tracker counting what exists, by kind, through one training step (`measure_step`).
+`measure`: a config's planned trajectory through it (`./workbench plan --measure`);
+`benchmarks/memory_measured.py` measures with it too. No weights are read: a model's config.json
+and, for `measure`, a tokenizer.
 """
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+import json
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from arpo_lib.training.workload import RESPONSE_TOKENS, cache_dir, cached_shape, default_screen, model_config
+
 GIB = 2 ** 30
 PHASES = ("start-up", "old log-probs", "update", "weight push")
 
-
-# ---- parameter counts -------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Counts:
-    """Parameter counts of a model that decide its update's memory."""
-
-    total: int
-    root: int
-    """Outside every decoder layer and vision block (embeddings, LM head, final norm, merger)."""
-    largest_unit: int
-    """The largest decoder layer or vision block."""
-    text_linear: int
-    """Weights of the language model's Linear layers (stored in bf16 when frozen under LoRA)."""
-    factored: int
-    """Adafactor's state: rows + cols per matrix, the size of every vector parameter."""
-    lora_per_rank: int
-    """LoRA adapter parameters per unit of rank: sum of (in + out) over the target projections."""
-    vision: int = 0
-    """The vision module's parameters (blocks and merger): frozen with `model.freeze_vision_tower`."""
-    frozen_linear: int = 0
-    """Parameters of every nn.Linear but a tied LM head (weights and biases): what LoRA leaves frozen
-    and `lora.cast_frozen_linears` stores in the compute dtype (the language model's projections,
-    the vision tower's, the merger's, an untied LM head)."""
-
-
-def count(model: Any) -> Counts:
-    """Counts of a (meta-device) Qwen2-VL / Qwen2.5-VL model."""
-    from arpo_lib.agent.model.lora import LORA_TARGETS
-    from arpo_lib.training.distributed import shard_units
-
-    units = shard_units(model)
-    in_units = {id(p) for u in units for p in u.parameters()}
-    params = list(model.parameters())
-    text_linear = lora = 0
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and "language_model.layers" in name:
-            text_linear += module.weight.numel()
-            if name.rsplit(".", 1)[-1] in LORA_TARGETS:
-                lora += module.in_features + module.out_features
-    visual = getattr(getattr(model, "model", model), "visual", None)
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    linear = sum(p.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and id(m.weight) not in embeddings
-                 for p in m.parameters(recurse=False))
-    return Counts(frozen_linear=linear,total=sum(p.numel() for p in params),
-                  root=sum(p.numel() for p in params if id(p) not in in_units),
-                  largest_unit=max(sum(p.numel() for p in u.parameters()) for u in units),
-                  text_linear=text_linear,
-                  factored=sum(sum(p.shape[-2:]) if p.dim() >= 2 else p.numel() for p in params),
-                  lora_per_rank=lora,
-                  vision=sum(p.numel() for p in visual.parameters()) if visual is not None else 0)
-
-
-# ---- the measured path ------------------------------------------------------------------------
 
 def screenshot(seed: int, size: tuple[int, int] = (320, 420)) -> Any:
     """Random pixels: a stand-in screenshot (seeded, so runs compare)."""
@@ -289,3 +237,56 @@ def measure_fwd_bwd(model: Any, batch: dict[str, torch.Tensor]) -> float:
         (-logprobs.mean()).backward()
     return tracker_peak(tracker)["Total"]
 
+
+def measure(cfg: Any, gpus: int = 1, screen: tuple[int, int] | None = None, tokenizer_dir: str | None = None,
+            progress: Any = None) -> dict[str, float]:
+    """The update's phases of `cfg` MEASURED without a GPU (FakeTensorMode, torch's fake process
+    group at `gpus` ranks, FSDP2's memory tracker): the trajectory the planner assumes, built by
+    the real chat template and image processor (of `tokenizer_dir`, default the model's own
+    directory, else the local tiny model of its architecture), through the training code. Bytes
+    per phase (old log-probs, update, weight push). Cached in `cache_dir()` by its inputs: a 7B
+    takes ~1.5 min on a CPU, a repeat none. Full fine-tunes only (the measured step does not
+    apply LoRA)."""
+    import hashlib
+
+    from transformers import AutoModelForImageTextToText
+
+    from arpo_lib.agent.hf_policy import HFPolicy, pad_segments
+
+    if cfg.model.lora_rank:
+        raise ValueError("the measured path does not apply LoRA (model.lora_rank): the arithmetic stands alone there")
+    config = model_config(cfg.model.path)
+    shape = cached_shape(cfg.model.path)
+    images = min(cfg.model.history_images, cfg.env.max_steps)
+    response = min(cfg.model.max_new_tokens, RESPONSE_TOKENS)
+    screen = screen or default_screen(cfg)
+    key_text = json.dumps([config.to_json_string(use_diff=False), images, screen, response, gpus,
+                           cfg.train.optimizer, cfg.model.freeze_vision_tower, torch.__version__])
+    file = cache_dir() / f"measured-{hashlib.sha256(key_text.encode()).hexdigest()[:16]}.json"
+    if file.is_file():
+        return json.loads(file.read_text())
+    if tokenizer_dir is None:
+        own = Path(cfg.model.path)
+        variant = "qwen25vl" if shape.model_type == "qwen2_5_vl" else "qwen2vl"
+        tokenizer_dir = str(own if (own / "tokenizer_config.json").is_file() and shape.params < 10 ** 8
+                            else Path(__file__).resolve().parents[2] / "models" / f"tiny-uitars-{variant}")
+    if progress:
+        progress(f"measuring {cfg.model.path} on fake tensors ({images} screenshots, {gpus} rank(s)) ...")
+    policy = HFPolicy(tokenizer_dir, device="cpu")
+    ip = policy.processor.image_processor  # UI-TARS's limits: a 1080p screenshot is not downscaled
+    ip.size = type(ip.size)(shortest_edge=3136, longest_edge=16384 * 28 * 28)
+    policy.resize = (28, 3136, 16384 * 28 * 28)
+    # the special tokens' ids of the tokenizer that makes the trajectory (the tiny model's are not the real one's)
+    for name in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
+        setattr(config, name, getattr(policy.model.config, name))
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config)
+    batch = pad_segments([synthetic_trajectory(policy, images, screen, response)], policy.pad_id, side="right")
+    batch = with_index_tensors(batch, model)
+    batch["suppress_ids"] = policy.suppress_ids
+    result = measure_step(model, batch, gpus, cfg.train.optimizer, cfg.model.freeze_vision_tower)
+    out = {name: result["phases"][name]["Total"] for name in ("old log-probs", "update", "weight push")}
+    out["tokens"], out["patches"] = result["tokens"], result["patches"]
+    file.parent.mkdir(parents=True, exist_ok=True)
+    file.write_text(json.dumps(out) + "\n")
+    return out

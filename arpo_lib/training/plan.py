@@ -26,7 +26,8 @@ plus one layer's recomputed working set and the LM head's chunk of logits. Their
 (update_7b_15shots*.json, update_2b_15shots*.json): the planner reproduces those peaks within 10%
 (tests/training/test_plan.py), and that is all the confidence it claims. It cannot see the
 allocator's fragmentation, kernels' workspaces or the CUDA context: the budget it fits against
-is the card's memory less `RESERVE_BYTES` and `FRAGMENTATION`.
+is the card's memory less `RESERVE_BYTES` and `FRAGMENTATION`. What one step holds, measured
+through the training code on fake tensors, is `training/memory_model.py` (`measure`).
 """
 from __future__ import annotations
 
@@ -34,8 +35,9 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+from arpo_lib.training.memory_model import measure  # noqa: F401 (`plan --measure` checks a plan by it)
 from arpo_lib.training.workload import (  # noqa: F401 (the planner's names, as before)
     ModelShape, model_config, model_shape, cache_dir, cached_shape, screenshot_tokens,
     default_screen, Workload, workload, RESPONSE_TOKENS, TURN_TEXT_TOKENS, PROMPT_TOKENS,
@@ -118,14 +120,15 @@ def _resident(shape: ModelShape, t: Training) -> dict[str, float]:
     """Bytes that stay on a GPU through the whole step: weights and the optimizer's state."""
     n, trained = t.gpus, _trained_params(shape, t)
     if t.lora_rank:  # every frozen Linear in the compute dtype (lora.cast_frozen_linears), the rest and the adapters fp32
-        weights = t.frozen_bytes * shape.frozen_linear + t.weights_bytes * (shape.params - shape.frozen_linear)
+        frozen = shape.counts.frozen_linear
+        weights = t.frozen_bytes * frozen + t.weights_bytes * (shape.params - frozen)
         weights += 4 * trained
     else:
         weights = t.weights_bytes * shape.params
     if t.optimizer == "adamw":
         state = 8 * trained
     elif t.optimizer == "adafactor":  # factored second moments of the trained matrices
-        state = 4 * shape.factored * (trained / shape.params)
+        state = 4 * shape.counts.factored * (trained / shape.params)
     else:  # "none": a forward and backward only (the benchmarks' fwd+bwd)
         state = 0
     parts = {"weights": weights / n, "optimizer state": state / n}
@@ -140,16 +143,17 @@ def _gathered(shape: ModelShape, t: Training, backward: bool) -> dict[str, float
     and fp32 gradients before their reduce-scatter."""
     if t.gpus == 1:
         return {}
-    parts = {"gathered units (bf16)": 2 * (shape.root + 2 * shape.largest_unit)}
+    c = shape.counts
+    parts = {"gathered units (bf16)": 2 * (c.root + 2 * c.largest_unit)}
     if backward and not t.lora_rank:
-        parts["root's unreduced gradients"] = 6 * shape.root
+        parts["root's unreduced gradients"] = 6 * c.root
     return parts
 
 
 def _trained_params(shape: ModelShape, t: Training) -> int:
     if t.lora_rank:
-        return t.lora_rank * shape.lora_per_rank
-    return shape.params - (shape.vision_params if t.freeze_vision else 0)
+        return t.lora_rank * shape.counts.lora_per_rank
+    return shape.params - (shape.counts.vision if t.freeze_vision else 0)
 
 
 def activation_bytes(shape: ModelShape, w: Workload, t: Training, backward: bool = True) -> dict[str, float]:
@@ -278,52 +282,85 @@ def usable(gpu_memory: float) -> float:
 
 # ---- the levers -----------------------------------------------------------------------------------
 
+Candidates = Callable[[Any], list[list[str]]]
+"""A lever's function: a config -> the override sets that apply the lever to it, gentlest first; []
+where it is applied already."""
+
+
 @dataclass(frozen=True)
 class Lever:
     name: str
+    """The overrides it stands for, as a reader would write them (`env.workers=N`)."""
     cost: str
     """What it costs, in speed or in fidelity to ARPO's setting."""
+    candidates: Candidates
 
 
-LEVERS = (
-    Lever("train.micro_batch_size=1 train.token_budget=0", "none: gradient-exact, more micro-batches"),
-    Lever("model.gradient_checkpointing=true", "speed: the forward runs twice (~30% slower update); exact"),
-    Lever("model.activation_offload=true", "speed: each layer's kept input is copied to pinned host memory and "
-          "back over PCIe (estimated ~0.7 s of a ~13 s 7B update at 15 screenshots; not yet timed), "
-          "host memory as the plan says; exact"),
-    Lever("env.workers=N", "speed: fewer episodes live at once (each keeps its KV cache); same episodes, same tokens"),
-    Lever("train.optimizer=adafactor", "fidelity: factored second moments instead of AdamW's"),
-    Lever("model.freeze_vision_tower=true", "fidelity: the vision tower is not trained (ARPO trains it); faster"),
-    Lever("model.lora_rank=16", "fidelity: LoRA adapters on the language model instead of a full fine-tune"),
-    Lever("model.history_images=N", "fidelity: fewer screenshots in the context (ARPO keeps 15)"),
-)
-"""In order of cost: free first, then speed, then fidelity."""
+LEVERS: list[Lever] = []
+"""In the order registered, which is the order of cost: free first, then speed, then fidelity."""
 
 
-def _candidates(cfg: Any, lever: Lever) -> list[list[str]]:
-    """Override sets that apply `lever` to `cfg`, gentlest first; [] when it is already applied."""
-    m, tr, ro = cfg.model, cfg.train, cfg.rollout
-    if lever.name.startswith("train.micro_batch_size"):
-        return [] if tr.micro_batch_size == 1 and not tr.token_budget else [["train.micro_batch_size=1", "train.token_budget=0"]]
-    if lever.name.startswith("model.gradient_checkpointing"):
-        return [] if m.gradient_checkpointing else [["model.gradient_checkpointing=true"]]
-    if lever.name.startswith("model.activation_offload"):
-        return [] if m.activation_offload else [["model.gradient_checkpointing=true", "model.activation_offload=true"]]
-    if lever.name.startswith("env.workers"):
-        if ro.backend != "hf":
-            return []
-        current = min(cfg.env.workers, tr.tasks_per_batch * ro.group_size)
-        sizes = sorted({n for n in (current // 2, current // 4, 2, 1) if 1 <= n < current}, reverse=True)
-        return [[f"env.workers={n}"] for n in sizes]
-    if lever.name.startswith("train.optimizer"):
-        return [] if tr.optimizer == "adafactor" or m.lora_rank else [["train.optimizer=adafactor"]]
-    if lever.name.startswith("model.freeze_vision_tower"):
-        return [] if m.freeze_vision_tower or m.lora_rank else [["model.freeze_vision_tower=true"]]
-    if lever.name.startswith("model.lora_rank"):
-        return [] if m.lora_rank else [["model.lora_rank=16", "train.optimizer=adamw", "model.freeze_vision_tower=false"]]
-    if lever.name.startswith("model.history_images"):
-        return [[f"model.history_images={n}"] for n in (10, 8, 5, 3, 2, 1) if n < m.history_images]
-    return []
+def register_lever(name: str, cost: str) -> Callable[[Candidates], Candidates]:
+    """Registers the decorated function as the lever `name`, tried after those registered before it."""
+    def register(candidates: Candidates) -> Candidates:
+        if any(lever.name == name for lever in LEVERS):
+            raise ValueError(f"a lever {name!r} is registered already")
+        LEVERS.append(Lever(name, cost, candidates))
+        return candidates
+    return register
+
+
+@register_lever("train.micro_batch_size=1 train.token_budget=0", "none: gradient-exact, more micro-batches")
+def one_trajectory_per_micro_batch(cfg: Any) -> list[list[str]]:
+    if cfg.train.micro_batch_size == 1 and not cfg.train.token_budget:
+        return []
+    return [["train.micro_batch_size=1", "train.token_budget=0"]]
+
+
+@register_lever("model.gradient_checkpointing=true", "speed: the forward runs twice (~30% slower update); exact")
+def gradient_checkpointing(cfg: Any) -> list[list[str]]:
+    return [] if cfg.model.gradient_checkpointing else [["model.gradient_checkpointing=true"]]
+
+
+@register_lever("model.activation_offload=true",
+                "speed: each layer's kept input is copied to pinned host memory and back over PCIe (estimated "
+                "~0.7 s of a ~13 s 7B update at 15 screenshots; not yet timed), host memory as the plan says; exact")
+def activation_offload(cfg: Any) -> list[list[str]]:
+    if cfg.model.activation_offload:
+        return []
+    return [["model.gradient_checkpointing=true", "model.activation_offload=true"]]
+
+
+@register_lever("env.workers=N",
+                "speed: fewer episodes live at once (each keeps its KV cache); same episodes, same tokens")
+def fewer_workers(cfg: Any) -> list[list[str]]:
+    if cfg.rollout.backend != "hf":
+        return []
+    current = min(cfg.env.workers, cfg.train.tasks_per_batch * cfg.rollout.group_size)
+    sizes = sorted({n for n in (current // 2, current // 4, 2, 1) if 1 <= n < current}, reverse=True)
+    return [[f"env.workers={n}"] for n in sizes]
+
+
+@register_lever("train.optimizer=adafactor", "fidelity: factored second moments instead of AdamW's")
+def adafactor(cfg: Any) -> list[list[str]]:
+    return [] if cfg.train.optimizer == "adafactor" or cfg.model.lora_rank else [["train.optimizer=adafactor"]]
+
+
+@register_lever("model.freeze_vision_tower=true", "fidelity: the vision tower is not trained (ARPO trains it); faster")
+def freeze_vision_tower(cfg: Any) -> list[list[str]]:
+    return [] if cfg.model.freeze_vision_tower or cfg.model.lora_rank else [["model.freeze_vision_tower=true"]]
+
+
+@register_lever("model.lora_rank=16", "fidelity: LoRA adapters on the language model instead of a full fine-tune")
+def lora(cfg: Any) -> list[list[str]]:
+    if cfg.model.lora_rank:
+        return []
+    return [["model.lora_rank=16", "train.optimizer=adamw", "model.freeze_vision_tower=false"]]
+
+
+@register_lever("model.history_images=N", "fidelity: fewer screenshots in the context (ARPO keeps 15)")
+def fewer_screenshots(cfg: Any) -> list[list[str]]:
+    return [[f"model.history_images={n}"] for n in (10, 8, 5, 3, 2, 1) if n < cfg.model.history_images]
 
 
 @dataclass
@@ -428,7 +465,7 @@ def plan(cfg: Any, gpu_memory: float, gpus: int | None = None, screen: tuple[int
     peak = first.peak.total
     while peak > usable(gpu_memory):
         for lever in LEVERS:
-            for candidate in _candidates(current, lever):
+            for candidate in lever.candidates(current):
                 trial = config_from_dict(_with_overrides(current, candidate))
                 after = max(p.total for p in evaluate(trial))
                 if after < peak * 0.995:
@@ -536,64 +573,6 @@ def require_fit(cfg: Any, gpu_memory: float | None = None) -> Plan | None:
         raise DoesNotFit(f"{result.report()}\n\n(`./workbench plan --config ... --write FILE` writes the config "
                          "with these levers applied)")
     return result
-
-
-# ---- the measured path ------------------------------------------------------------------------------
-
-def measure(cfg: Any, gpus: int = 1, screen: tuple[int, int] | None = None, tokenizer_dir: str | None = None,
-            progress: Any = None) -> dict[str, float]:
-    """The update's phases of `cfg` MEASURED without a GPU (arpo_lib/training/memory_model.py:
-    FakeTensorMode, torch's fake process group at `gpus` ranks, FSDP2's memory tracker): the
-    trajectory the planner assumes, built by the real chat template and image processor (of
-    `tokenizer_dir`, default the model's own directory, else the local tiny model of its
-    architecture), through the training code. Bytes per phase (old log-probs, update, weight
-    push). Cached in `cache_dir()` by its inputs: a 7B takes ~1.5 min on a CPU, a repeat none.
-    Full fine-tunes only (the measured step does not apply LoRA)."""
-    import hashlib
-
-    import torch
-    from transformers import AutoModelForImageTextToText
-
-    from arpo_lib.agent.hf_policy import HFPolicy, pad_segments
-    from arpo_lib.training.memory_model import measure_step, synthetic_trajectory, with_index_tensors
-
-    if cfg.model.lora_rank:
-        raise ValueError("the measured path does not apply LoRA (model.lora_rank): the arithmetic stands alone there")
-    config = model_config(cfg.model.path)
-    shape = cached_shape(cfg.model.path)
-    images = min(cfg.model.history_images, cfg.env.max_steps)
-    response = min(cfg.model.max_new_tokens, RESPONSE_TOKENS)
-    screen = screen or default_screen(cfg)
-    key_text = json.dumps([config.to_json_string(use_diff=False), images, screen, response, gpus,
-                           cfg.train.optimizer, cfg.model.freeze_vision_tower, torch.__version__])
-    file = cache_dir() / f"measured-{hashlib.sha256(key_text.encode()).hexdigest()[:16]}.json"
-    if file.is_file():
-        return json.loads(file.read_text())
-    if tokenizer_dir is None:
-        own = Path(cfg.model.path)
-        variant = "qwen25vl" if shape.model_type == "qwen2_5_vl" else "qwen2vl"
-        tokenizer_dir = str(own if (own / "tokenizer_config.json").is_file() and shape.params < 10 ** 8
-                            else Path(__file__).resolve().parents[2] / "models" / f"tiny-uitars-{variant}")
-    if progress:
-        progress(f"measuring {cfg.model.path} on fake tensors ({images} screenshots, {gpus} rank(s)) ...")
-    policy = HFPolicy(tokenizer_dir, device="cpu")
-    ip = policy.processor.image_processor  # UI-TARS's limits: a 1080p screenshot is not downscaled
-    ip.size = type(ip.size)(shortest_edge=3136, longest_edge=16384 * 28 * 28)
-    policy.resize = (28, 3136, 16384 * 28 * 28)
-    # the special tokens' ids of the tokenizer that makes the trajectory (the tiny model's are not the real one's)
-    for name in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
-        setattr(config, name, getattr(policy.model.config, name))
-    with torch.device("meta"):
-        model = AutoModelForImageTextToText.from_config(config)
-    batch = pad_segments([synthetic_trajectory(policy, images, screen, response)], policy.pad_id, side="right")
-    batch = with_index_tensors(batch, model)
-    batch["suppress_ids"] = policy.suppress_ids
-    result = measure_step(model, batch, gpus, cfg.train.optimizer, cfg.model.freeze_vision_tower)
-    out = {name: result["phases"][name]["Total"] for name in ("old log-probs", "update", "weight push")}
-    out["tokens"], out["patches"] = result["tokens"], result["patches"]
-    file.parent.mkdir(parents=True, exist_ok=True)
-    file.write_text(json.dumps(out) + "\n")
-    return out
 
 
 def save_plan(p: Plan, path: str | Path) -> None:

@@ -1,7 +1,8 @@
-"""What a run asks of a GPU before the arithmetic: the model's shape (`model_shape`, from its
-config.json, or the published values of the models the configs name, cached per path) and the
-workload of one training step (`workload`: sequences, tokens, screenshots and episodes per GPU,
-from the run's config). The planner (`training/plan.py`) counts bytes from these.
+"""What a run asks of a GPU before the arithmetic: the model's shape (`model_shape`: its parameter
+counts, `count`, and its widths, from its config.json or the published values of the models the
+configs name, cached per path) and the workload of one training step (`workload`: sequences,
+tokens, screenshots and episodes per GPU, from the run's config). The planner
+(`training/plan.py`) counts bytes from these.
 """
 from __future__ import annotations
 
@@ -43,26 +44,67 @@ KNOWN_MODELS = {
 # ---- the model and the workload -----------------------------------------------------------------
 
 @dataclass(frozen=True)
+class Counts:
+    """Parameter counts of a model that decide its update's memory."""
+
+    total: int
+    root: int
+    """Outside every decoder layer and vision block (embeddings, LM head, final norm, merger)."""
+    largest_unit: int
+    """The largest decoder layer or vision block."""
+    text_linear: int
+    """Weights of the language model's Linear layers (stored in bf16 when frozen under LoRA)."""
+    factored: int
+    """Adafactor's state: rows + cols per matrix, the size of every vector parameter."""
+    lora_per_rank: int
+    """LoRA adapter parameters per unit of rank: sum of (in + out) over the target projections."""
+    vision: int = 0
+    """The vision module's parameters (blocks and merger): frozen with `model.freeze_vision_tower`."""
+    frozen_linear: int = 0
+    """Parameters of every nn.Linear but a tied LM head (weights and biases): what LoRA leaves frozen
+    and `lora.cast_frozen_linears` stores in the compute dtype (the language model's projections,
+    the vision tower's, the merger's, an untied LM head)."""
+
+
+def count(model: Any) -> Counts:
+    """Counts of a (meta-device) Qwen2-VL / Qwen2.5-VL model."""
+    import torch
+
+    from arpo_lib.agent.model.lora import LORA_TARGETS
+    from arpo_lib.training.distributed import shard_units
+
+    units = shard_units(model)
+    in_units = {id(p) for u in units for p in u.parameters()}
+    params = list(model.parameters())
+    text_linear = lora = 0
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and "language_model.layers" in name:
+            text_linear += module.weight.numel()
+            if name.rsplit(".", 1)[-1] in LORA_TARGETS:
+                lora += module.in_features + module.out_features
+    visual = getattr(getattr(model, "model", model), "visual", None)
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    linear = sum(p.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and id(m.weight) not in embeddings
+                 for p in m.parameters(recurse=False))
+    return Counts(frozen_linear=linear, total=sum(p.numel() for p in params),
+                  root=sum(p.numel() for p in params if id(p) not in in_units),
+                  largest_unit=max(sum(p.numel() for p in u.parameters()) for u in units),
+                  text_linear=text_linear,
+                  factored=sum(sum(p.shape[-2:]) if p.dim() >= 2 else p.numel() for p in params),
+                  lora_per_rank=lora,
+                  vision=sum(p.numel() for p in visual.parameters()) if visual is not None else 0)
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """What of a model decides its memory: parameter counts and the widths activations scale with."""
 
     model_type: str
     """`qwen2_vl` or `qwen2_5_vl`."""
-    params: int
-    vision_params: int
-    text_linear: int
-    """The language model's Linear weights (the projections LoRA adapts)."""
-    frozen_linear: int
-    """Every Linear's parameters but a tied LM head's: kept in the compute dtype when frozen under LoRA."""
-    lora_per_rank: int
-    """LoRA parameters per unit of rank (q/k/v/o/gate/up/down of every decoder layer)."""
-    factored: int
-    """Adafactor's state in elements: rows + columns per matrix."""
+    counts: Counts
     largest_param: int
     """Elements of the largest parameter (the weight push gathers one at a time)."""
     largest_text_linear: int
-    root: int
-    largest_unit: int
     layers: int
     hidden: int
     intermediate: int
@@ -75,6 +117,10 @@ class ModelShape:
     vision_intermediate: int
     patch: int
     merge: int
+
+    @property
+    def params(self) -> int:
+        return self.counts.total
 
 
 def model_config(path: str) -> Any:
@@ -105,23 +151,18 @@ def model_shape(path: str) -> ModelShape:
     import torch
     from transformers import AutoModelForImageTextToText
 
-    from arpo_lib.training.memory_model import count
-
     config = model_config(path)
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(config)
-    c = count(model)
     text, vision = config.get_text_config(), config.vision_config
     embed = getattr(vision, "embed_dim", None) or vision.hidden_size
     heads = text.num_attention_heads
     largest_linear = max((m.weight.numel() for n, m in model.named_modules()
                           if isinstance(m, torch.nn.Linear) and "language_model.layers" in n), default=0)
     return ModelShape(
-        model_type=config.model_type, params=c.total, vision_params=c.vision, text_linear=c.text_linear,
-        frozen_linear=c.frozen_linear,
-        lora_per_rank=c.lora_per_rank, factored=c.factored,
+        model_type=config.model_type, counts=count(model),
         largest_param=max(p.numel() for p in model.parameters()), largest_text_linear=largest_linear,
-        root=c.root, largest_unit=c.largest_unit, layers=text.num_hidden_layers, hidden=text.hidden_size,
+        layers=text.num_hidden_layers, hidden=text.hidden_size,
         intermediate=text.intermediate_size, heads=heads, kv_heads=text.num_key_value_heads,
         head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads, vocab=text.vocab_size,
         vision_depth=vision.depth, vision_embed=embed,
@@ -141,11 +182,13 @@ def cached_shape(path: str) -> ModelShape:
     import hashlib
 
     config = model_config(path)
-    fields = ",".join(f.name for f in dataclasses.fields(ModelShape))  # a new field makes a new key
+    # a new field makes a new key: a file of another layout is never read
+    fields = ",".join(f.name for kind in (ModelShape, Counts) for f in dataclasses.fields(kind))
     key = hashlib.sha256((fields + config.to_json_string(use_diff=False)).encode()).hexdigest()[:16]
     file = cache_dir() / f"shape-{key}.json"
     if file.is_file():
-        return ModelShape(**json.loads(file.read_text()))
+        stored = json.loads(file.read_text())
+        return ModelShape(**{**stored, "counts": Counts(**stored["counts"])})
     shape = model_shape(path)
     file.parent.mkdir(parents=True, exist_ok=True)
     file.write_text(json.dumps(dataclasses.asdict(shape)) + "\n")
