@@ -39,8 +39,7 @@ from arpo_lib.serving.weight_sync import FollowingServed, ServedPolicy, connect_
 from arpo_lib.training import checkpoint as ckpt
 from arpo_lib.training.backend import TrainingBackend, training_backend
 from arpo_lib.training.checkpoint import Checkpointer
-from arpo_lib.training.distributed import (Ranks, barrier, broadcast_model, device_for, empty_model,
-                                           init_process_group)
+from arpo_lib.training.distributed import Ranks, barrier, broadcast_model, device_for, empty_model, init_process_group
 from arpo_lib.training.metrics import RunRecords
 from arpo_lib.training.rollout_source import RolloutSource
 from arpo_lib.training.sft import WarmStart
@@ -426,11 +425,8 @@ def reference_model(cfg: RunConfig, device: torch.device, ranks: Ranks) -> Any:
     and broadcast to the others."""
     from transformers import AutoModelForImageTextToText
 
-    if ranks.is_main:
-        model = AutoModelForImageTextToText.from_pretrained(cfg.model.path, dtype=torch.float32)
-    else:
-        model = empty_model(cfg.model.path, device)
-    model = model.to(device).eval().requires_grad_(False)
+    model = (AutoModelForImageTextToText.from_pretrained(cfg.model.path, dtype=torch.float32) if ranks.is_main
+             else empty_model(cfg.model.path, device)).to(device).eval().requires_grad_(False)
     broadcast_model(model, ranks)
     return model
 
