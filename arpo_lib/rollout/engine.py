@@ -20,6 +20,7 @@ action rules parse it, what replaces it, what an exception costs) the engine ask
 """
 from __future__ import annotations
 
+import enum
 import threading
 import time
 import zlib
@@ -150,27 +151,58 @@ def _version(gen: Any) -> int | None:
     return getattr(gen, "weights_version", None)
 
 
+class _State(enum.Enum):
+    """Where an episode is in the loop (its outcome is `Trajectory.status`)."""
+
+    STARTING = "starting"  # made for an idle worker, its reset not sent yet
+    RESETTING = "resetting"  # its worker resets the environment: the first observation is coming
+    STEPPING = "stepping"  # its worker carries out `pending_record`'s actions
+    WAITING = "waiting"  # its observation is in, its next response not asked for yet
+    GENERATING = "generating"  # its next response is being sampled (again while it cannot be parsed)
+    FINISHED = "finished"  # over: it is written and leaves its worker
+
+
+_MOVES = {
+    _State.STARTING: {_State.RESETTING, _State.FINISHED},  # (the reset could not be sent)
+    _State.RESETTING: {_State.WAITING, _State.FINISHED},  # (a set-up skipped, a worker that failed)
+    _State.STEPPING: {_State.WAITING, _State.FINISHED},  # (the episode is over, or its worker failed)
+    _State.WAITING: {_State.GENERATING},
+    _State.GENERATING: {_State.STEPPING, _State.FINISHED},  # (lost to an exception, or the step not sent)
+    _State.FINISHED: set(),
+}
+_IN_ENV = (_State.RESETTING, _State.STEPPING)
+"""A command is in flight on the episode's worker."""
+
+
 @dataclass
 class _Episode:
     request: EpisodeRequest
     worker: int
     traj: Trajectory
+    state: _State = _State.STARTING
+    since: float = field(default_factory=time.monotonic)
+    """When it entered `state`: how long a step took, and who has waited longest for a response."""
     conv: TokenConversation | None = None
     screenshots: list[Image.Image] = field(default_factory=list)
-    pending: str | None = None
-    """`reset` or `step` while a worker command is in flight."""
     pending_record: StepRecord | None = None
+    """The step its worker is carrying out; the environment's answer completes it."""
     info: dict[str, Any] = field(default_factory=dict)
     """The environment's last info dict (scripted policies read `dom_elements` from it)."""
-    started: float = 0.0
-    step_started: float = 0.0
-    done: bool = False
+    started: float = field(default_factory=time.monotonic)
     rule_memory: dict[str, Any] = field(default_factory=dict)
     """What the rules keep about this episode between its steps (`RolloutRules.actions`)."""
     discarded: list[str] = field(default_factory=list)
     """This step's responses sampled again because they could not be parsed."""
-    ready_at: float = 0.0
-    """When its last observation came in (asynchronous rollouts batch the longest waiting first)."""
+
+    def move(self, to: _State) -> None:
+        if to not in _MOVES[self.state]:
+            raise RuntimeError(f"an episode cannot go from {self.state.value} to {to.value}")
+        self.since = time.monotonic()  # before the state: a request's thread moves it while the loop reads it
+        self.state = to
+
+
+def _in_state(slots: dict[int, tuple[int, _Episode]], *states: _State) -> list[_Episode]:
+    return [ep for _, ep in slots.values() if ep.state in states]
 
 
 class RolloutEngine:
@@ -219,122 +251,85 @@ class RolloutEngine:
         policy_version: int = 0,
     ) -> list[Trajectory]:
         """Run all requests; returns trajectories in request order, each marked with
-        `policy_version` (the trainer's weight version, for the age of replayed data)."""
+        `policy_version` (the trainer's weight version, for the age of replayed data).
+
+        Each turn starts episodes on the idle workers, takes environments' answers, lets the
+        finished episodes leave and generates for waiting ones; the modes differ only in which
+        answers a turn takes (`_answered`) and whom it generates for (`_due`)."""
+        from tqdm.auto import tqdm
+
         self.busy = BusyClock(len(self.pool))
+        sampling = SamplingParams(temperature=temperature, top_p=top_p)
+        queue, results = deque(enumerate(requests)), {}
+        slots: dict[int, tuple[int, _Episode]] = {}  # worker -> (request index, its episode)
+        threads = ThreadPoolExecutor(max_workers=max(1, len(self.pool)), thread_name_prefix="arpo-act") \
+            if self._request_per_episode else None
+        in_flight: list[Future] = []  # the requests' threads (each generates for one episode)
+        bar = tqdm(total=len(requests), desc=description, disable=not progress, leave=False)
         if self.shared is not None:
             self.shared.want(self.batch, bool(requests))
         try:
-            if self.mode == "async":
-                return self._run_async(requests, temperature=temperature, top_p=top_p, out_dir=out_dir,
-                                       progress=progress, description=description, on_finish=on_finish,
-                                       policy_version=policy_version)
-            return self._run_lockstep(requests, temperature=temperature, top_p=top_p, out_dir=out_dir,
-                                      progress=progress, description=description, on_finish=on_finish,
-                                      policy_version=policy_version)
-        finally:
-            if self.shared is not None:
-                self.shared.leave(self.batch)
-
-    def _run_lockstep(self, requests: Sequence[EpisodeRequest], *, temperature: float, top_p: float,
-                      out_dir: str | Path | None, progress: bool, description: str,
-                      on_finish: Callable[[Trajectory], None] | None, policy_version: int) -> list[Trajectory]:
-        """`run` in ticks (see the module docstring)."""
-        from tqdm.auto import tqdm
-
-        queue = deque(enumerate(requests))
-        results: dict[int, Trajectory] = {}
-        slots: dict[int, tuple[int, _Episode]] = {}
-        bar = tqdm(total=len(requests), desc=description, disable=not progress, leave=False)
-        try:
             while queue or slots:
-                # 1. every idle worker starts the next episode
                 self._start_idle(queue, slots, policy_version)
-                # 2. collect the answers (the environments worked in parallel meanwhile)
-                for w, (idx, ep) in list(slots.items()):
-                    if ep.pending:
-                        self._receive(ep)
-                # 3. finished episodes leave; the rest get their next action in one batch
-                self._leave(slots, results, out_dir, bar, on_finish)
-                live = [ep for _, ep in slots.values() if not ep.pending and not ep.done]
-                if live:
-                    with self.busy.generating():
-                        self._act(live, temperature, top_p)
-                elif not slots and queue:  # every worker is another batch's (shared): look again soon
-                    time.sleep(POLL_S)
-        finally:
-            bar.close()
-            for _, ep in slots.values():  # an exception left episodes open: drop their caches
-                self._release(ep)
-            self.busy.stop()
-        return [results[i] for i in range(len(requests))]
-
-    def _run_async(self, requests: Sequence[EpisodeRequest], *, temperature: float, top_p: float,
-                   out_dir: str | Path | None, progress: bool, description: str,
-                   on_finish: Callable[[Trajectory], None] | None, policy_version: int) -> list[Trajectory]:
-        """`run` without ticks (see the module docstring): episodes never wait for each other."""
-        from tqdm.auto import tqdm
-
-        queue = deque(enumerate(requests))
-        results: dict[int, Trajectory] = {}
-        slots: dict[int, tuple[int, _Episode]] = {}
-        acting: dict[int, Future] = {}  # worker -> its episode's request in flight (server policies)
-        threads = ThreadPoolExecutor(max_workers=max(1, len(self.pool)), thread_name_prefix="arpo-act") \
-            if getattr(self.policy, "concurrent_requests", False) else None
-        bar = tqdm(total=len(requests), desc=description, disable=not progress, leave=False)
-        try:
-            while queue or slots:
-                self._start_idle(queue, slots, policy_version)  # every idle worker starts the next episode
-                waiting = [ep for w, (_, ep) in slots.items() if not ep.pending and not ep.done and w not in acting]
-                pending = [ep for w, (_, ep) in slots.items() if ep.pending and w not in acting]
-                until = time.monotonic() + POLL_S
-                if waiting and threads is None and not self._batch_due(waiting, pending):
-                    until = min(ep.ready_at for ep in waiting) + self.gather_window_s
-                elif waiting or any(f.done() for f in acting.values()):
-                    until = time.monotonic()  # something to do now: only take what is already in
-                for ep in self._answers(pending, acting, until):
+                for ep in self._answered(slots, in_flight):
                     self._receive(ep)
-                    ep.ready_at = time.monotonic()
-                for w, future in list(acting.items()):
-                    if future.done():
-                        del acting[w]
-                        future.result()  # an exception in the request thread stops the run, as in lockstep
-                self._leave(slots, results, out_dir, bar, on_finish, busy=set(acting))
-                waiting = [ep for w, (_, ep) in slots.items() if not ep.pending and not ep.done and w not in acting]
-                pending = [ep for w, (_, ep) in slots.items() if ep.pending and w not in acting]
+                for request in [f for f in in_flight if f.done()]:
+                    in_flight.remove(request)
+                    request.result()  # an exception in a request's thread stops the run, as one here does
+                self._leave(slots, results, out_dir, bar, on_finish)
+                due = self._due(slots)
+                for ep in due:
+                    ep.move(_State.GENERATING)
                 if threads is not None:
-                    for ep in waiting:
-                        acting[ep.worker] = threads.submit(self._act_timed, [ep], temperature, top_p)
-                elif waiting and self._batch_due(waiting, pending):
-                    batch = sorted(waiting, key=lambda e: e.ready_at)[:self.max_batch or None]
-                    with self.busy.generating():
-                        self._act(batch, temperature, top_p)
+                    in_flight += [threads.submit(self._act, [ep], sampling) for ep in due]
+                elif due:
+                    self._act(due, sampling)
         finally:
             bar.close()
             if threads is not None:
                 threads.shutdown(wait=True, cancel_futures=True)
-            for _, ep in slots.values():
+            for _, ep in slots.values():  # an exception left episodes open: drop their caches
                 self._release(ep)
             self.busy.stop()
+            if self.shared is not None:
+                self.shared.leave(self.batch)
         return [results[i] for i in range(len(requests))]
 
-    def _act_timed(self, eps: list[_Episode], temperature: float, top_p: float) -> None:
-        with self.busy.generating():
-            self._act(eps, temperature, top_p)
+    @property
+    def _request_per_episode(self) -> bool:
+        """A policy behind a server, asynchronously: a request per episode, each from its own thread."""
+        return self.mode == "async" and getattr(self.policy, "concurrent_requests", False)
 
-    def _batch_due(self, waiting: list[_Episode], pending: list[_Episode]) -> bool:
-        """Generate now: enough episodes wait, the first has waited the window, or no other
-        answer can come to join them."""
-        return (not pending or (self.max_batch and len(waiting) >= self.max_batch)
-                or time.monotonic() - min(ep.ready_at for ep in waiting) >= self.gather_window_s)
-
-    def _answers(self, pending: list[_Episode], acting: dict[int, Future], until: float) -> list[_Episode]:
-        """The pending episodes whose environments have answered, waiting until `until` at most
-        for a first one (or a finished request). A worker that cannot say (no `ready`) is waited for."""
-        while True:
-            ready = [ep for ep in pending if getattr(self.pool.workers[ep.worker], "ready", lambda: True)()]
-            if ready or time.monotonic() >= until or any(f.done() for f in acting.values()):
-                return ready
+    def _answered(self, slots: dict[int, tuple[int, _Episode]], in_flight: list[Future]) -> list[_Episode]:
+        """The episodes whose environments' answers this turn takes. Lockstep: all of them (each
+        `recv` waits: a tick waits for the slowest environment). Async: those already in, waiting
+        for a first one (or a finished request) until the first waiting episode's gather window
+        closes, or for a poll's time; not at all when a generation is due now."""
+        stepping, waiting = _in_state(slots, *_IN_ENV), _in_state(slots, _State.WAITING)
+        if self.mode == "lockstep":
+            return stepping
+        until = time.monotonic() + POLL_S
+        if waiting:
+            until = time.monotonic() if self._due(slots) else min(ep.since for ep in waiting) + self.gather_window_s
+        elif any(f.done() for f in in_flight):
+            until = time.monotonic()
+        while stepping or in_flight:
+            ready = [ep for ep in stepping if getattr(self.pool.workers[ep.worker], "ready", lambda: True)()]
+            if ready or time.monotonic() >= until or any(f.done() for f in in_flight):
+                return ready  # (a worker that cannot say whether it has answered is waited for)
             time.sleep(min(0.002, max(0.0, until - time.monotonic())))
+        return []
+
+    def _due(self, slots: dict[int, tuple[int, _Episode]]) -> list[_Episode]:
+        """The waiting episodes to generate for now. Lockstep, and a request per episode: all of
+        them. Async in this process: once `max_batch` wait, the first has waited the gather
+        window, or no answer can come to join them; the longest waiting first, `max_batch` at most."""
+        waiting = _in_state(slots, _State.WAITING)
+        if self.mode == "lockstep" or self._request_per_episode or not waiting:
+            return waiting
+        due = (not _in_state(slots, *_IN_ENV) or (self.max_batch and len(waiting) >= self.max_batch)
+               or time.monotonic() - min(ep.since for ep in waiting) >= self.gather_window_s)
+        return sorted(waiting, key=lambda ep: ep.since)[:self.max_batch or None] if due else []
 
     # -- internals ---------------------------------------------------------------------------
     def _start_idle(self, queue: deque, slots: dict[int, tuple[int, _Episode]], policy_version: int) -> None:
@@ -350,19 +345,19 @@ class RolloutEngine:
             if self.shared is None or self.shared.take(w, self.batch):
                 idx, req = self._next_for(w, queue)
                 ep = _Episode(req, w, Trajectory(task=req.task, seed=req.seed, sample=req.sample,
-                                                 policy_version=policy_version), started=time.monotonic())
+                                                 policy_version=policy_version))
                 slots[w] = (idx, ep)
-                self._send(ep, "reset", (req.task, req.seed))
+                self._send(ep, _State.RESETTING, (req.task, req.seed))
         if self.shared is not None:
             self.shared.want(self.batch, bool(queue))
+        if queue and not slots:  # every worker is another batch's: look again soon
+            time.sleep(POLL_S)
 
     def _leave(self, slots: dict[int, tuple[int, _Episode]], results: dict[int, Trajectory],
-               out_dir: str | Path | None, bar: Any, on_finish: Callable[[Trajectory], None] | None,
-               busy: set[int] = frozenset()) -> None:
-        """Finished episodes (but those of `busy` workers, a request still in flight) are written
-        and leave their worker."""
+               out_dir: str | Path | None, bar: Any, on_finish: Callable[[Trajectory], None] | None) -> None:
+        """Finished episodes are written and leave their worker."""
         for w, (idx, ep) in list(slots.items()):
-            if ep.done and w not in busy:
+            if ep.state is _State.FINISHED:
                 self._release(ep)
                 self._finish(ep, out_dir)
                 results[idx] = ep.traj
@@ -386,30 +381,30 @@ class RolloutEngine:
     def _release(self, ep: _Episode) -> None:
         self.policy.release(id(ep))
 
-    def _send(self, ep: _Episode, cmd: str, payload: Any) -> None:
+    def _send(self, ep: _Episode, to: _State, payload: Any) -> None:
+        """Send the worker the reset or the step that moves the episode to `to`."""
         try:
-            self.pool.workers[ep.worker].send(cmd, payload)
-            ep.pending = cmd
-            ep.step_started = time.monotonic()
-            self.busy.env_started(ep.worker)
+            self.pool.workers[ep.worker].send("reset" if to is _State.RESETTING else "step", payload)
         except EnvError as exc:
             self._env_failure(ep, exc)
+            return
+        self.busy.env_started(ep.worker)
+        ep.move(to)
 
     def _env_failure(self, ep: _Episode, exc: Exception) -> None:
         ep.traj.status = EpisodeStatus.ENV_ERROR
         ep.traj.error = str(exc)[:2000]
-        ep.pending = None
-        ep.done = True
+        ep.move(_State.FINISHED)
 
     def _receive(self, ep: _Episode) -> None:
-        cmd, ep.pending = ep.pending, None
+        """The environment's answer to the reset or step in flight."""
         self.busy.env_stopped(ep.worker)
         try:
             value = self.pool.workers[ep.worker].recv()
         except EnvError as exc:
             self._env_failure(ep, exc)
             return
-        if cmd == "reset":
+        if ep.state is _State.RESETTING:
             obs, ep.info = value
             ep.traj.instruction = obs.instruction
             ep.traj.setup_failures = list((ep.info or {}).get("setup_failures") or [])
@@ -417,16 +412,16 @@ class RolloutEngine:
                 ep.traj.status = EpisodeStatus.SETUP_FAILED
                 ep.traj.error = "the task's set-up failed: " + "; ".join(ep.traj.setup_failures)[:1900]
                 ep.screenshots.append(obs.screenshot)
-                ep.done = True
+                ep.move(_State.FINISHED)
                 return
             ep.conv = self.policy.new_conversation(obs.instruction)
             self._observe(ep, obs.screenshot)
             return
         obs, reward, terminated, truncated, ep.info = value
-        self.env_steps += max(1, len(ep.pending_record.actions)) if ep.pending_record else 1
         rec = ep.pending_record
+        self.env_steps += max(1, len(rec.actions))
         rec.reward, rec.terminated, rec.truncated = float(reward), bool(terminated), bool(truncated)
-        rec.seconds = time.monotonic() - ep.step_started
+        rec.seconds = time.monotonic() - ep.since
         rec.action_error = (ep.info or {}).get("action_error")
         ep.traj.steps.append(rec)
         if terminated or truncated or not ep.traj.format_ok:
@@ -436,26 +431,27 @@ class RolloutEngine:
             ep.traj.checker_error = (ep.info or {}).get("checker_error")
             if ep.traj.checker_error:  # training scores it 0; a protocol may leave it to run again
                 self._unfinished(ep, self.rules.unfinished(f"the checker raised: {ep.traj.checker_error}"))
-            ep.done = True
             ep.screenshots.append(obs.screenshot)  # the last real screen (the env keeps it)
+            ep.move(_State.FINISHED)
         else:
             self._observe(ep, obs.screenshot)
 
     def _observe(self, ep: _Episode, screenshot: Image.Image) -> None:
         ep.screenshots.append(screenshot)
         ep.conv.add_observation(screenshot)
+        ep.move(_State.WAITING)
 
-    def _act(self, live: list[_Episode], temperature: float, top_p: float) -> None:
-        """Every live episode's next response, parsed and sent to its environment. A response that
+    def _act(self, eps: list[_Episode], sampling: SamplingParams) -> None:
+        """Each episode's next response, parsed and sent to its environment. A response that
         cannot be parsed is sampled again (up to the rules' `parse_attempts` samples, each sampled
         as the rules say) before it ends the episode."""
-        run_sampling = SamplingParams(temperature=temperature, top_p=top_p)
-        todo, attempt = live, 0
-        while todo:
-            gens = self._generate(todo, self.rules.sampling(run_sampling, attempt), attempt)
-            last_try = attempt + 1 >= self.rules.parse_attempts
-            todo = [ep for ep, gen in zip(todo, gens) if not self._take(ep, gen, last_try=last_try)]
-            attempt += 1
+        with self.busy.generating():
+            todo, attempt = eps, 0
+            while todo:
+                gens = self._generate(todo, self.rules.sampling(sampling, attempt), attempt)
+                last_try = attempt + 1 >= self.rules.parse_attempts
+                todo = [ep for ep, gen in zip(todo, gens) if not self._take(ep, gen, last_try=last_try)]
+                attempt += 1
 
     def _generate(self, eps: list[_Episode], sampling: SamplingParams, attempt: int) -> list[Any]:
         contexts = [PolicyContext(ep.traj.instruction, ep.screenshots[-1], ep.info, len(ep.traj.steps),
@@ -469,48 +465,40 @@ class RolloutEngine:
                                     seeds=seeds, cache_keys=[id(ep) for ep in eps])
 
     def _take(self, ep: _Episode, gen: Any, last_try: bool) -> bool:
-        """Parse one response and step its environment; False when it is to be sampled again."""
+        """Parse one response, record it and step the environment with it; False when it is to
+        be sampled again."""
         step = len(ep.traj.steps) + 1
+        actions, error, lost = [], None, None
         try:
             parsed = self.policy.parse(gen.text, ep.screenshots[-1].size, rules=self.rules.action_rules)
             actions = action_payload(parsed.actions)
             if not actions:
                 raise ActionParseError("no action in the response")
-        except ConverterError as exc:
-            why = self.rules.unfinished(f"the agent raised on the response of step {step}: {exc}")
-            if why is None:
-                return self._format_failure(ep, gen, step, exc)
-            # Lost to the exception: the response is recorded, the environment never stepped.
-            ep.conv.add_response(gen.text, gen.token_ids, gen.logprobs)
-            ep.traj.steps.append(StepRecord(step, gen.text, [], str(exc)[:500], 0.0, False, False, 0.0,
-                                            discarded=ep.discarded, weights_version=_version(gen)))
-            ep.discarded = []
-            self._unfinished(ep, why)
-            ep.done = True
-            return True
+        except ConverterError as exc:  # the response parses: sampling again would not help
+            error, lost = exc, self.rules.unfinished(f"the agent raised on the response of step {step}: {exc}")
         except ActionParseError as exc:
             if not last_try:
                 ep.discarded.append(gen.text)  # never added to the conversation: the model does not see it
                 return False
-            return self._format_failure(ep, gen, step, exc)
+            error = exc
+        if error is None:
+            actions = self.rules.actions(actions, step=step, max_steps=self.max_steps, memory=ep.rule_memory)
         ep.conv.add_response(gen.text, gen.token_ids, gen.logprobs)
-        actions = self.rules.actions(actions, step=step, max_steps=self.max_steps, memory=ep.rule_memory)
-        ep.pending_record = StepRecord(step, gen.text, actions, None, 0.0, False, False, 0.0, discarded=ep.discarded,
-                                       weights_version=_version(gen))
+        record = StepRecord(step, gen.text, [] if error else actions, str(error)[:500] if error else None, 0.0,
+                            False, False, 0.0, discarded=ep.discarded, weights_version=_version(gen))
         ep.discarded = []
-        self._send(ep, "step", actions)
-        return True
-
-    def _format_failure(self, ep: _Episode, gen: Any, step: int, exc: Exception) -> bool:
-        # A format failure ends the episode as ARPO does: the environment is stepped with DONE and
-        # its checker scores the state the episode reached (a task done before the malformed
-        # response still counts); the format penalty comes on top.
-        ep.conv.add_response(gen.text, gen.token_ids, gen.logprobs)
-        ep.traj.format_ok = False
-        ep.pending_record = StepRecord(step, gen.text, [], str(exc)[:500], 0.0, False, False, 0.0, discarded=ep.discarded,
-                                       weights_version=_version(gen))
-        ep.discarded = []
-        self._send(ep, "step", DONE)
+        if lost is not None:  # lost to the exception: the response is recorded, the environment never stepped
+            ep.traj.steps.append(record)
+            self._unfinished(ep, lost)
+            ep.move(_State.FINISHED)
+            return True
+        if error is not None:
+            # A format failure ends the episode as ARPO does: the environment is stepped with DONE
+            # and its checker scores the state the episode reached (a task done before the
+            # malformed response still counts); the format penalty comes on top.
+            ep.traj.format_ok = False
+        ep.pending_record = record
+        self._send(ep, _State.STEPPING, DONE if error else actions)
         return True
 
     @staticmethod
