@@ -710,6 +710,25 @@ def test_ascii_text_is_typed_with_write_alone():
     assert code.splitlines()[1:] == ["pyautogui.write('hello, world', interval=0.01)", "pyautogui.press('enter')"]
 
 
+def test_a_less_than_sign_is_pressed_as_shift_comma_never_written():
+    """pyautogui on X11 types `<` as `>` (`wc -l < f` ran `wc -l > f`): every `<` of typed text
+    and a pressed `<` become shift+comma, the VM's US layout, as desktop_env rewrites `typewrite`
+    (which it never does for `write`); the text between is written as before. The code typed on a
+    real screen: tests/test_actions_on_a_screen.py."""
+    code = to_pyautogui(Action("type", text="<a<<b<\n"))
+    assert code.splitlines()[1:] == [
+        "pyautogui.hotkey('shift', ',')", "pyautogui.write('a', interval=0.01)", "pyautogui.hotkey('shift', ',')",
+        "pyautogui.hotkey('shift', ',')", "pyautogui.write('b', interval=0.01)", "pyautogui.hotkey('shift', ',')",
+        "pyautogui.press('enter')"]
+    assert_whitelisted(code)
+    assert to_pyautogui(Action("hotkey", keys=["<"])).splitlines()[1:] == ["pyautogui.hotkey('shift', ',')"]
+    without = to_pyautogui(Action("type", text="é<b"), clipboard=False)
+    assert "<" not in without and without.splitlines()[1:] == ["pyautogui.hotkey('shift', ',')",
+                                                               "pyautogui.write('b', interval=0.01)"]
+    # ARPO's rules keep what ARPO's converter sends: on the VM its `<` arrives as `>`
+    assert "pyautogui.write('a<b', interval=0.1)" in to_pyautogui(Action("type", text="a<b", rules="arpo"))
+
+
 def test_non_ascii_text_is_pasted_after_detaching_output():
     """Text pyautogui cannot type is pasted whole, once; output is detached once, before the copy
     (see DETACH_OUTPUT: without it the VM server hangs on xclip); enter is still a key press."""

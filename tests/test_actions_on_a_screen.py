@@ -162,7 +162,13 @@ def test_every_action_kind_reaches_a_real_window(screen):
     assert {"kind": "key", "key": "ctrl+b"} in keys
 
 
-@pytest.mark.parametrize("text", ["plain ascii, (punctuation)!\n", "café 日本語 — ünïcödé 😀", "mixed\tä\nline 2"])
+PRINTABLE_ASCII = "".join(chr(c) for c in range(0x20, 0x7f))
+"""Every printable ASCII character: pyautogui on X11 types `<` as `>` (it presses shift with the
+keycode X gives the keysym `less`, the ISO key whose shifted symbol is `>`)."""
+
+
+@pytest.mark.parametrize("text", ["plain ascii, (punctuation)!\n", "café 日本語 — ünïcödé 😀", "mixed\tä\nline 2",
+                                  PRINTABLE_ASCII, "wc -l < in.txt > out.txt && [ 1 -lt 2 ] <<< '<b>'\n"])
 def test_typed_text_arrives_whole_non_ascii_included(screen, text):
     driver, env = screen
     driver.execute_script("const t = document.getElementById('t'); t.value = '';")

@@ -88,6 +88,8 @@ def to_pyautogui(action: Action, screen_size: tuple[int, int] = (1920, 1080), *,
             if len(keys) != 1:
                 raise ActionParseError(f"{kind} takes one key, got {len(keys)}")
             lines.append(f"pyautogui.{'keyDown' if kind == 'keydown' else 'keyUp'}({keys[0]!r})")
+        elif keys == ["<"]:
+            lines.append(LESS_THAN)
         elif len(keys) == 1:
             lines.append(f"pyautogui.press({keys[0]!r})")
         else:
@@ -131,16 +133,35 @@ def _type_lines(text: str, clipboard: bool = True) -> tuple[list[str], str]:
     body = text[:-1] if enter else text
     lines, lost = [], ""
     if body and _TYPEABLE.fullmatch(body) and len(body) <= MAX_TYPED_CHARS:
-        lines.append(f"pyautogui.write({body!r}, interval={TYPE_INTERVAL!r})")
+        lines += _written(body)
     elif body and clipboard:
         lines += _paste(body)
     elif body:
         typed, lost = _split_typeable(body)
-        if typed:
-            lines.append(f"pyautogui.write({typed!r}, interval={TYPE_INTERVAL!r})")
+        lines += _written(typed)
     if enter:
         lines.append("pyautogui.press('enter')")
     return lines, lost
+
+
+LESS_THAN = "pyautogui.hotkey('shift', ',')"
+"""How `<` is typed. pyautogui on X11 types `<` as `>`: it holds shift with the keycode X gives
+the keysym `less`, the ISO key whose shifted symbol is `>` (so `wc -l < f` ran `wc -l > f`, a
+write). desktop_env rewrites `<` as shift+comma (the VM's US layout) only inside
+`pyautogui.typewrite(...)` and `press('<')`, never inside `pyautogui.write(...)`, so it is done
+here, where the code is made."""
+
+
+def _written(text: str) -> list[str]:
+    """pyautogui.write calls that type `text` (pyautogui can type all of it), each `<` pressed as
+    shift+comma (LESS_THAN)."""
+    lines = []
+    for i, run in enumerate(text.split("<")):
+        if i:
+            lines.append(LESS_THAN)
+        if run:
+            lines.append(f"pyautogui.write({run!r}, interval={TYPE_INTERVAL!r})")
+    return lines
 
 
 def _split_typeable(text: str) -> tuple[str, str]:

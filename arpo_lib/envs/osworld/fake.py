@@ -367,6 +367,8 @@ class FakeDesktopEnv:
                 self.clipboard = args[0]
             elif name == "hotkey" and [str(a).lower() for a in args] == ["ctrl", "v"]:
                 self.typed += self.clipboard
+            elif name == "hotkey" and [str(a).lower() for a in args] == ["shift", ","]:
+                self.typed += "<"  # the VM's US layout
             elif name == "press" and args == ["enter"]:
                 self.typed += "\n"
 
