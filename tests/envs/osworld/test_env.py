@@ -139,6 +139,30 @@ def test_fake_signatures_equal_installed_desktop_env(osworld_python):
     assert fake == real
 
 
+_LESS_THAN_FIX = """
+import json, sys
+from desktop_env.desktop_env import _fix_pyautogui_less_than_bug
+print(json.dumps([_fix_pyautogui_less_than_bug(code) for code in json.loads(sys.stdin.read())]))
+"""
+
+
+def test_desktop_envs_less_than_fix_leaves_our_typing_alone_and_never_reaches_arpos(osworld_python):
+    """desktop_env's step rewrites the code it runs (`_fix_pyautogui_less_than_bug`). Our code for
+    a text with `<` holds no `<` for it to rewrite (each is shift+comma already), so it runs as
+    made; ARPO's `pyautogui.write('a<b')` does not match the fix either (it rewrites `typewrite`),
+    so on the VM its `<` arrives as `>`, as docs/faithful-to-arpo.md says."""
+    ours = to_pyautogui(Action("type", text="wc -l < in.txt\n"))
+    arpos = to_pyautogui(Action("type", text="a<b", rules="arpo"))
+    typewrite = "import pyautogui\npyautogui.typewrite('a<b')"
+    done = subprocess.run([osworld_python, "-c", _LESS_THAN_FIX], input=json.dumps([ours, arpos, typewrite]),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    fixed = json.loads(done.stdout.strip().splitlines()[-1])
+    assert fixed[0] == ours and "<" not in ours
+    assert fixed[1] == arpos and "'a<b'" in arpos
+    assert fixed[2] != typewrite and "<" not in fixed[2]  # the fix does act, on typewrite
+
+
 def test_modules_import_without_heavy_dependencies():
     # importing the package registers the family (its folder's __init__), not its environment
     code = ("import sys, arpo_lib.envs; assert 'arpo_lib.envs.osworld' in sys.modules; "
