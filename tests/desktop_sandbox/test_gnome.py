@@ -152,6 +152,22 @@ def test_super_opens_the_overview_and_alt_f2_the_run_dialog(box):
 
 
 @pytest.mark.slow
+def test_every_printable_character_the_agent_types_reaches_the_terminal_as_written(box):
+    """The converter's code for a type action (`to_pyautogui`), run by the action server into
+    GNOME Terminal: every printable ASCII character arrives as typed, `<` included (pyautogui on
+    X11 alone types it as `>`: `wc -l < f` would run `wc -l > f`)."""
+    from arpo_lib.actions import Action, to_pyautogui
+
+    printable = "".join(chr(c) for c in range(0x20, 0x7f))
+    box.reset_session()
+    act(box, "pyautogui.hotkey('ctrl', 'alt', 't')")
+    wait_for_window(box, "@")
+    for text in ("set +H; cat > ~/Desktop/typed.txt <<'END'\n", printable + "\n", "END\n"):  # +H: no `!` expansion
+        act(box, to_pyautogui(Action("type", text=text), SCREEN))
+    assert wait_for_file(box, "~/Desktop/typed.txt") == printable + "\n"
+
+
+@pytest.mark.slow
 def test_sudo_asks_the_vms_password_at_the_terminal_and_gives_no_privilege(box):
     box.reset_session()
     act(box, "pyautogui.hotkey('ctrl', 'alt', 't')")
