@@ -117,7 +117,9 @@ class Desktop:
     def _start_x(self, display: str | None) -> tuple[subprocess.Popen, str]:
         """Xvfb on `display`, or on the first free display it finds (-displayfd) when None."""
         read_fd, write_fd = os.pipe()
-        command = ["Xvfb", "-screen", "0", f"{self.screen[0]}x{self.screen[1]}x24", "-nolisten", "tcp", "-noreset"]
+        # no X screensaver, no DPMS: the screen never blanks while an episode waits on a slow update
+        command = ["Xvfb", "-screen", "0", f"{self.screen[0]}x{self.screen[1]}x24", "-nolisten", "tcp", "-noreset",
+                   "-s", "0", "-dpms"]
         command = [*command[:1], display, *command[1:]] if display else [*command, "-displayfd", str(write_fd)]
         xvfb = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
                                 pass_fds=() if display else (write_fd,), cwd="/")

@@ -152,6 +152,18 @@ def test_super_opens_the_overview_and_alt_f2_the_run_dialog(box):
 
 
 @pytest.mark.slow
+def test_the_screen_never_blanks_the_x_screensaver_and_dpms_are_off(box):
+    """The X server's own screensaver (armed at 600 s by default) and DPMS are off, and stay off
+    once GNOME's session is up: an episode that waits through a slow update step sees the screen
+    it left, not a blank one scored as the model's failure."""
+    box.reset_session()
+    probe = ("from Xlib import display; d = display.Display(); "
+             "print(d.get_screen_saver().timeout, d.has_extension('DPMS') and d.dpms_info().state)")
+    said = box.execute(["python3", "-c", probe])
+    assert said["output"].split() in (["0", "False"], ["0", "0"]), said  # DPMS gone, or there and off
+
+
+@pytest.mark.slow
 def test_every_printable_character_the_agent_types_reaches_the_terminal_as_written(box):
     """The converter's code for a type action (`to_pyautogui`), run by the action server into
     GNOME Terminal: every printable ASCII character arrives as typed, `<` included (pyautogui on
