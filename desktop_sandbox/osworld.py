@@ -237,13 +237,17 @@ def _make_class() -> type:
             than /execute (anything). A refused action is returned in info as `action_error`."""
             controller = self.controller
             refused: list[str] = []
-            controller.execute_python_command = lambda command: _run_checked(controller, command, refused)
+            crashed: list[str] = []
+            controller.execute_python_command = lambda command: _run_checked(controller, command, refused, crashed)
             try:
                 result = super().step(action, *args, **kwargs)
             finally:
                 del controller.execute_python_command  # the getters' probes go to /execute again
-            if refused and isinstance(result, tuple) and len(result) == 4 and isinstance(result[3], dict):
-                result[3]["action_error"] = "; ".join(refused)
+            if isinstance(result, tuple) and len(result) == 4 and isinstance(result[3], dict):
+                if refused:
+                    result[3]["action_error"] = "; ".join(refused)
+                if crashed:  # the task's application is gone: the machine's failure, not the agent's
+                    result[3]["crashed"] = crashed
             return result
 
         @property
@@ -275,14 +279,17 @@ def setup_failures(box: Sandbox, steps: list[dict[str, Any]]) -> list[str]:
     return failures
 
 
-def _run_checked(controller: Any, command: str, refused: list[str]) -> dict[str, Any] | None:
-    """What PythonController.execute_python_command does, through /run_action."""
+def _run_checked(controller: Any, command: str, refused: list[str], crashed: list[str]) -> dict[str, Any] | None:
+    """What PythonController.execute_python_command does, through /run_action; what it refused goes
+    to `refused`, the task's applications that crashed by the time it ran to `crashed`."""
     request = urllib.request.Request(f"{controller.http_server}/run_action", method="POST",
                                      data=json.dumps({"code": command}).encode(),
                                      headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=120) as response:
-            return json.loads(response.read())
+            answer = json.loads(response.read())
+            crashed.extend(answer.get("crashed") or [])
+            return answer
     except urllib.error.HTTPError as e:
         try:
             answer = json.loads(e.read())

@@ -420,6 +420,8 @@ def _run_action(r: Request) -> None:
     done = r.desktop.run_action(code, r.action_cpu_s)
     if r.desktop.incidents:
         done["incidents"] = list(r.desktop.incidents)
+    if crashed := r.desktop.crashed_applications():
+        done["crashed"] = crashed
     r.json(done)
 
 

@@ -40,6 +40,9 @@ OPEN_TIMEOUT_S = 30.0
 """/setup/open_file waits this long for the file's window by default (OSWorld's newer server: 1800 s)."""
 ACTIVATE_WAIT_S = 5.0
 """/setup/activate_window waits this long for a window that matches (window_action)."""
+CRASH_SIGNALS = frozenset(int(s) for s in (signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGILL, signal.SIGFPE,
+                                           signal.SIGKILL))
+"""The signals that end a program in a crash (SIGKILL: the kernel's out-of-memory killer's)."""
 
 
 class Desktop:
@@ -104,6 +107,8 @@ class Desktop:
         """Held while the episode's processes are being ended (a reset, or the watcher)."""
         self.incidents: list[str] = []
         """What the watcher did since the last reset ("pids limit: ...")."""
+        self.crashes_said: set[int] = set()
+        """The pids of crashed applications `crashed_applications` has reported."""
         self.setup_log: list[dict[str, Any]] = []
         """The task's set-up steps since /setup/begin (or the reset): what each asked, and whether
         it did it (`setup_report`)."""
@@ -174,6 +179,7 @@ class Desktop:
                      shell=True, timeout=60)
         self.launch_records = []
         self.incidents = []
+        self.crashes_said = set()
         self.begin_setup()
         shutil.rmtree(self.logs, ignore_errors=True)
 
@@ -459,6 +465,20 @@ class Desktop:
                                        stderr=subprocess.STDOUT, start_new_session=True, **self._as_agent())
         self.launched.append(process)
         self.launch_records.append((command, process, log_path))
+
+    def crashed_applications(self) -> list[str]:
+        """The task's applications (launched by its set-up) that a crash's signal ended, each said
+        once: the episode lost its application to the machine, not to the agent (a window the
+        agent closes, or a program it quits or `pkill`s, exits 0 or on SIGTERM and is not here)."""
+        out = []
+        for command, process, _ in self.launch_records:
+            code = process.poll()
+            number = -code if code is not None and code < 0 else (code - 128 if code and code > 128 else 0)
+            if number in CRASH_SIGNALS and process.pid not in self.crashes_said:
+                self.crashes_said.add(process.pid)
+                what = safe(json.dumps(command))[:200]
+                out.append(f"{what} (pid {process.pid}) ended on {signal.Signals(number).name}")
+        return out
 
     def launched_applications(self) -> list[dict[str, Any]]:
         """Every application launched since the last reset: command, pid, exit code (None while

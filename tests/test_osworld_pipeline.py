@@ -81,10 +81,15 @@ def test_subset_training_notebook_on_osworld_tasks(task_data, tmp_path, tiny_qwe
     assert sorted(yaml.safe_load((run / "config.yaml").read_text())["env"]["tasks"]) == sorted(task_data)
 
 
+@pytest.mark.parametrize("fault, said", [({"die_at_step": 2}, ("VM", "ConnectionError")),
+                                         ({"blank_at_step": 2}, ("the screen is one colour, rgb(0, 0, 0)",))],
+                         ids=["dies", "blanks"])
 def test_a_vm_dying_mid_episode_is_an_infrastructure_failure_and_rollouts_go_on(tmp_path, monkeypatch,
-                                                                                 tiny_qwen2vl):
-    """One task's VM dies at its 2nd step every time: its episodes are env_error (excluded from
-    groups, statistics and the replay buffer), the worker's VM is rebuilt, the other tasks run."""
+                                                                                 tiny_qwen2vl, fault, said):
+    """One task's VM dies (or its screen goes black, as a blanked or locked VM screen does) at its
+    2nd step every time: its episodes are env_error, with the reason in their record (excluded
+    from groups, statistics and the replay buffer, never scored 0 as the model's), the worker's VM
+    is rebuilt, the other tasks run."""
     import shutil
 
     from arpo_lib.agent import scripted
@@ -99,7 +104,7 @@ def test_a_vm_dying_mid_episode_is_an_infrastructure_failure_and_rollouts_go_on(
     dying = "9edf2168-773d-465e-8f86-3491baf41e09"  # an os task of smoke4
     path = tree / "evaluation_examples" / "examples" / "os" / f"{dying}.json"
     task = json.loads(path.read_text())
-    task["fake"] = {"die_at_step": 2}
+    task["fake"] = fault
     path.write_text(json.dumps(task))
     monkeypatch.setenv(ot.ENV_VAR, str(tmp_path / "osworld-tasks"))
     ot.fetch_tasks(tree, expect=FIXTURE_EXPECT, progress=False)
@@ -119,9 +124,12 @@ def test_a_vm_dying_mid_episode_is_an_infrastructure_failure_and_rollouts_go_on(
     for t, xs in by_task.items():
         if t == f"osworld/{dying}":
             assert [x.status for x in xs] == ["env_error", "env_error"]
-            assert all("VM" in x.error or "ConnectionError" in x.error for x in xs)
+            assert all(any(part in x.error for part in said) for x in xs), [x.error for x in xs]
         else:
             assert [x.status for x in xs] == ["ok", "ok"] and all(x.num_steps == 3 for x in xs)
+    lost = [m for m in (json.loads(p.read_text()) for p in (tmp_path / "out").rglob("meta.json"))
+            if m["status"] == "env_error"]
+    assert len(lost) == 2 and all(any(part in m["error"] for part in said) for m in lost)  # in the episode's record
     result = summarize(trajs)
     assert result.env_errors == 2 and result.episodes == 8
     assert sum(r.samples for r in result.tasks) == 6  # the lost episodes count nowhere

@@ -129,6 +129,9 @@ class DesktopEnv(GUIEnv):
                 raise EnvError(f"{self.name}: the action server refused generated code: {done['error']}")
             if done.get("returncode") != 0:
                 error = (done.get("error") or "")[-300:] or f"exit {done.get('returncode')}"
+            if done.get("crashed"):  # the task's application died of a crash: the machine's failure
+                self._episode_over = True
+                raise EnvError(f"{self.name}: the task's application crashed: {'; '.join(done['crashed'])[:500]}")
             if done.get("incidents"):  # the sandbox ended the episode's programs (a limit was crossed)
                 error = "; ".join(done["incidents"])[-300:]
             time.sleep(self.settle_s)

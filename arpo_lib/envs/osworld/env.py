@@ -30,7 +30,9 @@ rollout workers:
 - Boot with retries: the DesktopEnv is built on the first `reset` (booting takes minutes) and
   kept across episodes (each reset reverts the VM). A failed boot or task set-up is retried
   `boot_retries` times with exponential back-off on a fresh DesktopEnv, then raises `EnvError`.
-- Infrastructure failures are `EnvError`: if step/evaluate raises or the VM returns no screenshot,
+- Infrastructure failures are `EnvError`: if step/evaluate raises or the VM returns no screenshot
+  or, on GNOME, a screen of one colour (a screensaver's blank, a display gone; ARPO's VMs locked
+  during slow training steps),
   the DesktopEnv is closed (stopping its container), a fresh one is booted on the next reset, and
   the episode is reported as an infrastructure failure, never scored as the policy's.
 - Preflight before booting (provider "docker"): the docker package, a reachable Docker engine,
@@ -293,6 +295,9 @@ class OSWorldEnv(GUIEnv):
             raise ValueError("network='user' gives the sandbox a network: it needs provider='sandbox' (a VM has its own)")
         if desktop != "gnome" and provider != SANDBOX_PROVIDER:
             raise ValueError(f"desktop={desktop!r} chooses the sandbox's desktop: it needs provider='sandbox'")
+        self.blank_is_failure = desktop == "gnome"
+        """GNOME (the VM's desktop) always draws its top bar: a screen of one colour is a blanked,
+        locked or lost display. openbox's bare desktop is black until a window opens."""
         clash = set(desktop_env_kwargs or ()) & set(_MANAGED_KWARGS)
         if clash:
             raise ValueError(f"desktop_env_kwargs may not set {sorted(clash)}: use OSWorldEnv's own options")
@@ -391,6 +396,9 @@ class OSWorldEnv(GUIEnv):
             terminated = bool(done) or code in ("DONE", "FAIL")
         truncated = not terminated and self._steps >= self.max_steps
         desktop_info = dict(desktop_info or {})
+        if desktop_info.get("crashed"):  # the sandbox's report: the task's application died of a crash
+            self._episode_over = True
+            raise EnvError(f"{self.name}: the task's application crashed: {'; '.join(desktop_info['crashed'])[:500]}")
         # The sandbox provider refuses code outside the action space (info["action_error"]).
         error = "; ".join(e for e in (error, desktop_info.get("action_error")) if e) or None
         info = {**self._info(obs), "code": code, "action_error": error, "desktop_info": desktop_info}
@@ -496,7 +504,12 @@ class OSWorldEnv(GUIEnv):
                 f"{self.name}: the VM screen is {image.size[0]}x{image.size[1]} but screen_size is "
                 f"{self.screen_size[0]}x{self.screen_size[1]}: every click would land in the wrong place. "
                 f"Set screen_size to the VM's resolution.")
-        return image.convert("RGB")
+        image = image.convert("RGB")
+        extrema = image.getextrema()
+        if self.blank_is_failure and all(low == high for low, high in extrema):
+            raise EnvError(f"{self.name}: the screen is one colour, rgb{tuple(low for low, _ in extrema)} (blanked, "
+                           f"locked or its display gone): not a screen the agent should act on, so not its failure")
+        return image
 
     def _evaluate(self, info: dict[str, Any]) -> float:
         """The checker's score of the final state. A checker that raises (or returns no finite

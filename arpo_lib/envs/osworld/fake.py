@@ -39,7 +39,8 @@ Fault injection, to exercise retries and infrastructure failures:
   would on pyperclip's exception, and the clipboard probe says so), `setup_failures: [...]` (what
   the set-up did not do, as the sandbox provider reports it in its `setup_failures` attribute),
   `refuse_setup: true` (reset raises as desktop_env's SetupController does for a step type it
-  does not know).
+  does not know), `blank_at_step: j` (from step j on the screen is black, as a blanked or
+  disconnected display shows it).
 - `controller.execute_python_command` (OSWorld's PythonController, which the workbench calls
   directly for its clipboard probe): answers only that probe (`arpo_lib.envs.osworld.env.CLIPBOARD_PROBE`).
 - environment variable ARPO_FAKE_OSWORLD_BOOT_FAILURES=k: the first k constructions in this
@@ -383,6 +384,16 @@ class FakeDesktopEnv:
     def _render(self) -> bytes:
         """The fake screen as PNG bytes: instruction, step, target box, clicks, typed text."""
         w, h = self.screen_width, self.screen_height
+        blank_from = self._fault("blank_at_step", None)
+        if blank_from is not None and self._step_no >= blank_from:
+            image = Image.new("RGB", (w, h), (0, 0, 0))
+        else:
+            image = self._drawn(w, h)
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG", compress_level=1)
+        return buffer.getvalue()
+
+    def _drawn(self, w: int, h: int) -> Image.Image:
         image = Image.new("RGB", (w, h), (236, 239, 244))
         draw = ImageDraw.Draw(image)
         scale = max(h / 1080, 0.3)
@@ -403,9 +414,7 @@ class FakeDesktopEnv:
         r = max(int(8 * scale), 3)
         for x, y in self.clicks:
             draw.ellipse((x - r, y - r, x + r, y + r), outline=(191, 97, 106), width=3)
-        buffer = io.BytesIO()
-        image.save(buffer, format="PNG", compress_level=1)
-        return buffer.getvalue()
+        return image
 
     def _a11y_tree(self) -> str:
         expected = self.task_config["evaluator"].get("expected", {})

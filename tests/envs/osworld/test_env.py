@@ -430,6 +430,24 @@ def test_vm_death_mid_episode_is_an_infrastructure_failure(tmp_path, mode):
     env.close()
 
 
+def test_a_screen_of_one_colour_is_the_environments_failure_not_the_models(tmp_path):
+    """A blanked, locked or disconnected VM screen (ARPO's VMs locked during slow training steps)
+    is not a screen the agent can act on: the step raises EnvError saying so and the next reset
+    boots a fresh VM; at reset it is a failed boot, retried."""
+    env = fake_env(tmp_path, with_faults(blank_at_step=2))
+    env.reset()
+    env.step(Action("click", point=(5, 5)))
+    with pytest.raises(EnvError, match=r"the screen is one colour, rgb\(0, 0, 0\)") as err:
+        env.step(Action("click", point=(6, 6)))
+    assert not _is_setup_error(err.value) and env.desktop_env is None
+    env.close()
+    env = fake_env(tmp_path, with_faults(blank_at_step=0), boot_retries=1)
+    with pytest.raises(EnvError, match="2 attempts") as err:
+        env.reset()
+    assert "one colour" in str(err.value)
+    env.close()
+
+
 @pytest.mark.parametrize("fault", ["evaluate_fails", "checker_raises"])
 def test_a_checker_that_raises_scores_zero_and_is_reported(tmp_path, fault):
     """ARPO scores a checker exception 0; leaving such episodes out would bias success upward."""

@@ -221,6 +221,54 @@ def test_an_osworld_episode_on_the_sandbox_in_an_environment_worker(osworld_pyth
         assert (reward, terminated) == (0.0, True)
 
 
+_CRASH = r"""
+import json, sys, time
+from arpo_lib.actions import Action
+from arpo_lib.envs.base import EnvError
+from arpo_lib.envs.osworld.env import OSWorldEnv
+task = json.load(open(sys.argv[1]))
+env = OSWorldEnv(task, provider="sandbox", screen_size=(1280, 800), pause_s=0.3, cache_root=sys.argv[2],
+                 download_cache=None, max_steps=5)
+out = {}
+try:
+    env.reset()
+    env.step(Action("click", point=(640, 400)))
+    box = env.desktop_env.sandbox
+    (editor,) = [a for a in box.launched() if a["command"][0] == "mousepad"]
+    box.execute(f"kill -SEGV {editor['pid']}", shell=True)  # as a crash ends it
+    time.sleep(1.0)
+    try:
+        env.step(Action("click", point=(640, 400)))
+    except EnvError as e:
+        out["raised"] = str(e)
+    env.reset()  # the next episode: its own editor, nothing reported
+    out["next"] = env.step(Action("click", point=(640, 400)))[4]["action_error"]
+    box = env.desktop_env.sandbox
+    (editor,) = [a for a in box.launched() if a["command"][0] == "mousepad"]
+    box.execute(f"kill -TERM {editor['pid']}", shell=True)  # as the agent's `pkill mousepad` ends it
+    time.sleep(1.0)
+    out["quit"] = env.step(Action("click", point=(640, 400)))[4]["action_error"]
+finally:
+    env.close()
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_the_tasks_application_crashing_mid_episode_is_the_environments_failure(osworld_python, task_files,
+                                                                                tmp_path):
+    """The editor the task's set-up launched dies of SIGSEGV mid-episode: the next step raises
+    EnvError naming it (the episode is the environment's failure, dropped from its group, never
+    scored 0 as the model's); the next episode has its own editor and no report; an editor the
+    agent's own `pkill` ends (SIGTERM) is the agent's doing and is not reported."""
+    done = _in_osworld(osworld_python, ["-c", _CRASH, str(task_files[0]), str(tmp_path)])
+    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line is not None, done.stdout[-3000:] + done.stderr[-3000:]
+    out = json.loads(line[len("RESULT "):])
+    assert "the task's application crashed" in out["raised"] and "mousepad" in out["raised"], out
+    assert "SIGSEGV" in out["raised"] and out["next"] is None and out["quit"] is None, out
+
+
 def test_the_borrowed_torch_follows_the_checkout_that_borrows_it(osworld_python, tmp_path):
     """Regression (a CI run): the tests' OSWorld environment borrows torch from the checkout that
     built it, by a path in a .pth file; that environment is cached across checkouts, and a CI clone in
