@@ -51,10 +51,31 @@ PATH_TO_VM = "desktop-sandbox"
 """What DesktopEnv is given as path_to_vm: anything non-empty keeps its VM manager from looking
 for (or downloading) a disk image."""
 
+def _xcu_item(path: str, name: str, value: str) -> str:
+    return (f"'<item oor:path=\"{path}\"><prop oor:name=\"{name}\" oor:op=\"fuse\"><value>{value}</value></prop>"
+            "</item>'")
+
+
+_LIBREOFFICE_ITEMS = " ".join([
+    _xcu_item("/org.openoffice.Office.Common/Misc", "ShowTipOfTheDay", "false"),
+    _xcu_item("/org.openoffice.Setup/Office", "FirstStartWizardCompleted", "true"),
+    _xcu_item("/org.openoffice.Office.Impress/Misc/NewDoc", "AutoPilot", "false"),  # its template chooser (7.x)
+])
+"""A used profile's settings, as OSWorld's VM image has them: no Tip of the Day (it took the
+first typed text), no first-start wizard, Impress without its template chooser; with
+ooSetupLastVersion the installed version, so no "running for the first time" infobar."""
+
 HOME_PROFILES = [
     ("vlc", "timeout 30 vlc -I dummy --reset-config vlc://quit >/dev/null 2>&1; "
             "sed -i -e 's/^#qt-privacy-ask=.*/qt-privacy-ask=0/' -e 's/^#extraintf=.*/extraintf=http/' "
             "-e 's/^#http-password=.*/http-password=password/' ~/.config/vlc/vlcrc"),
+    ("soffice", "d=~/.config/libreoffice/4/user && mkdir -p $d && "
+                "v=$(dpkg-query -W -f='${Version}' libreoffice-core 2>/dev/null | sed -E 's/^[0-9]+://; s/^([0-9]+[.][0-9]+).*/\\1/') && "
+                "printf '%s\\n' '<?xml version=\"1.0\" encoding=\"UTF-8\"?>' "
+                "'<oor:items xmlns:oor=\"http://openoffice.org/2001/registry\" xmlns:xs=\"http://www.w3.org/2001/XMLSchema\">' "
+                f"{_LIBREOFFICE_ITEMS} "
+                "\"<item oor:path=\\\"/org.openoffice.Setup/Product\\\"><prop oor:name=\\\"ooSetupLastVersion\\\" oor:op=\\\"fuse\\\"><value>${v:-7.4}</value></prop></item>\" "
+                "'</oor:items>' > $d/registrymodifications.xcu"),
     ("google-chrome", "mkdir -p ~/.config/google-chrome/Default && "
                       "[ -e ~/.config/google-chrome/Default/Preferences ] || echo '{}' > ~/.config/google-chrome/Default/Preferences"),
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import subprocess
 import time
 
@@ -149,6 +150,25 @@ def test_super_opens_the_overview_and_alt_f2_the_run_dialog(box):
     time.sleep(1.0)
     act(box, "pyautogui.write('gnome-terminal', interval=0.01)\npyautogui.press('enter')")
     assert wait_for_window(box, "@").startswith("user@")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("soffice") is None, reason="LibreOffice is not installed (setup-desktop --osworld)")
+def test_libreoffice_starts_as_on_the_vm_without_first_run_dialogs(box):
+    """With the profile the OSWorld provider writes into every fresh home, Writer opens its
+    document with no Tip of the Day (it took the first typed text) and Impress without its template
+    chooser, as on OSWorld's VM image, whose LibreOffice has been run before."""
+    from desktop_sandbox.osworld import HOME_PROFILES
+
+    box.reset_session()
+    (script,) = [script for program, script in HOME_PROFILES if program == "soffice"]
+    assert box.execute(script, shell=True)["returncode"] == 0
+    for app, title in (("--writer", "Untitled 1 - LibreOffice Writer"), ("--impress", "Untitled 2 - LibreOffice Impress")):
+        box.post_json("/setup/launch", {"command": ["soffice", app]})
+        wait_for_window(box, title, timeout=60)
+        time.sleep(4.0)  # the dialogs open a moment after the document's window
+        titles = [w["title"] for w in box.windows()]
+        assert not any(t.startswith(("Tip of the Day", "Select a Template")) for t in titles), titles
 
 
 @pytest.mark.slow
