@@ -153,6 +153,31 @@ def test_super_opens_the_overview_and_alt_f2_the_run_dialog(box):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(shutil.which("gnome-control-center") is None, reason="GNOME Settings is not installed "
+                    "(./workbench setup installs it)")
+def test_settings_opens_from_the_overview_and_its_appearance_panel_works_by_clicks(box):
+    """GNOME Settings, found as on the VM: Super, type "settings", Enter. Its Appearance panel,
+    driven by a click on the Dark style, sets what OSWorld's checkers read (gsettings)."""
+    box.reset_session()
+    act(box, "pyautogui.press('winleft')")
+    time.sleep(1.5)
+    act(box, "pyautogui.write('settings', interval=0.05)")
+    time.sleep(1.5)
+    act(box, "pyautogui.press('enter')")
+    assert wait_for_window(box, "Settings", timeout=30) == "Settings"
+    box.reset_session()
+    box.post_json("/setup/launch", {"command": ["gnome-control-center", "background"]})
+    wait_for_window(box, "Settings", timeout=30)
+    time.sleep(2.0)
+    act(box, "pyautogui.click(910, 268)")  # the Dark style's picture (1280x800, the window centred)
+    deadline = time.monotonic() + 10
+    while (scheme := box.execute("gsettings get org.gnome.desktop.interface color-scheme", shell=True)["output"].strip()) \
+            != "'prefer-dark'" and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert scheme == "'prefer-dark'"
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("soffice") is None, reason="LibreOffice is not installed (setup-desktop --osworld)")
 def test_libreoffice_starts_as_on_the_vm_without_first_run_dialogs(box):
     """With the profile the OSWorld provider writes into every fresh home, Writer opens its
