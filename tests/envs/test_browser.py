@@ -142,3 +142,36 @@ def test_the_module_prints_exports_for_the_shell(system):
 def test_the_real_browser_here_is_found(chromium_available):
     found = find_browser()
     assert found.major >= 100 and found.version.split(".")[0] == found.driver_version.split(".")[0]
+
+
+def test_a_version_run_that_a_signal_ended_is_asked_again(system):
+    """Debian's chromium is a shell script: a `--version` run killed from outside (a crash, an
+    OOM kill, a fault injector) is no verdict on the browser, so it is run again."""
+    marker = system / "killed-once"
+    chromium = _exe(system / "bin" / "chromium", f"""#!/bin/sh
+if [ ! -e {marker} ]; then : > {marker}; kill -9 $$; fi
+echo 'Chromium 156.0.8078.108 built on Debian GNU/Linux 12'
+""")
+    _prints(system / "bin" / "chromedriver", "ChromeDriver 156.0.8078.108 (1a2b3c)")
+    assert find_browser().binary == chromium and marker.exists()
+
+
+def test_a_browser_that_never_answers_for_a_signal_says_so(system):
+    _exe(system / "bin" / "chromium", "#!/bin/sh\nkill -9 $$\n")
+    _prints(system / "bin" / "chromedriver", "ChromeDriver 156.0.8078.108")
+    with pytest.raises(BrowserNotFoundError, match=r"exit -9, 3 tries"):
+        find_browser()
+
+
+def test_a_failed_version_run_is_not_remembered(system):
+    """The answer of a working browser is kept per file; a failure is asked again at the next
+    environment, without the file having to change."""
+    marker = system / "failed-once"
+    _exe(system / "bin" / "chromium", f"""#!/bin/sh
+if [ ! -e {marker} ]; then : > {marker}; echo 'not yet' >&2; exit 1; fi
+echo 'Chromium 156.0.8078.108 built on Debian GNU/Linux 12'
+""")
+    _prints(system / "bin" / "chromedriver", "ChromeDriver 156.0.8078.108")
+    with pytest.raises(BrowserNotFoundError, match="not yet"):
+        find_browser()
+    assert find_browser().version == "156.0.8078.108"

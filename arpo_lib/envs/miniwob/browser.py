@@ -91,37 +91,45 @@ def is_snap_wrapper(path: str) -> bool:
     return head.startswith(b"#!") and b"snap" in head
 
 
-def version_of(path: str, timeout_s: float = 20.0) -> str:
-    """The version `path --version` answers (e.g. `156.0.8078.108`); raises ValueError why not."""
-    try:
-        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=timeout_s)
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise ValueError(f"`--version` failed: {exc}") from exc
+def version_of(path: str, timeout_s: float = 20.0, attempts: int = 3) -> str:
+    """The version `path --version` answers (e.g. `156.0.8078.108`); raises ValueError why not.
+
+    A run that a signal ended (a killed process, not an answer) is tried again, `attempts` in all:
+    Debian's `chromium` is a shell script, and a crash or an outside kill of it says nothing about
+    the browser."""
+    for attempt in range(attempts):
+        try:
+            out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=timeout_s)
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise ValueError(f"`--version` failed: {exc}") from exc
+        if out.returncode >= 0:
+            break
     text = (out.stdout + out.stderr).strip()
     match = re.search(r"\b(\d+\.\d+(?:\.\d+)*)\b", text)
     if out.returncode != 0 or not match:
-        raise ValueError(f"`--version` answered {text[:160]!r} (exit {out.returncode})")
+        tries = f", {attempts} tries" if out.returncode < 0 else ""
+        raise ValueError(f"`--version` answered {text[:160]!r} (exit {out.returncode}{tries})")
     return match.group(1)
 
 
 def _check(path: str) -> tuple[str | None, str]:
     """(version, '') for a usable executable, else (None, why not). Every MiniWoB environment
-    asks (`ensure_chromium`), so the two `--version` runs are remembered per file and its
-    modification time."""
+    asks (`ensure_chromium`), so a working file's version is remembered per file and modification
+    time; a failure is asked again next time."""
     if not (os.path.isfile(path) and os.access(path, os.X_OK)):
         return None, "not an executable file"
+    if is_snap_wrapper(path):
+        return None, "Ubuntu's wrapper for the snap, which cannot run here"
     stat = os.stat(path)
-    return _probe(path, stat.st_mtime_ns, stat.st_size)
+    try:
+        return _version_cached(path, stat.st_mtime_ns, stat.st_size), ""
+    except ValueError as exc:
+        return None, str(exc)
 
 
 @functools.lru_cache(maxsize=64)
-def _probe(path: str, mtime_ns: int, size: int) -> tuple[str | None, str]:
-    if is_snap_wrapper(path):
-        return None, "Ubuntu's wrapper for the snap, which cannot run here"
-    try:
-        return version_of(path), ""
-    except ValueError as exc:
-        return None, str(exc)
+def _version_cached(path: str, mtime_ns: int, size: int) -> str:
+    return version_of(path)  # lru_cache keeps no result for a call that raised
 
 
 def _candidates(var: str, names: tuple[str, ...], extra: list[str]) -> tuple[list[str], bool]:
@@ -166,7 +174,7 @@ def find_browser() -> Browser:
                      f"Selenium Manager's cache ({selenium_cache()})")
     if not drivers:
         tried.append(f"chromedriver: not on PATH, nothing in Selenium Manager's cache ({selenium_cache()})")
-    what = "a usable browser" if not usable_binary else "a chromedriver that matches the browser"
+    what = "usable browser" if not usable_binary else "chromedriver that matches the browser"
     raise BrowserNotFoundError(f"Cannot start MiniWoB++: no {what}. Tried:\n  - " + "\n  - ".join(tried)
                                + f"\n{FIX}")
 
