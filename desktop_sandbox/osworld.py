@@ -35,6 +35,7 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import shlex
 import threading
 import urllib.error
 import urllib.request
@@ -52,18 +53,32 @@ PATH_TO_VM = "desktop-sandbox"
 for (or downloading) a disk image."""
 
 def _xcu_item(path: str, name: str, value: str) -> str:
-    return (f"'<item oor:path=\"{path}\"><prop oor:name=\"{name}\" oor:op=\"fuse\"><value>{value}</value></prop>"
-            "</item>'")
+    return shlex.quote(f'<item oor:path="{path}"><prop oor:name="{name}" oor:op="fuse"><value>{value}</value></prop>'
+                       "</item>")
+
+
+def _factory(document_service: str) -> str:
+    return f"/org.openoffice.Setup/Office/Factories/org.openoffice.Setup:Factory['{document_service}']"
 
 
 _LIBREOFFICE_ITEMS = " ".join([
     _xcu_item("/org.openoffice.Office.Common/Misc", "ShowTipOfTheDay", "false"),
     _xcu_item("/org.openoffice.Setup/Office", "FirstStartWizardCompleted", "true"),
     _xcu_item("/org.openoffice.Office.Impress/Misc/NewDoc", "AutoPilot", "false"),  # its template chooser (7.x)
+    # Tools > Options > Load/Save > General, "Always save as" (OSWorld's server README sets these on the VM)
+    _xcu_item(_factory("com.sun.star.text.TextDocument"), "ooSetupFactoryDefaultFilter", "MS Word 2007 XML"),
+    _xcu_item(_factory("com.sun.star.sheet.SpreadsheetDocument"), "ooSetupFactoryDefaultFilter",
+              "Calc MS Excel 2007 XML"),
+    _xcu_item(_factory("com.sun.star.presentation.PresentationDocument"), "ooSetupFactoryDefaultFilter",
+              "Impress MS PowerPoint 2007 XML"),
 ])
 """A used profile's settings, as OSWorld's VM image has them: no Tip of the Day (it took the
 first typed text), no first-start wizard, Impress without its template chooser; with
-ooSetupLastVersion the installed version, so no "running for the first time" infobar."""
+ooSetupLastVersion the installed version, so no "running for the first time" infobar. Word,
+Excel and PowerPoint as the formats documents are saved in: Save As starts on them, and saving
+in them asks nothing (LibreOffice's "Keep current format?" question is for formats other than
+ODF and the default; OSWorld's checkers save Calc files with Ctrl+S and no answer). Documents
+open maximised without a setting: LibreOffice's own default window state (`;4;`) is that."""
 
 HOME_PROFILES = [
     ("vlc", "timeout 30 vlc -I dummy --reset-config vlc://quit >/dev/null 2>&1; "

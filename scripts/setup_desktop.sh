@@ -4,11 +4,11 @@
 #   ./workbench setup-desktop --osworld    (= bash scripts/setup_desktop.sh --osworld)
 #   bash scripts/setup_desktop.sh --osworld --dry-run   what it would install, and the download size
 # Installs with apt, without recommends: GNOME's Videos (Totem, the VM's default video player),
-# LibreOffice (Calc, Writer, Impress; its default X11 front
-# end, which the scripted solutions were written against: with libreoffice-gtk3, the VM's front end
-# and the only one that reaches the accessibility tree, its dialogs move and the Impress solution
-# misses; not installed until the solutions are redone for it), GIMP, VLC, Thunderbird, wmctrl, socat, xsel, xclip,
-# ffmpeg (the recording endpoints), xdg-utils; and the browser the tasks call `google-chrome`:
+# LibreOffice (Calc, Writer, Impress, with libreoffice-gtk3: the VM's front end, GTK's file
+# dialogs, and the only one that reaches the accessibility tree; one package of 0.5 MB, GTK 3
+# being there with GNOME; the scripted solutions are written against it), GIMP, VLC, Thunderbird,
+# wmctrl, socat, xsel, xclip, ffmpeg (the recording endpoints), xdg-utils; and the browser the
+# tasks call `google-chrome`:
 #   - Debian: Debian's Chromium (already there from the default set-up); inside the sandbox a
 #     `google-chrome` shim runs it with Chrome's profile path (~/.config/google-chrome).
 #   - Ubuntu (Colab's runtime is one): apt's chromium is a transitional package for a snap, and snaps
@@ -32,13 +32,13 @@ for arg in "$@"; do
   case "$arg" in
     --osworld) OSWORLD=1 ;;
     --dry-run) DRY=1 ;;
-    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 0 ;;
+    -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 0 ;;
     *) die "unknown argument $arg (see --help)" ;;
   esac
 done
 [ "$OSWORLD" = 1 ] || die "say which applications: --osworld (the default desktop comes with ./workbench setup)"
 
-APPS=(libreoffice-calc libreoffice-writer libreoffice-impress gimp vlc thunderbird totem wmctrl socat xsel xclip ffmpeg xdg-utils)
+APPS=(libreoffice-calc libreoffice-writer libreoffice-impress libreoffice-gtk3 gimp vlc thunderbird totem wmctrl socat xsel xclip ffmpeg xdg-utils)
 CHROME_DEB_URL="https://dl.google.com/linux/direct/google-chrome-stable_current_amd64.deb"
 
 . /etc/os-release 2>/dev/null || true

@@ -197,6 +197,46 @@ def test_libreoffice_starts_as_on_the_vm_without_first_run_dialogs(box):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(shutil.which("soffice") is None, reason="LibreOffice is not installed (setup-desktop --osworld)")
+def test_calc_save_as_with_a_typed_xlsx_name_writes_an_excel_file_without_a_format_question(box):
+    """Save As as an agent on the VM does it: Ctrl+Shift+S, the name typed with its extension over
+    the selected "Untitled 1", nothing else picked, Enter. With the VM's profile (Excel the format
+    Calc saves in) the dialog starts on Excel 2007-365 and LibreOffice asks no "Keep current
+    format?" question: ~/Documents/prices.xlsx is an Excel workbook. The document's window opens
+    maximised, as on the VM."""
+    import zipfile
+
+    from desktop_sandbox.osworld import HOME_PROFILES
+
+    box.reset_session()
+    (script,) = [script for program, script in HOME_PROFILES if program == "soffice"]
+    assert box.execute(script, shell=True)["returncode"] == 0
+    box.post_json("/setup/launch", {"command": ["soffice", "--calc"]})
+    wait_for_window(box, "Untitled 1 - LibreOffice Calc", timeout=60)
+    (calc,) = [w for w in box.windows() if w["title"] == "Untitled 1 - LibreOffice Calc"]
+    probe = ("from Xlib import display; d = display.Display(); w = d.create_resource_object('window', "
+             f"{calc['id']}); p = w.get_full_property(d.intern_atom('_NET_WM_STATE'), 0); "
+             "print(*[d.get_atom_name(a) for a in (p.value if p else [])])")
+    state = box.execute(["python3", "-c", probe])["output"].split()
+    assert {"_NET_WM_STATE_MAXIMIZED_HORZ", "_NET_WM_STATE_MAXIMIZED_VERT"} <= set(state), state
+    time.sleep(2.0)  # the sheet takes keys a moment after its window is mapped
+    typed(box, "42")
+    act(box, "pyautogui.hotkey('ctrl', 'shift', 's')")
+    wait_for_window(box, "Save")
+    time.sleep(1.0)
+    act(box, "pyautogui.write('prices.xlsx', interval=0.02)")
+    act(box, "pyautogui.press('enter')")
+    wait_for_window(box, "prices.xlsx - LibreOffice Calc")  # a format question would hold the save here
+    assert "Confirm File Format" not in [w["title"] for w in box.windows()]
+    saved = box.execute("find ~ -name 'prices*' -newer ~/.config/libreoffice/4/user/registrymodifications.xcu",
+                        shell=True)["output"].split()
+    assert saved == ["/home/user/Documents/prices.xlsx"], saved
+    with zipfile.ZipFile(io.BytesIO(box.read_file("~/Documents/prices.xlsx"))) as workbook:
+        assert "xl/workbook.xml" in workbook.namelist()
+        assert "<v>42</v>" in workbook.read("xl/worksheets/sheet1.xml").decode()
+
+
+@pytest.mark.slow
 def test_the_screen_never_blanks_the_x_screensaver_and_dpms_are_off(box):
     """The X server's own screensaver (armed at 600 s by default) and DPMS are off, and stay off
     once GNOME's session is up: an episode that waits through a slow update step sees the screen
