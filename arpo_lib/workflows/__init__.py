@@ -13,7 +13,7 @@ lab protocols (no definitions) and the CLI and the tests go through the same cod
 Notebooks call them through the package (`workflows.prepare_run(...)`), which holds every name.
 """
 from arpo_lib.workflows.evaluate import (eval_dirs, evaluate_policy, export_results, find_eval, first_trajectory,
-                                         run_evaluation, run_task_selection)
+                                         plot_run_evals, run_evaluation, run_task_selection)
 from arpo_lib.workflows.memory import MemoryMonitor
 from arpo_lib.workflows.notebooks import execute_notebook
 from arpo_lib.workflows.prepare import NOTEBOOK_PARAMETERS, REPO_ROOT, check_parameters, prepare_run, use_repo_root
@@ -24,6 +24,6 @@ from arpo_lib.workflows.train import live_progress, open_trainer, print_step, tr
 
 __all__ = ["MemoryMonitor", "NOTEBOOK_PARAMETERS", "REPO_ROOT", "check_parameters", "deterministic_digest",
            "eval_dirs", "evaluate_policy", "execute_notebook", "export_results", "find_eval", "finish_server",
-           "first_trajectory", "format_summary", "live_progress", "open_trainer", "prepare_run", "print_step", "run_digest",
+           "first_trajectory", "format_summary", "live_progress", "open_trainer", "plot_run_evals", "prepare_run", "print_step", "run_digest",
            "run_evaluation", "run_task_selection", "server_instructions", "server_smoke_request", "smoke_seeds_table", "smoke_summary",
            "training_report", "use_repo_root"]

@@ -77,6 +77,20 @@ def eval_dirs(run_dir: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: (p / layout.EVAL_RESULTS).stat().st_mtime)
 
 
+def plot_run_evals(run_dir: str | Path):
+    """A run's last evaluation beside its first (viz.plots.plot_eval); where the run evaluated
+    nothing (train.eval_every 0, as the one-GPU and OSWorld configs have), a line saying so and None."""
+    from arpo_lib.viz import plots
+
+    found = eval_dirs(run_dir)
+    if not found:
+        print("no evaluation in this run: train.eval_every is 0 (set it, e.g. overrides=['train.eval_every=4'], "
+              "to evaluate every N steps and at the last)")
+        return None
+    first, last = found[0], found[-1]
+    return plots.plot_eval(last, baseline=first if first != last else None, labels=(last.name, first.name))
+
+
 def find_eval(path: str | Path) -> Path:
     """An evaluation directory from a path to one, to its results.json, or to a run (its latest)."""
     path = Path(path)

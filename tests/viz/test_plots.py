@@ -233,3 +233,14 @@ def test_the_live_curve_redraws_one_output_per_step_with_success_evaluation_and_
     assert list(evaluation.get_xdata()) == [3] and list(evaluation.get_ydata()) == [0.6]
     assert [p.get_height() for p in bars.patches] == [0, 2, 1]
     assert "3 injections so far" in fig._suptitle.get_text()
+
+
+def test_a_run_without_evaluations_says_so_instead_of_failing(tmp_path: Path, capsys) -> None:
+    """The subset-training notebook's evaluation cell on a run with train.eval_every 0 (the one-GPU
+    and OSWorld configs): a line naming the setting, no figure, no IndexError."""
+    from arpo_lib import workflows
+
+    run = tmp_path / "run"
+    (run / "eval").mkdir(parents=True)
+    assert workflows.plot_run_evals(run) is None
+    assert "train.eval_every is 0" in capsys.readouterr().out
