@@ -455,7 +455,7 @@ def exit_with_torchrun() -> None:
 
 
 OVERRIDES_EPILOG = """overrides: KEY=VALUE with the config's dotted key names, values in YAML, e.g.
-  eval.samples_per_task=2 env.workers=4 'eval.tasks=[osworld/abc, osworld/def]' model.path=DIR
+  eval.samples_per_task=2 env.workers=4 'eval.tasks=[osworld/smoke4, osworld/chrome10]' model.path=DIR
 Every key and its doc: ./workbench config --docs; the resolved config: ./workbench config --config F [overrides].
 An unknown key or an impossible combination is refused with the key named."""
 
