@@ -249,7 +249,8 @@ def bwrap_arguments(workdir: Path, limits: Limits, *, network: bool = False, sec
                     binds: dict[str, str] | None = None, environment: dict[str, str] | None = None) -> list[str]:
     """The bubblewrap options (everything before the command) of a namespaces-mode sandbox.
     `workdir` holds the sandbox's own passwd, group, hostname, hosts and machine-id files
-    (write_identity_files)."""
+    (write_identity_files); `binds` (host path: path inside, read-only) the sandbox's Python
+    (runtime.py) and anything else its caller adds."""
     features = bwrap_features()
     args = ["--die-with-parent", "--new-session", "--unshare-user", "--unshare-pid", "--unshare-ipc",
             "--unshare-uts", "--unshare-cgroup-try", "--hostname", HOSTNAME,
@@ -280,9 +281,7 @@ def bwrap_arguments(workdir: Path, limits: Limits, *, network: bool = False, sec
     for path, mib in [*((d, limits.scratch_mib) for d in SCRATCH_DIRS), (HOME_IN_SANDBOX, limits.home_mib)]:
         args += (["--size", str(mib * 2**20)] if "--size" in features else []) + ["--tmpfs", path]
     args += ["--symlink", "../run", "/var/run", "--symlink", "../run/lock", "/var/lock"]
-    for path in [*python_paths(), package_dir()]:  # after the tmpfs mounts, which could hide them
-        args += ["--ro-bind", path, path]
-    for outside, inside in (binds or {}).items():
+    for outside, inside in (binds or {}).items():  # after the tmpfs mounts, which could hide them
         args += ["--ro-bind", outside, inside]
     for name, value in (environment or sandbox_environment()).items():
         args += ["--setenv", name, value]
@@ -307,22 +306,36 @@ def write_identity_files(workdir: Path, uid: int = USER_ID, home: str = HOME_IN_
 
 SHIM_DIR_IN_SANDBOX = "/opt/arpo/bin"
 """Where the sandbox sees the host-written `python` shim (read-only)."""
+VSCODE_IN_SANDBOX = "/opt/arpo/vscode"
+"""Where the sandbox sees VS Code (code-server and its `code` command, scripts/setup_vscode.sh), read-only."""
 
 
-def write_python_shim(workdir: Path, python: str, site_dirs: list[str], pythons: bool = True) -> Path:
+def vscode_home() -> str | None:
+    """VS Code's installation on this host (scripts/setup_vscode.sh): $ARPO_VSCODE_HOME, else the
+    workbench's cache (~/.cache/arpo-workbench/vscode); None where it is not installed."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "arpo-workbench" / "vscode"
+    home = os.environ.get("ARPO_VSCODE_HOME") or str(cache)
+    return home if os.access(os.path.join(home, "bin", "code"), os.X_OK) else None
+
+
+def write_python_shim(workdir: Path, python: str, site_dirs: list[str], pythons: bool = True,
+                      environment: dict[str, str] | None = None, vscode: str | None = None) -> Path:
     """`workdir/bin/python` and `python3`: OSWorld's set-up steps and getters run `python -c "import pyautogui;
-    ..."` (the name `python`, with pyautogui importable). The shim runs the workbench's interpreter
-    with its site directories. It is written by the host and seen read-only, so nothing the agent
+    ..."` (the name `python`, with pyautogui importable). The shim runs `python` with `site_dirs`:
+    in namespaces mode the sandbox's staged interpreter and site (runtime.py), in user mode the
+    workbench's own. It is written by the host and seen read-only, so nothing the agent
     does can change what a trusted command runs. `pythons=False`: the browser shims only (the
     agent's uid cannot run `python`: user mode with the interpreter in a directory only root may
-    enter)."""
+    enter). `environment`: what the interpreter needs besides (runtime.Runtime.environment).
+    `vscode`: where the sandbox sees VS Code, for a `code` command and its desktop entry."""
     bin_dir = workdir / "bin"
     bin_dir.mkdir(mode=0o755, exist_ok=True)
     path = ":".join(site_dirs)
     for name in ("python", "python3") if pythons else ():  # OSWorld's VM has pyautogui under both names (GIMP's tasks use python3)
         shim = bin_dir / name
-        shim.write_text("#!/bin/sh\n# OSWorld's commands run python and python3 with pyautogui: the workbench's interpreter\n"
-                        f"PYTHONPATH={shlex.quote(path)} exec {shlex.quote(python)} \"$@\"\n")
+        shim.write_text("#!/bin/sh\n# OSWorld's commands run python and python3 with pyautogui: the sandbox's interpreter\n"
+                        + "".join(f"{k}={shlex.quote(v)} " for k, v in (environment or {}).items())
+                        + f"PYTHONPATH={shlex.quote(path)} exec {shlex.quote(python)} \"$@\"\n")
         shim.chmod(0o755)
     sudo = bin_dir / "sudo"
     sudo.write_text(SUDO_SHIM)
@@ -352,7 +365,13 @@ def write_python_shim(workdir: Path, python: str, site_dirs: list[str], pythons:
         shim = bin_dir / "google-chrome"
         shim.write_text('#!/bin/sh\nexec "$(dirname "$0")/chrome" "$@"\n')
         shim.chmod(0o755)
-    _write_xdg_defaults(bin_dir / XDG_DIR, browser=chromium)
+    code = bin_dir / "code"
+    code.unlink(missing_ok=True)
+    if vscode:  # OSWorld's vs_code tasks run `code` by name, and the VM's dock has it
+        code.write_text(f"#!/bin/sh\n# VS Code (code-server in an application window: docs/vscode.md)\n"
+                        f"exec {shlex.quote(vscode)}/bin/code \"$@\"\n")
+        code.chmod(0o755)
+    _write_xdg_defaults(bin_dir / XDG_DIR, browser=chromium, vscode=vscode)
     return bin_dir
 
 
@@ -375,9 +394,17 @@ BROWSER_TYPES = ("text/html", "application/xhtml+xml", "x-scheme-handler/http", 
                  "application/pdf")
 
 
-def _write_xdg_defaults(xdg: Path, browser: str | None) -> None:
+def _write_xdg_defaults(xdg: Path, browser: str | None, vscode: str | None = None) -> None:
     defaults = dict(XDG_DEFAULTS)
     (xdg / "applications").mkdir(mode=0o755, parents=True, exist_ok=True)
+    entry = xdg / "applications" / "code.desktop"  # the VM's name for it: the dock's favourite (gnome.FAVORITES)
+    entry.unlink(missing_ok=True)
+    if vscode:
+        entry.write_text("[Desktop Entry]\nType=Application\nName=Visual Studio Code\nComment=Code Editing. Redefined.\n"
+                         "GenericName=Text Editor\nExec=code %F\nTerminal=false\n"
+                         f"Icon={vscode}/code-server/node_modules/code-server/src/browser/media/pwa-icon-512.png\n"
+                         "StartupWMClass=Code\nCategories=TextEditor;Development;IDE;\n"
+                         "MimeType=inode/directory;application/x-code-workspace;\nKeywords=vscode;\n")
     if TOTEM.is_file():  # every video type Totem takes: xdg-mime then answers as on the VM
         for line in TOTEM.read_text(errors="replace").splitlines():
             if line.startswith("MimeType="):

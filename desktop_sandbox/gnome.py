@@ -72,8 +72,8 @@ FAVORITES = ("google-chrome.desktop", "thunderbird.desktop", "code.desktop", "vl
              "org.gnome.Nautilus.desktop", "snap-store_ubuntu-software.desktop", "yelp.desktop")
 """The dock's favourites on OSWorld's VM image, in its order (as a project that rebuilt the image
 recorded them, cross-checked with agents' clicks on the VM's dock; docs/desktop.md). Those not
-installed here (VS Code, Ubuntu Software, Help) are not shown, as GNOME does with any favourite
-it cannot find. The terminal is not pinned on the VM either: Ctrl+Alt+T opens it."""
+installed here (Ubuntu Software, Help; VS Code where setup_vscode.sh could not run) are not shown,
+as GNOME does with any favourite it cannot find. The terminal is not pinned on the VM either: Ctrl+Alt+T opens it."""
 TIMEZONE = "Asia/Hong_Kong"
 """The VM's time zone (its clock, `date`, file times in the terminal)."""
 

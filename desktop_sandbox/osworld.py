@@ -91,6 +91,7 @@ HOME_PROFILES = [
                 f"{_LIBREOFFICE_ITEMS} "
                 "\"<item oor:path=\\\"/org.openoffice.Setup/Product\\\"><prop oor:name=\\\"ooSetupLastVersion\\\" oor:op=\\\"fuse\\\"><value>${v:-7.4}</value></prop></item>\" "
                 "'</oor:items>' > $d/registrymodifications.xcu"),
+    ("code", "mkdir -p ~/.config/Code/User"),
     ("google-chrome", "mkdir -p ~/.config/google-chrome/Default && "
                       "[ -e ~/.config/google-chrome/Default/Preferences ] || echo '{}' > ~/.config/google-chrome/Default/Preferences"),
 ]
@@ -99,7 +100,9 @@ VLC: its default vlcrc (VLC writes it), as on OSWorld's VM: no first-run privacy
 interface on (password "password", what OSWorld's vlc_playing_info getter sends). VLC's
 configuration tasks read this file; without it their getter finds nothing. Chrome: a profile
 (the VM image's Chrome has been run: task set-ups edit `Default/Preferences` before starting it,
-with jq); an empty one here, which Chrome fills with its defaults at its first start."""
+with jq); an empty one here, which Chrome fills with its defaults at its first start. VS Code:
+its user settings directory (the VM's VS Code has been run: task set-ups write
+~/.config/Code/User/settings.json before starting it)."""
 
 SETTLE_TIMEOUT_S = 20.0
 """After a set-up that started something, reset waits at most this long for the desktop to be still."""

@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from desktop_sandbox import a11y, confinement, gnome, usernet
+from desktop_sandbox import a11y, confinement, gnome, runtime, usernet
 from desktop_sandbox.confinement import HOME_IN_SANDBOX, Limits
 from desktop_sandbox.processes import ACTION_TIMEOUT_S
 
@@ -196,17 +196,36 @@ class Sandbox:
         _say_once(self.describe())
 
     # -- starting ------------------------------------------------------------------------------
-    def _server_arguments(self, listen_fd: int, window_manager: str) -> list[str]:
-        sites = confinement.site_directories()
-        boot = _BOOT.format(paths=[str(Path(confinement.package_dir()).parent), *sites])
-        return [sys.executable, "-I", "-c", boot, "--python-path", json.dumps(sites), "--listen-fd", str(listen_fd), "--screen", f"{self.screen[0]}x{self.screen[1]}",
+    def _server_arguments(self, listen_fd: int, window_manager: str, python: str | None = None,
+                          sites: list[str] | None = None, package_parent: str | None = None) -> list[str]:
+        """The server's command: by default this interpreter with the host's site directories and
+        this package where it is (the user mode); the namespaces mode names the sandbox's own."""
+        sites = confinement.site_directories() if sites is None else sites
+        boot = _BOOT.format(paths=[package_parent or str(Path(confinement.package_dir()).parent), *sites])
+        return [python or sys.executable, "-I", "-c", boot, "--python-path", json.dumps(sites), "--listen-fd", str(listen_fd), "--screen", f"{self.screen[0]}x{self.screen[1]}",
                 "--wm", window_manager, "--limits", json.dumps(self.limits.as_dict()),
                 "--host-pid-namespace", os.readlink("/proc/self/ns/pid"), "--a11y-missing", a11y.unavailable() or ""]
 
     def _namespaces_command(self, listen_fd: int, network: bool, window_manager: str,
                             binds: dict[str, str] | None) -> tuple[list[str], tuple[int, ...], dict[str, str], str]:
         confinement.write_identity_files(self.workdir)
-        bin_dir = confinement.write_python_shim(self.workdir, sys.executable, confinement.site_directories())
+        try:
+            python = runtime.stage(tuple(confinement.site_directories()))
+        except (RuntimeError, OSError) as e:
+            raise SandboxError(f"cannot stage the sandbox's Python: {e}") from e
+        python_env = dict(python.environment)
+        runtime_binds = {**dict(python.binds),
+                         str(runtime.copy_package(confinement.package_dir(), self.workdir / "lib")): runtime.LIB_IN_SANDBOX}
+        vscode = confinement.vscode_home()
+        if vscode:
+            try:
+                runtime_binds[runtime.stage_tree(vscode, "vscode")] = confinement.VSCODE_IN_SANDBOX
+            except (RuntimeError, OSError) as e:
+                log.warning("VS Code at %s is left out of the sandbox: %s", vscode, e)
+                vscode = None
+        bin_dir = confinement.write_python_shim(self.workdir, python.python, list(python.site), environment=python_env,
+                                                vscode=confinement.VSCODE_IN_SANDBOX if vscode else None)
+        self._runtime_paths = [*runtime_binds, *(binds or {})]  # what the sandbox's uid must be able to read
         if window_manager == "gnome":
             try:
                 gnome.write_session_files(bin_dir, confinement.SHIM_DIR_IN_SANDBOX)
@@ -226,21 +245,31 @@ class Sandbox:
             (self.workdir / "resolv.conf").chmod(0o644)
             binds = {**(binds or {}), str(self.workdir / "resolv.conf"): "/etc/resolv.conf"}
         args = confinement.bwrap_arguments(self.workdir, self.limits, network=network, seccomp_fd=seccomp_fd,
-                                           binds=binds)
-        command = ["bwrap", *args, *self._server_arguments(listen_fd, window_manager), "--display", ":0",
+                                           binds={**runtime_binds, **(binds or {})},
+                                           environment={**confinement.sandbox_environment(), **python_env})
+        # The options through a descriptor, the environment the sandbox's own: PID 1 inside is
+        # bubblewrap, and its command line and environment are readable there.
+        args_path = self.workdir / "control" / "bwrap.args"
+        args_path.write_bytes(b"".join(a.encode() + b"\0" for a in args))
+        args_fd = os.open(args_path, os.O_RDONLY)
+        self._fds_to_close.append(args_fd)
+        server = self._server_arguments(listen_fd, window_manager, python.python, list(python.site), runtime.LIB_IN_SANDBOX)
+        command = [shutil.which("bwrap") or "bwrap", "--args", str(args_fd), *server, "--display", ":0",
                    "--bin-dir", confinement.SHIM_DIR_IN_SANDBOX,
                    "--home", HOME_IN_SANDBOX,
                    "--runtime-dir", gnome.RUNTIME_DIR if window_manager == "gnome" else "/tmp/runtime",
                    "--log-dir", "/tmp/launched"]
-        return command, (listen_fd, seccomp_fd), {"PATH": os.environ.get("PATH", confinement.SANDBOX_PATH)}, "/"
+        return command, (listen_fd, seccomp_fd, args_fd), {"PATH": confinement.SANDBOX_PATH}, "/"
 
     def _drop_to_unprivileged_uid(self) -> None:
         """Started by root, bubblewrap would map the sandbox's user to root: its processes would
         count as root for the kernel (no process limit, root's files readable where mounted). So
         bubblewrap runs as an unprivileged uid of its own instead, when that uid can read everything
-        the sandbox binds (a Python environment under /root, mode 0700, cannot: then the mapping
-        stays root and the mount list and the server's watcher are the protection; report() says which)."""
-        needed = (*confinement.python_paths(), confinement.package_dir(), sys.executable)
+        the sandbox binds: its staged Python (runtime.py, world-readable wherever the environment
+        it came from lives) and the caller's binds; where one of those is unreadable to it (a
+        directory under /root, mode 0700) the mapping stays root and the mount list and the
+        server's watcher are the protection (report() says which)."""
+        needed = tuple(self._runtime_paths)
         unreadable = _unreadable_for_unprivileged(needed)
         if unreadable:
             log.debug("desktop sandbox: the sandbox's user maps to root (an unprivileged uid cannot read %s)", unreadable)

@@ -35,6 +35,9 @@ WATCH_DETAIL_EVERY = 5
 RESET_DEADLINE_S = 20.0
 """A reset that cannot end every process of the episode within this long fails (HTTP 500)."""
 OPENBOX_CONFIG = Path(__file__).with_name("openbox-rc.xml")
+PYTHON_ENVIRONMENT = ("LD_LIBRARY_PATH",)
+"""Of the server's own environment, what the actions' interpreter (the server's) is given too: the
+sandbox's staged interpreter finds its libpython by it (runtime.py). The applications never get it."""
 
 OPEN_TIMEOUT_S = 30.0
 """/setup/open_file waits this long for the file's window by default (OSWorld's newer server: 1800 s)."""
@@ -293,6 +296,8 @@ class Desktop:
                 continue
             try:
                 with self.reset_lock:
+                    # the server's own kill, not a crash: the incident says why they ended
+                    self.crashes_said.update(process.pid for _, process, _ in self.launch_records)
                     ended = self.end_applications()
             except RuntimeError as e:
                 why += f" ({e})"
@@ -422,6 +427,7 @@ class Desktop:
         """Checked agent code in an isolated interpreter started from / (nothing the agent wrote can
         shadow a module), with a CPU-time limit; keys and buttons left held are released after."""
         env = {k: v for k, v in self.env.items() if k != "HOME"} | {"HOME": "/nonexistent"}
+        env |= {k: os.environ[k] for k in PYTHON_ENVIRONMENT if k in os.environ}  # what this interpreter needs
         try:
             return run_command(action_command(sys.executable, code, cpu_s, self.python_path), shell=False,
                         timeout=ACTION_TIMEOUT_S, env=env, cwd="/")

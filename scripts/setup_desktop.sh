@@ -16,8 +16,10 @@
 #     OSWorld's VM image has Chrome), from dl.google.com; the shim then runs /opt/google/chrome/chrome.
 #     Picked by /etc/os-release (ID=ubuntu or ID_LIKE containing ubuntu) or by chromium being a
 #     snap wrapper; ARPO_DESKTOP_CHROME=google|debian overrides the choice.
-# What does not come from here: `python` with pyautogui inside the sandbox (the workbench's own
-# interpreter, through a read-only shim), `sudo` (a shim: the VM's password, no privilege), the
+# Then VS Code (scripts/setup_vscode.sh: code-server from npm, needs node 20; skipped with a warning
+# where it cannot be set up): the sandbox stages it read-only at /opt/arpo/vscode with a `code` shim.
+# What does not come from here: `python` with pyautogui inside the sandbox (the sandbox's own
+# interpreter, staged from the workbench's, through a read-only shim), `sudo` (a shim: the VM's password, no privilege), the
 # user `user` (the sandbox's identity files). OSWorld's evaluator code: ./workbench setup-osworld --light.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,7 +34,7 @@ for arg in "$@"; do
   case "$arg" in
     --osworld) OSWORLD=1 ;;
     --dry-run) DRY=1 ;;
-    -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 0 ;;
+    -h|--help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 0 ;;
     *) die "unknown argument $arg (see --help)" ;;
   esac
 done
@@ -59,8 +61,14 @@ for pkg in "${APPS[@]}"; do
 done
 need_chrome=0
 [ "$chrome" = google ] && [ ! -x /opt/google/chrome/chrome ] && need_chrome=1
+# VS Code for the vs_code tasks (code-server from npm in a Chromium window: docs/vscode.md), after
+# the applications; it needs node 20, and a machine without it still gets everything else.
+vscode() {
+  bash scripts/setup_vscode.sh "$@" || say "WARNING: VS Code was not set up (above): OSWorld's vs_code tasks will not run in the sandbox"
+}
 if [ ${#apt_pkgs[@]} -eq 0 ] && [ "$need_chrome" = 0 ]; then
-  say "everything is installed already"
+  say "the applications are installed already"
+  if [ "$DRY" = 1 ]; then vscode --dry-run; else vscode; fi
   exit 0
 fi
 say "to install: ${apt_pkgs[*]}$([ "$need_chrome" = 1 ] && echo " google-chrome-stable (.deb)")"
@@ -71,6 +79,7 @@ if [ "$DRY" = 1 ]; then
   bytes="$(LC_ALL=C apt-get install --print-uris -y -qq --no-install-recommends "${apt_pkgs[@]}" 2>/dev/null \
     | awk "/^'/{s+=\$3} END {print s+0}")"
   say "apt would install $count packages (with their dependencies), $((bytes / 1000000)) MB to download"
+  vscode --dry-run
   exit 0
 fi
 
@@ -92,3 +101,4 @@ if command -v thunderbird >/dev/null && grep -qs snap "$(command -v thunderbird)
   say "WARNING: thunderbird here is a snap wrapper: OSWorld's Thunderbird tasks will not run in the sandbox"
 fi
 say "installed in $((SECONDS - t0)) s"
+vscode

@@ -51,3 +51,20 @@ def test_the_smoke_seeds_table_in_getting_started_is_the_committed_run():
     for row in _table_rows(record["table"])[1:]:
         seed, before, after, gain, steps = (c.strip() for c in row.strip("|").split("|")[:5])
         assert f"| {seed} | {before} -> {after} | {gain} | {steps} |" in guide, row
+
+
+def test_the_osworld_arpo_run_in_osworld_md_is_the_committed_run():
+    """docs/osworld.md's six-step ARPO run on OSWorld's tasks: its figures are osworld_arpo.json's,
+    and the executed notebook beside it ran without an error."""
+    run = json.loads((RESULTS / "osworld_arpo.json").read_text())
+    doc = " ".join((ROOT / "docs" / "osworld.md").read_text().split())
+    steps, totals = run["steps"], run["totals"]
+    said = (f"{len(steps)} ARPO steps" if len(steps) != 6 else "Six ARPO steps", f"{totals['replay_injections']} replay injections",
+            f"{totals['wall_s']:.0f} s on 2 cores", f"success {steps[0]['success_rate']:.2f} at the first step")
+    for text in said:
+        assert text in doc, f"docs/osworld.md does not say {text!r} (benchmarks/results/osworld_arpo.json)"
+    assert totals["env_errors"] == totals["checker_errors"] == 0 and "no environment or checker failure" in doc
+    assert all(s["success_rate"] == 0 for s in steps[1:]) and "and 0 after" in doc
+    assert run["notebook_errors"] == []
+    cells = json.loads((RESULTS / "osworld_arpo_subset_training.ipynb").read_text())["cells"]
+    assert not [o for c in cells for o in c.get("outputs", []) if o.get("output_type") == "error"]

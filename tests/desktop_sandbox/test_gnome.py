@@ -311,3 +311,38 @@ def test_a_reset_restores_the_desktop_whatever_the_agent_did_to_it(box):
     assert said[0] == "'Yaru'" and said[-1] == "0", said
     act(box, "pyautogui.hotkey('ctrl', 'alt', 't')")
     assert wait_for_window(box, "@") == f"user@{HOSTNAME}: ~"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(__import__("desktop_sandbox.confinement", fromlist=["x"]).vscode_home() is None,
+                    reason="VS Code is not installed (setup-desktop --osworld runs scripts/setup_vscode.sh)")
+def test_vs_code_opens_from_the_code_command_and_keeps_its_settings_where_osworld_reads_them(box):
+    """OSWorld's vs_code tasks: their set-ups run `code <folder>`, their getters read
+    ~/.config/Code/User/settings.json and ask `code --list-extensions`. Inside the sandbox, `code`
+    is the staged code-server in an application window titled as VS Code's, its desktop entry is
+    the dock's favourite's name, and a setting typed into the settings file is there for the checker."""
+    box.reset_session()
+    assert box.execute(["code", "--list-extensions"], timeout=120)["returncode"] == 0
+    box.execute("mkdir -p ~/project && echo 'print(1)' > ~/project/test.py", shell=True)
+    box.post_json("/setup/launch", {"command": ["code", "/home/user/project"]})
+    # the workbench has loaded once the title names the folder (window.title: "... - project - Visual Studio Code")
+    assert wait_for_window(box, "project - Visual Studio Code", timeout=120).endswith("Visual Studio Code")
+    time.sleep(2.0)
+    entry = box.execute(["sh", "-c", "cat /opt/arpo/bin/xdg/applications/code.desktop"])["output"]
+    assert "Exec=code %F" in entry and "StartupWMClass=Code" in entry
+    act(box, "pyautogui.hotkey('ctrl', 'shift', 'p')")
+    time.sleep(2.0)
+    act(box, "pyautogui.write('Preferences: Open User Settings (JSON)', interval=0.02)")
+    time.sleep(2.0)  # the list filters as it is typed
+    act(box, "pyautogui.press('enter')")
+    time.sleep(4.0)
+    act(box, "pyautogui.hotkey('ctrl', 'a')")
+    act(box, "pyautogui.write('{\"editor.fontSize\": 18}', interval=0.02)")
+    act(box, "pyautogui.hotkey('ctrl', 'shift', 'end')")  # the editor's auto-closed quote and brace after it
+    act(box, "pyautogui.press('delete')")
+    act(box, "pyautogui.hotkey('ctrl', 's')")
+    deadline = time.monotonic() + 30
+    while '"editor.fontSize": 18' not in (box.read_file("~/.config/Code/User/settings.json") or b"").decode() \
+            and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert json.loads(box.read_file("~/.config/Code/User/settings.json")) == {"editor.fontSize": 18}

@@ -13,8 +13,8 @@ Runs in the interpreter that has desktop_env. Each task lands in exactly one col
     download    its set-up or checker downloads files (named): runnable once they are in the shared
                 download cache (`osworld-tasks prefetch` on a machine with internet)
     internet    it needs the live internet or an account (open web pages, Google Drive, a login)
-    vscode      it needs VS Code (not in Debian's archive; the sandbox's desktop is GNOME, so
-                gsettings, Nautilus and GNOME Terminal's output run)
+    vscode      it needs VS Code and this machine has none (code-server, installed by
+                setup-desktop --osworld where node 20 is: docs/vscode.md); with it, such tasks are run
     fails       none of the above, and it still does not set up or score here (the reason)
 
 And a second judgement, `solvable` (the "solvable here" column): for a feasible task whose file
@@ -100,9 +100,14 @@ def _never_matches(task: dict[str, Any]) -> bool:
     return "check_left_panel" in (funcs if isinstance(funcs, list) else [funcs])
 
 
-def static_column(task: dict[str, Any], a11y_missing: str | None = None) -> tuple[str, str] | None:
+VSCODE_MISSING = "needs VS Code, which is not installed here (setup-desktop --osworld installs code-server: docs/vscode.md)"
+
+
+def static_column(task: dict[str, Any], a11y_missing: str | None = None,
+                  vscode_missing: str | None = VSCODE_MISSING) -> tuple[str, str] | None:
     """(column, reason) when reading the task file decides it; None when it must be run.
-    `a11y_missing`: why this machine cannot serve the accessibility tree (None: it can)."""
+    `a11y_missing`: why this machine cannot serve the accessibility tree (None: it can);
+    `vscode_missing`: why the sandbox has no VS Code (None: it has, and such tasks are run)."""
     steps, getters = _steps(task), _getters(task)
     internet = sorted({s["type"] for s in steps if s["type"] in INTERNET_STEPS} |
                       {g["type"] for g in getters if g.get("type") in INTERNET_GETTERS})
@@ -120,7 +125,7 @@ def static_column(task: dict[str, Any], a11y_missing: str | None = None) -> tupl
     text = json.dumps(steps) + json.dumps(getters)
     pieces = sorted({w.strip("\"' ") for w in VSCODE_WORDS if w in text} |
                     {g["type"] for g in getters if g.get("type") in VSCODE_GETTERS})
-    if pieces:
+    if pieces and vscode_missing:
         return "vscode", ", ".join(pieces)
     reads_tree = any(g.get("type") in A11Y_GETTERS for g in getters)
     missing = sorted({reason for word, reason in NOT_HERE.items() if word in text} |
@@ -188,13 +193,13 @@ def solvable(row: dict[str, Any], task: dict[str, Any]) -> str:
     if task.get("evaluator", {}).get("func") == "infeasible":
         if row["column"] == "scores":
             return "FAIL"
-        return "no: " + (row["reason"] if row["column"] == "fails" else "needs VS Code, which Debian does not package")
+        return "no: " + (row["reason"] if row["column"] == "fails" else VSCODE_MISSING)
     if row["task"] in known_solutions():
         return "yes"
     if row["task"] in known_unsolvable():
         return "no: " + known_unsolvable()[row["task"]]
     if row["column"] in ("fails", "vscode"):
-        return "no: " + (row["reason"] if row["column"] == "fails" else "needs VS Code, which Debian does not package")
+        return "no: " + (row["reason"] if row["column"] == "fails" else VSCODE_MISSING)
     return "not tried"
 
 
@@ -240,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
             done[row["task"]] = row
     env = None
     a11y_missing = a11y.unavailable()
+    from desktop_sandbox.confinement import vscode_home
+    vscode_missing = None if vscode_home() else VSCODE_MISSING
     try:
         with open(args.out, "a") as out:
             for number, path in enumerate(files, 1):
@@ -247,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
                 if task_id in done:
                     continue
                 task = json.loads(path.read_text())
-                decided = static_column(task, a11y_missing)
+                decided = static_column(task, a11y_missing, vscode_missing)
                 facts: dict[str, Any] = {}
                 if decided is None:
                     if env is None:

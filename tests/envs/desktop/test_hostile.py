@@ -31,7 +31,7 @@ from arpo_lib.actions import Action
 from arpo_lib.envs import make_env
 from arpo_lib.envs.base import EnvError
 from arpo_lib.envs.desktop.scripted import solution_actions
-from desktop_sandbox import gnome
+from desktop_sandbox import confinement, gnome, runtime
 from desktop_sandbox.sandbox import Sandbox, desktop_unavailable
 
 REASON = desktop_unavailable()
@@ -92,7 +92,7 @@ def sandbox_processes(box) -> list[str]:
     return box.execute(["ps", "-eo", "comm="])["output"].split()
 
 
-DESKTOP_PROCESSES = {"bwrap", "python", "python3", "Xvfb", "openbox", "ps", "dbus-daemon", "at-spi-bus-laun"}
+DESKTOP_PROCESSES = {"bwrap", "python", "python3", f"python{sys.version_info.major}.{sys.version_info.minor}", "Xvfb", "openbox", "ps", "dbus-daemon", "at-spi-bus-laun"}
 """What runs in a sandbox with no application: the server, the X server, the window manager, the
 episode's session bus and AT-SPI's (a11y.py, where the tree is served), and the `ps` asking."""
 GNOME_PROCESSES = {"gnome-shell", "gsd-xsettings", "gsd-media-keys", "gvfsd", "gvfsd-trash", "gvfsd-metadata",
@@ -137,11 +137,32 @@ def test_finding1_no_host_file_is_readable(terminal, canaries):
     out = typed(terminal, f"cat {' '.join(paths)}; ls -a {REPO}; ls -a /root /var/lib /srv /home; "
                           f"grep -rs {secret} /etc /var /srv /opt /home")  # not the Python trees: gigabytes
     assert secret not in out, f"a host file leaked into the sandbox:\n{out[-2000:]}"
-    listing = typed(terminal, f"ls -A {REPO}").split()
-    assert set(listing) <= {"desktop_sandbox", ".venv"}, listing  # the sandbox's package (and a venv kept in the clone)
-    assert "desktop_sandbox" in listing and "arpo_lib" not in listing  # the workbench's code is not there
+    assert typed(terminal, f"test -e {REPO} && echo there || echo absent").strip() == "absent"  # nor its package:
+    # the sandbox's copy of it is at /opt/arpo/lib
+    assert typed(terminal, "ls /opt/arpo/lib").split() == ["desktop_sandbox"]
     assert typed(terminal, "cat /etc/shadow /etc/gshadow 2>/dev/null | wc -c").strip() == "0"
     still_scores(terminal)
+
+
+def _host_paths() -> list[str]:
+    """Paths that would tell the agent the host's layout: the checkout, the environments, the home."""
+    paths = {str(REPO), sys.prefix, sys.base_prefix, str(Path(sys.base_prefix).resolve()), os.path.expanduser("~"),
+             os.path.realpath(sys.prefix)}
+    return sorted(p for p in paths if p not in ("/", "/usr", "/usr/local"))
+
+
+def test_the_agent_sees_no_host_path_in_pid_1_the_mounts_or_the_shims(terminal):
+    """PID 1 inside is bubblewrap: its command line and environment, every process's command line,
+    the mount table and the trusted shims the agent can read name no host directory (the checkout,
+    the virtual environment, the interpreter's installation, the home)."""
+    terminal.reset()
+    out = typed(terminal, "tr '\\0' ' ' < /proc/1/cmdline; echo; tr '\\0' ' ' < /proc/1/environ; echo; "
+                          "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline 2>/dev/null; echo; done; "
+                          "cat /proc/self/mountinfo /proc/self/mounts; cat /opt/arpo/bin/python /opt/arpo/bin/python3")
+    assert "bwrap --args" in out and ("/opt/arpo/python" in out or "/usr/bin/python" in out), out[-3000:]
+    leaked = [p for p in _host_paths() if p in out]
+    assert not leaked, f"host paths visible inside: {leaked}\n{out[-3000:]}"
+    assert "PATH=/usr/local/bin:/usr/bin:/bin" in out  # bubblewrap's own environment: the sandbox's PATH
 
 
 # ---- 2. the host environment --------------------------------------------------------------------
@@ -314,8 +335,9 @@ def test_finding4_the_trusted_commands_shims_cannot_be_replaced_from_the_termina
                           "echo 'export PATH=~/bin:$PATH' >> ~/.bashrc; echo 'export PATH=~/bin:$PATH' >> ~/.profile; ls /opt/arpo/bin")
     assert out.count("Read-only file system") >= 5, out
     box = terminal.sandbox
+    inside = runtime.stage(tuple(confinement.site_directories())).python  # the sandbox's interpreter
     probe = box.execute(["python", "-c", "import pyautogui, sys; print(sys.executable == %r, pyautogui.__file__.startswith('/home'))"
-                         % sys.executable])
+                         % inside])
     assert probe["output"] == "True False\n", probe
     sudo = box.execute("echo password | sudo -S echo fine; echo password | sudo -S python3 -c 'print(2 + 2)'", shell=True)
     assert sudo["output"] == "fine\n4\n", sudo
@@ -538,8 +560,7 @@ def _raw(box, payload: bytes) -> bytes:
 def _held_inputs(box) -> int:
     code = ("from Xlib.display import Display; d = Display(); "
             "print(sum(bin(b).count('1') for b in d.query_keymap()) + bin(d.screen().root.query_pointer().mask & 0x1f00).count('1'))")
-    done = box.execute(["sh", "-c", f'"$0" -c "import sys; sys.path[:0] = $1; {code}"', sys.executable,
-                        json.dumps([p for p in sys.path if p.endswith("-packages")])])
+    done = box.execute(["python3", "-c", code])  # the sandbox's interpreter, through its shim
     assert done["returncode"] == 0, done
     return int(done["output"])
 
@@ -666,6 +687,7 @@ def _readable_site(where: Path) -> Path:
     (the clone and its venv may sit in a directory only root can enter, as a CI clone in a
     mktemp directory does)."""
     import glob
+    import importlib.metadata as metadata
     import importlib.util
     import shutil
 
@@ -682,6 +704,10 @@ def _readable_site(where: Path) -> Path:
                     shutil.copytree(libs, site / Path(libs).name)
         else:
             shutil.copy(spec.origin, site)
+    for dist in {d for name in SANDBOX_PACKAGES for d in metadata.packages_distributions().get(name, [])}:
+        found = metadata.distribution(dist)  # its .dist-info: what pip leaves, and what the sandbox's stage goes by
+        info = Path(str(found.locate_file(next(f for f in found.files if f.name == "METADATA")))).parent
+        shutil.copytree(info, site / info.name, dirs_exist_ok=True)
     for package in ("arpo_lib", "desktop_sandbox"):
         shutil.copytree(REPO / package, site / package, ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run(["chmod", "-R", "a+rX", str(where)], check=True)

@@ -75,6 +75,7 @@ def test_the_census_reads_what_a_task_file_needs():
     assert static_column(task([{"type": "execute", "parameters": {"command": "gsettings set a b c"}}])) is None
     assert static_column(task(result={"type": "vm_terminal_output"})) is None
     assert static_column(task(result={"type": "vscode_config"}))[0] == "vscode"
+    assert static_column(task(result={"type": "vscode_config"}), vscode_missing=None) is None  # installed: run
     column, reason = static_column(task(result={"type": "active_url_from_accessTree"}), a11y_missing="no pyatspi")
     assert column == "fails" and "/accessibility" in reason and "no pyatspi" in reason
     assert static_column(task(result={"type": "active_url_from_accessTree"}), a11y_missing=None) is None  # served: run
@@ -360,3 +361,40 @@ def test_sandbox_check_reports_a_refused_task_file_and_goes_on(osworld_python, t
     assert "refuses the task file: unknown set-up step type" in lines[0]["error"]
     assert lines[1]["error"] is None and lines[1]["noop"] == 0.0 and lines[1]["solved"] is None
     assert done.returncode == 1  # not every file passed
+
+
+_LOOK_FOR_THE_CHECKERS = r'''
+import json, os, desktop_env
+from desktop_sandbox.sandbox import Sandbox
+source = os.path.dirname(desktop_env.__file__)
+box = Sandbox((800, 600))
+try:
+    said = {name: box.execute(command, shell=True, timeout=120)["output"] for name, command in {
+        "import": "python3 -c 'import desktop_env' 2>&1; python -c 'import desktop_env.evaluators.metrics' 2>&1",
+        "path": f"ls {source}/evaluators/metrics 2>&1; ls {os.path.dirname(source)} 2>&1",
+        "find": "find / -path /proc -prune -o \\( -name 'desktop_env*' -o -name 'table.py' -path '*metrics*' \\) -print 2>/dev/null",
+        "sys.path": "python3 -c 'import sys; print(sys.path)'",
+        "mounts": "cat /proc/self/mountinfo; tr '\\0' ' ' < /proc/1/cmdline",
+    }.items()}
+finally:
+    box.close()
+print(json.dumps({"source": source, "said": said}))
+'''
+
+
+@pytest.mark.slow
+def test_the_agent_cannot_read_the_checkers_it_is_scored_by(osworld_python):
+    """The sandbox started from OSWorld's interpreter (where desktop_env's evaluators are installed):
+    inside, desktop_env cannot be imported, its directory is not there, a search of the whole file
+    system finds none of it, and neither the interpreter's path nor the mounts name the host's
+    environment (the sandbox's Python is the staged one, runtime.py)."""
+    done = _in_osworld(osworld_python, ["-c", _LOOK_FOR_THE_CHECKERS], timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    said, source = found["said"], found["source"]
+    assert said["import"].count("No module named 'desktop_env'") == 2, said["import"]
+    assert "No such file or directory" in said["path"] and "table.py" not in said["path"], said["path"]
+    assert said["find"].strip() == "", said["find"]
+    environment = str(Path(source).parents[3])  # the venv holding lib/pythonX.Y/site-packages/desktop_env
+    assert environment not in said["sys.path"] and environment not in said["mounts"], said
+    assert "/opt/arpo/site" in said["sys.path"]
