@@ -69,6 +69,15 @@ class Runtime:
     """What the interpreter needs in its environment (LD_LIBRARY_PATH for a relocated libpython)."""
 
 
+def _base_executable() -> Path:
+    """The interpreter a virtual environment was made from (this one outside a venv)."""
+    return Path(getattr(sys, "_base_executable", sys.executable))
+
+
+def _stage_root() -> Path:
+    return _owned_directory(Path(tempfile.gettempdir()) / f"arpo-sandbox-runtime-{os.geteuid()}")
+
+
 def _owned_directory(path: Path) -> Path:
     """`path` made (0755) or found as a directory of this user that nobody else may write."""
     path.mkdir(mode=0o755, exist_ok=True)
@@ -144,7 +153,7 @@ def _stdlib_files(prefix: Path) -> list[tuple[Path, Path]]:
     """(file, path relative to the prefix) of the interpreter, its shared libraries and standard library."""
     version = f"python{sys.version_info.major}.{sys.version_info.minor}"
     pairs = []
-    exe = Path(sys._base_executable if hasattr(sys, "_base_executable") else sys.executable).resolve()
+    exe = _base_executable().resolve()
     pairs.append((exe, Path("bin") / version))
     lib = prefix / "lib"
     for entry in lib.iterdir():  # libpython and, for conda-like installations, what lib-dynload links
@@ -199,14 +208,13 @@ def _system(path: str) -> bool:
 @functools.lru_cache(maxsize=8)
 def stage(site_dirs: tuple[str, ...]) -> Runtime:
     """The sandbox's Python for this interpreter, its stage made if missing (see the module docstring)."""
-    root = _owned_directory(Path(tempfile.gettempdir()) / f"arpo-sandbox-runtime-{os.geteuid()}")
+    root = _stage_root()
     binds: list[tuple[str, str]] = []
     environment: list[tuple[str, str]] = []
     prefix = Path(sys.base_prefix).resolve()
     version = f"python{sys.version_info.major}.{sys.version_info.minor}"
     if _system(str(prefix) + "/"):
-        base = Path(sys._base_executable if hasattr(sys, "_base_executable") else sys.executable)
-        python = str(base.resolve())
+        python = str(_base_executable().resolve())
     else:
         parts = _stdlib_files(prefix)
         staged = _stage(root, f"python-{_key(parts)}", parts)
@@ -260,7 +268,7 @@ def stage_tree(top: str, name: str) -> str:
     """A read-only copy of the directory `top` in the stage (hard links where the file system
     allows), for a program installed under a home the sandbox's uid cannot enter (VS Code's, under
     the workbench's cache); the host path to bind."""
-    root = _owned_directory(Path(tempfile.gettempdir()) / f"arpo-sandbox-runtime-{os.geteuid()}")
+    root = _stage_root()
     parts = _tree_files(Path(top))
     return str(_stage(root, f"{name}-{_key(parts)}", parts))
 
