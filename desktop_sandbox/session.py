@@ -557,7 +557,9 @@ class Desktop:
             return {}
         lines = found["output"].splitlines()
         fields = dict(line.split("=", 1) for line in lines[1:] if "=" in line)
-        return {"id": int(fields.get("WINDOW", 0)), "name": lines[0] if lines else "",
+        window_id = int(fields.get("WINDOW", 0))
+        wm_class = next((w.wm_class for w in windows.list_windows(self.display) if w.id == window_id), "")
+        return {"id": window_id, "name": lines[0] if lines else "", "wm_class": wm_class,
                 "x": int(fields.get("X", 0)), "y": int(fields.get("Y", 0)),
                 "width": int(fields.get("WIDTH", 0)), "height": int(fields.get("HEIGHT", 0))}
 

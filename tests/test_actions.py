@@ -10,9 +10,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from arpo_lib.actions import (
-    ACTION_KINDS, ACTION_RULES, DETACH_OUTPUT, MAX_PIXELS, MAX_RESPONSE_CHARS, MIN_PIXELS, PYAUTOGUI_FUNCTIONS,
-    SCROLL_AMOUNT, VALID_KEYS, Action, ActionParseError, ConverterError, ParsedResponse, check_action_code,
-    format_action, format_response, lost_without_clipboard, parse_response, smart_resize, split_keys, to_pyautogui,
+    ACTION_KINDS, ACTION_RULES, DETACH_OUTPUT, MAX_PIXELS, MAX_RESPONSE_CHARS, MAX_TYPED_CHARS, MIN_PIXELS,
+    PYAUTOGUI_FUNCTIONS, SCROLL_AMOUNT, TERMINAL_PASTE_KEYS, VALID_KEYS, Action, ActionParseError, ConverterError,
+    ParsedResponse, check_action_code, format_action, format_response, lost_without_clipboard, parse_response,
+    paste_keys_for, pastes, smart_resize, split_keys, to_pyautogui,
 )
 
 SCREEN = (1920, 1080)  # (width, height)
@@ -738,6 +739,32 @@ def test_non_ascii_text_is_pasted_after_detaching_output():
     assert lines[4:] == [*DETACH_OUTPUT, "pyperclip.copy('ab é cd 日本')", "time.sleep(0.3)", "pyautogui.hotkey('ctrl', 'v')",
                          "time.sleep(0.2)", "pyautogui.press('enter')"]
     assert_whitelisted(code)
+
+
+@pytest.mark.parametrize("wm_class,keys", [
+    ("gnome-terminal-server.Gnome-terminal", ("ctrl", "shift", "v")),
+    ("st-256color.st-256color", ("ctrl", "shift", "v")),
+    ("org.gnome.Console.Kgx", ("ctrl", "shift", "v")),
+    ("mousepad.Mousepad", ("ctrl", "v")),
+    ("libreoffice.libreoffice-writer", ("ctrl", "v")),
+    ("google-chrome.Google-chrome", ("ctrl", "v")),
+    ("", ("ctrl", "v")),
+    (None, ("ctrl", "v")),
+])
+def test_the_paste_keys_follow_the_focused_window(wm_class, keys):
+    assert paste_keys_for(wm_class) == keys
+
+
+def test_a_terminals_paste_is_generated_where_the_focus_is_a_terminal():
+    """The same text, pasted into a terminal, is ctrl+shift+v (its ctrl+v is the shell's
+    quoted-insert); only text that is pasted says so (`pastes`)."""
+    action = Action("type", text="ls é\n")
+    code = to_pyautogui(action, paste_keys=TERMINAL_PASTE_KEYS)
+    assert "pyautogui.hotkey('ctrl', 'shift', 'v')" in code and "'ctrl', 'v')" not in code
+    assert code.replace("'ctrl', 'shift', 'v'", "'ctrl', 'v'") == to_pyautogui(action)
+    assert_whitelisted(code)
+    assert pastes(action) and not pastes(Action("type", text="ls <b\n")) and not pastes(Action("hotkey", keys=["a"]))
+    assert pastes(Action("type", text="x" * (MAX_TYPED_CHARS + 1)))  # too long to type: pasted
 
 
 # --------------------------------------------------------------------------- action rules

@@ -61,7 +61,8 @@ The package, one module per job (every name below is importable from `arpo_lib.a
   `Action` / `ParsedResponse` and the errors;
 - `parse`: model text -> actions (`parse_response`);
 - `format`: actions -> model text (`format_action`, `format_response`);
-- `pyautogui`: an action -> OSWorld's code (`to_pyautogui`, `lost_without_clipboard`);
+- `pyautogui`: an action -> OSWorld's code (`to_pyautogui`, `lost_without_clipboard`; the keys
+  that paste in the focused window: `pastes`, `paste_keys_for`);
 - the safety check lives with the sandbox that enforces it: `desktop_sandbox.action_code`
   (`check_action_code`, the calls, keys and bounds the converter generates within); its names are
   re-exported here.
@@ -71,7 +72,8 @@ from __future__ import annotations
 from arpo_lib.actions.format import format_action, format_response
 from arpo_lib.actions.parse import parse_response
 from arpo_lib.actions.pyautogui import (
-    CLIPBOARD_SETTLE_S, PASTE_PAUSE_S, SPECIAL_ACTIONS, lost_without_clipboard, to_pyautogui,
+    CLIPBOARD_SETTLE_S, PASTE_KEYS, PASTE_PAUSE_S, SPECIAL_ACTIONS, TERMINAL_PASTE_KEYS, lost_without_clipboard,
+    paste_keys_for, pastes, to_pyautogui,
 )
 from desktop_sandbox.action_code import (
     DETACH_OUTPUT, GENERATED_CALLS, MAX_ACTION_SECONDS, MAX_TYPED_CHARS, PYAUTOGUI_FUNCTIONS, MAX_ACTION_CODE_CHARS, MAX_ACTION_STATEMENTS, MAX_CLIPBOARD_CHARS, MAX_KEYS_PER_HOTKEY, MAX_REPEAT,
@@ -87,9 +89,10 @@ __all__ = [
     "ACTION_KINDS", "ACTION_RULES", "CLIPBOARD_SETTLE_S", "COORD_MODES", "DETACH_OUTPUT", "DRAG_DURATION",
     "FINAL_KINDS", "GENERATED_CALLS", "KEY_ALIASES", "MAX_ACTION_CODE_CHARS", "MAX_ACTION_SECONDS",
     "MAX_ACTION_STATEMENTS", "MAX_CLIPBOARD_CHARS", "MAX_COORD_FACTOR", "MAX_KEYS_PER_HOTKEY", "MAX_PIXELS",
-    "MAX_REPEAT", "MAX_RESPONSE_CHARS", "MAX_SCROLL_CLICKS", "MAX_TYPED_CHARS", "MIN_PIXELS", "PASTE_PAUSE_S",
-    "PYAUTOGUI_FUNCTIONS", "QWEN2VL_GRID", "SCROLL_AMOUNT", "SCROLL_DIRECTIONS", "SPECIAL_ACTIONS", "TYPE_INTERVAL",
+    "MAX_REPEAT", "MAX_RESPONSE_CHARS", "MAX_SCROLL_CLICKS", "MAX_TYPED_CHARS", "MIN_PIXELS", "PASTE_KEYS", "PASTE_PAUSE_S",
+    "PYAUTOGUI_FUNCTIONS", "QWEN2VL_GRID", "SCROLL_AMOUNT", "SCROLL_DIRECTIONS", "SPECIAL_ACTIONS", "TERMINAL_PASTE_KEYS",
+    "TYPE_INTERVAL",
     "VALID_KEYS", "Action", "ActionParseError", "ActionRules", "ConverterError", "ParsedResponse", "UnsafeCodeError",
     "action_rules", "check_action_code", "format_action", "format_response", "lost_without_clipboard",
-    "parse_response", "smart_resize", "split_keys", "to_pyautogui",
+    "parse_response", "paste_keys_for", "pastes", "smart_resize", "split_keys", "to_pyautogui",
 ]

@@ -35,6 +35,18 @@ clipboard has changed hands: xclip's background child sends the ownership reques
 runs, and the application learns of the new owner from an event of its own (Chromium pastes its
 cached copy until then). Pasting at once lost the text, or pasted the previous one, in about one
 episode of nine on a loaded 2-core machine (tests/test_actions_on_a_screen.py)."""
+PASTE_KEYS = ("ctrl", "v")
+"""The paste in text fields: GTK, Qt, LibreOffice, Chromium and Electron (VS Code) windows."""
+TERMINAL_PASTE_KEYS = ("ctrl", "shift", "v")
+"""The paste in a terminal: ctrl+v there is the shell's quoted-insert (the text is lost), and
+shift+insert would paste the PRIMARY selection; taking PRIMARY to make it work everywhere would
+clear the selection of a GTK text field (the agent's select-then-type would insert instead of
+replace: measured in Mousepad), so the environment asks which window has the focus instead."""
+TERMINAL_CLASSES = frozenset({"gnome-terminal-server", "gnome-terminal", "org.gnome.console", "kgx", "st",
+                              "st-256color", "xfce4-terminal", "konsole", "tilix", "terminator", "kitty", "alacritty",
+                              "lxterminal", "mate-terminal", "terminology"})
+"""WM_CLASS names (instance or class, lowercased) of the terminal emulators whose paste is
+ctrl+shift+v (xterm and urxvt have no key that pastes the clipboard: they are not here)."""
 SPECIAL_ACTIONS = {"wait": "WAIT", "finished": "DONE", "call_user": "FAIL", "error_env": "FAIL"}
 """OSWorld's special action strings. call_user means "I cannot do this": OSWorld scores an
 infeasible task 1 only when the episode ends with FAIL."""
@@ -53,7 +65,8 @@ def _screen_xy(point: tuple[float, float] | None, screen_size: tuple[int, int],
     return (int(round(min(max(x, 0.0), width - 1))), int(round(min(max(y, 0.0), height - 1))))
 
 
-def to_pyautogui(action: Action, screen_size: tuple[int, int] = (1920, 1080), *, clipboard: bool = True) -> str:
+def to_pyautogui(action: Action, screen_size: tuple[int, int] = (1920, 1080), *, clipboard: bool = True,
+                 paste_keys: tuple[str, ...] = PASTE_KEYS) -> str:
     """OSWorld pyautogui code for one action, or 'WAIT' / 'DONE' / 'FAIL', under the action's
     rules (`Action.rules`).
 
@@ -65,7 +78,8 @@ def to_pyautogui(action: Action, screen_size: tuple[int, int] = (1920, 1080), *,
     Unknown keys raise ActionParseError instead of being dropped, so a bad hotkey counts as a
     format failure rather than silently doing something else.
     `clipboard=False`: the machine has no clipboard tool (`lost_without_clipboard`), so text that
-    would be pasted is typed as far as pyautogui can type it.
+    would be pasted is typed as far as pyautogui can type it. `paste_keys`: the keys that paste in
+    the focused window (`paste_keys_for`: a terminal's are ctrl+shift+v).
     """
     rules = action_rules(action.rules)
     kind = action.kind
@@ -95,7 +109,7 @@ def to_pyautogui(action: Action, screen_size: tuple[int, int] = (1920, 1080), *,
         else:
             lines.append(f"pyautogui.hotkey({', '.join(repr(k) for k in keys)})")
     elif kind == "type":
-        lines += _typing(action, clipboard)[0]
+        lines += _typing(action, clipboard, paste_keys)[0]
     elif kind == "scroll":
         if action.direction not in SCROLL_DIRECTIONS:
             raise ActionParseError(f"scroll direction must be one of {SCROLL_DIRECTIONS}, "
@@ -122,9 +136,9 @@ def to_pyautogui(action: Action, screen_size: tuple[int, int] = (1920, 1080), *,
     return "\n".join(lines)
 
 
-def _type_lines(text: str, clipboard: bool = True) -> tuple[list[str], str]:
+def _type_lines(text: str, clipboard: bool = True, paste_keys: tuple[str, ...] = PASTE_KEYS) -> tuple[list[str], str]:
     """Type `text` (ours): if pyautogui can type all of it, pyautogui.write; otherwise (accents,
-    CJK, emoji) the whole text through the clipboard and one ctrl+v, as UI-TARS's own code types
+    CJK, emoji) the whole text through the clipboard and one paste, as UI-TARS's own code types
     (one paste, not one per run: back-to-back clipboard hand-overs drop characters). A text longer
     than MAX_TYPED_CHARS is pasted too: typed, it would outlast the action's time. A trailing
     newline is an Enter. Without a clipboard, what pyautogui can type of it is typed.
@@ -135,7 +149,7 @@ def _type_lines(text: str, clipboard: bool = True) -> tuple[list[str], str]:
     if body and _TYPEABLE.fullmatch(body) and len(body) <= MAX_TYPED_CHARS:
         lines += _written(body)
     elif body and clipboard:
-        lines += _paste(body)
+        lines += _paste(body, paste_keys)
     elif body:
         typed, lost = _split_typeable(body)
         lines += _written(typed)
@@ -198,7 +212,8 @@ def _arpo_typed(text: str) -> tuple[str, bool] | None:
     return (value, enter) if isinstance(value, str) else None
 
 
-def _arpo_type_lines(text: str, clipboard: bool = True) -> tuple[list[str], str]:
+def _arpo_type_lines(text: str, clipboard: bool = True,
+                     paste_keys: tuple[str, ...] = PASTE_KEYS) -> tuple[list[str], str]:
     """Type `text` as ARPO's converter does: pyautogui.write at its pace (characters pyautogui has
     no key for are skipped in the VM), its pause, then Enter. A text too long to type at that pace
     within an action's time (MAX_ACTION_SECONDS) is typed as ours types it."""
@@ -208,7 +223,7 @@ def _arpo_type_lines(text: str, clipboard: bool = True) -> tuple[list[str], str]
         return [], ""
     value, enter = typed
     if len(value) * rules.type_interval + rules.type_pause_s > MAX_ACTION_SECONDS or len(value) > MAX_TYPED_CHARS:
-        return _type_lines(value + ("\n" if enter else ""), clipboard)
+        return _type_lines(value + ("\n" if enter else ""), clipboard, paste_keys)
     lines = [f"pyautogui.write({value!r}, interval={rules.type_interval!r})"] if value else []
     lines.append(f"time.sleep({rules.type_pause_s!r})")
     if enter:
@@ -216,9 +231,9 @@ def _arpo_type_lines(text: str, clipboard: bool = True) -> tuple[list[str], str]
     return lines, ""
 
 
-def _typing(action: Action, clipboard: bool) -> tuple[list[str], str]:
+def _typing(action: Action, clipboard: bool, paste_keys: tuple[str, ...] = PASTE_KEYS) -> tuple[list[str], str]:
     type_lines = _arpo_type_lines if action_rules(action.rules).write_everything else _type_lines
-    return type_lines(action.text or "", clipboard)
+    return type_lines(action.text or "", clipboard, paste_keys)
 
 
 def lost_without_clipboard(action: Action) -> str | None:
@@ -229,6 +244,21 @@ def lost_without_clipboard(action: Action) -> str | None:
     return _typing(action, clipboard=False)[1] or None
 
 
-def _paste(text: str) -> list[str]:
-    return [f"pyperclip.copy({text!r})", f"time.sleep({CLIPBOARD_SETTLE_S!r})", "pyautogui.hotkey('ctrl', 'v')",
-            f"time.sleep({PASTE_PAUSE_S!r})"]
+def pastes(action: Action) -> bool:
+    """Whether the action's code pastes (text pyautogui cannot type): the keys that paste depend
+    on the focused window, so the environment asks for it first (`paste_keys_for`)."""
+    return action.kind == "type" and any(line.startswith("pyperclip.") for line in _typing(action, True)[0])
+
+
+def paste_keys_for(wm_class: str | None) -> tuple[str, ...]:
+    """The keys that paste the clipboard into the window of WM_CLASS `wm_class` (`instance.Class`,
+    as `wmctrl -lx` prints it; None when unknown): ctrl+shift+v in a terminal (ctrl+v there is
+    the shell's quoted-insert, and the pasted text was lost), ctrl+v everywhere else."""
+    name = (wm_class or "").lower()
+    names = {name, name.split(".", 1)[0], name.rsplit(".", 1)[-1]}  # the whole, the instance, the class
+    return TERMINAL_PASTE_KEYS if names & TERMINAL_CLASSES else PASTE_KEYS
+
+
+def _paste(text: str, paste_keys: tuple[str, ...] = PASTE_KEYS) -> list[str]:
+    return [f"pyperclip.copy({text!r})", f"time.sleep({CLIPBOARD_SETTLE_S!r})",
+            f"pyautogui.hotkey({', '.join(repr(k) for k in paste_keys)})", f"time.sleep({PASTE_PAUSE_S!r})"]

@@ -17,7 +17,7 @@ from typing import Any
 
 from PIL import Image
 
-from arpo_lib.actions import Action, ActionParseError, to_pyautogui
+from arpo_lib.actions import PASTE_KEYS, Action, ActionParseError, paste_keys_for, pastes, to_pyautogui
 from arpo_lib.envs.base import EnvError, GUIEnv, Observation
 from arpo_lib.envs.desktop import tasks as suite
 from desktop_sandbox.confinement import ISOLATION_MODES, Limits
@@ -117,7 +117,9 @@ class DesktopEnv(GUIEnv):
         t0 = time.monotonic()
         error = None
         try:
-            code = to_pyautogui(action, self.screen)
+            # the keys that paste depend on the focused window: a terminal's are ctrl+shift+v
+            keys = paste_keys_for(self.sandbox.active_window().get("wm_class")) if pastes(action) else PASTE_KEYS
+            code = to_pyautogui(action, self.screen, paste_keys=keys)
         except ActionParseError as e:  # e.g. a key pyautogui lacks: the action does nothing
             code, error = "", str(e)
         terminated = code in ("DONE", "FAIL")

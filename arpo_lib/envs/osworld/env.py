@@ -17,7 +17,9 @@ rollout workers:
   (`CLIPBOARD_PROBE`, through OSWorld's controller); without either, the text is typed as far as
   pyautogui can type it (the ASCII part, and the Enter of a trailing newline) and info's
   'action_error' says what was lost. (Pasting blind, the VM's `python -c` would exit 1 at the copy,
-  its error sent to /dev/null: the whole text and the Enter lost, and nothing said.)
+  its error sent to /dev/null: the whole text and the Enter lost, and nothing said.) The keys
+  that paste depend on the focused window, asked before each paste (`FOCUS_PROBE`): ctrl+shift+v
+  in a terminal, where ctrl+v is the shell's quoted-insert and the text was lost, ctrl+v elsewhere.
 - Reward: 0 until the episode ends, then the task's score from `evaluate()`, also when the episode
   is truncated at `max_steps` (OSWorld and ARPO evaluate the final state whatever ended the loop).
   The screenshot keeps the VM's resolution, which must equal `screen_size` (a mismatch would
@@ -68,7 +70,7 @@ from typing import Any
 
 from PIL import Image
 
-from arpo_lib.actions import Action, ActionParseError, lost_without_clipboard, to_pyautogui
+from arpo_lib.actions import Action, ActionParseError, lost_without_clipboard, paste_keys_for, pastes, to_pyautogui
 from arpo_lib.envs.base import EnvError, GUIEnv, Observation
 from arpo_lib.envs.osworld.downloads import DownloadCache, default_download_cache
 from arpo_lib.envs.osworld.machine import (  # noqa: F401 (names tests and tools use from here)
@@ -89,6 +91,12 @@ CLIPBOARD_PROBE = "import pyperclip\nprint('clipboard:', bool(pyperclip.determin
 """Run in the VM before its first paste: pyperclip's own choice of copy mechanism (xclip, xsel,
 wl-copy, klipper, Qt), which is falsy when it found none. Prints `clipboard: True` or `False`
 (nothing when pyperclip is missing: no clipboard either)."""
+FOCUS_PROBE = ("from Xlib import X, display\nd = display.Display()\n"
+               "p = d.screen().root.get_full_property(d.intern_atom('_NET_ACTIVE_WINDOW'), X.AnyPropertyType)\n"
+               "w = d.create_resource_object('window', int(p.value[0])) if p is not None and len(p.value) else None\n"
+               "print('focus:', '.'.join((w.get_wm_class() or ()) if w is not None and p.value[0] else ()))")
+"""Run in the VM before a paste: the focused window's WM_CLASS (`instance.Class`, python-xlib,
+which pyautogui needs on X11), printed as `focus: <it>` (empty when no window has the focus)."""
 _MANAGED_KWARGS = ("provider_name", "region", "path_to_vm", "action_space", "cache_dir", "screen_size",
                    "headless", "require_a11y_tree", "os_type")
 """DesktopEnv arguments set from OSWorldEnv's own options (not allowed in `desktop_env_kwargs`)."""
@@ -391,6 +399,8 @@ class OSWorldEnv(GUIEnv):
                     code = to_pyautogui(action, self.screen_size, clipboard=False)
                     error = (f"no clipboard tool in the VM (pyperclip finds neither xclip nor xsel): typed what "
                              f"pyautogui can type, lost {lost[:200]!r}")
+                elif pastes(action):
+                    code = to_pyautogui(action, self.screen_size, paste_keys=paste_keys_for(self._focused_class()))
                 obs, _, done, desktop_info = self._desktop.step(code, pause=self.pause_s)
                 self._screen = self._screenshot(obs)
             terminated = bool(done) or code in ("DONE", "FAIL")
@@ -539,6 +549,15 @@ class OSWorldEnv(GUIEnv):
                 log.warning("%s: the VM has no clipboard tool (xclip or xsel): text outside ASCII is typed as far "
                             "as pyautogui can type it", self.name)
         return self._clipboard
+
+    def _focused_class(self) -> str | None:
+        """The WM_CLASS of the VM's focused window (FOCUS_PROBE through OSWorld's controller), None
+        when it cannot be asked or no window has the focus."""
+        run = getattr(getattr(self._desktop, "controller", None), "execute_python_command", None)
+        answer = run(FOCUS_PROBE) if callable(run) else None
+        output = str(answer.get("output") or "") if isinstance(answer, Mapping) else ""
+        found = [line[len("focus:"):].strip() for line in output.splitlines() if line.startswith("focus:")]
+        return found[0] if found and found[0] else None
 
     def _set_paused(self, paused: bool) -> None:
         """Pause or resume the VM where the DesktopEnv can (the fork's pause()/unpause())."""

@@ -40,9 +40,12 @@ Fault injection, to exercise retries and infrastructure failures:
   the set-up did not do, as the sandbox provider reports it in its `setup_failures` attribute),
   `refuse_setup: true` (reset raises as desktop_env's SetupController does for a step type it
   does not know), `blank_at_step: j` (from step j on the screen is black, as a blanked or
-  disconnected display shows it).
+  disconnected display shows it), `focused: "instance.Class"` (the WM_CLASS of the focused window;
+  in a terminal's, gnome-terminal-server's or st's, ctrl+v pastes nothing and ctrl+shift+v pastes,
+  as there).
 - `controller.execute_python_command` (OSWorld's PythonController, which the workbench calls
-  directly for its clipboard probe): answers only that probe (`arpo_lib.envs.osworld.env.CLIPBOARD_PROBE`).
+  directly for its probes): answers only the clipboard and the focus probes
+  (`arpo_lib.envs.osworld.env.CLIPBOARD_PROBE`, `FOCUS_PROBE`).
 - environment variable ARPO_FAKE_OSWORLD_BOOT_FAILURES=k: the first k constructions in this
   process raise ConnectionError (the real class boots the VM in its constructor).
 
@@ -104,8 +107,9 @@ def load_fake_task(task_id: str) -> dict[str, Any]:
 
 class FakeController:
     """OSWorld's PythonController as far as the workbench uses it: `execute_python_command` answers
-    the clipboard probe from the task's `"fake": {"clipboard": ...}` (default true), in the real
-    server's answer format; any other command fails (the fake runs no code)."""
+    the clipboard probe from the task's `"fake": {"clipboard": ...}` (default true) and the focus
+    probe from its `"focused"` (default: no window), in the real server's answer format; any other
+    command fails (the fake runs no code)."""
 
     def __init__(self, env: "FakeDesktopEnv") -> None:
         self.env = env
@@ -115,10 +119,13 @@ class FakeController:
         self.commands.append(command)
         self.env._check_alive()
         self.env._check_running("execute_python_command")
-        if "determine_clipboard" not in command:
+        if "determine_clipboard" in command:
+            output = f"clipboard: {bool(self.env._fault('clipboard', True))}\n"
+        elif "_NET_ACTIVE_WINDOW" in command:
+            output = f"focus: {self.env._fault('focused', '')}\n"
+        else:
             return {"status": "success", "output": "", "error": "the fake VM runs no code", "returncode": 1}
-        return {"status": "success", "output": f"clipboard: {bool(self.env._fault('clipboard', True))}\n",
-                "error": "", "returncode": 0}
+        return {"status": "success", "output": output, "error": "", "returncode": 0}
 
 
 @dataclass
@@ -366,12 +373,19 @@ class FakeDesktopEnv:
                 self.typed += args[0]
             elif name == "copy" and args and isinstance(args[0], str):
                 self.clipboard = args[0]
-            elif name == "hotkey" and [str(a).lower() for a in args] == ["ctrl", "v"]:
+            elif name == "hotkey" and [str(a).lower() for a in args] == self._paste_keys():
                 self.typed += self.clipboard
             elif name == "hotkey" and [str(a).lower() for a in args] == ["shift", ","]:
                 self.typed += "<"  # the VM's US layout
             elif name == "press" and args == ["enter"]:
                 self.typed += "\n"
+
+    def _paste_keys(self) -> list[str]:
+        """What pastes in the focused window: ctrl+shift+v in a terminal (ctrl+v is the shell's
+        quoted-insert there), ctrl+v elsewhere."""
+        focused = str(self._fault("focused", "")).lower()
+        terminal = focused.split(".", 1)[0] in ("gnome-terminal-server", "st-256color", "st")
+        return ["ctrl", "shift", "v"] if terminal else ["ctrl", "v"]
 
     def _get_obs(self) -> Dict[str, Any]:
         return {

@@ -173,6 +173,26 @@ def test_scripted_solution_scores_one_and_a_no_op_zero(task_id):
         env.close()
 
 
+@needs_desktop
+@pytest.mark.slow
+def test_text_outside_ascii_typed_into_the_terminal_arrives():
+    """The terminal (st) pastes with ctrl+shift+v, not ctrl+v (the shell's quoted-insert there):
+    the environment asks which window has the focus before a paste, so accents, CJK and
+    typographic punctuation typed into a command line reach the file as written."""
+    text = "café 日本語 — “quoted”"
+    env = make_env("desktop/terminal-write-file", screen=SCREEN)
+    try:
+        env.reset()
+        info = env.step(Action("type", text=f"echo '{text}' > ~/typed.txt\n"))[4]
+        assert info["action_error"] is None, info
+        deadline = time.monotonic() + 15
+        while (data := env.sandbox.read_file("~/typed.txt")) is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert data is not None and data.decode() == text + "\n"
+    finally:
+        env.close()
+
+
 def test_the_scripted_agent_demonstrates_desktop_tasks_step_by_step():
     from arpo_lib.agent.scripted import scripted_response, supports
 

@@ -310,6 +310,30 @@ def test_with_a_clipboard_in_the_vm_text_is_pasted_whole(tmp_path):
     env.close()
 
 
+def test_text_pasted_into_a_terminal_uses_the_terminals_paste(tmp_path):
+    """The focused window is asked before a paste: in a terminal the paste is ctrl+shift+v (its
+    ctrl+v is the shell's quoted-insert: the fake, like GNOME Terminal, pastes nothing on it), in
+    a text field ctrl+v. ASCII text types without asking."""
+    env = fake_env(tmp_path, with_faults("fake-type", focused="gnome-terminal-server.Gnome-terminal"), pause_vm=False)
+    env.reset()
+    desktop = env.desktop_env
+    desktop.step(to_pyautogui(Action("type", text="wörld")))  # a text field's paste, in a terminal
+    assert desktop.typed == ""
+    _, _, _, _, info = env.step(Action("type", text="hello wörld\n"))
+    assert desktop.typed == "hello wörld\n" and info["action_error"] is None
+    assert "pyautogui.hotkey('ctrl', 'shift', 'v')" in info["code"]
+    probes = [c for c in desktop.controller.commands if "_NET_ACTIVE_WINDOW" in c]
+    env.step(Action("type", text="plain"))
+    assert len([c for c in desktop.controller.commands if "_NET_ACTIVE_WINDOW" in c]) == len(probes) == 1
+    env.close()
+
+    env = fake_env(tmp_path, with_faults("fake-type", focused="mousepad.Mousepad"), pause_vm=False)
+    env.reset()
+    info = env.step(Action("type", text="hello wörld"))[4]
+    assert env.desktop_env.typed == "hello wörld" and "pyautogui.hotkey('ctrl', 'v')" in info["code"]
+    env.close()
+
+
 def test_every_actions_error_reaches_the_step_info(tmp_path):
     """A response of several actions: each action's error is kept, not only the last one's."""
     from arpo_lib.envs.workers.worker import step_actions

@@ -270,6 +270,67 @@ def test_the_tasks_application_crashing_mid_episode_is_the_environments_failure(
     assert "SIGSEGV" in out["raised"] and out["next"] is None and out["quit"] is None, out
 
 
+_TYPED = r"""
+import json, sys, time
+from arpo_lib.actions import Action
+from arpo_lib.envs.osworld.env import FOCUS_PROBE, OSWorldEnv
+ascii_line = "".join(chr(c) for c in range(0x20, 0x7f))
+other_line = sys.argv[3]
+task = json.load(open(sys.argv[1]))
+env = OSWorldEnv(task, provider="sandbox", screen_size=(1280, 800), pause_s=0.5, cache_root=sys.argv[2],
+                 download_cache=None, max_steps=20)
+out = {}
+try:
+    env.reset()  # notes.txt open in the text editor, focused
+    out["editor_focus"] = env.desktop_env.controller.execute_python_command(FOCUS_PROBE)["output"]
+    for text in (ascii_line + "\n", other_line + "\n"):
+        out.setdefault("editor_errors", []).append(env.step(Action("type", text=text))[4]["action_error"])
+    env.step(Action("hotkey", keys=["ctrl", "s"]))
+    time.sleep(1.0)
+    box = env.desktop_env.sandbox
+    out["editor"] = (box.read_file("/home/user/notes.txt") or b"").decode()
+    env.step(Action("hotkey", keys=["ctrl", "alt", "t"]))
+    deadline = time.monotonic() + 20
+    while not any("@" in w["title"] for w in box.windows()) and time.monotonic() < deadline:
+        time.sleep(0.3)
+    time.sleep(1.0)
+    out["terminal_focus"] = env.desktop_env.controller.execute_python_command(FOCUS_PROBE)["output"]
+    out["terminal_codes"] = []
+    for text in ("set +H; cat > ~/typed.txt <<'END'\n", ascii_line + "\n", other_line + "\n", "END\n"):
+        info = env.step(Action("type", text=text))[4]
+        out["terminal_codes"].append(info["code"])
+    deadline = time.monotonic() + 20
+    while box.read_file("/home/user/typed.txt") is None and time.monotonic() < deadline:
+        time.sleep(0.3)
+    time.sleep(1.0)
+    out["terminal"] = (box.read_file("/home/user/typed.txt") or b"").decode()
+finally:
+    env.close()
+print("RESULT " + json.dumps(out))
+"""
+OTHER_TEXT = "café naïve Straße — “quoted” € 日本語 Ελληνικά"
+"""Text pyautogui cannot type on X11 (it is pasted): accents, typographic punctuation, CJK, Greek."""
+
+
+@pytest.mark.slow
+def test_the_agents_text_arrives_as_written_in_a_text_field_and_in_a_terminal(osworld_python, task_files, tmp_path):
+    """Through OSWorld's DesktopEnv on the GNOME sandbox: every printable ASCII character (`<`
+    included, which pyautogui alone types as `>`) and text outside ASCII (pasted) arrive unchanged
+    in the text editor and in GNOME Terminal. The focus probe tells a terminal from a text field: in
+    the terminal the paste is ctrl+shift+v (its ctrl+v is the shell's quoted-insert, and the
+    pasted text was lost), in the editor ctrl+v."""
+    done = _in_osworld(osworld_python, ["-c", _TYPED, str(task_files[0]), str(tmp_path), OTHER_TEXT])
+    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line is not None, done.stdout[-3000:] + done.stderr[-3000:]
+    out = json.loads(line[len("RESULT "):])
+    printable = "".join(chr(c) for c in range(0x20, 0x7f))
+    assert "mousepad" in out["editor_focus"].lower() and "gnome-terminal" in out["terminal_focus"], out
+    assert out["editor_errors"] == [None, None], out
+    assert out["editor"] == f"{printable}\n{OTHER_TEXT}\n", out["editor"]
+    assert "pyautogui.hotkey('ctrl', 'shift', 'v')" in out["terminal_codes"][2], out["terminal_codes"]
+    assert out["terminal"] == f"{printable}\n{OTHER_TEXT}\n", out["terminal"]
+
+
 def test_the_borrowed_torch_follows_the_checkout_that_borrows_it(osworld_python, tmp_path):
     """Regression (a CI run): the tests' OSWorld environment borrows torch from the checkout that
     built it, by a path in a .pth file; that environment is cached across checkouts, and a CI clone in
