@@ -58,6 +58,9 @@ class Limits:
     """Size of the home directory (a tmpfs: nothing the agent writes lands on the host's disk)."""
     scratch_mib: int = 256
     """Size of each scratch directory: /tmp, /run, /var/tmp and /dev/shm (tmpfs each)."""
+    system_mib: int = 2048
+    """With root inside (`sudo: root`): size of the writable layer over the system directories (a
+    tmpfs: what root installs or changes there is held in memory, and gone at the next reset)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -245,50 +248,79 @@ def _covered(path: str) -> bool:
     return any(path == t or path.startswith(t + "/") for t in SYSTEM_TREES if os.path.isdir(t))
 
 
+CAPS_ROOT_NEVER_HAS = ("CAP_SYS_PTRACE", "CAP_NET_ADMIN")
+"""With root inside: capabilities its processes never get (sudo.py says why; its init drops them
+from the bounding set too)."""
+SCRATCH_MODES = {"/tmp": 0o1777, "/var/tmp": 0o1777, "/dev/shm": 0o1777, "/run": 0o755}
+"""With root inside: the scratch directories belong to root, as on the VM (sudo.py gives `user` what
+the desktop writes under /run)."""
+
+
 def bwrap_arguments(workdir: Path, limits: Limits, *, network: bool = False, seccomp_fd: int | None = None,
-                    binds: dict[str, str] | None = None, environment: dict[str, str] | None = None) -> list[str]:
+                    binds: dict[str, str] | None = None, environment: dict[str, str] | None = None,
+                    system_root: str | None = None) -> list[str]:
     """The bubblewrap options (everything before the command) of a namespaces-mode sandbox.
     `workdir` holds the sandbox's own passwd, group, hostname, hosts and machine-id files
     (write_identity_files); `binds` (host path: path inside, read-only) the sandbox's Python
-    (runtime.py) and anything else its caller adds."""
+    (runtime.py) and anything else its caller adds.
+
+    `system_root`: root inside (superuser.py). bubblewrap then runs as root of the user namespace
+    made for it, in the network namespace made for it, and that overlay is the sandbox's `/`, the
+    system trees, the masks and the identity files in it; the command starts as root (sudo.py)."""
     features = bwrap_features()
-    args = ["--die-with-parent", "--new-session", "--unshare-user", "--unshare-pid", "--unshare-ipc",
-            "--unshare-uts", "--unshare-cgroup-try", "--hostname", HOSTNAME,
-            "--uid", str(USER_ID), "--gid", str(USER_ID), "--clearenv"]
-    if not network:
-        args.append("--unshare-net")
-    if "--disable-userns" in features:
-        args.append("--disable-userns")
-    for tree in SYSTEM_TREES:
-        if os.path.isdir(tree):
-            args += ["--ro-bind", tree, tree]
-    for name in ROOT_LINKS:
-        path = f"/{name}"
-        if os.path.islink(path):
-            args += ["--symlink", os.readlink(path), path]
-        elif os.path.isdir(path):
-            args += ["--ro-bind", path, path]
-    for kind, path in etc_masks():
-        args += ["--tmpfs", path, "--remount-ro", path] if kind == "dir" else ["--ro-bind", "/dev/null", path]
-    for name in IDENTITY_FILES:
-        args += ["--ro-bind", str(workdir / name), f"/etc/{name}"]
+    as_root = system_root is not None
+    args = ["--die-with-parent", "--new-session", *(() if as_root else ("--unshare-user",)), "--unshare-pid",
+            "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--hostname", HOSTNAME,
+            *(() if as_root else ("--uid", str(USER_ID), "--gid", str(USER_ID))), "--clearenv"]
+    if as_root:
+        args += [part for cap in CAPS_ROOT_NEVER_HAS for part in ("--cap-drop", cap)]
+        args += ["--bind", system_root, "/"]
+    else:
+        if not network:
+            args.append("--unshare-net")
+        if "--disable-userns" in features:
+            args.append("--disable-userns")
+        for tree in SYSTEM_TREES:
+            if os.path.isdir(tree):
+                args += ["--ro-bind", tree, tree]
+        for name in ROOT_LINKS:
+            path = f"/{name}"
+            if os.path.islink(path):
+                args += ["--symlink", os.readlink(path), path]
+            elif os.path.isdir(path):
+                args += ["--ro-bind", path, path]
+        for kind, path in etc_masks():
+            args += ["--tmpfs", path, "--remount-ro", path] if kind == "dir" else ["--ro-bind", "/dev/null", path]
+        for name in IDENTITY_FILES:
+            args += ["--ro-bind", str(workdir / name), f"/etc/{name}"]
+    if as_root:  # bubblewrap makes the parents of a mount point 0700, which are then root's alone
+        args += world_readable_parents([SHIM_DIR_IN_SANDBOX, *(binds or {}).values()])
     if (workdir / "bin").is_dir():  # write_python_shim
         args += ["--ro-bind", str(workdir / "bin"), SHIM_DIR_IN_SANDBOX]
     args += ["--proc", "/proc", "--dev", "/dev"]
-    for path in READ_ONLY_EXTRAS:
+    for path in () if as_root else READ_ONLY_EXTRAS:
         if os.path.isdir(path):
             args += ["--ro-bind", path, path]
     for path, mib in [*((d, limits.scratch_mib) for d in SCRATCH_DIRS), (HOME_IN_SANDBOX, limits.home_mib)]:
+        args += ["--perms", f"{SCRATCH_MODES.get(path, 0o755):o}"] if as_root else []
         args += (["--size", str(mib * 2**20)] if "--size" in features else []) + ["--tmpfs", path]
     args += ["--symlink", "../run", "/var/run", "--symlink", "../run/lock", "/var/lock"]
     for outside, inside in (binds or {}).items():  # after the tmpfs mounts, which could hide them
         args += ["--ro-bind", outside, inside]
     for name, value in (environment or sandbox_environment()).items():
         args += ["--setenv", name, value]
-    args += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", HOME_IN_SANDBOX]
+    # With root inside `/` stays writable, to root: the overlay (`user` may write none of it).
+    args += ["--remount-ro", "/dev", *(() if as_root else ("--remount-ro", "/")), "--chdir", HOME_IN_SANDBOX]
     if seccomp_fd is not None:
         args += ["--seccomp", str(seccomp_fd)]
     return args
+
+
+def world_readable_parents(destinations: list[str]) -> list[str]:
+    """bubblewrap options making each missing parent directory of `destinations` 0755 (those that
+    exist are left as they are)."""
+    parents = {str(parent) for path in destinations for parent in Path(path).parents if str(parent) != "/"}
+    return [part for parent in sorted(parents) for part in ("--perms", "755", "--dir", parent)]
 
 
 IDENTITY_FILES = ("passwd", "group", "hostname", "hosts", "machine-id")
@@ -319,7 +351,8 @@ def vscode_home() -> str | None:
 
 
 def write_python_shim(workdir: Path, python: str, site_dirs: list[str], pythons: bool = True,
-                      environment: dict[str, str] | None = None, vscode: str | None = None) -> Path:
+                      environment: dict[str, str] | None = None, vscode: str | None = None,
+                      sudo_client: str | None = None) -> Path:
     """`workdir/bin/python` and `python3`: OSWorld's set-up steps and getters run `python -c "import pyautogui;
     ..."` (the name `python`, with pyautogui importable). The shim runs `python` with `site_dirs`:
     in namespaces mode the sandbox's staged interpreter and site (runtime.py), in user mode the
@@ -327,7 +360,8 @@ def write_python_shim(workdir: Path, python: str, site_dirs: list[str], pythons:
     does can change what a trusted command runs. `pythons=False`: the browser shims only (the
     agent's uid cannot run `python`: user mode with the interpreter in a directory only root may
     enter). `environment`: what the interpreter needs besides (runtime.Runtime.environment).
-    `vscode`: where the sandbox sees VS Code, for a `code` command and its desktop entry."""
+    `vscode`: where the sandbox sees VS Code, for a `code` command and its desktop entry.
+    `sudo_client`: with root inside, how `sudo` runs sudo.py's client (`sudo_root_shim`)."""
     bin_dir = workdir / "bin"
     bin_dir.mkdir(mode=0o755, exist_ok=True)
     path = ":".join(site_dirs)
@@ -338,7 +372,7 @@ def write_python_shim(workdir: Path, python: str, site_dirs: list[str], pythons:
                         + f"PYTHONPATH={shlex.quote(path)} exec {shlex.quote(python)} \"$@\"\n")
         shim.chmod(0o755)
     sudo = bin_dir / "sudo"
-    sudo.write_text(SUDO_SHIM)
+    sudo.write_text(SUDO_SHIM if sudo_client is None else sudo_root_shim(sudo_client))
     sudo.chmod(0o755)
     chromium = next((p for p in CHROMIUM_BINARIES if os.access(p, os.X_OK)), None)
     if chromium:  # OSWorld's tasks start `google-chrome` and end it with `pkill chrome`; its profile
@@ -423,7 +457,7 @@ def _write_xdg_defaults(xdg: Path, browser: str | None, vscode: str | None = Non
         "[Default Applications]\n" + "".join(f"{kind}={entry}\n" for kind, entry in sorted(defaults.items())))
 
 
-SUDO_SHIM = r"""#!/bin/sh
+_SUDO_HEAD = r"""#!/bin/sh
 # OSWorld's VM user may sudo with the password "password": typed at the terminal's prompt, or given
 # on stdin with -S (`echo password | sudo -S <command>`, as task set-ups do). The sandbox has no
 # privilege to give: this sudo checks the password the same way and runs the command as the
@@ -433,7 +467,8 @@ SUDO_SHIM = r"""#!/bin/sh
 password=""
 from_stdin=0
 never_ask=0
-while [ $# -gt 0 ]; do
+"""
+_SUDO_OPTIONS = r"""while [ $# -gt 0 ]; do
   case "$1" in
     -S|--stdin) from_stdin=1; shift ;;
     -n|--non-interactive) never_ask=1; shift ;;
@@ -444,7 +479,8 @@ while [ $# -gt 0 ]; do
     *) break ;;
   esac
 done
-stamp="${XDG_RUNTIME_DIR:-/tmp}/.sudo-$(id -u)-$(tty 2>/dev/null | tr -c 'a-z0-9\n' _)"
+"""
+_SUDO_PASSWORD = r"""stamp="${XDG_RUNTIME_DIR:-/tmp}/.sudo-$(id -u)-$(tty 2>/dev/null | tr -c 'a-z0-9\n' _)"
 if [ "$from_stdin" = 1 ]; then
   printf '[sudo] password for %s: ' "$(id -un)" >&2
   IFS= read -r password || true
@@ -469,7 +505,8 @@ if [ "$password" != "password" ]; then
   exit 1
 fi
 [ "$from_stdin" = 1 ] || touch "$stamp" 2>/dev/null
-[ $# -gt 0 ] || exit 0
+"""
+_SUDO_AS_USER = r"""[ $# -gt 0 ] || exit 0
 case "$(basename -- "$1")" in
   apt|apt-get)
     tool="$1"; shift
@@ -504,7 +541,57 @@ case "$(basename -- "$1")" in
 esac
 exec "$@"
 """
+SUDO_SHIM = _SUDO_HEAD + _SUDO_OPTIONS + _SUDO_PASSWORD + _SUDO_AS_USER
 """`sudo` inside the sandbox (see its comment); OSWorld's set-ups rely on `sudo -S` existing."""
+
+_SUDO_ROOT_HEAD = r"""#!/bin/sh
+# OSWorld's VM user may sudo with the password "password": typed at the terminal's prompt, or given
+# on stdin with -S (`echo password | sudo -S <command>`, as task set-ups do). Root inside this
+# sandbox is real (env.options.sudo=root): this sudo checks the password the same way, then the
+# sandbox's root broker runs the command as root (or as -u's user) on this terminal
+# (desktop_sandbox/sudo.py). What it changes in the system lasts until the next reset.
+password=""
+from_stdin=0
+never_ask=0
+target=root
+login=0
+shell=0
+keep_env=0
+"""
+_SUDO_ROOT_OPTIONS = r"""while [ $# -gt 0 ]; do
+  case "$1" in
+    -S|--stdin) from_stdin=1; shift ;;
+    -n|--non-interactive) never_ask=1; shift ;;
+    -u|--user) target="$2"; shift 2 ;;
+    -u?*) target="${1#-u}"; shift ;;
+    --user=*) target="${1#--user=}"; shift ;;
+    -i|--login) login=1; shift ;;
+    -s|--shell) shell=1; shift ;;
+    -E|--preserve-env) keep_env=1; shift ;;
+    -g|-p|-C|-D|-h|-r|-t|-U|-T) shift 2 ;;
+    -k|-K|-H|-b|-l|-v|-A|-P|-V|--preserve-env=*|--reset-timestamp) shift ;;
+    --) shift; break ;;
+    -*) shift ;;
+    *) break ;;
+  esac
+done
+"""
+_SUDO_AS_ROOT = r"""[ $# -gt 0 ] || [ "$login$shell" != 00 ] || exit 0
+set -- -- "$@"
+[ "$keep_env" = 0 ] || set -- --keep-env "$@"
+[ "$shell" = 0 ] || set -- --shell "$@"
+[ "$login" = 0 ] || set -- --login "$@"
+exec 3<<EOF
+$password
+EOF
+"""
+
+
+def sudo_root_shim(client: str) -> str:
+    """`sudo` with root inside: the same options and password as SUDO_SHIM, then `client` (a shell
+    command line running sudo.py's client), which reads the password from descriptor 3."""
+    return (_SUDO_ROOT_HEAD + _SUDO_ROOT_OPTIONS + _SUDO_PASSWORD + _SUDO_AS_ROOT
+            + f'exec {client} --user "$target" "$@"\n')
 
 CHROMIUM_BINARIES = ("/opt/google/chrome/chrome", "/usr/lib/chromium/chromium", "/usr/lib/chromium-browser/chromium-browser")
 """The browser binary itself (not Debian's /usr/bin/chromium wrapper script): Google Chrome's .deb
@@ -604,10 +691,12 @@ class Cgroup:
         self.directories, self.kind = directories, kind
 
     @classmethod
-    def create(cls, name: str, limits: Limits) -> "Cgroup | None":
+    def create(cls, name: str, limits: Limits, system_layer: bool = False) -> "Cgroup | None":
+        """`system_layer`: root inside, whose writable layer (`limits.system_mib`) is memory too."""
         if os.geteuid() != 0:
             return None
-        memory = (limits.total_memory_mib + limits.home_mib + 4 * limits.scratch_mib + DESKTOP_MEMORY_MIB) * 2**20
+        memory = (limits.total_memory_mib + limits.home_mib + 4 * limits.scratch_mib + DESKTOP_MEMORY_MIB
+                  + (limits.system_mib if system_layer else 0)) * 2**20
         pids = limits.pids + DESKTOP_PIDS
         own = _own_cgroups()
         made: dict[str, Path] = {}
@@ -639,6 +728,11 @@ class Cgroup:
         script = ('n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1" || exit 97; shift; n=$((n-1)); done; '
                   'exec "$@"')
         return ["/bin/sh", "-c", script, "sh", str(len(files)), *files, *command]
+
+    def add(self, pid: int) -> None:
+        """Move process `pid` into this cgroup (its children to come are counted with it)."""
+        for directory in self.directories.values():
+            (directory / "cgroup.procs").write_text(f"{pid}\n")
 
     def remove(self, wait_s: float = 10.0) -> bool:
         """Delete the cgroup directories (the kernel refuses while a process is in them: retried

@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import pwd
+import shlex
 import shutil
 import signal
 import socket
@@ -40,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from desktop_sandbox import a11y, confinement, gnome, runtime, usernet
+from desktop_sandbox import a11y, confinement, gnome, runtime, superuser, usernet
 from desktop_sandbox.confinement import HOME_IN_SANDBOX, Limits
 from desktop_sandbox.processes import ACTION_TIMEOUT_S
 
@@ -62,6 +63,11 @@ _BOOT = ("import sys; sys.path[:0] = {paths!r}; from desktop_sandbox.server impo
 """How the server starts: an isolated interpreter (-I: no environment variables, no user site, no
 current directory on sys.path) that imports this package from the one directory given, and finds its
 packages in the host's site directories (those PYTHONPATH added included)."""
+_SUDO_BOOT = ("import sys; sys.path[:0] = {paths!r}; from desktop_sandbox.sudo import main; "
+              "sys.exit(main(sys.argv[1:]))")
+"""With root inside: how sudo.py starts (its init, and the client `sudo` runs), the same way."""
+ID_BLOCKS = range(0x40000000, 0x7FFF0000, 0x10000)
+"""With root inside: where the block of host uids a sandbox's ids map to is taken from (one per sandbox)."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -120,12 +126,16 @@ class Sandbox:
     the default), "user" (a user-mode network reaching outside addresses, never the host's
     loopback, its own addresses, link-local or metadata ones: usernet.py) or "host" (True: the
     host's network namespace, its loopback services included; no task needs it). `network` off:
-    loopback only; on, the agent reaches the host's loopback services too)."""
+    loopback only; on, the agent reaches the host's loopback services too). `sudo`: "user" (the
+    default: sudo checks OSWorld's password and gives no privilege) or "root" (sudo gives root
+    inside, over a writable layer of the system directories that a reset after its use throws
+    away: superuser.py; needs root on the host)."""
 
     def __init__(self, screen: tuple[int, int] = (1920, 1080), *, network: bool | str = False,
                  window_manager: str = "openbox", binds: dict[str, str] | None = None,
-                 limits: Limits | dict[str, Any] | None = None, isolation: str = "auto") -> None:
+                 limits: Limits | dict[str, Any] | None = None, isolation: str = "auto", sudo: str = "user") -> None:
         self.network = network_mode(network)
+        self.sudo = superuser.sudo_mode(sudo)
         reason = desktop_unavailable(isolation)
         if reason is None and self.network == "user":
             reason = usernet.unavailable()
@@ -136,13 +146,17 @@ class Sandbox:
             if reason is None and confinement.choose_isolation(isolation) != "namespaces":
                 reason = ("the GNOME desktop needs the namespaces isolation (bubblewrap with user namespaces); "
                           "the 'user' fallback runs the openbox desktop (env.options.desktop=openbox)")
+        if reason is None and self.sudo == "root":
+            if confinement.choose_isolation(isolation) != "namespaces":
+                reason = "env.options.sudo=root needs the namespaces isolation (bubblewrap with user namespaces)"
+            else:
+                reason = superuser.unavailable()
         if reason:
             raise SandboxError(reason)
         self.window_manager = window_manager
         self.screen = screen
         self.limits = Limits.from_options(limits)
         self.isolation = confinement.choose_isolation(isolation)
-        network = self.network == "host"  # bubblewrap shares the host's namespace only then
         self.network_blocked = self.network == "none"
         self.usernet: usernet.UserNetwork | None = None
         self.agent_uid: int | None = None
@@ -154,36 +168,71 @@ class Sandbox:
         self._agent_gid: int | None = None
         self._uid_lock: int | None = None
         self._home_lock: int | None = None
+        self.id_block: int | None = None
+        """With root inside: the first of the host uids the sandbox's ids 0..65534 map to (root's)."""
+        self.grants: superuser.Grants | None = None
+        """With root inside: whether root was granted since the sandbox's process started."""
+        self._outer: superuser.OuterStart | None = None
+        self._binds = binds
+        self._watcher: subprocess.Popen | None = None
+        self._watcher_told = False
         self.workdir = Path(tempfile.mkdtemp(prefix="arpo-desktop-"))
         control = self.workdir / "control"  # the socket, the log, the launch logs: the host's only
         control.mkdir(mode=0o700)
         self.socket_path = str(control / "server.sock")
         self.log_path = control / "server.log"
         self._log = open(self.log_path, "wb")
+        self._launch()
+        _say_once(self.describe())
+
+    def _launch(self) -> None:
+        """Start the sandbox's process and wait for its server: at construction, and with root
+        inside at a reset after root was granted (the same work directory and socket path, so that
+        whoever holds the path, OSWorld's bridge, keeps reaching it). SandboxError when it fails."""
+        network = self.network == "host"  # bubblewrap shares the host's namespace only then
+        Path(self.socket_path).unlink(missing_ok=True)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(self.socket_path)
         listener.listen(64)
+        self._fds_to_close: list[int] = []
         try:
             if self.isolation == "namespaces":
-                command, pass_fds, env, cwd = self._namespaces_command(listener.fileno(), network, window_manager, binds)
+                command, pass_fds, env, cwd = self._namespaces_command(listener.fileno(), network, self.window_manager,
+                                                                       self._binds)
             else:
-                command, pass_fds, env, cwd = self._user_command(listener.fileno(), network, window_manager)
+                command, pass_fds, env, cwd = self._user_command(listener.fileno(), network, self.window_manager)
             identity = {} if self.host_uid is None else {"user": self.host_uid, "group": self.host_uid, "extra_groups": []}
-            if self.host_uid is None and os.geteuid() == 0:  # root is exempt from RLIMIT_NPROC: the kernel's other limit
-                self.cgroup = confinement.Cgroup.create(self.workdir.name, self.limits)
-                if self.cgroup is not None:
-                    command = self.cgroup.join_command(command)
-            self._watcher = self._start_watcher(self._agent_gid)
+            if self.sudo == "root":
+                identity = {"user": self.id_block, "group": self.id_block, "extra_groups": []}
+            # root is exempt from RLIMIT_NPROC (the kernel's other limit: a cgroup); with root inside,
+            # what root inside writes to the system layer is memory the cgroup counts
+            if self.cgroup is None and os.geteuid() == 0 and (self.host_uid is None or self.sudo == "root"):
+                self.cgroup = confinement.Cgroup.create(self.workdir.name, self.limits, system_layer=self.sudo == "root")
+            if self.cgroup is not None and self.sudo != "root":
+                command = self.cgroup.join_command(command)
+            if self._watcher is None:
+                self._watcher = self._start_watcher(self._agent_gid)
             self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, start_new_session=True,
                                             pass_fds=pass_fds, env=env, cwd=cwd, **identity)
+            if self._outer is not None:
+                self._map_root_namespace()
         except BaseException:
             listener.close()
+            if getattr(self, "process", None) is not None and self.process.poll() is None:
+                self.process.kill()
+                self.process.wait()
             self._cleanup_files()
             raise
         finally:
-            for fd in getattr(self, "_fds_to_close", []):
+            for fd in self._fds_to_close:
                 os.close(fd)
+            self._fds_to_close = []
+            if self._outer is not None:
+                self._outer.close()
+                self._outer = None
+            if self.grants is not None:
+                self.grants.close_write_end()
         listener.close()  # the server holds it now
         if self.network == "user":
             try:
@@ -193,7 +242,19 @@ class Sandbox:
                 self.close()
                 raise SandboxError(f"the sandbox's user-mode network did not start: {e}") from e
         self._wait_ready()
-        _say_once(self.describe())
+
+    def _map_root_namespace(self) -> None:
+        """With root inside: once bubblewrap made the user namespace (and waits), its processes
+        join the sandbox's cgroup and the host writes the namespace's id map."""
+        assert self._outer is not None
+        try:
+            child = self._outer.namespace_pid(self.process)
+            if self.cgroup is not None:
+                for pid in (self.process.pid, child):
+                    self.cgroup.add(pid)
+            self._outer.map_ids(child)
+        except (RuntimeError, OSError) as e:
+            raise SandboxError(f"the sandbox's root namespace could not be made: {e}: {self._log_tail()}") from e
 
     # -- starting ------------------------------------------------------------------------------
     def _server_arguments(self, listen_fd: int, window_manager: str, python: str | None = None,
@@ -208,12 +269,14 @@ class Sandbox:
 
     def _namespaces_command(self, listen_fd: int, network: bool, window_manager: str,
                             binds: dict[str, str] | None) -> tuple[list[str], tuple[int, ...], dict[str, str], str]:
+        as_root = self.sudo == "root"
         confinement.write_identity_files(self.workdir)
         try:
             python = runtime.stage(tuple(confinement.site_directories()))
         except (RuntimeError, OSError) as e:
             raise SandboxError(f"cannot stage the sandbox's Python: {e}") from e
         python_env = dict(python.environment)
+        shutil.rmtree(self.workdir / "lib", ignore_errors=True)  # a launch after the first copies it anew
         runtime_binds = {**dict(python.binds),
                          str(runtime.copy_package(confinement.package_dir(), self.workdir / "lib")): runtime.LIB_IN_SANDBOX}
         vscode = confinement.vscode_home()
@@ -223,15 +286,22 @@ class Sandbox:
             except (RuntimeError, OSError) as e:
                 log.warning("VS Code at %s is left out of the sandbox: %s", vscode, e)
                 vscode = None
+        sudo_boot = _SUDO_BOOT.format(paths=[runtime.LIB_IN_SANDBOX, *python.site])
+        sudo_client = " ".join(shlex.quote(part) for part in (
+            *(["env", *(f"{k}={v}" for k, v in python_env.items())] if python_env else []),
+            python.python, "-I", "-c", sudo_boot, "client")) if as_root else None
         bin_dir = confinement.write_python_shim(self.workdir, python.python, list(python.site), environment=python_env,
-                                                vscode=confinement.VSCODE_IN_SANDBOX if vscode else None)
+                                                vscode=confinement.VSCODE_IN_SANDBOX if vscode else None,
+                                                sudo_client=sudo_client)
         self._runtime_paths = [*runtime_binds, *(binds or {})]  # what the sandbox's uid must be able to read
         if window_manager == "gnome":
             try:
                 gnome.write_session_files(bin_dir, confinement.SHIM_DIR_IN_SANDBOX)
             except (RuntimeError, OSError) as e:
                 raise SandboxError(f"cannot prepare the GNOME session: {e}") from e
-        if os.geteuid() == 0:
+        if as_root:
+            self._claim_id_block()
+        elif os.geteuid() == 0:
             self._drop_to_unprivileged_uid()
         filter_path = self.workdir / "control" / "seccomp.bpf"
         with open(filter_path, "wb") as out:
@@ -240,13 +310,14 @@ class Sandbox:
             log.debug("seccomp: this libseccomp does not know %s", unknown)
         seccomp_fd = os.open(filter_path, os.O_RDONLY)
         self._fds_to_close = [seccomp_fd]
-        if self.network == "user":  # its resolver: pasta's forwarder (the host's /etc/resolv.conf stays masked)
+        if self.network == "user" and not as_root:  # its resolver: pasta's forwarder (the host's /etc/resolv.conf stays masked)
             (self.workdir / "resolv.conf").write_text(usernet.resolv_conf())
             (self.workdir / "resolv.conf").chmod(0o644)
             binds = {**(binds or {}), str(self.workdir / "resolv.conf"): "/etc/resolv.conf"}
         args = confinement.bwrap_arguments(self.workdir, self.limits, network=network, seccomp_fd=seccomp_fd,
                                            binds={**runtime_binds, **(binds or {})},
-                                           environment={**confinement.sandbox_environment(), **python_env})
+                                           environment={**confinement.sandbox_environment(), **python_env},
+                                           system_root=superuser.SYSTEM_ROOT if as_root else None)
         # The options through a descriptor, the environment the sandbox's own: PID 1 inside is
         # bubblewrap, and its command line and environment are readable there.
         args_path = self.workdir / "control" / "bwrap.args"
@@ -254,12 +325,39 @@ class Sandbox:
         args_fd = os.open(args_path, os.O_RDONLY)
         self._fds_to_close.append(args_fd)
         server = self._server_arguments(listen_fd, window_manager, python.python, list(python.site), runtime.LIB_IN_SANDBOX)
-        command = [shutil.which("bwrap") or "bwrap", "--args", str(args_fd), *server, "--display", ":0",
-                   "--bin-dir", confinement.SHIM_DIR_IN_SANDBOX,
-                   "--home", HOME_IN_SANDBOX,
+        server += ["--display", ":0", "--bin-dir", confinement.SHIM_DIR_IN_SANDBOX, "--home", HOME_IN_SANDBOX,
                    "--runtime-dir", gnome.RUNTIME_DIR if window_manager == "gnome" else "/tmp/runtime",
                    "--log-dir", "/tmp/launched"]
-        return command, (listen_fd, seccomp_fd, args_fd), {"PATH": confinement.SANDBOX_PATH}, "/"
+        if not as_root:
+            command = [shutil.which("bwrap") or "bwrap", "--args", str(args_fd), *server]
+            return command, (listen_fd, seccomp_fd, args_fd), {"PATH": confinement.SANDBOX_PATH}, "/"
+        # Root inside: the outer namespace (superuser.py) runs the overlay and then this bubblewrap,
+        # whose first process (sudo.py's init) starts the broker and becomes the server as `user`.
+        assert self.id_block is not None
+        seed = self.workdir / "seed"
+        shutil.rmtree(seed, ignore_errors=True)
+        superuser.write_seed(seed, self.id_block, usernet.resolv_conf() if self.network == "user" else None)
+        self.grants = superuser.Grants()
+        sources = [*runtime_binds, *(binds or {}), str(bin_dir)]
+        self._outer = superuser.OuterStart(self.id_block, superuser.outer_arguments(
+            seed, layer_mib=self.limits.system_mib, share_network=network, binds=sources), args_fd)
+        init = [python.python, "-I", "-c", sudo_boot, "init", "--grant-fd", str(self.grants.write_fd),
+                "--limits", json.dumps(self.limits.as_dict()), "--home", HOME_IN_SANDBOX, "--", *server]
+        pass_fds = (listen_fd, seccomp_fd, args_fd, self.grants.write_fd, *self._outer.pass_fds)
+        return self._outer.command(init), pass_fds, {"PATH": confinement.SANDBOX_PATH}, "/"
+
+    def _claim_id_block(self) -> None:
+        """With root inside: the sandbox's block of host uids (kept for its whole life, relaunches
+        included), which must be able to read what the sandbox binds: there is no falling back to a
+        sandbox whose root would be the host's."""
+        if self.id_block is None:
+            self.id_block, self._uid_lock = claim_id_block()
+        self.host_uid = self.id_block + confinement.USER_ID
+        self.workdir.chmod(0o711)  # the outer namespace binds the shims, the package copy and the seed from here
+        unreadable = _unreadable_for(self.id_block, self._runtime_paths)
+        if unreadable:
+            raise SandboxError(f"env.options.sudo=root: an unprivileged uid cannot read {unreadable}, which the sandbox "
+                               "binds (the sandbox's root is such a uid on the host): make them world-readable")
 
     def _drop_to_unprivileged_uid(self) -> None:
         """Started by root, bubblewrap would map the sandbox's user to root: its processes would
@@ -332,9 +430,11 @@ class Sandbox:
                                 start_new_session=True)
 
     def _wait_ready(self) -> None:
-        assert self._watcher.stdin is not None
-        self._watcher.stdin.write(f"{self.process.pid}\n".encode())
-        self._watcher.stdin.flush()
+        assert self._watcher is not None and self._watcher.stdin is not None
+        if not self._watcher_told:  # its first line: the server's process group
+            self._watcher.stdin.write(f"{self.process.pid}\n".encode())
+            self._watcher.stdin.flush()
+            self._watcher_told = True
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -473,8 +573,23 @@ class Sandbox:
         return time.monotonic() - started
 
     def reset_session(self) -> int:
-        """End every application and empty the home directory; returns how many processes ended."""
+        """End every application and empty the home directory; returns how many processes ended.
+        With root inside, after an episode in which root was granted: a new sandbox process first,
+        from a fresh system layer (what root did may be anywhere in the system, and root's
+        processes are out of the server's reach)."""
+        if self.grants is not None and self.grants.granted():
+            self._relaunch()
         return int(self.post_json("/session/reset", {}, timeout=60)["ended"])
+
+    def _relaunch(self) -> None:
+        self._stop_process()
+        if self.usernet is not None:
+            self.usernet.close()
+            self.usernet = None
+        if self.grants is not None:
+            self.grants.close()
+            self.grants = None
+        self._launch()
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -482,7 +597,8 @@ class Sandbox:
     def report(self) -> dict[str, Any]:
         """How this sandbox is confined: mode, limits, and what the mode does not promise."""
         return {"isolation": self.isolation, "limits": self.limits.as_dict(), "network_blocked": self.network_blocked,
-                "network": self.network,
+                "network": self.network, "sudo": self.sudo,
+                "root_ids": [self.id_block, self.id_block + superuser.ID_COUNT - 1] if self.id_block is not None else None,
                 "network_fenced": self.usernet.blocked if self.usernet is not None else [],
                 "agent_uid": self.agent_uid, "host_uid": self.host_uid if self.isolation == "namespaces" else self.agent_uid,
                 "cgroup": self.cgroup.kind if self.cgroup is not None else None, "seccomp": self.isolation == "namespaces",
@@ -499,12 +615,23 @@ class Sandbox:
             "root" if os.geteuid() == 0 else f"your uid {os.geteuid()}")
         limits = (f"cgroup {report['cgroup']} limits" if report["cgroup"] else
                   "rlimits" if who != "root" else "the server's watcher (no cgroup could be made)")
+        root = (f"; root inside (sudo), host uids {self.id_block}.. over a {self.limits.system_mib} MiB writable "
+                "system layer" if self.sudo == "root" else "")
         return (f"desktop sandbox: 'namespaces' isolation (bubblewrap; seccomp; "
                 f"{'size-capped' if report['sized_tmpfs'] else 'UNCAPPED (bubblewrap < 0.7)'} home; "
-                f"the sandbox's user maps to {who}; process limit: {limits})")
+                f"the sandbox's user maps to {who}; process limit: {limits}{root})")
 
     def close(self) -> None:
         """End the sandbox and everything in it; remove its directory. Safe to call twice."""
+        self._stop_process()
+        self._cleanup_files()
+
+    def _stop_process(self) -> None:
+        if self.sudo == "root" and getattr(self, "process", None) is not None and self.process.poll() is None:
+            # Nothing of it is kept, and the server could not end root's processes: the outer
+            # bubblewrap's end ends its PID namespace, and everything in it, at once.
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=10)
         if getattr(self, "process", None) is not None and self.process.poll() is None:
             try:
                 self.request("POST", "/shutdown", {}, timeout=5)
@@ -515,12 +642,14 @@ class Sandbox:
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait(timeout=10)
-        self._cleanup_files()
 
     def _cleanup_files(self) -> None:
         if getattr(self, "usernet", None) is not None:
             self.usernet.close()
             self.usernet = None
+        if getattr(self, "grants", None) is not None:
+            self.grants.close()
+            self.grants = None
         if not self._log.closed:
             self._log.close()
         if self.cgroup is not None and self.cgroup.remove():  # before the watcher, which would wait for it
@@ -642,6 +771,39 @@ def _claim_free_uid() -> tuple[int, int]:
             if fd is not None:
                 return uid, fd
     raise SandboxError(f"no free uid in {AGENT_UIDS.start}..{AGENT_UIDS.stop - 1}")
+
+
+def claim_id_block() -> tuple[int, int]:
+    """With root inside: the first of superuser.ID_COUNT consecutive host uids (the same numbers
+    as gids) that no account, group, process or subordinate id range (/etc/subuid, /etc/subgid)
+    uses, locked for this sandbox: (first uid, lock descriptor)."""
+    UID_LOCKS.mkdir(mode=0o700, exist_ok=True)
+    used = {p.pw_uid for p in pwd.getpwall()} | {g.gr_gid for g in grp.getgrall()}
+    used |= {uid for e in os.scandir("/proc") if e.name.isdigit() and (uid := confinement.process_uid(e.name)) is not None}
+    ranges = [range(start, start + count) for start, count in _subordinate_ranges()]
+    for first in ID_BLOCKS:
+        block = range(first, first + superuser.ID_COUNT)
+        if any(i in block for i in used) or any(r.start < block.stop and block.start < r.stop for r in ranges):
+            continue
+        fd = _try_lock(first)
+        if fd is not None:
+            return first, fd
+    raise SandboxError(f"no free block of {superuser.ID_COUNT} host uids from {ID_BLOCKS.start}")
+
+
+def _subordinate_ranges() -> list[tuple[int, int]]:
+    """(first, count) of every range /etc/subuid and /etc/subgid give out (rootless containers')."""
+    ranges = []
+    for path in ("/etc/subuid", "/etc/subgid"):
+        try:
+            lines = Path(path).read_text().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            parts = line.split(":")
+            if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit():
+                ranges.append((int(parts[1]), int(parts[2])))
+    return ranges
 
 
 def _try_lock(uid: int) -> int | None:

@@ -112,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bin-dir", default=None, help="directory of the `python` shim, first on the PATH")
     parser.add_argument("--a11y-missing", default="not asked for (--a11y-missing '' serves it)",
                         help="why the accessibility tree cannot be served here ('': it can)")
+    parser.add_argument("--keep-pid", type=int, action="append", default=[],
+                        help="a process of the sandbox that is not the episode's (with root inside: the sudo broker)")
     args = parser.parse_args(argv)
     processes.HOST_PID_NAMESPACE = args.host_pid_namespace
     if args.die_with_parent:
@@ -129,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                       log_dir=Path(args.log_dir), agent=agent, display=args.display, bin_dir=args.bin_dir,
                       a11y_missing=args.a11y_missing or None)
     desktop.python_path = [str(p) for p in json.loads(args.python_path)]
+    desktop.keep.update(args.keep_pid)  # a reset and the limits' watcher leave it alone
     stop = threading.Event()
     server = UnixHTTPServer(args.listen_fd, make_handler(desktop, stop, limits["action_cpu_s"]))
     threading.Thread(target=server.serve_forever, daemon=True).start()

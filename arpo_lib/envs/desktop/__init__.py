@@ -37,7 +37,7 @@ register_family(EnvFamily(
     "desktop", _make_desktop,
     "Real desktop applications (text editor, terminal, file manager, Chromium) in a sandboxed X "
     "desktop, checked like OSWorld (options: screen, max_steps, settle_s, wait_s, reward, limits, isolation, "
-    "desktop, network)",
+    "desktop, network, sudo)",
     tasks=_desktop_tasks,
     demonstrates=lambda task: task in _desktop_tasks(), demonstrate=_desktop_demonstrate,
 ))

@@ -23,6 +23,7 @@ from arpo_lib.envs.desktop import tasks as suite
 from desktop_sandbox.confinement import ISOLATION_MODES, Limits
 from desktop_sandbox.gnome import DESKTOP_KINDS
 from desktop_sandbox.sandbox import Sandbox, SandboxError, network_mode
+from desktop_sandbox.superuser import sudo_mode
 
 
 def _sandbox_failures_as_env_errors(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -41,12 +42,14 @@ class DesktopEnv(GUIEnv):
     (pause after each action before the screenshot), `wait_s` (what a `wait()` action waits),
     `limits` (the sandbox's resource limits: confinement.Limits fields), `isolation` ("auto",
     "namespaces" or "user": confinement.py), `desktop` ("openbox", the suite's own: no launcher;
-    or "gnome", OSWorld's VM's: gnome.py), `network` ("none"; "user": usernet.py)."""
+    or "gnome", OSWorld's VM's: gnome.py), `network` ("none"; "user": usernet.py), `sudo` ("user":
+    sudo checks the VM's password and gives no privilege; "root": real root inside the sandbox over
+    a writable system layer a reset throws away: superuser.py)."""
 
     def __init__(self, task: str, *, screen: tuple[int, int] = (1920, 1080), max_steps: int = 15,
                  settle_s: float = 0.5, wait_s: float = 1.0, reward: str = "binary",
                  limits: Limits | dict[str, Any] | None = None, isolation: str = "auto",
-                 desktop: str = "openbox", network: str = "none") -> None:
+                 desktop: str = "openbox", network: str = "none", sudo: str = "user") -> None:
         if max_steps < 1:
             raise ValueError(f"max_steps must be >= 1, got {max_steps}")
         if isolation not in ISOLATION_MODES:
@@ -57,6 +60,9 @@ class DesktopEnv(GUIEnv):
         self.isolation = isolation
         self.desktop = desktop
         self.network = network_mode(network)
+        self.sudo = sudo_mode(sudo)
+        if self.sudo == "root" and isolation == "user":
+            raise ValueError("sudo='root' gives root inside a namespaces sandbox: it cannot run with isolation='user'")
         self.task = suite.load_task(task)
         absent = [c for c in suite.required_commands(self.task) if not shutil.which(c)]
         if absent:
@@ -93,7 +99,7 @@ class DesktopEnv(GUIEnv):
             if self._box is not None:
                 self._box.close()
             self._box = Sandbox(self.screen, limits=self.limits, isolation=self.isolation,
-                                window_manager=self.desktop, network=self.network)
+                                window_manager=self.desktop, network=self.network, sudo=self.sudo)
             self.timings["start_s"] = time.monotonic() - t0
         try:
             self._box.reset_session()

@@ -33,9 +33,9 @@ rollout workers:
   kept across episodes (each reset reverts the VM). A failed boot or task set-up is retried
   `boot_retries` times with exponential back-off on a fresh DesktopEnv, then raises `EnvError`.
 - Infrastructure failures are `EnvError`: if step/evaluate raises or the VM returns no screenshot
-  or, on GNOME, a screen of one colour (a screensaver's blank, a display gone; ARPO's VMs locked
-  during slow training steps),
-  the DesktopEnv is closed (stopping its container), a fresh one is booted on the next reset, and
+  or, on GNOME, a screen of one colour (a screensaver's blank, a display gone), or a VM whose lock
+  screen is up before an action (`LOCK_PROBE`; ARPO's maintainers name VMs that locked during slow
+  training steps as a cause of a failed reproduction), the DesktopEnv is closed (stopping its container), a fresh one is booted on the next reset, and
   the episode is reported as an infrastructure failure, never scored as the policy's.
 - Preflight before booting (provider "docker"): the docker package, a reachable Docker engine,
   the pulled image, /dev/kvm (without KVM the VM boots too slowly to be usable: an error unless
@@ -97,6 +97,17 @@ FOCUS_PROBE = ("from Xlib import X, display\nd = display.Display()\n"
                "print('focus:', '.'.join((w.get_wm_class() or ()) if w is not None and p.value[0] else ()))")
 """Run in the VM before a paste: the focused window's WM_CLASS (`instance.Class`, python-xlib,
 which pyautogui needs on X11), printed as `focus: <it>` (empty when no window has the focus)."""
+LOCK_PROBE = ("import os, subprocess\n"
+              "env = dict(os.environ, DBUS_SESSION_BUS_ADDRESS=os.environ.get('DBUS_SESSION_BUS_ADDRESS') or "
+              "'unix:path=/run/user/%d/bus' % os.getuid())\n"
+              "done = subprocess.run(['gdbus', 'call', '--session', '--dest', 'org.gnome.ScreenSaver', "
+              "'--object-path', '/org/gnome/ScreenSaver', '--method', 'org.gnome.ScreenSaver.GetActive'], "
+              "capture_output=True, text=True, env=env, timeout=10)\n"
+              "print('locked:', done.stdout.strip() == '(true,)')")
+"""Run in the VM before each action: whether GNOME's lock screen is up (GNOME Shell's
+org.gnome.ScreenSaver on the session bus, at the path OSWorld's task files name when the
+variable is unset), printed as `locked: True` or `False` (`False` where the question cannot be
+asked: a desktop without the service, no gdbus)."""
 _MANAGED_KWARGS = ("provider_name", "region", "path_to_vm", "action_space", "cache_dir", "screen_size",
                    "headless", "require_a11y_tree", "os_type")
 """DesktopEnv arguments set from OSWorldEnv's own options (not allowed in `desktop_env_kwargs`)."""
@@ -242,6 +253,7 @@ class OSWorldEnv(GUIEnv):
         desktop: str = "gnome",
         on_setup_failure: str = "run",
         network: str = "none",
+        sudo: str = "user",
     ) -> None:
         """Load the task, import the DesktopEnv class and check the machine; the VM boots on the
         first `reset`.
@@ -283,6 +295,11 @@ class OSWorldEnv(GUIEnv):
         network: provider "sandbox" only: "none" (the default: the sandbox's own loopback) or
             "user" (a user-mode network like the VM's: outside addresses, never the host's
             loopback, its addresses, link-local or metadata ones; desktop_sandbox/usernet.py).
+        sudo: provider "sandbox" only: "user" (the default: sudo asks for the VM's password and gives
+            no privilege) or "root" (sudo gives root inside the sandbox, as on the VM, over a writable
+            layer of the system directories that the next reset after its use throws away: the
+            install and system-configuration tasks; needs root on the host;
+            desktop_sandbox/superuser.py).
         """
         size = tuple(screen_size)
         if len(size) != 2 or not all(isinstance(v, int) and v > 0 for v in size):
@@ -301,8 +318,15 @@ class OSWorldEnv(GUIEnv):
             raise ValueError(f"network must be 'none' or 'user', got {network!r}")
         if network != "none" and provider != SANDBOX_PROVIDER:
             raise ValueError("network='user' gives the sandbox a network: it needs provider='sandbox' (a VM has its own)")
+        if sudo not in ("user", "root"):
+            raise ValueError(f"sudo must be 'user' or 'root', got {sudo!r}")
+        if sudo != "user" and provider != SANDBOX_PROVIDER:
+            raise ValueError("sudo='root' gives root inside the sandbox: it needs provider='sandbox' (a VM's sudo is real)")
         if desktop != "gnome" and provider != SANDBOX_PROVIDER:
             raise ValueError(f"desktop={desktop!r} chooses the sandbox's desktop: it needs provider='sandbox'")
+        self.lock_check = provider != SANDBOX_PROVIDER
+        """Ask a VM before each action whether its screen is locked (LOCK_PROBE). The sandbox has no
+        lock screen (no org.gnome.ScreenSaver: GNOME Shell offers it only with GDM), so it is not asked."""
         self.blank_is_failure = desktop == "gnome"
         """GNOME (the VM's desktop) always draws its top bar: a screen of one colour is a blanked,
         locked or lost display. openbox's bare desktop is black until a window opens."""
@@ -332,7 +356,7 @@ class OSWorldEnv(GUIEnv):
                 desktop_env_class = SANDBOX_DESKTOP_ENV_CLASS
             path_to_vm = path_to_vm or "desktop-sandbox"
             self.pause_vm = False  # nothing to pause: see desktop_sandbox/osworld.py
-            desktop_env_kwargs["sandbox_options"] = {"window_manager": desktop, "network": network,
+            desktop_env_kwargs["sandbox_options"] = {"window_manager": desktop, "network": network, "sudo": sudo,
                                                      **(desktop_env_kwargs.get("sandbox_options") or {})}
         self._desktop_env_cls = _desktop_env_class(desktop_env_class)
         if provider == "docker":
@@ -394,6 +418,9 @@ class OSWorldEnv(GUIEnv):
         if code is not None:
             with self._vm_call(f"step ({action.kind})"):
                 self._set_paused(False)
+                if self.lock_check and self._screen_locked():
+                    raise EnvError(f"{self.name}: the screen is locked (GNOME's lock screen came up between actions): "
+                                   "not a screen the agent should act on, so not its failure")
                 lost = lost_without_clipboard(action)
                 if lost is not None and not self._has_clipboard():
                     code = to_pyautogui(action, self.screen_size, clipboard=False)
@@ -549,6 +576,13 @@ class OSWorldEnv(GUIEnv):
                 log.warning("%s: the VM has no clipboard tool (xclip or xsel): text outside ASCII is typed as far "
                             "as pyautogui can type it", self.name)
         return self._clipboard
+
+    def _screen_locked(self) -> bool:
+        """Whether GNOME's lock screen is up in the VM (LOCK_PROBE through OSWorld's controller;
+        False when it cannot be asked)."""
+        run = getattr(getattr(self._desktop, "controller", None), "execute_python_command", None)
+        answer = run(LOCK_PROBE) if callable(run) else None
+        return isinstance(answer, Mapping) and "locked: True" in str(answer.get("output") or "")
 
     def _focused_class(self) -> str | None:
         """The WM_CLASS of the VM's focused window (FOCUS_PROBE through OSWorld's controller), None

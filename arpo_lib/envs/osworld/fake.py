@@ -40,12 +40,13 @@ Fault injection, to exercise retries and infrastructure failures:
   the set-up did not do, as the sandbox provider reports it in its `setup_failures` attribute),
   `refuse_setup: true` (reset raises as desktop_env's SetupController does for a step type it
   does not know), `blank_at_step: j` (from step j on the screen is black, as a blanked or
-  disconnected display shows it), `focused: "instance.Class"` (the WM_CLASS of the focused window;
+  disconnected display shows it), `locked_at_step: j` (from step j on GNOME's lock screen is up:
+  the lock probe says so), `focused: "instance.Class"` (the WM_CLASS of the focused window;
   in a terminal's, gnome-terminal-server's or st's, ctrl+v pastes nothing and ctrl+shift+v pastes,
   as there).
 - `controller.execute_python_command` (OSWorld's PythonController, which the workbench calls
-  directly for its probes): answers only the clipboard and the focus probes
-  (`arpo_lib.envs.osworld.env.CLIPBOARD_PROBE`, `FOCUS_PROBE`).
+  directly for its probes): answers only the clipboard, focus and lock probes
+  (`arpo_lib.envs.osworld.env.CLIPBOARD_PROBE`, `FOCUS_PROBE`, `LOCK_PROBE`).
 - environment variable ARPO_FAKE_OSWORLD_BOOT_FAILURES=k: the first k constructions in this
   process raise ConnectionError (the real class boots the VM in its constructor).
 
@@ -107,8 +108,9 @@ def load_fake_task(task_id: str) -> dict[str, Any]:
 
 class FakeController:
     """OSWorld's PythonController as far as the workbench uses it: `execute_python_command` answers
-    the clipboard probe from the task's `"fake": {"clipboard": ...}` (default true) and the focus
-    probe from its `"focused"` (default: no window), in the real server's answer format; any other
+    the clipboard probe from the task's `"fake": {"clipboard": ...}` (default true), the focus
+    probe from its `"focused"` (default: no window) and the lock probe from its `"locked_at_step"`
+    (default: never), in the real server's answer format; any other
     command fails (the fake runs no code)."""
 
     def __init__(self, env: "FakeDesktopEnv") -> None:
@@ -123,6 +125,9 @@ class FakeController:
             output = f"clipboard: {bool(self.env._fault('clipboard', True))}\n"
         elif "_NET_ACTIVE_WINDOW" in command:
             output = f"focus: {self.env._fault('focused', '')}\n"
+        elif "org.gnome.ScreenSaver" in command:
+            locked_from = self.env._fault("locked_at_step", None)
+            output = f"locked: {locked_from is not None and self.env._step_no >= locked_from}\n"
         else:
             return {"status": "success", "output": "", "error": "the fake VM runs no code", "returncode": 1}
         return {"status": "success", "output": output, "error": "", "returncode": 0}

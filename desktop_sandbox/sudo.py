@@ -1,0 +1,335 @@
+"""Root inside a sandbox started with `sudo="root"` (superuser.py: how the host sets it up). Three
+entry points, one per process that runs this file inside the sandbox:
+
+    init    the sandbox's first process, started by bubblewrap as root of the sandbox's user
+            namespace (no capability over the host), under the sandbox's seccomp filter and
+            no_new_privs. It gives `user` the directories the desktop writes, removes from every
+            process to come the capabilities root inside never has (CAP_SYS_PTRACE: the action
+            server and the broker are undumpable, and must stay so to root too; CAP_NET_ADMIN: the
+            user-mode network's fence), starts the broker and becomes the action server as `user`.
+    broker  stays root, undumpable, listening on BROKER_SOCKET in a directory only root may write.
+            A request carries the command, the password, the caller's working directory and
+            environment and, as SCM_RIGHTS, its standard streams (the terminal). The broker checks
+            the password, reports the grant to the host (`--grant-fd`: a pipe only the host reads;
+            written before the command runs, so no command can keep it from the host), runs the
+            command in a session of its own on those streams with sudo's environment, forwards the
+            caller's signals to it and answers its exit status.
+    client  what the `sudo` shim runs once it has the password (confinement.SUDO_SHIM): it sends the
+            request and exits as the command did.
+
+The command has no controlling terminal (it would have to take the caller's): a shell it starts
+(`sudo -i`, `sudo -s`) says it has no job control; everything else on the terminal works (prompts,
+passwords, colours, Ctrl+C).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import pwd
+import grp
+import selectors
+import shlex
+import signal
+import socket
+import sys
+import threading
+from typing import Any
+
+BROKER_DIR = "/run/sudo"
+BROKER_SOCKET = f"{BROKER_DIR}/broker.sock"
+PASSWORD = "password"
+"""OSWorld's VM user's password (the shim asks for it the same way)."""
+USER_ID = 1000
+USER_DIRS = {"/run/user/1000": (0o700, USER_ID), "/run/dbus": (0o755, USER_ID), "/run/lock": (0o1777, 0)}
+"""Under /run (root's, as on the VM): what the desktop, running as `user`, writes there."""
+CAPS_NEVER_GIVEN = {"CAP_NET_ADMIN": 12, "CAP_SYS_PTRACE": 19}
+"""Capabilities no process of the sandbox keeps, root inside included (see the module docstring)."""
+SECURE_PATH = "/opt/arpo/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+"""sudo's PATH (Ubuntu's secure_path), after the sandbox's trusted shims (`python3` with pyautogui)."""
+KEPT_VARIABLES = ("TERM", "COLORTERM", "DISPLAY", "XAUTHORITY", "LANG", "LANGUAGE", "TZ", "COLUMNS", "LINES",
+                  "LS_COLORS", "PS1", "PS2")
+"""What sudo keeps of the caller's environment (its env_reset defaults; LC_* too)."""
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+                     signal.SIGUSR2, signal.SIGWINCH)
+MAX_REQUEST_BYTES = 1 << 20
+PR_CAPBSET_DROP = 24
+
+
+# ---- init ---------------------------------------------------------------------------------------
+
+def init(grant_fd: int, limits: dict[str, int], home: str, server: list[str]) -> None:
+    """As root inside: prepare, start the broker, become the action server as `user` (never returns)."""
+    os.chown(home, USER_ID, USER_ID)
+    for path, (mode, owner) in USER_DIRS.items():
+        os.makedirs(path, exist_ok=True)
+        os.chown(path, owner, owner)
+        os.chmod(path, mode)
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in CAPS_NEVER_GIVEN.values():
+        if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), f"cannot drop capability {cap} from the bounding set")
+    os.makedirs(BROKER_DIR, mode=0o755, exist_ok=True)
+    os.chmod(BROKER_DIR, 0o755)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(BROKER_SOCKET)
+    os.chmod(BROKER_SOCKET, 0o666)
+    listener.listen(16)
+    broker = os.fork()
+    if broker == 0:
+        try:
+            Broker(listener, grant_fd, limits).serve()
+        finally:
+            os._exit(1)
+    listener.close()
+    os.close(grant_fd)
+    os.setgroups([])
+    os.setresgid(USER_ID, USER_ID, USER_ID)
+    os.setresuid(USER_ID, USER_ID, USER_ID)  # every capability goes with root
+    os.execv(server[0], [*server, "--keep-pid", str(broker)])
+
+
+# ---- broker -------------------------------------------------------------------------------------
+
+class Broker:
+    """Runs `sudo`'s commands as root (see the module docstring)."""
+
+    def __init__(self, listener: socket.socket, grant_fd: int, limits: dict[str, int]) -> None:
+        from desktop_sandbox.processes import no_dump, set_limits
+
+        no_dump()
+        set_limits(limits)
+        os.set_blocking(grant_fd, False)
+        self.listener, self.grant_fd = listener, grant_fd
+
+    def serve(self) -> None:
+        while True:
+            connection, _ = self.listener.accept()
+            threading.Thread(target=self._answer, args=(connection,), daemon=True).start()
+
+    def _answer(self, connection: socket.socket) -> None:
+        streams: list[int] = []
+        try:
+            request, streams = _receive_request(connection)
+            caller = _peer_uid(connection)
+            process = self._start(request, streams, caller)
+            if isinstance(process, str):
+                _send(connection, {"error": process, "exit": 1})
+                return
+            for fd in streams:
+                os.close(fd)
+            streams = []
+            _send(connection, {"exit": _wait_relaying_signals(process, connection)})
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            try:
+                _send(connection, {"error": f"sudo: {e}", "exit": 1})
+            except OSError:
+                pass
+        finally:
+            for fd in streams:
+                os.close(fd)
+            connection.close()
+
+    def _start(self, request: dict[str, Any], streams: list[int], caller: int) -> Any:
+        """The command's process, or why it was not started (sudo's words)."""
+        import subprocess
+
+        if request.get("password") != PASSWORD:
+            return "Sorry, try again.\nsudo: 1 incorrect password attempt"
+        try:
+            target = _account(str(request.get("user") or "root"))
+        except KeyError:
+            return f"sudo: unknown user {request.get('user')}"
+        argv = [str(a) for a in request.get("argv") or []]
+        if request.get("login") or request.get("shell"):
+            shell = target.pw_shell or "/bin/bash"
+            argv = [shell, *(["-l"] if request.get("login") else []),
+                    *(["-c", " ".join(shlex.quote(a) for a in argv)] if argv else [])]
+        if not argv:
+            return "usage: sudo [-u user] [-i | -s] [command [arg ...]]"
+        cwd = target.pw_dir if request.get("login") else str(request.get("cwd") or "/")
+        if not os.path.isdir(cwd):
+            cwd = "/"
+        env = _sudo_environment(dict(request.get("env") or {}), target, caller, argv, bool(request.get("keep_env")))
+        groups = os.getgrouplist(target.pw_name, target.pw_gid)
+        self._report_grant()
+        try:
+            return subprocess.Popen(argv, stdin=streams[0], stdout=streams[1], stderr=streams[2], cwd=cwd, env=env,
+                                    user=target.pw_uid, group=target.pw_gid, extra_groups=groups,
+                                    start_new_session=True, close_fds=True)
+        except FileNotFoundError:
+            return f"sudo: {argv[0]}: command not found"
+        except OSError as e:
+            return f"sudo: unable to execute {argv[0]}: {e.strerror}"
+
+    def _report_grant(self) -> None:
+        try:
+            os.write(self.grant_fd, b"g")
+        except BlockingIOError:  # the pipe is full: the host knows already
+            pass
+
+
+def _wait_relaying_signals(process: Any, connection: socket.socket) -> int:
+    """Until the command ends: the caller's signals go to its process group. Its exit status as a
+    shell reports it (128 + the signal that ended it)."""
+    selector = selectors.DefaultSelector()
+    pidfd = os.pidfd_open(process.pid)
+    selector.register(pidfd, selectors.EVENT_READ)
+    selector.register(connection, selectors.EVENT_READ)
+    pending = b""
+    try:
+        while True:
+            for key, _ in selector.select():
+                if key.fileobj == pidfd:
+                    code = process.wait()
+                    return code if code >= 0 else 128 - code
+                data = connection.recv(4096)
+                if not data:  # the caller is gone; the command goes on, as sudo's does when killed
+                    selector.unregister(connection)
+                    continue
+                pending += data
+                while b"\n" in pending and len(pending) < 65536:
+                    line, pending = pending.split(b"\n", 1)
+                    number = int(json.loads(line).get("signal", 0))
+                    if number in {int(s) for s in FORWARDED_SIGNALS}:
+                        try:
+                            os.killpg(process.pid, number)
+                        except ProcessLookupError:
+                            pass
+    finally:
+        selector.close()
+        os.close(pidfd)
+
+
+def _account(name: str) -> pwd.struct_passwd:
+    """sudo's -u argument: a name or #uid of the sandbox's passwd (root by default)."""
+    if name.startswith("#") and name[1:].isdigit():
+        return pwd.getpwuid(int(name[1:]))
+    return pwd.getpwnam(name)
+
+
+def _sudo_environment(caller_env: dict[str, str], target: pwd.struct_passwd, caller: int, argv: list[str],
+                      keep_all: bool) -> dict[str, str]:
+    """What sudo gives the command: the caller's environment (-E) or its few kept variables, then
+    the target's HOME, USER, LOGNAME, SHELL, MAIL, the secure PATH and SUDO_*. Never LD_*."""
+    if keep_all:
+        env = {k: v for k, v in caller_env.items() if not k.startswith(("LD_", "BASH_FUNC_"))}
+    else:
+        env = {k: v for k, v in caller_env.items() if k in KEPT_VARIABLES or k.startswith("LC_")}
+    try:
+        caller_name = pwd.getpwuid(caller).pw_name
+    except KeyError:
+        caller_name = str(caller)
+    try:
+        caller_gid = pwd.getpwuid(caller).pw_gid
+    except KeyError:
+        caller_gid = caller
+    env.update(HOME=target.pw_dir, USER=target.pw_name, LOGNAME=target.pw_name, SHELL=target.pw_shell or "/bin/bash",
+               MAIL=f"/var/mail/{target.pw_name}", PATH=SECURE_PATH, SUDO_USER=caller_name, SUDO_UID=str(caller),
+               SUDO_GID=str(caller_gid), SUDO_COMMAND=" ".join(argv)[:4096])
+    return env
+
+
+def _peer_uid(connection: socket.socket) -> int:
+    creds = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+    return int.from_bytes(creds[4:8], sys.byteorder)
+
+
+def _receive_request(connection: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    """The request (one JSON line) and the caller's three standard streams sent with its first bytes."""
+    data, fds, _, _ = socket.recv_fds(connection, 65536, 3)
+    try:
+        while not data.endswith(b"\n"):
+            if len(data) > MAX_REQUEST_BYTES:
+                raise ValueError("request too large")
+            more = connection.recv(65536)
+            if not more:
+                raise ValueError("incomplete request")
+            data += more
+        if len(fds) != 3:
+            raise ValueError(f"expected the caller's 3 standard streams, got {len(fds)}")
+        request = json.loads(data)
+        if not isinstance(request, dict):
+            raise ValueError("malformed request")
+    except (ValueError, OSError):
+        for fd in fds:
+            os.close(fd)
+        raise
+    return request, fds
+
+
+def _send(connection: socket.socket, message: dict[str, Any]) -> None:
+    connection.sendall(json.dumps(message).encode() + b"\n")
+
+
+# ---- client -------------------------------------------------------------------------------------
+
+def client(argv: list[str], user: str, login: bool, shell: bool, keep_env: bool, password: str) -> int:
+    """Ask the broker to run `argv`; the command's exit status (1 and sudo's message when refused)."""
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        connection.connect(BROKER_SOCKET)
+    except OSError as e:
+        print(f"sudo: the sandbox's root is not available ({e})", file=sys.stderr)
+        return 1
+    request = {"argv": argv, "user": user, "login": login, "shell": shell, "keep_env": keep_env,
+               "password": password, "cwd": _cwd(), "env": dict(os.environ)}
+    socket.send_fds(connection, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
+
+    def forward(number: int, _frame: Any) -> None:
+        try:
+            connection.sendall(json.dumps({"signal": number}).encode() + b"\n")
+        except OSError:
+            pass
+
+    for number in FORWARDED_SIGNALS:
+        signal.signal(number, forward)
+    answer = b""
+    while not answer.endswith(b"\n"):
+        chunk = connection.recv(65536)
+        if not chunk:
+            print("sudo: the sandbox's root went away", file=sys.stderr)
+            return 1
+        answer += chunk
+    reply = json.loads(answer)
+    if reply.get("error"):
+        print(reply["error"], file=sys.stderr)
+    return int(reply.get("exit", 1))
+
+
+def _cwd() -> str:
+    try:
+        return os.getcwd()
+    except OSError:
+        return "/"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="role", required=True)
+    start = sub.add_parser("init")
+    start.add_argument("--grant-fd", type=int, required=True)
+    start.add_argument("--limits", required=True, help="JSON: confinement.Limits fields")
+    start.add_argument("--home", required=True)
+    start.add_argument("server", nargs=argparse.REMAINDER, help="-- the action server's command")
+    ask = sub.add_parser("client")
+    ask.add_argument("--user", default="root")
+    ask.add_argument("--login", action="store_true")
+    ask.add_argument("--shell", action="store_true")
+    ask.add_argument("--keep-env", action="store_true")
+    ask.add_argument("--password-fd", type=int, default=3)
+    ask.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    if args.role == "init":
+        server = args.server[1:] if args.server[:1] == ["--"] else args.server
+        init(args.grant_fd, json.loads(args.limits), args.home, server)
+        return 1
+    with os.fdopen(args.password_fd, "r", errors="replace") as secret:
+        password = secret.readline().rstrip("\n")
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    return client(command, args.user, args.login, args.shell, args.keep_env, password)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
