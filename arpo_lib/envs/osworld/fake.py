@@ -40,8 +40,8 @@ Fault injection, to exercise retries and infrastructure failures:
   the set-up did not do, as the sandbox provider reports it in its `setup_failures` attribute),
   `refuse_setup: true` (reset raises as desktop_env's SetupController does for a step type it
   does not know), `blank_at_step: j` (from step j on the screen is black, as a blanked or
-  disconnected display shows it), `locked_at_step: j` (from step j on GNOME's lock screen is up:
-  the lock probe says so), `focused: "instance.Class"` (the WM_CLASS of the focused window;
+  disconnected display shows it), `locked_at_step: j` (GNOME's lock screen comes up after step j,
+  while the model thinks: the lock probe says so from then on), `focused: "instance.Class"` (the WM_CLASS of the focused window;
   in a terminal's, gnome-terminal-server's or st's, ctrl+v pastes nothing and ctrl+shift+v pastes,
   as there).
 - `controller.execute_python_command` (OSWorld's PythonController, which the workbench calls
