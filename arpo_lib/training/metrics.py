@@ -11,10 +11,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from collections import Counter
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
+from arpo_lib.envs.workers.base import failure_cause
 from arpo_lib.run import layout
 from arpo_lib.run.config import RunConfig, config_changes, read_saved_config, save_config
 from arpo_lib.run.records import append_jsonl, read_jsonl
@@ -102,7 +104,8 @@ class UpdateMetrics:
 
 
 def rollout_metrics(tasks: list[str], trajs: list[Trajectory], groups: list[Group]) -> dict[str, Any]:
-    """Success, scores and failures of a rollout batch (infrastructure failures left out of the rates)."""
+    """Success, scores and failures of a rollout batch (infrastructure failures left out of the
+    rates; `env_error_causes` counts them by cause: `envs.workers.base.failure_cause`)."""
     fresh = [t for t in trajs if t.ok]
     return {
         "success_rate": mean([float(t.success) for t in fresh]),
@@ -113,6 +116,7 @@ def rollout_metrics(tasks: list[str], trajs: list[Trajectory], groups: list[Grou
         "format_error_rate": mean([float(not t.format_ok) for t in fresh]),
         "mean_steps": mean([t.num_steps for t in fresh]),
         "env_errors": sum(t.status == EpisodeStatus.ENV_ERROR for t in trajs),
+        "env_error_causes": dict(Counter(failure_cause(t.error) for t in trajs if t.status == EpisodeStatus.ENV_ERROR)),
         "setup_failed": sum(t.status == EpisodeStatus.SETUP_FAILED for t in trajs),
         "setup_failures": sum(bool(t.setup_failures) for t in trajs),
         "checker_errors": sum(t.checker_error is not None for t in fresh),

@@ -27,6 +27,24 @@ def test_rates_leave_infrastructure_failures_out():
     assert m["all_failed_groups"] == 0.5 and m["replay_injections"] == 1
 
 
+def test_infrastructure_failures_are_counted_by_the_cause_their_message_names():
+    def lost(error: str) -> Trajectory:
+        traj = _traj("a", 0.0, status="env_error")
+        traj.error = error
+        return traj
+
+    trajs = [_traj("a", 1.0), lost("environment node lost: node 5f3a left the cluster during this episode (...)"),
+             lost("environment node lost: node 5f3a left the cluster during this episode (...)"),
+             lost("environment worker actor died: The actor died unexpectedly before finishing this task."),
+             lost("worker process died (exit code -9)"), lost("environment call timed out after 120 s"),
+             lost("EnvError: the screen is one colour (0, 0, 0)\nTraceback ...")]
+    m = rollout_metrics(["a"], trajs, [])
+    assert m["env_errors"] == 6
+    assert m["env_error_causes"] == {"node_lost": 2, "actor_died": 1, "worker_died": 1, "timeout": 1,
+                                     "environment": 1}
+    assert rollout_metrics(["a"], trajs[:1], [])["env_error_causes"] == {}
+
+
 def test_replay_ages_and_importance_weights():
     groups = [Group("a", [_traj("a", 1.0, replayed=True, version=2), _traj("a", 0.0, version=5)], [1.0, -1.0],
                     injected=True, all_failed=True)]
@@ -55,7 +73,7 @@ def test_a_step_line_keeps_its_field_order():
                         seconds_rollout=2.0, seconds_update=1.23456, extra={"eval_success_rate": 0.5})
     assert list(line) == [
         "step", "tasks", "success_rate", "success_by_task", "mean_task_score", "mean_reward", "format_error_rate",
-        "mean_steps", "env_errors", "setup_failed", "setup_failures", "checker_errors", "all_failed_groups",
+        "mean_steps", "env_errors", "env_error_causes", "setup_failed", "setup_failures", "checker_errors", "all_failed_groups",
         "replay_injections", "replay_size",
         "env_steps", "env_steps_per_s", "lr", "loss", "clip_fraction", "grad_norm", "tokens", "sequences",
         "optimizer_steps", "skipped_steps", "approx_kl", "kl", "replay_age_mean", "replay_age_max",
