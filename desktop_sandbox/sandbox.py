@@ -236,12 +236,38 @@ class Sandbox:
         listener.close()  # the server holds it now
         if self.network == "user":
             try:
-                self.usernet = usernet.UserNetwork(usernet.sandbox_init_pid(self.process.pid), self.workdir / "control")
-                self.usernet.start()
+                if self.sudo == "root":
+                    self._start_user_network_as_root()
+                else:
+                    self.usernet = usernet.UserNetwork(usernet.sandbox_init_pid(self.process.pid), self.workdir / "control")
+                    self.usernet.start()
             except (RuntimeError, OSError, subprocess.SubprocessError) as e:
                 self.close()
                 raise SandboxError(f"the sandbox's user-mode network did not start: {e}") from e
         self._wait_ready()
+
+    def _start_user_network_as_root(self) -> None:
+        """With root inside, the sandbox's processes are not root's on the host, and pasta, which
+        drops its own capabilities before it opens the namespace (/proc/<pid>/ns/net), may not open
+        theirs. It is given a process of root's without capabilities in that namespace instead
+        (the kernel lets a process open the namespaces of one with the same uid and no more
+        capabilities), for as long as it starts."""
+        init = usernet.sandbox_init_pid(self.process.pid)
+        holder = subprocess.Popen([usernet._tool("nsenter"), "--target", str(init), "--net", "setpriv", "--bounding-set",
+                                   "-all", "--inh-caps", "-all", "--no-new-privs", "sleep", "60"],
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            target = os.readlink(f"/proc/{init}/ns/net")
+            deadline = time.monotonic() + usernet.START_TIMEOUT_S
+            while os.readlink(f"/proc/{holder.pid}/ns/net") != target:
+                if holder.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("nsenter did not enter the sandbox's network namespace")
+                time.sleep(0.01)
+            self.usernet = usernet.UserNetwork(holder.pid, self.workdir / "control")
+            self.usernet.start()
+        finally:
+            holder.kill()
+            holder.wait()
 
     def _map_root_namespace(self) -> None:
         """With root inside: once bubblewrap made the user namespace (and waits), its processes

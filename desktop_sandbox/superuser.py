@@ -82,10 +82,11 @@ ids 0..65533 as they are, and the overflow id, which every host id outside the m
 host's root among them), shown as root. A directory copied up keeps the overflow id on disk (the
 map includes 65534 for that) and is still shown as root's."""
 MOUNT_WAIT_S = 10.0
-FUSE_OPTIONS = "threaded=1,noxattrs=1,fast_ino=1,fsync=0"
+FUSE_OPTIONS = "threaded=1,noxattrs=1,fsync=0"
 """Several threads; no extended attributes (with no_new_privs file capabilities do nothing, and
-GNOME's start asks for them file by file: 7.7 s became 6.1 s here); inode numbers taken as the
-layers give them; no fsync (the upper layer is a tmpfs)."""
+GNOME's start asks for them file by file); no fsync (the upper layer is a tmpfs). Not fast_ino:
+with it, fuse-overlayfs 1.10 confused files here (after an `apt-get install`, dpkg's lock was a
+directory and /bin/sh could no longer be run)."""
 
 LAYER_SCRIPT = r"""set -eu
 mkdir {layers}/upper {layers}/work {layers}/merged
