@@ -74,6 +74,23 @@ FAVORITES = ("google-chrome.desktop", "thunderbird.desktop", "code.desktop", "vl
 recorded them, cross-checked with agents' clicks on the VM's dock; docs/desktop.md). Those not
 installed here (Ubuntu Software, Help; VS Code where setup_vscode.sh could not run) are not shown,
 as GNOME does with any favourite it cannot find. The terminal is not pinned on the VM either: Ctrl+Alt+T opens it."""
+APPLICATIONS = Path("/usr/share/applications")
+GRID = {
+    **{name: {"NoDisplay": "true"} for name in ("chromium.desktop", "org.xfce.mousepad.desktop", "pcmanfm.desktop",
+                                                 "st.desktop")},
+    "org.gnome.gedit.desktop": {"Name": "Text Editor"},
+}
+"""The application grid as on the VM, as changes to the host's desktop entries (a changed copy
+earlier in XDG_DATA_DIRS shadows each): hidden are the openbox desktop's editor, file manager and
+terminal and Chromium's own entry (the dock's Chrome is `google-chrome.desktop`, the shim), which
+the VM's grid has not (they still run when named); gedit is "Text Editor", its name on the VM's
+Ubuntu 22.04 (Debian's gedit 44 calls itself gedit)."""
+TEXT_EDITOR = "org.gnome.gedit.desktop"
+"""The VM's text editor (gedit): what a text file opens in on GNOME where it is installed
+(./workbench setup installs it), as OSWorld's task files expect (a set-up activates
+"restaurants.txt (~/Desktop) - gedit")."""
+TEXT_TYPES = ("text/plain", "text/x-python", "text/x-csrc", "text/markdown", "application/x-shellscript",
+              "application/json")
 TIMEZONE = "Asia/Hong_Kong"
 """The VM's time zone (its clock, `date`, file times in the terminal)."""
 
@@ -232,6 +249,7 @@ def write_session_files(directory: Path, inside: str) -> Path:
     if done.returncode != 0:
         raise RuntimeError(f"dconf compile failed: {done.stderr.strip()[:500]}")
     (root / "dconf-profile").write_text(f"user-db:user\nfile-db:{inside}/{SESSION_DIR_NAME}/ubuntu.db\n")
+    _write_application_grid(root)
     (root / "system-bus.conf").write_text(SYSTEM_BUS_CONFIG)
     services = root / "services"
     services.mkdir(exist_ok=True)
@@ -245,13 +263,50 @@ def write_session_files(directory: Path, inside: str) -> Path:
     return root
 
 
-def environment(session_dir: str, xdg_data_dirs: str) -> dict[str, str]:
+def _write_application_grid(root: Path) -> None:
+    """The grid as on the VM (GRID's changed copies under `data`, first in XDG_DATA_DIRS), and
+    text files opened in gedit where it is installed (`config/gnome-mimeapps.list`, which GNOME
+    reads before the sandbox's mimeapps.list)."""
+    shadows = root / "data" / "applications"
+    shadows.mkdir(parents=True, exist_ok=True)
+    for name, changes in GRID.items():
+        original = APPLICATIONS / name
+        if original.is_file():
+            (shadows / name).write_text(_changed_entry(original.read_text(errors="replace"), changes))
+    config = root / "config"
+    config.mkdir(exist_ok=True)
+    if (APPLICATIONS / TEXT_EDITOR).is_file():
+        (config / "gnome-mimeapps.list").write_text(
+            "# the GNOME desktop's text editor, the VM's gedit (desktop_sandbox/gnome.py)\n[Default Applications]\n"
+            + "".join(f"{kind}={TEXT_EDITOR}\n" for kind in TEXT_TYPES))
+
+
+def _changed_entry(text: str, changes: dict[str, str]) -> str:
+    """A desktop entry with `changes` set in its [Desktop Entry] group (its actions untouched)."""
+    lines, group, done = [], None, set()
+    for line in text.splitlines():
+        if line.startswith("["):
+            if group == "[Desktop Entry]":
+                lines += [f"{key}={value}" for key, value in changes.items() if key not in done]
+            group = line.strip()
+        elif group == "[Desktop Entry]" and line.split("=", 1)[0] in changes:
+            key = line.split("=", 1)[0]
+            line = f"{key}={changes[key]}"
+            done.add(key)
+        lines.append(line)
+    if group == "[Desktop Entry]":
+        lines += [f"{key}={value}" for key, value in changes.items() if key not in done]
+    return "\n".join(lines) + "\n"
+
+
+def environment(session_dir: str, xdg_data_dirs: str, xdg_config_dirs: str = "/etc/xdg") -> dict[str, str]:
     """What every program of the GNOME desktop gets on top of the sandbox's environment
     (`session_dir`: where write_session_files' directory is seen inside)."""
     return {
         "XDG_SESSION_TYPE": "x11", "XDG_CURRENT_DESKTOP": "ubuntu:GNOME", "XDG_SESSION_DESKTOP": "ubuntu",
         "DESKTOP_SESSION": "ubuntu", "GNOME_SHELL_SESSION_MODE": "ubuntu", "GDMSESSION": "ubuntu",
         "XDG_DATA_DIRS": f"{session_dir}/data:{xdg_data_dirs}",
+        "XDG_CONFIG_DIRS": f"{session_dir}/config:{xdg_config_dirs}",
         "DCONF_PROFILE": f"{session_dir}/dconf-profile",
         "DBUS_SYSTEM_BUS_ADDRESS": f"unix:path={SYSTEM_BUS_SOCKET}",
         "XDG_RUNTIME_DIR": RUNTIME_DIR, "TZ": TIMEZONE,

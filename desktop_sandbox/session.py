@@ -81,7 +81,7 @@ class Desktop:
             if agent is not None or not bin_dir:
                 raise RuntimeError("the GNOME desktop runs in the namespaces isolation only")
             self.env.update(gnome.environment(f"{bin_dir}/{gnome.SESSION_DIR_NAME}", self.env.get(
-                "XDG_DATA_DIRS", "/usr/local/share:/usr/share")))
+                "XDG_DATA_DIRS", "/usr/local/share:/usr/share"), self.env.get("XDG_CONFIG_DIRS", "/etc/xdg")))
             self.gnome = gnome.Session(self._as_agent, log_dir, self.tap_key, self.screen_drawn)
             wm = None
             if a11y_missing:  # GNOME needs its session bus whatever the accessibility reader lacks

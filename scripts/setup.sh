@@ -98,15 +98,15 @@ if [ "$ROLE" != train ]; then
     /usr/bin/python3 -I -c "import pyatspi" 2>/dev/null || need python3-pyatspi
   fi
   # OSWorld's computer (desktop_sandbox/gnome.py): GNOME Shell with Ubuntu's look (Yaru, Ubuntu's dock),
-  # GNOME Terminal, Nautilus, Settings (gnome-control-center), dconf and the settings daemon, the everyday
-  # tools of OSWorld's VM image that Debian has, and user-mode networking (passt) for env.options.network=user.
-  # ~220 packages, ~150 MB, and Settings 42 more, 107 MB installed (Debian 12).
+  # GNOME Terminal, Nautilus, Settings (gnome-control-center), gedit (the VM's text editor), dconf and the
+  # settings daemon, the everyday tools of OSWorld's VM image that Debian has, and user-mode networking (passt)
+  # for env.options.network=user. ~220 packages, ~150 MB, Settings 42 more, 107 MB installed, gedit 10 more (Debian 12).
   gnome_ok=1
-  for c in gnome-shell gnome-terminal gnome-control-center sar pasta jq vim pactl; do has_cmd "$c" || gnome_ok=0; done
+  for c in gnome-shell gnome-terminal gnome-control-center gedit sar pasta jq vim pactl; do has_cmd "$c" || gnome_ok=0; done
   [ -d /usr/share/gnome-shell/extensions/dash-to-dock@micxgx.gmail.com ] || gnome_ok=0
   [ -d /usr/share/gnome-shell/theme/Yaru ] || gnome_ok=0
   [ -x /usr/libexec/gsd-media-keys ] || gnome_ok=0
-  [ "$gnome_ok" = 1 ] || need gnome-shell mutter gnome-session-bin gnome-terminal nautilus gnome-control-center dconf-cli \
+  [ "$gnome_ok" = 1 ] || need gnome-shell mutter gnome-session-bin gnome-terminal nautilus gnome-control-center gedit dconf-cli \
     gnome-settings-daemon yaru-theme-gtk yaru-theme-icon yaru-theme-gnome-shell gnome-shell-extension-dashtodock \
     sysstat jq vim passt pulseaudio pulseaudio-utils
 fi
