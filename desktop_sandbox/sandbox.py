@@ -37,6 +37,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -212,9 +213,14 @@ class Sandbox:
                 command = self.cgroup.join_command(command)
             if self._watcher is None:
                 self._watcher = self._start_watcher(self._agent_gid)
-            self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
+            # With root inside, PID 1 inside is root's and dumpable: root could write into a host
+            # file it holds (/proc/1/fd/1). Its output goes into a pipe whose end the host keeps in memory.
+            output = subprocess.PIPE if self.sudo == "root" else self._log
+            self.process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, start_new_session=True,
                                             pass_fds=pass_fds, env=env, cwd=cwd, **identity)
+            if self.sudo == "root":
+                self._output = _OutputTail(self.process.stdout)
             if self._outer is not None:
                 self._map_root_namespace()
         except BaseException:
@@ -477,6 +483,8 @@ class Sandbox:
         raise SandboxError(f"the desktop sandbox did not answer within {START_TIMEOUT_S:.0f} s: {tail}")
 
     def _log_tail(self) -> str:
+        if getattr(self, "_output", None) is not None:
+            return self._output.text()[-1500:]
         try:
             return self.log_path.read_text(errors="replace")[-1500:]
         except OSError:
@@ -700,6 +708,25 @@ class Sandbox:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _OutputTail:
+    """The last `keep` bytes a process writes to `stream`, in memory (read by a thread until EOF)."""
+
+    def __init__(self, stream: Any, keep: int = 65536) -> None:
+        self._stream, self._keep, self._data = stream, keep, b""
+        self._lock = threading.Lock()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        while chunk := self._stream.read1(65536):
+            with self._lock:
+                self._data = (self._data + chunk)[-self._keep:]
+        self._stream.close()
+
+    def text(self) -> str:
+        with self._lock:
+            return self._data.decode(errors="replace")
 
 
 _SAID: set[str] = set()
