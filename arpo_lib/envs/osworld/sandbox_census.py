@@ -23,7 +23,10 @@ scores 1 with OSWorld's evaluator (sandbox_solutions.json; `sandbox_check --solv
 else the named reason it cannot be solved here (sandbox_unsolvable.json), else "not tried";
 "FAIL" for an infeasible task whose FAIL scores 1; "network" for the download and internet columns.
 The set-up's failures (a command that failed, a window not there: server.Desktop.setup_report)
-are recorded per task run (`setup_failures`).
+are recorded per task run (`setup_failures`), and so is a set-up step that passed only because
+what it installs was on the host already (`preinstalled`: `sudo apt-get install sysstat` succeeds
+in a sandbox that can install nothing, because Debian's sysstat is there; on the VM the step
+installs it).
 
 The first three columns are decided by reading the task file (the rules are `static_column`); a
 task not in them is run. Counting rules: a task is `download` when any set-up step or getter of it
@@ -35,12 +38,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
+import subprocess
 import sys
 import time
 import urllib.parse
 from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from desktop_sandbox import a11y
 
@@ -136,6 +142,33 @@ def static_column(task: dict[str, Any], a11y_missing: str | None = None,
     return None
 
 
+APT_INSTALL = re.compile(r"\bapt(?:-get)?\s+(?:-\S+\s+)*install\s+((?:[^\s&;|]+\s*)+)")
+
+
+def preinstalled(task: dict[str, Any], installed: Callable[[str], bool]) -> list[str]:
+    """The task's set-up commands that install Debian packages (`apt install`, `apt-get install`)
+    all of which `installed(package)` says are there already: in the sandbox such a step succeeds
+    without installing anything, so the task's starting state is the host's doing, not its set-up's."""
+    out = []
+    for step in task.get("config", []):
+        if step.get("type") not in ("execute", "command", "execute_with_verification"):
+            continue
+        command = (step.get("parameters") or {}).get("command")
+        text = command if isinstance(command, str) else " ".join(str(c) for c in command or [])
+        for match in APT_INSTALL.finditer(text):
+            packages = [w for w in match.group(1).split() if not w.startswith("-")]
+            if packages and all(installed(p) for p in packages):
+                out.append(f"`apt install {' '.join(packages)}` passed only because the host has "
+                           f"{', '.join(packages)} installed (the sandbox installs nothing)")
+    return out
+
+
+def dpkg_installed(package: str) -> bool:
+    """Whether Debian's package database (the host's, which the sandbox reads) has `package` installed."""
+    done = subprocess.run(["dpkg-query", "-W", "-f=${Status}", package], capture_output=True, text=True)
+    return done.returncode == 0 and "install ok installed" in done.stdout
+
+
 def run_task(env: Any, task: dict[str, Any]) -> tuple[str, str, dict[str, Any]]:
     """Set the task up in the sandbox, end the episode at once (DONE; FAIL too for an infeasible
     task) and score it with OSWorld's evaluator."""
@@ -147,6 +180,8 @@ def run_task(env: Any, task: dict[str, Any]) -> tuple[str, str, dict[str, Any]]:
         return "fails", f"set-up: {type(e).__name__}: {str(e)[:300]}", facts
     facts["reset_s"] = round(time.monotonic() - started, 1)
     facts["setup_failures"] = list(getattr(env, "setup_failures", None) or [])
+    if passed := preinstalled(task, dpkg_installed):
+        facts["preinstalled"] = passed
     failed = [a for a in env.sandbox.launched() if a["returncode"] not in (None, 0)]
     answers = ["DONE", "FAIL"] if task.get("evaluator", {}).get("func") == "infeasible" else ["DONE"]
     scores = []
@@ -220,7 +255,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     lines += ["| task | domain | column | reason | solvable here | set-up failures |", "|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (COLUMNS.index(r["column"]), r["domain"], r["task"])):
         if r["column"] in ("scores", "fails", "vscode"):
-            failures = "; ".join(r.get("setup_failures") or []) or ""
+            failures = "; ".join([*(r.get("setup_failures") or []), *(r.get("preinstalled") or [])])
             lines.append(f"| `{r['task'][:8]}` | {r['domain']} | {r['column']} | {r['reason'].replace('|', '/')} | "
                          f"{r.get('solvable', '').replace('|', '/')} | {failures.replace('|', '/')[:300]} |")
     return "\n".join(lines) + "\n"

@@ -92,6 +92,25 @@ def test_the_census_reads_what_a_task_file_needs():
     assert "| `aaaaaaaa` | os | scores | no-op 0 | yes | activate_window \"Terminal\": no window matched" in table
 
 
+def test_the_census_names_a_set_up_that_passed_only_because_the_host_had_the_package():
+    """`sudo apt-get install sysstat` succeeds in the sandbox (which installs nothing) because the
+    host has sysstat: the census names such steps, as it names failed ones."""
+    from arpo_lib.envs.osworld.sandbox_census import dpkg_installed, markdown, preinstalled
+
+    task = {"config": [{"type": "command", "parameters": {"command": "echo password | sudo -S apt-get update && "
+                                                                    "echo password | sudo -S apt-get install -y sysstat jq"}},
+                       {"type": "execute", "parameters": {"command": ["bash", "-c", "sudo apt install xsel && xsel -bc"]}},
+                       {"type": "execute", "parameters": {"command": "apt install not-here"}}]}
+    have = {"sysstat", "jq", "xsel"}
+    named = preinstalled(task, have.__contains__)
+    assert len(named) == 2 and "sysstat, jq" in named[0] and "xsel" in named[1] and "passed only because" in named[0]
+    assert preinstalled(task, lambda p: False) == []
+    assert dpkg_installed("dpkg") and not dpkg_installed("no-such-package-here")
+    row = {"task": "c" * 36, "domain": "multi_apps", "column": "scores", "reason": "no-op 0", "solvable": "not tried",
+           "setup_failures": [], "preinstalled": named[:1]}
+    assert "passed only because the host has sysstat, jq installed" in markdown([row])
+
+
 def test_the_census_says_what_is_solvable_here_and_why_not():
     from arpo_lib.envs.osworld.sandbox_census import solvable
     from arpo_lib.envs.osworld.tasks import known_solutions, known_unsolvable
