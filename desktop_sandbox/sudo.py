@@ -28,7 +28,6 @@ import ctypes
 import json
 import os
 import pwd
-import grp
 import selectors
 import shlex
 import signal
@@ -79,6 +78,7 @@ def init(grant_fd: int, limits: dict[str, int], home: str, server: list[str]) ->
     broker = os.fork()
     if broker == 0:
         try:
+            _close_all_but(0, 1, 2, listener.fileno(), grant_fd)  # the server's listening socket among them
             Broker(listener, grant_fd, limits).serve()
         finally:
             os._exit(1)
@@ -106,7 +106,10 @@ class Broker:
     def serve(self) -> None:
         while True:
             connection, _ = self.listener.accept()
-            threading.Thread(target=self._answer, args=(connection,), daemon=True).start()
+            try:
+                threading.Thread(target=self._answer, args=(connection,), daemon=True).start()
+            except RuntimeError:  # no thread can start (root's processes are at their limit)
+                connection.close()
 
     def _answer(self, connection: socket.socket) -> None:
         streams: list[int] = []
@@ -121,7 +124,7 @@ class Broker:
                 os.close(fd)
             streams = []
             _send(connection, {"exit": _wait_relaying_signals(process, connection)})
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except Exception as e:  # whatever a caller sends, the broker goes on serving the others
             try:
                 _send(connection, {"error": f"sudo: {e}", "exit": 1})
             except OSError:
@@ -189,9 +192,12 @@ def _wait_relaying_signals(process: Any, connection: socket.socket) -> int:
                     selector.unregister(connection)
                     continue
                 pending += data
-                while b"\n" in pending and len(pending) < 65536:
+                if len(pending) > 65536:
+                    raise ValueError("too many signal messages at once")
+                while b"\n" in pending:
                     line, pending = pending.split(b"\n", 1)
-                    number = int(json.loads(line).get("signal", 0))
+                    message = json.loads(line)
+                    number = int(message.get("signal", 0)) if isinstance(message, dict) else 0
                     if number in {int(s) for s in FORWARDED_SIGNALS}:
                         try:
                             os.killpg(process.pid, number)
@@ -200,6 +206,15 @@ def _wait_relaying_signals(process: Any, connection: socket.socket) -> int:
     finally:
         selector.close()
         os.close(pidfd)
+
+
+def _close_all_but(*keep: int) -> None:
+    for name in os.listdir("/proc/self/fd"):
+        if int(name) not in keep:
+            try:
+                os.close(int(name))
+            except OSError:  # the directory's own descriptor, closed already
+                pass
 
 
 def _account(name: str) -> pwd.struct_passwd:
@@ -325,8 +340,11 @@ def main(argv: list[str] | None = None) -> int:
         server = args.server[1:] if args.server[:1] == ["--"] else args.server
         init(args.grant_fd, json.loads(args.limits), args.home, server)
         return 1
-    with os.fdopen(args.password_fd, "r", errors="replace") as secret:
-        password = secret.readline().rstrip("\n")
+    try:
+        with os.fdopen(args.password_fd, "r", errors="replace") as secret:
+            password = secret.readline().rstrip("\n")
+    except OSError:  # not started by the shim: no password
+        password = ""
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     return client(command, args.user, args.login, args.shell, args.keep_env, password)
 

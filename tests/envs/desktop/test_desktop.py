@@ -326,6 +326,27 @@ def test_the_mount_plan_never_binds_the_host_root_and_hides_what_others_cannot_r
     assert [b for a, b in pairs if a == "--setenv"] == list(confinement.sandbox_environment())  # nothing else
 
 
+def test_the_sudo_option_is_validated_and_reaches_the_sandbox(monkeypatch):
+    from arpo_lib.envs.desktop.env import DesktopEnv
+
+    with pytest.raises(ValueError, match="sudo must be one of"):
+        DesktopEnv("terminal-mkdir", sudo="admin")
+    with pytest.raises(ValueError, match="cannot run with isolation='user'"):
+        DesktopEnv("terminal-mkdir", sudo="root", isolation="user")
+    seen = {}
+
+    def sandbox(*args, **options):
+        seen.update(options)
+        raise SandboxError("stop here")
+
+    monkeypatch.setattr("arpo_lib.envs.desktop.env.Sandbox", sandbox)
+    env = DesktopEnv("terminal-mkdir", sudo="root")
+    assert env.sudo == "root" and DesktopEnv("terminal-mkdir").sudo == "user"
+    with pytest.raises(EnvError, match="stop here"):
+        env.reset()
+    assert seen["sudo"] == "root"
+
+
 def test_limits_are_validated_with_the_key_named():
     from desktop_sandbox.confinement import Limits
 

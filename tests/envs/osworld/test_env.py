@@ -874,6 +874,10 @@ def test_on_setup_failure_and_desktop_are_checked(tmp_path):
         fake_env(tmp_path, desktop="openbox")
     with pytest.raises(ValueError, match="provider='sandbox'"):
         fake_env(tmp_path, network="user")
+    with pytest.raises(ValueError, match="provider='sandbox'"):
+        fake_env(tmp_path, sudo="root")
+    with pytest.raises(ValueError, match="sudo must be 'user' or 'root'"):
+        fake_env(tmp_path, sudo="admin")
 
 
 def test_a_task_file_desktop_env_refuses_is_not_retried(tmp_path):
