@@ -83,8 +83,10 @@ if [ "$ROLE" != train ]; then
   # set-up steps use (xdotool) and the suite's applications; libseccomp2 (the sandbox's seccomp filter,
   # through pyseccomp), iptables (the 'user' isolation fallback blocks the agent's network with it),
   # python3-tk (the system Python's tkinter, which pyautogui imports: the sandbox run as an ordinary user
-  # uses that Python), python3-pyatspi (the accessibility tree desktop_sandbox/a11y.py serves).
+  # uses that Python), python3-pyatspi (the accessibility tree desktop_sandbox/a11y.py serves),
+  # fuse-overlayfs (the writable system layer of root inside, env.options.sudo=root: desktop_sandbox/superuser.py).
   has_cmd bwrap || need bubblewrap
+  has_cmd fuse-overlayfs || need fuse-overlayfs
   has_cmd openbox || need openbox
   has_cmd xdotool || need xdotool
   has_cmd mousepad || need mousepad
