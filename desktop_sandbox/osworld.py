@@ -32,11 +32,13 @@ decides which tasks can run; LibreOffice is in the tree only with its GTK 3 fron
 """
 from __future__ import annotations
 
+import concurrent.futures
 import importlib
 import json
 import logging
 import shlex
 import threading
+import time
 import urllib.error
 import urllib.request
 from typing import Any
@@ -114,27 +116,80 @@ _PENDING = threading.local()
 _sandbox_aware_factory)."""
 
 
+class _Desktop:
+    """One sandbox and the loopback bridge OSWorld's controllers reach it through."""
+
+    def __init__(self, screen_size: tuple[int, int], options: dict[str, Any]) -> None:
+        self.box = Sandbox(screen_size, **options)
+        try:
+            self.bridge = LoopbackBridge(self.box.socket_path)
+        except BaseException:
+            self.box.close()
+            raise
+
+    def fresh(self, reset: bool) -> "_Desktop":
+        """A fresh episode's desktop: (after `reset_session` when `reset`: every application
+        ended, the home emptied) the home seeded with HOME_PROFILES, the set-up report begun."""
+        if reset:
+            self.box.reset_session()
+        for program, script in HOME_PROFILES:
+            if self.box.execute(["sh", "-c", f"command -v {program}"], timeout=30)["returncode"] == 0:
+                done = self.box.execute(script, shell=True, timeout=60)
+                if done["returncode"] != 0:
+                    log.warning("could not write %s's profile: %s", program, done["error"][-300:])
+        self.box.post_json("/setup/begin", {})  # what follows is the task's set-up (setup_report)
+        return self
+
+    def close(self) -> None:
+        self.bridge.close()
+        self.box.close()
+
+
 class SandboxProvider:
     """OSWorld's provider interface (desktop_env/providers/base.py: start_emulator,
     get_ip_address, save_state, revert_to_snapshot, stop_emulator; pause_emulator and
-    unpause_emulator, which the ARPO fork's DesktopEnv calls) over a desktop sandbox."""
+    unpause_emulator, which the ARPO fork's DesktopEnv calls) over a desktop sandbox.
+
+    `prestart` (a sandbox option): a second sandbox is made ready while an episode runs, so
+    that OSWorld's revert hands over a desktop that is already fresh (every application of its
+    last episode ended, its home emptied and seeded) instead of resetting the one just used; the
+    one just used is reset in the background and becomes the next. Each episode still gets a
+    desktop that no earlier episode's programs outlive; the cost is a second idle desktop's memory
+    and its reset's CPU during the episode. `last_revert` says what the last revert took."""
 
     def __init__(self, region: str | None = None, *, screen_size: tuple[int, int] = (1920, 1080),
                  sandbox_options: dict[str, Any] | None = None) -> None:
         self.region = region
         self.screen_size = tuple(screen_size)
-        self.sandbox_options = {"window_manager": "gnome", **(sandbox_options or {})}  # OSWorld's VM's desktop
-        self.box: Sandbox | None = None
-        self.bridge: LoopbackBridge | None = None
+        options = {"window_manager": "gnome", **(sandbox_options or {})}  # OSWorld's VM's desktop
+        self.prestart = bool(options.pop("prestart", False))
+        self.sandbox_options = options
+        self.current: _Desktop | None = None
+        self._next: concurrent.futures.Future | None = None
+        """The desktop being made ready for the next episode (prestart)."""
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sandbox-prestart") \
+            if self.prestart else None
+        self.last_revert: dict[str, Any] = {}
+        """{"desktop_s": seconds the revert took, "handed_over": a prestarted desktop was used,
+        "waited_s": of those, waiting for it to be ready}"""
+
+    @property
+    def box(self) -> Sandbox | None:
+        """The running sandbox (None before the first start and after close)."""
+        return self.current.box if self.current is not None else None
+
+    @property
+    def bridge(self) -> LoopbackBridge | None:
+        return self.current.bridge if self.current is not None else None
 
     def start_emulator(self, path_to_vm: str, headless: bool, os_type: str = "Ubuntu", *args: Any,
                        **kwargs: Any) -> None:
         if self.box is not None and self.box.alive():
             return
-        self.stop_emulator(path_to_vm)
-        self.box = Sandbox(self.screen_size, **self.sandbox_options)
-        self.bridge = LoopbackBridge(self.box.socket_path)
-        self._seed_home()
+        self._close_current()
+        self.current = _Desktop(self.screen_size, self.sandbox_options).fresh(reset=False)
+        if self.prestart and self._next is None:
+            self._next = self._pool.submit(lambda: _Desktop(self.screen_size, self.sandbox_options).fresh(reset=False))
         log.info("OSWorld on the desktop sandbox: %s (%s)", self.bridge.address(), self.box.describe())
 
     def get_ip_address(self, path_to_vm: str) -> str:
@@ -147,29 +202,46 @@ class SandboxProvider:
 
     def revert_to_snapshot(self, path_to_vm: str, snapshot_name: str) -> None:
         """OSWorld reverts the VM to its snapshot; the sandbox ends every application of the
-        episode and empties the home. None: the path does not change."""
-        if self.box is not None and self.box.alive():
-            self.box.reset_session()
-            self._seed_home()
+        episode and empties the home (or, with `prestart`, hands over the desktop made ready
+        meanwhile). None: the path does not change."""
+        started = time.monotonic()
+        self.last_revert = {"handed_over": False}
+        if self.prestart and self._next is not None:
+            ready, self._next = self._next, None
+            try:
+                spare = ready.result()
+            except Exception as e:  # noqa: BLE001 - the episode goes on with the desktop it has, reset
+                log.warning("the prestarted desktop could not be made ready (%s): resetting this one", e)
+            else:
+                self.last_revert.update(handed_over=True, waited_s=round(time.monotonic() - started, 3))
+                used, self.current = self.current, spare
+                if used is not None:
+                    self._next = self._pool.submit(self._refresh_or_replace, used)
+        if not self.last_revert["handed_over"] and self.box is not None and self.box.alive():
+            self.current.fresh(reset=True)
+        self.last_revert["desktop_s"] = round(time.monotonic() - started, 3)
         return None
 
-    def _seed_home(self) -> None:
-        """Application profiles OSWorld's VM image has in its home and its checkers read (see
-        HOME_PROFILES), for the applications installed here."""
-        for program, script in HOME_PROFILES:
-            if self.box.execute(["sh", "-c", f"command -v {program}"], timeout=30)["returncode"] == 0:
-                done = self.box.execute(script, shell=True, timeout=60)
-                if done["returncode"] != 0:
-                    log.warning("could not write %s's profile: %s", program, done["error"][-300:])
-        self.box.post_json("/setup/begin", {})  # what follows is the task's set-up (setup_report)
+    def _refresh_or_replace(self, used: _Desktop) -> _Desktop:
+        """The desktop just used, reset for a later episode (a new one if it died meanwhile)."""
+        if used.box.alive():
+            return used.fresh(reset=True)
+        used.close()
+        return _Desktop(self.screen_size, self.sandbox_options).fresh(reset=False)
+
+    def _close_current(self) -> None:
+        if self.current is not None:
+            self.current.close()
+            self.current = None
 
     def stop_emulator(self, path_to_vm: str, *args: Any, **kwargs: Any) -> None:
-        if self.bridge is not None:
-            self.bridge.close()
-            self.bridge = None
-        if self.box is not None:
-            self.box.close()
-            self.box = None
+        self._close_current()
+        if self._next is not None:
+            pending, self._next = self._next, None
+            try:
+                pending.result().close()
+            except Exception:  # noqa: BLE001 - it never came up: nothing to close
+                pass
 
     def pause_emulator(self) -> None:
         """Nothing: the sandbox is not paused between actions (its applications keep running)."""
@@ -262,6 +334,8 @@ def _make_class() -> type:
             is still (a VM's first screenshot comes long after its set-up; here the set-up returns
             within a second, before a browser has drawn anything) and a fresh observation; and
             what the set-up did not do (`setup_failures`)."""
+            started = time.monotonic()
+            self.provider.last_revert = {}
             obs = super().reset(task_config, *args, **kwargs)
             steps = (task_config or {}).get("config", []) if isinstance(task_config, dict) else []
             self.settle_s = 0.0
@@ -269,6 +343,13 @@ def _make_class() -> type:
                 self.settle_s = self.sandbox.settle(SETTLE_TIMEOUT_S, SETTLE_QUIET_S)
                 obs = self._get_obs()
             self.setup_failures = setup_failures(self.sandbox, steps)
+            total = time.monotonic() - started
+            desktop = self.provider.last_revert.get("desktop_s", 0.0)
+            self.reset_timings = {"reset_s": round(total, 3), "desktop_s": desktop,
+                                  "setup_s": round(total - desktop - self.settle_s, 3), "settle_s": round(self.settle_s, 3),
+                                  "handed_over": self.provider.last_revert.get("handed_over", False)}
+            """Reset to first screenshot, split: the desktop's part (the revert: a fresh desktop),
+            the task's set-up (with the first screenshot) and the wait for the desktop to be still."""
             return obs
 
         def step(self, action: Any, *args: Any, **kwargs: Any) -> Any:

@@ -89,7 +89,7 @@ register_family(EnvFamily(
     "osworld", _make_osworld,
     "OSWorld desktop tasks in desktop_env VMs (options: provider, screen_size, max_steps, path_to_vm, "
     "cache_root, pause_s, boot_retries, backoff_s, allow_no_kvm, desktop_env_class, task_loader, "
-    "task_config, desktop, on_setup_failure, network, sudo)",
+    "task_config, desktop, on_setup_failure, network, sudo, prestart)",
     tasks=_osworld_tasks,
     cache_tasks=False,  # `osworld-tasks fetch` may run while a notebook kernel lives
     domain=_osworld_domain, task_sets=_osworld_task_sets, expand_task_set=_osworld_task_set,

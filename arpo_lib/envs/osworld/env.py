@@ -254,6 +254,7 @@ class OSWorldEnv(GUIEnv):
         on_setup_failure: str = "run",
         network: str = "none",
         sudo: str = "user",
+        prestart: bool = False,
     ) -> None:
         """Load the task, import the DesktopEnv class and check the machine; the VM boots on the
         first `reset`.
@@ -300,6 +301,10 @@ class OSWorldEnv(GUIEnv):
             layer of the system directories that the next reset after its use throws away: the
             install and system-configuration tasks; needs root on the host;
             desktop_sandbox/superuser.py).
+        prestart: provider "sandbox" only: keep a second sandbox made ready while an episode runs,
+            so that a reset hands over a fresh desktop instead of resetting the one just used (the
+            desktop's part of a reset drops to the hand-over; costs a second idle desktop's memory:
+            desktop_sandbox/osworld.py SandboxProvider). `reset`'s info has `reset_timings`.
         """
         size = tuple(screen_size)
         if len(size) != 2 or not all(isinstance(v, int) and v > 0 for v in size):
@@ -320,6 +325,8 @@ class OSWorldEnv(GUIEnv):
             raise ValueError("network='user' gives the sandbox a network: it needs provider='sandbox' (a VM has its own)")
         if sudo not in ("user", "root"):
             raise ValueError(f"sudo must be 'user' or 'root', got {sudo!r}")
+        if prestart and provider != SANDBOX_PROVIDER:
+            raise ValueError("prestart keeps a second sandbox ready: it needs provider='sandbox'")
         if sudo != "user" and provider != SANDBOX_PROVIDER:
             raise ValueError("sudo='root' gives root inside the sandbox: it needs provider='sandbox' (a VM's sudo is real)")
         if desktop != "gnome" and provider != SANDBOX_PROVIDER:
@@ -357,6 +364,7 @@ class OSWorldEnv(GUIEnv):
             path_to_vm = path_to_vm or "desktop-sandbox"
             self.pause_vm = False  # nothing to pause: see desktop_sandbox/osworld.py
             desktop_env_kwargs["sandbox_options"] = {"window_manager": desktop, "network": network, "sudo": sudo,
+                                                     "prestart": bool(prestart),
                                                      **(desktop_env_kwargs.get("sandbox_options") or {})}
         self._desktop_env_cls = _desktop_env_class(desktop_env_class)
         if provider == "docker":
@@ -392,6 +400,8 @@ class OSWorldEnv(GUIEnv):
         info = self._info(obs)
         failures = list(getattr(self._desktop, "setup_failures", None) or [])
         info["setup_failures"] = failures
+        if timings := getattr(self._desktop, "reset_timings", None):  # the sandbox's: its desktop part and set-up
+            info["reset_timings"] = dict(timings)
         if failures:
             log.warning("%s: the set-up did not do what it asked: %s", self.name, "; ".join(failures)[:1000])
             if self.on_setup_failure == "error":

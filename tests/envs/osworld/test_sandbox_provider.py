@@ -350,6 +350,53 @@ def test_the_agents_text_arrives_as_written_in_a_text_field_and_in_a_terminal(os
     assert out["terminal"] == f"{printable}\n{OTHER_TEXT}\n", out["terminal"]
 
 
+_PRESTART = r"""
+import json, os, sys, time
+from arpo_lib.actions import Action
+from arpo_lib.envs.osworld.env import OSWorldEnv
+task = json.load(open(sys.argv[1]))
+env = OSWorldEnv(task, provider="sandbox", screen_size=(1280, 800), pause_s=0.3, cache_root=sys.argv[2],
+                 download_cache=None, max_steps=5, prestart=True)
+out = {"episodes": []}
+try:
+    for episode in range(3):
+        info = env.reset()[1]
+        box = env.desktop_env.sandbox
+        out["episodes"].append({"server_pid": box.process.pid, "timings": info.get("reset_timings"),
+                                "marker": box.read_file("/home/user/Desktop/marker.txt") is not None,
+                                "editors": [a["command"][0] for a in box.launched()]})
+        box.execute("echo mine > ~/Desktop/marker.txt", shell=True)
+        env.step(Action("type", text="episode %d" % episode))
+    provider = env.desktop_env.provider
+    pids = [e["server_pid"] for e in out["episodes"]]
+finally:
+    env.close()
+time.sleep(1.0)
+out["alive_after_close"] = [p for p in set(pids) if os.path.exists("/proc/%d" % p)]
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_a_prestarted_desktop_is_handed_over_fresh_at_each_reset(osworld_python, task_files, tmp_path):
+    """prestart: the reset hands over a second sandbox made ready during the episode, and the one
+    just used is reset meanwhile for the episode after: the sandboxes alternate, each episode starts
+    with an empty home (the last episode's file is gone) and only its own set-up's editor; the
+    reset's info splits its time into the desktop's part and the task's set-up; closing the
+    environment ends both sandboxes."""
+    done = _in_osworld(osworld_python, ["-c", _PRESTART, str(task_files[0]), str(tmp_path)])
+    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line is not None, done.stdout[-3000:] + done.stderr[-3000:]
+    out = json.loads(line[len("RESULT "):])
+    first, second, third = out["episodes"]
+    assert first["server_pid"] != second["server_pid"] and third["server_pid"] == first["server_pid"], out
+    assert [e["marker"] for e in out["episodes"]] == [False, False, False], out
+    assert all(e["editors"] == ["mousepad"] for e in out["episodes"]), out
+    assert second["timings"]["handed_over"] and third["timings"]["handed_over"], out
+    assert set(second["timings"]) == {"reset_s", "desktop_s", "setup_s", "settle_s", "handed_over"}, out
+    assert out["alive_after_close"] == [], out
+
+
 def test_the_borrowed_torch_follows_the_checkout_that_borrows_it(osworld_python, tmp_path):
     """Regression (a CI run): the tests' OSWorld environment borrows torch from the checkout that
     built it, by a path in a .pth file; that environment is cached across checkouts, and a CI clone in
