@@ -608,11 +608,12 @@ class Sandbox:
 
     def reset_session(self) -> int:
         """End every application and empty the home directory; returns how many processes ended.
-        With root inside, after an episode in which root was granted: a new sandbox process first,
-        from a fresh system layer (what root did may be anywhere in the system, and root's
-        processes are out of the server's reach)."""
+        With root inside, after an episode in which root was granted: a new sandbox instead, from
+        a fresh system layer (what root did may be anywhere in the system, and root's processes
+        are out of the server's reach); its desktop starts as a reset leaves one (0 returned)."""
         if self.grants is not None and self.grants.granted():
             self._relaunch()
+            return 0
         return int(self.post_json("/session/reset", {}, timeout=60)["ended"])
 
     def _relaunch(self) -> None:
