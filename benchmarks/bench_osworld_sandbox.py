@@ -89,19 +89,20 @@ IDLE_S = 3.0
 """How long the desktop's idle CPU is measured (the application open, nothing happening)."""
 
 
-def one_env(path: Path, episodes: int, pause_s: float, out: dict[str, Any], desktop: str = "gnome") -> None:
+def one_env(path: Path, episodes: int, pause_s: float, out: dict[str, Any], desktop: str = "gnome",
+            prestart: bool = False) -> None:
     from arpo_lib.envs.osworld.env import OSWorldEnv
     from arpo_lib.envs.osworld.sandbox_check import solution_actions
 
     task = json.loads(path.read_text())
     actions = solution_actions(task, SCREEN, path.stem)
     env = OSWorldEnv(task, provider="sandbox", screen_size=SCREEN, max_steps=len(actions) + 2, pause_s=pause_s,
-                     download_cache=None, desktop=desktop)
+                     download_cache=None, desktop=desktop, prestart=prestart)
     try:
-        resets, clicks, solved, scores = [], [], [], []
+        resets, clicks, solved, scores, splits = [], [], [], [], []
         for _ in range(episodes):
             t = time.monotonic()
-            env.reset()
+            splits.append(env.reset()[1].get("reset_timings") or {})
             resets.append(time.monotonic() - t)
             t = time.monotonic()
             env.step(Action(kind="click", point=(SCREEN[0] - 5, SCREEN[1] // 2)))
@@ -112,7 +113,7 @@ def one_env(path: Path, episodes: int, pause_s: float, out: dict[str, Any], desk
             time.sleep(IDLE_S)
             out["idle_cores"] = (_tree_cpu_s(box.process.pid) - cpu) / IDLE_S
             t = time.monotonic()
-            env.reset()
+            splits.append(env.reset()[1].get("reset_timings") or {})
             resets.append(time.monotonic() - t)
             t = time.monotonic()
             for action in actions:
@@ -121,8 +122,12 @@ def one_env(path: Path, episodes: int, pause_s: float, out: dict[str, Any], desk
                     break
             solved.append(time.monotonic() - t)
             scores.append(float(info.get("score", reward)))
+        later = splits[1:] or splits  # the first reset starts the sandbox: no revert
         out.update(task=f"{path.parent.name}/{task['id'][:8]}", first_reset_s=resets[0],
-                   reset_s=statistics.median(resets[1:] or resets), step_s=statistics.median(clicks),
+                   reset_s=statistics.median(resets[1:] or resets),
+                   reset_desktop_s=statistics.median(x.get("desktop_s", 0.0) for x in later),
+                   reset_setup_s=statistics.median(x.get("setup_s", 0.0) + x.get("settle_s", 0.0) for x in later),
+                   step_s=statistics.median(clicks),
                    episode_s=statistics.median(solved), solution_steps=len(actions), success=sum(scores) / len(scores))
     except Exception as e:  # reported, not raised: the other environments' figures still count
         out["error"] = f"{type(e).__name__}: {e}"
@@ -130,9 +135,11 @@ def one_env(path: Path, episodes: int, pause_s: float, out: dict[str, Any], desk
         env.close()
 
 
-def run(n_envs: int, files: list[Path], episodes: int, pause_s: float, desktop: str = "gnome") -> dict[str, Any]:
+def run(n_envs: int, files: list[Path], episodes: int, pause_s: float, desktop: str = "gnome",
+        prestart: bool = False) -> dict[str, Any]:
     outs: list[dict[str, Any]] = [{} for _ in range(n_envs)]
-    threads = [threading.Thread(target=one_env, args=(files[i % len(files)], episodes, pause_s, outs[i], desktop))
+    threads = [threading.Thread(target=one_env, args=(files[i % len(files)], episodes, pause_s, outs[i], desktop,
+                                                      prestart))
                for i in range(n_envs)]
     t0 = time.monotonic()
     for th in threads:
@@ -141,14 +148,40 @@ def run(n_envs: int, files: list[Path], episodes: int, pause_s: float, desktop: 
         th.join()
     wall = time.monotonic() - t0
     ok = [o for o in outs if "error" not in o]
-    summary: dict[str, Any] = {"desktop": desktop, "envs": n_envs, "wall_s": round(wall, 1),
+    summary: dict[str, Any] = {"desktop": desktop, "prestart": prestart, "envs": n_envs, "wall_s": round(wall, 1),
                                "errors": [o["error"] for o in outs if "error" in o]}
-    for key in ("first_reset_s", "reset_s", "step_s", "episode_s", "rss_mib", "pss_mib", "idle_cores", "success"):
+    for key in ("first_reset_s", "reset_s", "reset_desktop_s", "reset_setup_s", "step_s", "episode_s", "rss_mib",
+                "pss_mib", "idle_cores", "success"):
         summary[key] = round(statistics.mean(o[key] for o in ok), 2) if ok else None
     summary["pss_mib_max"] = round(max(o["pss_mib"] for o in ok), 1) if ok else None
     summary["episodes_per_min"] = round(60 * 2 * episodes * len(ok) / wall, 1) if ok else None  # + the click episodes
     summary["per_env"] = outs
     return summary
+
+
+def per_core_and_gib(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per desktop (and prestart mode): at idle (the task's application open, nothing happening),
+    desktops per core from one environment's idle CPU and per GiB from its PSS; while acting (every
+    environment resetting and stepping at once), the most environments measured before one click's
+    latency doubled against a single environment, per core, and their PSS per GiB. Only counts
+    measured here; `doubled_within_measured` False means the latency never doubled up to the last."""
+    out = []
+    cores = os.cpu_count() or 1
+    for key in sorted({(r["desktop"], r["prestart"]) for r in rows}):
+        ok = sorted((r for r in rows if (r["desktop"], r["prestart"]) == key and r["step_s"]), key=lambda r: r["envs"])
+        if not ok or ok[0]["envs"] != 1:
+            continue
+        within = [r for r in ok if r["step_s"] <= 2 * ok[0]["step_s"]]
+        best = within[-1]
+        out.append({"desktop": key[0], "prestart": key[1], "envs_measured": [r["envs"] for r in ok],
+                    "idle_cores_per_env": ok[0]["idle_cores"],
+                    "desktops_per_core_idle": round(1 / max(ok[0]["idle_cores"], 0.005), 1),
+                    "desktops_per_gib_idle": round(1024 / ok[0]["pss_mib"], 1),
+                    "envs_before_step_doubles": best["envs"], "step_s_1": ok[0]["step_s"], "step_s_at": best["step_s"],
+                    "desktops_per_core_acting": round(best["envs"] / cores, 2),
+                    "desktops_per_gib_acting": round(1024 / best["pss_mib"], 1),
+                    "doubled_within_measured": len(within) < len(ok)})
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -161,16 +194,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--name", default="osworld_sandbox")
     parser.add_argument("--desktops", nargs="+", default=["gnome"], choices=("gnome", "openbox"),
                         help="the sandbox's desktops, measured one after the other in this run")
+    parser.add_argument("--prestart", nargs="+", default=["off"], choices=("off", "on"),
+                        help="reset the desktop in place (off) and/or hand over one made ready meanwhile (on)")
     args = parser.parse_args(argv)
     files = task_files(args.tasks_dir)
-    rows = [run(n, files, args.episodes, args.pause_s, desktop) for n in args.envs for desktop in args.desktops]
+    rows = [run(n, files, args.episodes, args.pause_s, desktop, mode == "on")
+            for n in args.envs for desktop in args.desktops for mode in args.prestart]
+    density = per_core_and_gib(rows)
     result = {"benchmark": "osworld_sandbox", "screen": list(SCREEN), "episodes_per_env": args.episodes,
               "pause_s": args.pause_s, "tasks": [p.stem for p in files],
               "machine": f"{platform.machine()}, {os.cpu_count()} cores", "python": sys.executable, "rows": rows,
+              "density": density,
               "command": "python benchmarks/bench_osworld_sandbox.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     path = write_result(args.name, result, args.out)
-    print(table(rows, ["desktop", "envs", "first_reset_s", "reset_s", "step_s", "episode_s", "pss_mib", "pss_mib_max",
-                       "rss_mib", "idle_cores", "success", "episodes_per_min", "wall_s"]))
+    print(table(rows, ["desktop", "prestart", "envs", "first_reset_s", "reset_s", "reset_desktop_s", "reset_setup_s",
+                       "step_s", "episode_s", "pss_mib", "pss_mib_max", "rss_mib", "idle_cores", "success",
+                       "episodes_per_min", "wall_s"]))
+    if density:
+        print(table(density, list(density[0])))
     print(f"written {path}")
     return result
 

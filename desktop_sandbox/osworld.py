@@ -213,13 +213,13 @@ class SandboxProvider:
             except Exception as e:  # noqa: BLE001 - the episode goes on with the desktop it has, reset
                 log.warning("the prestarted desktop could not be made ready (%s): resetting this one", e)
             else:
-                self.last_revert.update(handed_over=True, waited_s=round(time.monotonic() - started, 3))
+                self.last_revert.update(handed_over=True, waited_s=round(time.monotonic() - started, 4))
                 used, self.current = self.current, spare
                 if used is not None:
                     self._next = self._pool.submit(self._refresh_or_replace, used)
         if not self.last_revert["handed_over"] and self.box is not None and self.box.alive():
             self.current.fresh(reset=True)
-        self.last_revert["desktop_s"] = round(time.monotonic() - started, 3)
+        self.last_revert["desktop_s"] = round(time.monotonic() - started, 4)
         return None
 
     def _refresh_or_replace(self, used: _Desktop) -> _Desktop:
