@@ -127,6 +127,8 @@ def one_env(path: Path, episodes: int, pause_s: float, out: dict[str, Any], desk
                    reset_s=statistics.median(resets[1:] or resets),
                    reset_desktop_s=statistics.median(x.get("desktop_s", 0.0) for x in later),
                    reset_setup_s=statistics.median(x.get("setup_s", 0.0) + x.get("settle_s", 0.0) for x in later),
+                   reset_session_s=statistics.median(x.get("session_s", 0.0) for x in later),
+                   reset_profiles_s=statistics.median(x.get("profiles_s", 0.0) for x in later),
                    step_s=statistics.median(clicks),
                    episode_s=statistics.median(solved), solution_steps=len(actions), success=sum(scores) / len(scores))
     except Exception as e:  # reported, not raised: the other environments' figures still count
@@ -150,7 +152,8 @@ def run(n_envs: int, files: list[Path], episodes: int, pause_s: float, desktop: 
     ok = [o for o in outs if "error" not in o]
     summary: dict[str, Any] = {"desktop": desktop, "prestart": prestart, "envs": n_envs, "wall_s": round(wall, 1),
                                "errors": [o["error"] for o in outs if "error" in o]}
-    for key in ("first_reset_s", "reset_s", "reset_desktop_s", "reset_setup_s", "step_s", "episode_s", "rss_mib",
+    for key in ("first_reset_s", "reset_s", "reset_desktop_s", "reset_session_s", "reset_profiles_s", "reset_setup_s",
+                "step_s", "episode_s", "rss_mib",
                 "pss_mib", "idle_cores", "success"):
         summary[key] = round(statistics.mean(o[key] for o in ok), 2) if ok else None
     summary["pss_mib_max"] = round(max(o["pss_mib"] for o in ok), 1) if ok else None
@@ -207,7 +210,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "density": density,
               "command": "python benchmarks/bench_osworld_sandbox.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     path = write_result(args.name, result, args.out)
-    print(table(rows, ["desktop", "prestart", "envs", "first_reset_s", "reset_s", "reset_desktop_s", "reset_setup_s",
+    print(table(rows, ["desktop", "prestart", "envs", "first_reset_s", "reset_s", "reset_desktop_s", "reset_session_s",
+                       "reset_profiles_s", "reset_setup_s",
                        "step_s", "episode_s", "pss_mib", "pss_mib_max", "rss_mib", "idle_cores", "success",
                        "episodes_per_min", "wall_s"]))
     if density:

@@ -129,15 +129,19 @@ class _Desktop:
 
     def fresh(self, reset: bool) -> "_Desktop":
         """A fresh episode's desktop: (after `reset_session` when `reset`: every application
-        ended, the home emptied) the home seeded with HOME_PROFILES, the set-up report begun."""
+        ended, the home emptied, the desktop's session started anew) the home seeded with
+        HOME_PROFILES, the set-up report begun. `timings` says what each part took."""
+        started = time.monotonic()
         if reset:
             self.box.reset_session()
+        session = time.monotonic()
         for program, script in HOME_PROFILES:
             if self.box.execute(["sh", "-c", f"command -v {program}"], timeout=30)["returncode"] == 0:
                 done = self.box.execute(script, shell=True, timeout=60)
                 if done["returncode"] != 0:
                     log.warning("could not write %s's profile: %s", program, done["error"][-300:])
         self.box.post_json("/setup/begin", {})  # what follows is the task's set-up (setup_report)
+        self.timings = {"session_s": round(session - started, 4), "profiles_s": round(time.monotonic() - session, 4)}
         return self
 
     def close(self) -> None:
@@ -218,7 +222,7 @@ class SandboxProvider:
                 if used is not None:
                     self._next = self._pool.submit(self._refresh_or_replace, used)
         if not self.last_revert["handed_over"] and self.box is not None and self.box.alive():
-            self.current.fresh(reset=True)
+            self.last_revert.update(self.current.fresh(reset=True).timings)
         self.last_revert["desktop_s"] = round(time.monotonic() - started, 4)
         return None
 
@@ -347,9 +351,11 @@ def _make_class() -> type:
             desktop = self.provider.last_revert.get("desktop_s", 0.0)
             self.reset_timings = {"reset_s": round(total, 3), "desktop_s": desktop,
                                   "setup_s": round(total - desktop - self.settle_s, 3), "settle_s": round(self.settle_s, 3),
-                                  "handed_over": self.provider.last_revert.get("handed_over", False)}
-            """Reset to first screenshot, split: the desktop's part (the revert: a fresh desktop),
-            the task's set-up (with the first screenshot) and the wait for the desktop to be still."""
+                                  "handed_over": self.provider.last_revert.get("handed_over", False),
+                                  **{k: v for k, v in self.provider.last_revert.items() if k in ("session_s", "profiles_s")}}
+            """Reset to first screenshot, split: the desktop's part (the revert: a fresh desktop; in
+            place, its session's reset and the home's application profiles), the task's set-up (with
+            the first screenshot) and the wait for the desktop to be still."""
             return obs
 
         def step(self, action: Any, *args: Any, **kwargs: Any) -> Any:

@@ -585,6 +585,8 @@ class Desktop:
 
         if self.buses is None or self.a11y_missing and self.gnome is None:
             return None
+        if not self.active_window().get("wm_class", "").startswith("gnome-terminal-server."):
+            return None  # no terminal has the focus: no need to read the whole tree (seconds, at every reset's probe)
         try:
             root = ET.fromstring(self.accessibility_tree(a11y.BUDGET_S))
         except (RequestError, ET.ParseError):
