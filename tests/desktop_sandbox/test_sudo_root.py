@@ -107,6 +107,35 @@ def test_root_is_asked_for_the_same_way_and_refused_without_the_password():
 
 
 @pytest.mark.slow
+@needs_root_inside
+def test_osworlds_provider_keeps_its_bridge_across_the_new_sandbox_a_revert_makes():
+    """OSWorld's controllers reach the sandbox through the host's loopback bridge, made once for
+    the socket path: after root was granted, OSWorld's revert starts a new sandbox behind the same
+    path, and the same address answers, from a fresh system."""
+    import requests
+
+    from desktop_sandbox.osworld import SandboxProvider
+
+    provider = SandboxProvider(screen_size=SCREEN, sandbox_options={"window_manager": "openbox", "sudo": "root"})
+    try:
+        provider.start_emulator("desktop-sandbox", headless=True)
+        host, port = provider.get_ip_address("desktop-sandbox").split(":")[:2]
+        base = f"http://{host}:{port}"
+
+        def run(command: str) -> dict:
+            return requests.post(f"{base}/execute", json={"command": command, "shell": True}, timeout=120).json()
+
+        assert run("echo password | sudo -S touch /usr/local/bin/x; ls /usr/local/bin/x")["returncode"] == 0
+        first = provider.box.process.pid
+        provider.revert_to_snapshot("desktop-sandbox", "init_state")
+        assert provider.box.process.pid != first
+        after = run("ls /usr/local/bin/x; whoami")
+        assert "No such file or directory" in after["error"] and after["output"] == "user\n", after
+    finally:
+        provider.stop_emulator("desktop-sandbox")
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(desktop_unavailable() is not None, reason=desktop_unavailable() or "")
 def test_with_the_option_off_sudo_is_the_shim_it_was():
     with Sandbox(SCREEN) as box:
