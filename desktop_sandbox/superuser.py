@@ -189,14 +189,15 @@ def write_seed(seed: Path, owner: int, resolv_conf: str | None = None) -> None:
     for tree in WALKED_TREES[1:]:
         if os.path.isdir(tree):
             masks.update((path, kind) for kind, path in confinement.unreadable_for_others(tree))
-    for path, kind in masks.items():
+    for path, kind in masks.items():  # readable and empty, as the sandbox without root shows them
         target = seed / path.lstrip("/")
         target.parent.mkdir(parents=True, exist_ok=True)
         if kind == "dir":
-            target.mkdir(mode=0o700, exist_ok=True)
-            (target / ".wh..wh..opq").touch(mode=0o600)  # fuse-overlayfs's mark of an opaque directory
+            target.mkdir(exist_ok=True)
+            (target / ".wh..wh..opq").touch()  # fuse-overlayfs's mark of an opaque directory
         else:
-            target.touch(mode=0o600)
+            target.touch()
+        target.chmod(0o755 if kind == "dir" else 0o644)
     confinement.write_identity_files(etc)
     _write_accounts(etc)
     for name, mode in (("passwd", 0o644), ("group", 0o644), ("hostname", 0o644), ("hosts", 0o644),
@@ -209,7 +210,15 @@ def write_seed(seed: Path, owner: int, resolv_conf: str | None = None) -> None:
         (seed / name).mkdir(mode=mode, parents=True, exist_ok=True)
         (seed / name).chmod(mode)
     for name in SEED_LOCKS:
-        (seed / name).touch(mode=0o640)
+        (seed / name).touch()
+        (seed / name).chmod(0o640)
+    # A directory in the upper layer gives the merged one its mode: the parents made on the way
+    # (/etc/ssl for a mask of /etc/ssl/private) keep the host's, whatever this process's umask.
+    made = {seed / path.lstrip("/") for path, kind in masks.items() if kind == "dir"} | {seed / n for n in SEED_DIRS}
+    for directory in [seed, *(d for d in seed.rglob("*") if d.is_dir() and not d.is_symlink())]:
+        if directory not in made:
+            host = "/" + str(directory.relative_to(seed)).removeprefix(".")
+            directory.chmod(stat.S_IMODE(os.stat(host).st_mode) if os.path.isdir(host) else 0o755)
     for path in [seed, *seed.rglob("*")]:
         os.lchown(path, owner, owner)
 
