@@ -91,7 +91,9 @@ directory and /bin/sh could no longer be run)."""
 LAYER_SCRIPT = r"""set -eu
 mkdir {layers}/upper {layers}/work {layers}/merged
 cp -a {seed}/. {layers}/upper/
-setpriv --pdeathsig KILL fuse-overlayfs -f -o lowerdir={lower},upperdir={layers}/upper,workdir={layers}/work,{options},uidmapping={mapping},gidmapping={mapping} {merged} &
+setpriv --pdeathsig KILL fuse-overlayfs -f \
+  -o lowerdir={lower},upperdir={layers}/upper,workdir={layers}/work,{options},uidmapping={mapping},gidmapping={mapping} \
+  {merged} &
 i=0
 until [ "$(stat -c %d {merged})" != "$(stat -c %d {layers})" ]; do
   kill -0 $! 2>/dev/null || {{ echo "the system layer (fuse-overlayfs) did not start" >&2; exit 1; }}
@@ -127,6 +129,8 @@ def unavailable() -> str | None:
     for tool, package in (("bwrap", "bubblewrap"), ("fuse-overlayfs", "fuse-overlayfs"), ("setpriv", "util-linux")):
         if not shutil.which(tool):
             return f"env.options.sudo=root needs {tool} (Debian package {package}; ./workbench setup installs it)"
+    if "--size" not in confinement.bwrap_features():
+        return "env.options.sudo=root needs bubblewrap >= 0.7 (--size: the system layer is a sized tmpfs)"
     try:
         if not stat.S_ISCHR(os.stat("/dev/fuse").st_mode):
             raise OSError("not a character device")
