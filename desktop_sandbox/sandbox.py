@@ -177,6 +177,8 @@ class Sandbox:
         self._binds = binds
         self._watcher: subprocess.Popen | None = None
         self._watcher_told = False
+        self._output: _OutputTail | None = None
+        """With root inside: the end of the sandbox's output (which then never reaches a host file)."""
         self.workdir = Path(tempfile.mkdtemp(prefix="arpo-desktop-"))
         control = self.workdir / "control"  # the socket, the log, the launch logs: the host's only
         control.mkdir(mode=0o700)
@@ -483,7 +485,7 @@ class Sandbox:
         raise SandboxError(f"the desktop sandbox did not answer within {START_TIMEOUT_S:.0f} s: {tail}")
 
     def _log_tail(self) -> str:
-        if getattr(self, "_output", None) is not None:
+        if self._output is not None:
             return self._output.text()[-1500:]
         try:
             return self.log_path.read_text(errors="replace")[-1500:]
