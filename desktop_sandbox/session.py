@@ -41,8 +41,10 @@ sandbox's staged interpreter finds its libpython by it (runtime.py). The applica
 
 OPEN_TIMEOUT_S = 30.0
 """/setup/open_file waits this long for the file's window by default (OSWorld's newer server: 1800 s)."""
-ACTIVATE_WAIT_S = 5.0
-"""/setup/activate_window waits this long for a window that matches (window_action)."""
+ACTIVATE_WAIT_S = 15.0
+"""/setup/activate_window waits this long for a window that matches (window_action). VS Code here
+is code-server and a Chromium application window: on a loaded 2-core machine its window came
+after 5 s in every vs_code task of a census run (the set-up's activate_window then found nothing)."""
 CRASH_SIGNALS = frozenset(int(s) for s in (signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGILL, signal.SIGFPE,
                                            signal.SIGKILL))
 """The signals that end a program in a crash (SIGKILL: the kernel's out-of-memory killer's)."""
@@ -297,7 +299,7 @@ class Desktop:
             try:
                 with self.reset_lock:
                     # the server's own kill, not a crash: the incident says why they ended
-                    self.crashes_said.update(process.pid for _, process, _ in self.launch_records)
+                    self.crashes_said.update(process.pid for _, process in self._watched())
                     ended = self.end_applications()
             except RuntimeError as e:
                 why += f" ({e})"
@@ -472,17 +474,25 @@ class Desktop:
         self.launched.append(process)
         self.launch_records.append((command, process, log_path))
 
+    def _watched(self) -> list[tuple[str, subprocess.Popen]]:
+        """(what, process) for the task's applications (launched by its set-up) and the desktop's
+        own programs (GNOME Shell and its session's daemons)."""
+        out = [(safe(json.dumps(command))[:200], process) for command, process, _ in self.launch_records]
+        if self.gnome is not None:
+            out += [(f"the desktop's {name}", process) for name, process in self.gnome.processes.items()]
+        return out
+
     def crashed_applications(self) -> list[str]:
-        """The task's applications (launched by its set-up) that a crash's signal ended, each said
-        once: the episode lost its application to the machine, not to the agent (a window the
-        agent closes, or a program it quits or `pkill`s, exits 0 or on SIGTERM and is not here)."""
+        """The task's applications (launched by its set-up) and the desktop's own programs (GNOME
+        Shell: without it the windows stay and nothing manages them) that a crash's signal ended,
+        each said once: the episode lost them to the machine, not to the agent (a window the agent
+        closes, or a program it quits or `pkill`s, exits 0 or on SIGTERM and is not here)."""
         out = []
-        for command, process, _ in self.launch_records:
+        for what, process in self._watched():
             code = process.poll()
             number = -code if code is not None and code < 0 else (code - 128 if code and code > 128 else 0)
             if number in CRASH_SIGNALS and process.pid not in self.crashes_said:
                 self.crashes_said.add(process.pid)
-                what = safe(json.dumps(command))[:200]
                 out.append(f"{what} (pid {process.pid}) ended on {signal.Signals(number).name}")
         return out
 

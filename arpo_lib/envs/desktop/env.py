@@ -139,7 +139,7 @@ class DesktopEnv(GUIEnv):
                 error = (done.get("error") or "")[-300:] or f"exit {done.get('returncode')}"
             if done.get("crashed"):  # the task's application died of a crash: the machine's failure
                 self._episode_over = True
-                raise EnvError(f"{self.name}: the task's application crashed: {'; '.join(done['crashed'])[:500]}")
+                raise EnvError(f"{self.name}: a program the episode needs crashed: {'; '.join(done['crashed'])[:500]}")
             if done.get("incidents"):  # the sandbox ended the episode's programs (a limit was crossed)
                 error = "; ".join(done["incidents"])[-300:]
             time.sleep(self.settle_s)

@@ -445,7 +445,7 @@ class OSWorldEnv(GUIEnv):
         desktop_info = dict(desktop_info or {})
         if desktop_info.get("crashed"):  # the sandbox's report: the task's application died of a crash
             self._episode_over = True
-            raise EnvError(f"{self.name}: the task's application crashed: {'; '.join(desktop_info['crashed'])[:500]}")
+            raise EnvError(f"{self.name}: a program the episode needs crashed: {'; '.join(desktop_info['crashed'])[:500]}")
         # The sandbox provider refuses code outside the action space (info["action_error"]).
         error = "; ".join(e for e in (error, desktop_info.get("action_error")) if e) or None
         info = {**self._info(obs), "code": code, "action_error": error, "desktop_info": desktop_info}

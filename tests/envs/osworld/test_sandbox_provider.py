@@ -285,7 +285,7 @@ def test_the_tasks_application_crashing_mid_episode_is_the_environments_failure(
     line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert line is not None, done.stdout[-3000:] + done.stderr[-3000:]
     out = json.loads(line[len("RESULT "):])
-    assert "the task's application crashed" in out["raised"] and "mousepad" in out["raised"], out
+    assert "a program the episode needs crashed" in out["raised"] and "mousepad" in out["raised"], out
     assert "SIGSEGV" in out["raised"] and out["next"] is None and out["quit"] is None, out
 
 
@@ -348,6 +348,44 @@ def test_the_agents_text_arrives_as_written_in_a_text_field_and_in_a_terminal(os
     assert out["editor"] == f"{printable}\n{OTHER_TEXT}\n", out["editor"]
     assert "pyautogui.hotkey('ctrl', 'shift', 'v')" in out["terminal_codes"][2], out["terminal_codes"]
     assert out["terminal"] == f"{printable}\n{OTHER_TEXT}\n", out["terminal"]
+
+
+_SHELL_GONE = r"""
+import json, sys, time
+from arpo_lib.actions import Action
+from arpo_lib.envs.base import EnvError
+from arpo_lib.envs.osworld.env import OSWorldEnv
+task = json.load(open(sys.argv[1]))
+env = OSWorldEnv(task, provider="sandbox", screen_size=(1280, 800), pause_s=0.3, cache_root=sys.argv[2],
+                 download_cache=None, max_steps=5)
+out = {}
+try:
+    env.reset()
+    env.step(Action("click", point=(640, 400)))
+    env.desktop_env.sandbox.execute("pkill -KILL -x gnome-shell", shell=True)  # the desktop's shell dies
+    time.sleep(2.0)
+    try:
+        env.step(Action("click", point=(640, 400)))
+    except EnvError as e:
+        out["raised"] = str(e)
+    out["next"] = env.reset()[1]["setup_failures"]  # a fresh desktop
+finally:
+    env.close()
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_a_desktop_whose_shell_died_is_the_environments_failure(osworld_python, task_files, tmp_path):
+    """GNOME Shell dying mid-episode (SIGKILL, as the out-of-memory killer ends it) leaves the
+    editor's window unmanaged on a black desktop: the next step raises EnvError naming the
+    desktop's shell, and the next reset gives a working desktop."""
+    done = _in_osworld(osworld_python, ["-c", _SHELL_GONE, str(task_files[0]), str(tmp_path)])
+    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line is not None, done.stdout[-3000:] + done.stderr[-3000:]
+    out = json.loads(line[len("RESULT "):])
+    assert "the desktop's gnome-shell" in out["raised"] and "SIGKILL" in out["raised"], out
+    assert out["next"] == [], out
 
 
 _PRESTART = r"""
