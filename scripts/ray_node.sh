@@ -1,14 +1,25 @@
 # Shared by scripts/ray_head.sh and scripts/ray_env_node.sh (sourced, not run): one Ray node of
 # the environments' cluster started in the background from the workbench's .venv, and stopped again.
-# `ray start --block` runs in a process group of its own (setsid); its pid goes to $ARPO_RAY_STATE_DIR/<name>.pid
-# (default ~/.cache/arpo-workbench/ray) and its output to <name>.log. --stop ends exactly that node
-# (SIGTERM: `ray start --block` stops the raylet and everything it started), never another Ray on
-# the machine, which `ray stop` would.
+# `ray start --block` runs in a process group of its own (setsid); its pid goes to
+# $ARPO_RAY_STATE_DIR/<host>/<name>.pid (default ~/.cache/arpo-workbench/ray/<host>: one directory per
+# host, so that nodes sharing a home directory keep their own) and its output to <name>.log. --stop
+# ends exactly that node (SIGTERM: `ray start --block` stops the raylet and everything it started),
+# never another Ray on the machine, which `ray stop` would. --block runs the node in the foreground
+# instead, until it is signalled (what a SLURM step wants: the step ends, the node stops).
+# ARPO_RAY_START_ARGS: more arguments for every `ray start` (e.g. "--node-ip-address 10.0.0.5").
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 RAY="$ROOT/.venv/bin/ray"
-STATE="${ARPO_RAY_STATE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/arpo-workbench/ray}"
+STATE="${ARPO_RAY_STATE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/arpo-workbench/ray}/$(hostname -s)"
+read -r -a START_ARGS <<<"${ARPO_RAY_START_ARGS:-}"
+# Ray's token authentication: a head started where a token exists (~/.ray/auth_token, which Ray's own
+# ray.init() makes, RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN) requires it of every node, but a node joining
+# looks for none unless told: with a token at hand, head and nodes both use it (the same token must be
+# on every node: a shared home has it), unless RAY_AUTH_MODE says otherwise.
+if [ -z "${RAY_AUTH_MODE:-}" ] && { [ -n "${RAY_AUTH_TOKEN:-}" ] || [ -s "${RAY_AUTH_TOKEN_PATH:-$HOME/.ray/auth_token}" ]; }; then
+  export RAY_AUTH_MODE=token
+fi
 START_TIMEOUT_S="${ARPO_RAY_START_TIMEOUT_S:-120}"
 STOP_TIMEOUT_S=30
 
@@ -31,6 +42,20 @@ node_pid() {  # NAME -> the pid of the node started here under that name, if it 
   kill -0 "$pid" 2>/dev/null && echo "$pid"
 }
 
+# Environment slots: a number, or `auto` (default_slots).
+slots_of() {
+  local slots="$1"
+  [ "$slots" = auto ] && slots="$(default_slots)"
+  [[ "$slots" =~ ^[0-9]+$ ]] || die "--slots takes a number of environments or auto, not $slots"
+  echo "$slots"
+}
+
+run_node() {  # NAME RAY_START_ARGS...: the node in the foreground (--block), until it is signalled
+  say "starting the $1 in the foreground: it runs until this process is signalled"
+  shift
+  RAY_USAGE_STATS_ENABLED=0 exec "$RAY" start --block --disable-usage-stats "$@" "${START_ARGS[@]}" </dev/null
+}
+
 start_node() {  # NAME RAY_START_ARGS...: returns once Ray says the node runs
   local name="$1" pid log waited
   shift
@@ -39,7 +64,8 @@ start_node() {  # NAME RAY_START_ARGS...: returns once Ray says the node runs
   fi
   mkdir -p "$STATE"
   log="$STATE/$name.log"
-  RAY_USAGE_STATS_ENABLED=0 setsid "$RAY" start --block --disable-usage-stats "$@" >"$log" 2>&1 </dev/null &
+  RAY_USAGE_STATS_ENABLED=0 setsid "$RAY" start --block --disable-usage-stats "$@" "${START_ARGS[@]}" \
+    >"$log" 2>&1 </dev/null &
   pid=$!
   echo "$pid" >"$STATE/$name.pid"
   for ((waited = 0; waited < START_TIMEOUT_S; waited++)); do

@@ -258,6 +258,34 @@ def test_batches_sharing_the_actors_of_two_nodes_give_the_lockstep_episodes(env_
     assert _record(first) == _record(expected) and _record(ahead["trajs"]) == _record(second)
 
 
+@pytest.mark.slow
+@pytest.mark.long
+def test_batches_ahead_play_on_the_actors_of_both_nodes_during_the_update(env_cluster, warm_tiny_qwen2vl, tmp_path):
+    """Asynchronous ARPO on the cluster (rollout.mode=async, rollout.max_staleness=1, our hf
+    server): batch 2 starts on the actors batch 1 no longer needs and plays through its update;
+    every episode of both batches ran on an actor of one of the two worker nodes, none was lost."""
+    from arpo_lib import build
+
+    cfg = _cfg(tmp_path, warm_tiny_qwen2vl, "ahead", *ON_RAY, "train.steps=2", "rollout.backend=server",
+               "rollout.weight_sync=restart", "serve.backend=hf", "rollout.max_staleness=1", "rollout.mode=async")
+    with build.trainer(cfg) as trainer:
+        pool = trainer.rollouts.pool
+        update, seen_ahead = trainer.update, []
+
+        def spied(groups):
+            seen_ahead.append(sorted(trainer.rollouts._ahead))
+            return update(groups)
+
+        trainer.update = spied
+        history = trainer.train()
+        placement = pool.placement()
+    assert seen_ahead == [[1], []]
+    assert sorted(placement.values()) == [2, 2] and set(placement) == {n.node_id for n in env_cluster.nodes}
+    assert [m["env_errors"] for m in history] == [0, 0] and history[1]["staleness_max"] <= 1.0
+    for step in (0, 1):
+        assert len(list((tmp_path / "ahead" / "rollouts" / f"step_{step:06d}").rglob("meta.json"))) == 4
+
+
 # ---- a node lost mid-run -----------------------------------------------------------------------
 
 @pytest.mark.slow

@@ -467,10 +467,28 @@ def _ensure_ray(address: str | None, init_kwargs: dict[str, Any] | None) -> bool
         kwargs.update(address="local", num_cpus=os.cpu_count(), object_store_memory=200 * 2**20,
                       include_dashboard=False)
     else:
+        use_token_when_there_is_one()
         kwargs["address"] = address
     kwargs.update(init_kwargs or {})
     ray.init(**kwargs)
     return True
+
+
+def use_token_when_there_is_one() -> None:
+    """Authenticate to a cluster with Ray's token whenever one is at hand (RAY_AUTH_TOKEN, or the
+    file RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token names) and RAY_AUTH_MODE does not say otherwise.
+    Ray 2.60 starts a head with token authentication when a token exists there (its own
+    `ray.init()` makes one), but a node or driver joining at an explicit address looks for none
+    unless told: it is refused. A token sent to a head without authentication does no harm."""
+    if os.environ.get("RAY_AUTH_MODE"):
+        return
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
+    if os.environ.get("RAY_AUTH_TOKEN") or (os.path.isfile(path) and os.path.getsize(path) > 0):
+        os.environ["RAY_AUTH_MODE"] = "token"
+        if "ray._raylet" in sys.modules:  # Ray read its settings when imported: again, as Ray itself does
+            from ray._raylet import Config
+
+            Config.initialize("")
 
 
 def _answers(host: str, port: int, timeout_s: float) -> bool:
