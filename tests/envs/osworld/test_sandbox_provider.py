@@ -160,6 +160,14 @@ def _in_osworld(python: str, args: list[str], timeout: float = 600) -> subproces
     return subprocess.run([python, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def _result(python: str, script: str, *args: str) -> dict:
+    """Run `script` in OSWorld's interpreter and return what it printed on its `RESULT <json>` line."""
+    done = _in_osworld(python, ["-c", script, *args])
+    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line is not None, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(line[len("RESULT "):])
+
+
 @pytest.mark.slow
 def test_osworlds_own_evaluator_scores_the_sandbox_no_op_zero_and_solution_one(osworld_python, task_files):
     done = _in_osworld(osworld_python, ["-m", "arpo_lib.envs.osworld.sandbox_check",
@@ -206,10 +214,7 @@ finally:
 def test_the_agents_code_through_osworlds_step_is_checked(osworld_python, task_files, tmp_path):
     """OSWorld's step sends the agent's pyautogui code to the server to run; on the sandbox it goes
     through the workbench's check first: code outside the action space never runs."""
-    done = _in_osworld(osworld_python, ["-c", _HOSTILE, str(task_files[0]), str(tmp_path)])
-    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    assert line is not None, done.stdout[-3000:] + done.stderr[-3000:]
-    out = json.loads(line[len("RESULT "):])
+    out = _result(osworld_python, _HOSTILE, str(task_files[0]), str(tmp_path))
     for name in ("os.system", "hidden in a click", "open"):
         assert out[name] and "allowed" in out[name], (name, out)
     assert out["clicked"] is None and "pwned" not in out["pwned"]
@@ -281,10 +286,7 @@ def test_the_tasks_application_crashing_mid_episode_is_the_environments_failure(
     EnvError naming it (the episode is the environment's failure, dropped from its group, never
     scored 0 as the model's); the next episode has its own editor and no report; an editor the
     agent's own `pkill` ends (SIGTERM) is the agent's doing and is not reported."""
-    done = _in_osworld(osworld_python, ["-c", _CRASH, str(task_files[0]), str(tmp_path)])
-    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    assert line is not None, done.stdout[-3000:] + done.stderr[-3000:]
-    out = json.loads(line[len("RESULT "):])
+    out = _result(osworld_python, _CRASH, str(task_files[0]), str(tmp_path))
     assert "a program the episode needs crashed" in out["raised"] and "mousepad" in out["raised"], out
     assert "SIGSEGV" in out["raised"] and out["next"] is None and out["quit"] is None, out
 
@@ -338,10 +340,7 @@ def test_the_agents_text_arrives_as_written_in_a_text_field_and_in_a_terminal(os
     in the text editor and in GNOME Terminal. The focus probe tells a terminal from a text field: in
     the terminal the paste is ctrl+shift+v (its ctrl+v is the shell's quoted-insert, and the
     pasted text was lost), in the editor ctrl+v."""
-    done = _in_osworld(osworld_python, ["-c", _TYPED, str(task_files[0]), str(tmp_path), OTHER_TEXT])
-    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    assert line is not None, done.stdout[-3000:] + done.stderr[-3000:]
-    out = json.loads(line[len("RESULT "):])
+    out = _result(osworld_python, _TYPED, str(task_files[0]), str(tmp_path), OTHER_TEXT)
     printable = "".join(chr(c) for c in range(0x20, 0x7f))
     assert "mousepad" in out["editor_focus"].lower() and "gnome-terminal" in out["terminal_focus"], out
     assert out["editor_errors"] == [None, None], out
@@ -380,10 +379,7 @@ def test_a_desktop_whose_shell_died_is_the_environments_failure(osworld_python, 
     """GNOME Shell dying mid-episode (SIGKILL, as the out-of-memory killer ends it) leaves the
     editor's window unmanaged on a black desktop: the next step raises EnvError naming the
     desktop's shell, and the next reset gives a working desktop."""
-    done = _in_osworld(osworld_python, ["-c", _SHELL_GONE, str(task_files[0]), str(tmp_path)])
-    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    assert line is not None, done.stdout[-3000:] + done.stderr[-3000:]
-    out = json.loads(line[len("RESULT "):])
+    out = _result(osworld_python, _SHELL_GONE, str(task_files[0]), str(tmp_path))
     assert "the desktop's gnome-shell" in out["raised"] and "SIGKILL" in out["raised"], out
     assert out["next"] == [], out
 
@@ -422,10 +418,7 @@ def test_a_prestarted_desktop_is_handed_over_fresh_at_each_reset(osworld_python,
     with an empty home (the last episode's file is gone) and only its own set-up's editor; the
     reset's info splits its time into the desktop's part and the task's set-up; closing the
     environment ends both sandboxes."""
-    done = _in_osworld(osworld_python, ["-c", _PRESTART, str(task_files[0]), str(tmp_path)])
-    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    assert line is not None, done.stdout[-3000:] + done.stderr[-3000:]
-    out = json.loads(line[len("RESULT "):])
+    out = _result(osworld_python, _PRESTART, str(task_files[0]), str(tmp_path))
     first, second, third = out["episodes"]
     assert first["server_pid"] != second["server_pid"] and third["server_pid"] == first["server_pid"], out
     assert [e["marker"] for e in out["episodes"]] == [False, False, False], out
