@@ -363,7 +363,8 @@ def write_python_shim(workdir: Path, python: str, site_dirs: list[str], pythons:
     `vscode`: where the sandbox sees VS Code, for a `code` command and its desktop entry.
     `sudo_client`: with root inside, how `sudo` runs sudo.py's client (`sudo_root_shim`)."""
     bin_dir = workdir / "bin"
-    bin_dir.mkdir(mode=0o755, exist_ok=True)
+    bin_dir.mkdir(exist_ok=True)
+    bin_dir.chmod(0o755)  # whatever the umask: the sandbox's uid may be an unprivileged one
     path = ":".join(site_dirs)
     for name in ("python", "python3") if pythons else ():  # OSWorld's VM has pyautogui under both names (GIMP's tasks use python3)
         shim = bin_dir / name

@@ -275,6 +275,10 @@ def stage_tree(top: str, name: str) -> str:
 
 def copy_package(package: str, dest: Path) -> Path:
     """A copy of the package directory `package` (its files, no byte code) at `dest/<its name>`,
-    for one sandbox; returns `dest`, bound at LIB_IN_SANDBOX."""
+    for one sandbox; returns `dest`, bound at LIB_IN_SANDBOX. World-readable whatever the umask
+    and the checkout's modes: started by root, the sandbox's user is an unprivileged uid, which
+    must read it (else the sandbox's user maps to root)."""
     shutil.copytree(package, dest / Path(package).name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for path in [dest, *dest.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
     return dest

@@ -244,38 +244,12 @@ class Sandbox:
         listener.close()  # the server holds it now
         if self.network == "user":
             try:
-                if self.sudo == "root":
-                    self._start_user_network_as_root()
-                else:
-                    self.usernet = usernet.UserNetwork(usernet.sandbox_init_pid(self.process.pid), self.workdir / "control")
-                    self.usernet.start()
+                self.usernet = usernet.UserNetwork(usernet.sandbox_init_pid(self.process.pid), self.workdir / "control")
+                self.usernet.start()
             except (RuntimeError, OSError, subprocess.SubprocessError) as e:
                 self.close()
                 raise SandboxError(f"the sandbox's user-mode network did not start: {e}") from e
         self._wait_ready()
-
-    def _start_user_network_as_root(self) -> None:
-        """With root inside, the sandbox's processes are not root's on the host, and pasta, which
-        drops its own capabilities before it opens the namespace (/proc/<pid>/ns/net), may not open
-        theirs. It is given a process of root's without capabilities in that namespace instead
-        (the kernel lets a process open the namespaces of one with the same uid and no more
-        capabilities), for as long as it starts."""
-        init = usernet.sandbox_init_pid(self.process.pid)
-        holder = subprocess.Popen([usernet._tool("nsenter"), "--target", str(init), "--net", "setpriv", "--bounding-set",
-                                   "-all", "--inh-caps", "-all", "--no-new-privs", "sleep", "60"],
-                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            target = os.readlink(f"/proc/{init}/ns/net")
-            deadline = time.monotonic() + usernet.START_TIMEOUT_S
-            while os.readlink(f"/proc/{holder.pid}/ns/net") != target:
-                if holder.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("nsenter did not enter the sandbox's network namespace")
-                time.sleep(0.01)
-            self.usernet = usernet.UserNetwork(holder.pid, self.workdir / "control")
-            self.usernet.start()
-        finally:
-            holder.kill()
-            holder.wait()
 
     def _map_root_namespace(self) -> None:
         """With root inside: once bubblewrap made the user namespace (and waits), its processes
@@ -398,19 +372,22 @@ class Sandbox:
         count as root for the kernel (no process limit, root's files readable where mounted). So
         bubblewrap runs as an unprivileged uid of its own instead, when that uid can read everything
         the sandbox binds: its staged Python (runtime.py, world-readable wherever the environment
-        it came from lives) and the caller's binds; where one of those is unreadable to it (a
-        directory under /root, mode 0700) the mapping stays root and the mount list and the
-        server's watcher are the protection (report() says which)."""
-        needed = tuple(self._runtime_paths)
-        unreadable = _unreadable_for_unprivileged(needed)
-        if unreadable:
-            log.debug("desktop sandbox: the sandbox's user maps to root (an unprivileged uid cannot read %s)", unreadable)
-            return
-        uid, lock = _claim_free_uid()
-        self.host_uid, self._uid_lock = uid, lock
-        self.workdir.chmod(0o711)  # the identity files are read by bubblewrap as that uid; control/ stays 0700
+        it came from lives), the package copy and shims in the work directory, and the caller's
+        binds; where one of those is unreadable to it (a directory under /root, mode 0700) the
+        mapping stays root and the mount list and the server's watcher are the protection
+        (report() says which)."""
+        # The uid passes through the work directory to what it binds from there (the package copy,
+        # the shims, the identity files) before it is asked what it can read: asked while the
+        # directory was still 0700, the answer was always "nothing", and the user mapped to root.
+        self.workdir.chmod(0o711)  # control/ stays 0700: the socket, the seccomp filter, the options
         for name in confinement.IDENTITY_FILES:
             (self.workdir / name).chmod(0o644)
+        unreadable = _unreadable_for(AGENT_UIDS.stop - 1, self._runtime_paths)
+        if unreadable:
+            self.workdir.chmod(0o700)
+            log.debug("desktop sandbox: the sandbox's user maps to root (an unprivileged uid cannot read %s)", unreadable)
+            return
+        self.host_uid, self._uid_lock = _claim_free_uid()
 
     def _user_command(self, listen_fd: int, network: bool,
                       window_manager: str) -> tuple[list[str], tuple[int, ...], dict[str, str], str]:
@@ -883,12 +860,6 @@ def _block_network(uid: int, block: bool) -> bool:
                                "-j", "REJECT"], capture_output=True)
         ok = ok and done.returncode == 0
     return ok and block
-
-
-@functools.lru_cache(maxsize=None)
-def _unreadable_for_unprivileged(paths: tuple[str, ...]) -> list[str]:
-    """Those of `paths` a uid without an account or groups cannot read (asked once per process)."""
-    return _unreadable_for(AGENT_UIDS.stop - 1, list(paths))
 
 
 def _unreadable_for(uid: int, paths: list[str]) -> list[str]:

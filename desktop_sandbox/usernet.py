@@ -17,10 +17,14 @@ DNS: the sandbox's resolv.conf names `DNS_ADDRESS`, which pasta forwards to the 
 (a loopback resolver such as systemd-resolved's included).
 
 Needs root (pasta and the rules enter the sandbox's namespaces from the host) and the `namespaces`
-isolation; `unavailable()` says what is missing.
+isolation; `unavailable()` says what is missing. The sandbox's processes are an unprivileged host
+uid's (the sandbox's user, or root inside's), whose namespaces pasta, which drops its capabilities
+before it opens one, may not open: it opens the namespace through a process of root's without
+capabilities that the host places there for as long as pasta starts (`_namespace_holder`).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import ipaddress
 import json
@@ -29,6 +33,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 DNS_ADDRESS = "10.0.2.3"
@@ -46,7 +51,8 @@ def unavailable() -> str | None:
     """Why the user-mode network cannot be given here, or None."""
     if os.geteuid() != 0:
         return "env.options.network=user needs root (pasta and its firewall rules enter the sandbox's namespaces)"
-    for tool, package in (("pasta", "passt"), ("nsenter", "util-linux"), ("iptables", "iptables"), ("ip", "iproute2")):
+    for tool, package in (("pasta", "passt"), ("nsenter", "util-linux"), ("setpriv", "util-linux"),
+                          ("iptables", "iptables"), ("ip", "iproute2")):
         if not shutil.which(tool, path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin"):
             return f"env.options.network=user needs {tool} (Debian package {package}; ./workbench setup installs it)"
     return None
@@ -120,15 +126,16 @@ class UserNetwork:
                 if done.returncode != 0 and table == "iptables":
                     raise RuntimeError(f"cannot fence the sandbox's network ({table} {' '.join(rule)}): "
                                        f"{done.stderr.strip()[:300]}")
-        done = subprocess.run(
-            [_tool("pasta"), "--quiet", "--runas", "0:0", "--config-net", "--no-map-gw",
-             "-t", "none", "-u", "none", "-T", "none", "-U", "none", "--dns-forward", DNS_ADDRESS,
-             "--pid", str(self.pidfile), "--log-file", str(self.log),
-             # the network namespace alone: the sandbox's user namespace forbids new namespaces
-             # (bubblewrap's --disable-userns), which pasta's own confinement makes; the host's root
-             # holds every capability over the sandbox's namespaces anyway
-             "--netns-only", "--netns", f"/proc/{self.pid}/ns/net"],
-            capture_output=True, text=True, timeout=START_TIMEOUT_S, stdin=subprocess.DEVNULL)
+        with _namespace_holder(self.pid) as holder:
+            done = subprocess.run(
+                [_tool("pasta"), "--quiet", "--runas", "0:0", "--config-net", "--no-map-gw",
+                 "-t", "none", "-u", "none", "-T", "none", "-U", "none", "--dns-forward", DNS_ADDRESS,
+                 "--pid", str(self.pidfile), "--log-file", str(self.log),
+                 # the network namespace alone: the sandbox's user namespace forbids new namespaces
+                 # (bubblewrap's --disable-userns), which pasta's own confinement makes; the host's root
+                 # holds every capability over the sandbox's namespaces anyway
+                 "--netns-only", "--netns", f"/proc/{holder}/ns/net"],
+                capture_output=True, text=True, timeout=START_TIMEOUT_S, stdin=subprocess.DEVNULL)
         if done.returncode != 0 or not self.pidfile.exists():
             raise RuntimeError(f"pasta did not start (exit {done.returncode}): {done.stderr.strip()[-300:]}")
 
@@ -137,3 +144,32 @@ class UserNetwork:
             os.kill(int(self.pidfile.read_text().strip()), signal.SIGTERM)
         except (OSError, ValueError):
             pass
+
+
+@contextlib.contextmanager
+def _namespace_holder(pid: int) -> Iterator[int]:
+    """A process of root's without capabilities in the network namespace of `pid`, for as long as
+    the block runs; its pid. pasta drops its capabilities before it opens /proc/<pid>/ns/net, and
+    the kernel then lets it open the namespaces of a process with its own uid and no more
+    capabilities only, not those of the sandbox's (an unprivileged uid's)."""
+    holder = subprocess.Popen([_tool("nsenter"), "--target", str(pid), "--net", _tool("setpriv"), "--bounding-set",
+                               "-all", "--inh-caps", "-all", "--no-new-privs", "sleep", "60"],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        target = os.readlink(f"/proc/{pid}/ns/net")
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while _net_namespace(holder.pid) != target:
+            if holder.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("nsenter did not enter the sandbox's network namespace")
+            time.sleep(0.01)
+        yield holder.pid
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def _net_namespace(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/net")
+    except OSError:  # gone
+        return None

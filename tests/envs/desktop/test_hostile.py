@@ -32,7 +32,7 @@ from arpo_lib.envs import make_env
 from arpo_lib.envs.base import EnvError
 from arpo_lib.envs.desktop.scripted import solution_actions
 from desktop_sandbox import confinement, gnome, runtime
-from desktop_sandbox.sandbox import Sandbox, desktop_unavailable
+from desktop_sandbox.sandbox import AGENT_UIDS, Sandbox, desktop_unavailable
 
 REASON = desktop_unavailable()
 pytestmark = [pytest.mark.skipif(REASON is not None, reason=REASON or ""), pytest.mark.slow]
@@ -109,11 +109,13 @@ def desktop_processes(env) -> set[str]:
 
 @pytest.fixture
 def canaries(tmp_path):
-    """Secrets outside the sandbox: root-only (0600) in /etc and in /var/lib, world-readable in the
+    """Secrets outside the sandbox: root-only (0600) in /etc, in /var/lib and in /usr/local/share (a
+    tree the sandbox shows: only the file's owner and mode keep it out), world-readable in the
     repository, in /var/tmp and in a directory under /srv."""
     secret = uuid.uuid4().hex
     made = []
     places = [(f"/etc/arpo-canary-{secret[:8]}", 0o600), (f"/var/lib/arpo-canary-{secret[:8]}", 0o600),
+              (f"/usr/local/share/arpo-canary-{secret[:8]}", 0o600),
               (str(REPO / f".arpo-canary-{secret[:8]}"), 0o644), (f"/var/tmp/arpo-canary-{secret[:8]}", 0o644),
               (f"/srv/arpo-canary-{secret[:8]}/secret", 0o644)]
     for path, mode in places:
@@ -142,6 +144,24 @@ def test_finding1_no_host_file_is_readable(terminal, canaries):
     assert typed(terminal, "ls /opt/arpo/lib").split() == ["desktop_sandbox"]
     assert typed(terminal, "cat /etc/shadow /etc/gshadow 2>/dev/null | wc -c").strip() == "0"
     still_scores(terminal)
+
+
+@pytest.mark.skipif(not AS_ROOT, reason="started by an ordinary user, the sandbox's user is that user")
+def test_started_by_root_the_sandboxs_user_is_no_one_on_the_host(terminal, canaries):
+    """Started by root, the sandbox's user maps to an unprivileged uid of its own (its staged Python
+    is world-readable): a root-only file in a tree the sandbox shows (/usr) is refused by its
+    permissions, and the kernel's process limit applies. Before, the check of what that uid could
+    read ran while the work directory (the package copy the sandbox binds) was still 0700, and the
+    user mapped to the host's root: the file was read by owner match."""
+    secret, paths = canaries
+    terminal.reset()
+    report = terminal.sandbox.report()
+    assert report["host_uid"] in AGENT_UIDS and "maps to root" not in terminal.sandbox.describe(), report
+    bound = next(p for p in paths if p.startswith("/usr/"))
+    out = typed(terminal, f"cat {bound}; id -u; ulimit -u")
+    assert secret not in out and "Permission denied" in out, out
+    assert out.split()[-2] == "1000" and out.split()[-1] != "unlimited", out
+    assert oct(terminal.sandbox.workdir.joinpath("control").stat().st_mode & 0o777) == "0o700"
 
 
 def _host_paths() -> list[str]:
