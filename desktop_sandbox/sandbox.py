@@ -16,9 +16,10 @@ The action server inside listens on a socket the host creates in a private direc
 over as a file descriptor: no sandboxed program can reach it. In the `user` fallback the server
 runs on the host and the agent's programs as a dedicated uid (confinement.USER_MODE_LOSSES).
 
-The host keeps a private work directory per sandbox (the socket, the log, the sandbox's identity
-files); a watcher process removes it, and in user mode ends the agent's processes, when this
-process closes the sandbox or dies, even by SIGKILL.
+The host keeps a private work directory per sandbox (the socket, the sandbox's identity files);
+a watcher process removes it, and in user mode ends the agent's processes, when this process
+closes the sandbox or dies, even by SIGKILL. The sandbox's output goes to a pipe whose tail the
+host keeps in memory: no host file is held open inside.
 """
 from __future__ import annotations
 
@@ -178,13 +179,12 @@ class Sandbox:
         self._watcher: subprocess.Popen | None = None
         self._watcher_told = False
         self._output: _OutputTail | None = None
-        """With root inside: the end of the sandbox's output (which then never reaches a host file)."""
+        """The end of the sandbox's output (its server's and bubblewrap's), kept in memory: what
+        start-up errors quote."""
         self.workdir = Path(tempfile.mkdtemp(prefix="arpo-desktop-"))
-        control = self.workdir / "control"  # the socket, the log, the launch logs: the host's only
+        control = self.workdir / "control"  # the socket, the seccomp filter, the options: the host's only
         control.mkdir(mode=0o700)
         self.socket_path = str(control / "server.sock")
-        self.log_path = control / "server.log"
-        self._log = open(self.log_path, "wb")
         self._launch()
         _say_once(self.describe())
 
@@ -215,14 +215,13 @@ class Sandbox:
                 command = self.cgroup.join_command(command)
             if self._watcher is None:
                 self._watcher = self._start_watcher(self._agent_gid)
-            # With root inside, PID 1 inside is root's and dumpable: root could write into a host
-            # file it holds (/proc/1/fd/1). Its output goes into a pipe whose end the host keeps in memory.
-            output = subprocess.PIPE if self.sudo == "root" else self._log
-            self.process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT,
+            # PID 1 inside holds the sandbox's output: a program of the sandbox that may open its
+            # /proc/1/fd/1 (the sandbox's user where it maps to the host's root; root inside) would
+            # write into a host file held there. It goes into a pipe whose end the host keeps in memory.
+            self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, start_new_session=True,
                                             pass_fds=pass_fds, env=env, cwd=cwd, **identity)
-            if self.sudo == "root":
-                self._output = _OutputTail(self.process.stdout)
+            self._output = _OutputTail(self.process.stdout)
             if self._outer is not None:
                 self._map_root_namespace()
         except BaseException:
@@ -462,12 +461,13 @@ class Sandbox:
         raise SandboxError(f"the desktop sandbox did not answer within {START_TIMEOUT_S:.0f} s: {tail}")
 
     def _log_tail(self) -> str:
-        if self._output is not None:
-            return self._output.text()[-1500:]
-        try:
-            return self.log_path.read_text(errors="replace")[-1500:]
-        except OSError:
+        """The end of the sandbox's output, for an error to quote: once its process exited, all of it
+        (the reader is given a moment to reach the end)."""
+        if self._output is None:
             return ""
+        if self.process.poll() is not None:
+            self._output.wait(timeout=2)
+        return self._output.text()[-1500:]
 
     # -- HTTP -------------------------------------------------------------------------------
     def request(self, method: str, path: str, body: dict[str, Any] | bytes | None = None,
@@ -664,8 +664,6 @@ class Sandbox:
         if getattr(self, "grants", None) is not None:
             self.grants.close()
             self.grants = None
-        if not self._log.closed:
-            self._log.close()
         if self.cgroup is not None and self.cgroup.remove():  # before the watcher, which would wait for it
             self.cgroup = None
         watcher = getattr(self, "_watcher", None)
@@ -696,13 +694,18 @@ class _OutputTail:
     def __init__(self, stream: Any, keep: int = 65536) -> None:
         self._stream, self._keep, self._data = stream, keep, b""
         self._lock = threading.Lock()
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
 
     def _read(self) -> None:
         while chunk := self._stream.read1(65536):
             with self._lock:
                 self._data = (self._data + chunk)[-self._keep:]
         self._stream.close()
+
+    def wait(self, timeout: float) -> None:
+        """Until the stream's end was read (every writer closed it), at most `timeout` seconds."""
+        self._reader.join(timeout)
 
     def text(self) -> str:
         with self._lock:

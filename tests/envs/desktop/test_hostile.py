@@ -164,6 +164,49 @@ def test_started_by_root_the_sandboxs_user_is_no_one_on_the_host(terminal, canar
     assert oct(terminal.sandbox.workdir.joinpath("control").stat().st_mode & 0o777) == "0o700"
 
 
+WRITE_THROUGH_PID_1 = "m={head}; for fd in 1 2; do echo \"$m{tail}\" >> /proc/1/fd/$fd; echo rc=$?; done; ls -l /proc/1/fd/"
+"""The sandbox's program appends to PID 1's standard output and error (the marker in two halves:
+only what reaches PID 1's output holds it whole)."""
+
+
+def _host_files(workdir: Path) -> dict[str, int]:
+    return {str(p): p.stat().st_size for p in workdir.rglob("*") if p.is_file()}
+
+
+def _nothing_written_to_the_host(workdir: Path, before: dict[str, int], marker: str, out: str) -> None:
+    grew = {p: (before.get(p), size) for p, size in _host_files(workdir).items() if before.get(p) != size}
+    assert grew == {}, f"the host's files changed: {grew}\n{out}"
+    holding = subprocess.run(["grep", "-rl", marker, str(workdir)], capture_output=True, text=True).stdout
+    assert holding == "", f"written to the host through PID 1's output: {holding}"
+    assert str(workdir) not in out, out  # PID 1 holds no file of the host
+
+
+def test_the_agent_cannot_write_to_the_host_through_pid_1s_output(terminal, tmp_path):
+    """PID 1 inside (bubblewrap) holds the sandbox's standard output and error. Before, they were
+    the host's `<workdir>/control/server.log`, and `echo x >> /proc/1/fd/1` typed into the terminal
+    appended to it (bounded only by limits.file_mib). Now they are a pipe whose tail the host keeps
+    in memory: whatever is written there changes no file of the host. Typed into the terminal, and
+    run in a sandbox whose user maps to the host's root (a bind only root may read keeps it so),
+    where PID 1's descriptors are open to the agent."""
+    terminal.reset()
+    marker = uuid.uuid4().hex
+    before = _host_files(terminal.sandbox.workdir)
+    out = typed(terminal, WRITE_THROUGH_PID_1.format(head=marker[:16], tail=marker[16:]))
+    _nothing_written_to_the_host(terminal.sandbox.workdir, before, marker, out)
+    assert terminal.sandbox.get_json("/health")["ok"] is True
+    if AS_ROOT:
+        private = tmp_path / "private"  # pytest's directory: root's alone (0700)
+        private.mkdir()
+        with Sandbox(SCREEN, binds={str(private): "/opt/private"}) as box:
+            assert box.report()["host_uid"] is None, box.describe()
+            before = _host_files(box.workdir)
+            done = box.execute(WRITE_THROUGH_PID_1.format(head=marker[:16], tail=marker[16:]), shell=True)
+            assert done["output"].count("rc=0") == 2 and "pipe:" in done["output"], done  # written: into the pipe
+            _nothing_written_to_the_host(box.workdir, before, marker, done["output"] + done["error"])
+            assert box.get_json("/health")["ok"] is True
+    still_scores(terminal)
+
+
 def _host_paths() -> list[str]:
     """Paths that would tell the agent the host's layout: the checkout, the environments, the home."""
     paths = {str(REPO), sys.prefix, sys.base_prefix, str(Path(sys.base_prefix).resolve()), os.path.expanduser("~"),
