@@ -9,6 +9,7 @@ import os
 import resource
 import signal
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,43 @@ def require_own_pid_namespace() -> None:
     own = os.readlink("/proc/self/ns/pid")
     if HOST_PID_NAMESPACE is None or own == HOST_PID_NAMESPACE or os.getpid() == 1:
         raise RuntimeError(f"refusing kill(-1): not in the sandbox's own PID namespace ({own})")
+
+
+def end_all_but(keep: set[int], deadline_s: float) -> int:
+    """End every process of this PID namespace this process may signal, but those of `keep`, the
+    namespace's init and this process, looping until none is left; how many were ended. One
+    kill(-1, SIGSTOP) freezes them all at once (none can fork after it), those of `keep` are
+    continued, the frozen ones killed. RuntimeError when some are left after `deadline_s` seconds
+    (processes of another user, which this one may not signal)."""
+    ended: set[int] = set()
+    deadline = time.monotonic() + deadline_s
+    while True:
+        others = _others(keep)
+        if not others:
+            return len(ended)
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{len(others)} processes of the episode survived {deadline_s:.0f} s of killing")
+        require_own_pid_namespace()
+        os.kill(-1, signal.SIGSTOP)
+        for pid in keep - {os.getpid()}:
+            send_signal(pid, signal.SIGCONT)
+        for pid in _others(keep):
+            if send_signal(pid, signal.SIGKILL):
+                ended.add(pid)
+        wait_until = time.monotonic() + 5
+        while time.monotonic() < wait_until and any(alive(p) for p in _others(keep)):
+            time.sleep(0.02)
+
+
+def _others(keep: set[int]) -> list[int]:
+    """Live processes of this PID namespace but `keep`, its init and this process."""
+    pids = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            pid = int(entry.name)
+            if pid not in keep and pid != 1 and pid != os.getpid() and alive(pid):
+                pids.append(pid)
+    return pids
 
 
 def alive(pid: int) -> bool:

@@ -349,7 +349,8 @@ class Sandbox:
         self._outer = superuser.OuterStart(self.id_block, superuser.outer_arguments(
             seed, layer_mib=self.limits.system_mib, share_network=network, binds=sources), args_fd)
         init = [python.python, "-I", "-c", sudo_boot, "init", "--grant-fd", str(self.grants.write_fd),
-                "--limits", json.dumps(self.limits.as_dict()), "--home", HOME_IN_SANDBOX, "--", *server]
+                "--limits", json.dumps(self.limits.as_dict()), "--home", HOME_IN_SANDBOX,
+                "--host-pid-namespace", os.readlink("/proc/self/ns/pid"), "--", *server]
         pass_fds = (listen_fd, seccomp_fd, args_fd, self.grants.write_fd, *self._outer.pass_fds)
         return self._outer.command(init), pass_fds, {"PATH": confinement.SANDBOX_PATH}, "/"
 

@@ -71,6 +71,7 @@ from desktop_sandbox import processes
 from desktop_sandbox.processes import die_with_parent, no_dump, set_limits
 from desktop_sandbox.routes import make_handler
 from desktop_sandbox.session import Desktop
+from desktop_sandbox.sudo import BrokerChannel
 
 
 
@@ -114,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="why the accessibility tree cannot be served here ('': it can)")
     parser.add_argument("--keep-pid", type=int, action="append", default=[],
                         help="a process of the sandbox that is not the episode's (with root inside: the sudo broker)")
+    parser.add_argument("--broker-fd", type=int, default=None,
+                        help="with root inside: this server's channel to the root broker (sudo.BrokerChannel)")
     args = parser.parse_args(argv)
     processes.HOST_PID_NAMESPACE = args.host_pid_namespace
     if args.die_with_parent:
@@ -132,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
                       a11y_missing=args.a11y_missing or None)
     desktop.python_path = [str(p) for p in json.loads(args.python_path)]
     desktop.keep.update(args.keep_pid)  # a reset and the limits' watcher leave it alone
+    if args.broker_fd is not None:  # root's processes, which this server may not signal, are ended through it
+        desktop.root_broker = BrokerChannel(args.broker_fd)
     stop = threading.Event()
     server = UnixHTTPServer(args.listen_fd, make_handler(desktop, stop, limits["action_cpu_s"]))
     threading.Thread(target=server.serve_forever, daemon=True).start()

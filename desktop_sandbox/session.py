@@ -17,11 +17,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from desktop_sandbox import a11y, confinement, gnome, windows
+from desktop_sandbox import a11y, confinement, gnome, sudo, windows
 from desktop_sandbox.files import path_kinds, read_regular
 from desktop_sandbox.http_input import RequestError, safe
 from desktop_sandbox.processes import (
-    ACTION_TIMEOUT_S, EXECUTE_TIMEOUT_S, action_command, alive, require_own_pid_namespace, run_command, send_signal,
+    ACTION_TIMEOUT_S, EXECUTE_TIMEOUT_S, action_command, alive, end_all_but, run_command,
 )
 
 HOME_DIRS = ("Desktop", "Documents", "Downloads")
@@ -112,6 +112,9 @@ class Desktop:
         """Held while the episode's processes are being ended (a reset, or the watcher)."""
         self.incidents: list[str] = []
         """What the watcher did since the last reset ("pids limit: ...")."""
+        self.root_broker: sudo.BrokerChannel | None = None
+        """With root inside: this server's channel to the root broker, which ends the episode's
+        processes for it (root's among them, which this server, as `user`, may not signal)."""
         self.crashes_said: set[int] = set()
         """The pids of crashed applications `crashed_applications` has reported."""
         self.setup_log: list[dict[str, Any]] = []
@@ -348,38 +351,43 @@ class Desktop:
         """End every process of the episode (all but the server, the X server, the window manager
         and the sandbox's init), looping until none is left; returns how many were ended.
 
-        namespaces: one kill(-1, SIGSTOP) freezes every process of the PID namespace at once (none
-        can fork after it), the desktop's own are continued, the frozen ones killed; repeated until
-        the namespace holds only the desktop. user: kill(-1, SIGKILL) run as the agent's uid ends
-        every process of that uid at once."""
+        namespaces: processes.end_all_but (one kill(-1, SIGSTOP) freezes every process of the PID
+        namespace at once, the desktop's own are continued, the frozen ones killed), done by the
+        root broker with root inside (root's processes are out of this server's reach). user:
+        kill(-1, SIGKILL) run as the agent's uid ends every process of that uid at once."""
+        if self.agent is None:
+            ended = self._end_in_namespace()
+        else:
+            ended = self._end_agent_processes()
+        self.launched = [p for p in self.launched if p.poll() is None]  # reap the ended
+        return ended
+
+    def _end_in_namespace(self) -> int:
+        if self.root_broker is not None:
+            try:
+                return self.root_broker.end_all_but(self.keep, RESET_DEADLINE_S)
+            except OSError:  # the broker is gone (root inside can end it): what this server may signal
+                self.root_broker = None
+        return end_all_but(self.keep, RESET_DEADLINE_S)
+
+    def _end_agent_processes(self) -> int:
         ended: set[int] = set()
         deadline = time.monotonic() + RESET_DEADLINE_S
         while True:
-            others = self._others()
+            others = self._agent_processes()
             if not others:
-                break
+                return len(ended)
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{len(others)} processes of the episode survived {RESET_DEADLINE_S:.0f} s of killing")
-            if self.agent is None:
-                require_own_pid_namespace()
-                os.kill(-1, signal.SIGSTOP)
-                for pid in self.keep - {os.getpid()}:
-                    send_signal(pid, signal.SIGCONT)
-                for pid in self._others():
-                    if send_signal(pid, signal.SIGKILL):
-                        ended.add(pid)
-            else:
-                self.run(["/bin/sh", "-c", "kill -KILL -1"], False, 10)
-                ended.update(others)
+            self.run(["/bin/sh", "-c", "kill -KILL -1"], False, 10)
+            ended.update(others)
             wait_until = time.monotonic() + 5
-            while time.monotonic() < wait_until and any(alive(p) for p in self._others()):
+            while time.monotonic() < wait_until and any(alive(p) for p in self._agent_processes()):
                 time.sleep(0.02)
-        self.launched = [p for p in self.launched if p.poll() is None]  # reap the ended
-        return len(ended)
 
-    def _others(self) -> list[int]:
-        """Live processes of the episode: in namespaces mode every process of the PID namespace
-        but the desktop's own and init; in user mode every process of the agent's uid."""
+    def _agent_processes(self) -> list[int]:
+        """User mode: live processes of the agent's uid."""
+        assert self.agent is not None
         pids = []
         for entry in os.scandir("/proc"):
             if not entry.name.isdigit():
@@ -387,7 +395,7 @@ class Desktop:
             pid = int(entry.name)
             if pid in self.keep or pid == 1 or not alive(pid):
                 continue
-            if self.agent is not None and confinement.process_uid(pid) != self.agent[0]:
+            if confinement.process_uid(pid) != self.agent[0]:
                 continue
             pids.append(pid)
         return pids

@@ -14,6 +14,10 @@ entry points, one per process that runs this file inside the sandbox:
             written before the command runs, so no command can keep it from the host), runs the
             command in a session of its own on those streams with sudo's environment, forwards the
             caller's signals to it and answers its exit status.
+            It also ends the episode's processes when the action server asks (a limit crossed, a
+            reset): the server runs as `user` and may not signal root's. The server asks over a
+            socket pair init made (`BrokerChannel`): it has no path, and its one other end is the
+            undumpable server's, which no process of the sandbox can open or take.
     client  what the `sudo` shim runs once it has the password (confinement.SUDO_SHIM): it sends the
             request and exits as the command did.
 
@@ -58,7 +62,7 @@ PR_CAPBSET_DROP = 24
 
 # ---- init ---------------------------------------------------------------------------------------
 
-def init(grant_fd: int, limits: dict[str, int], home: str, server: list[str]) -> None:
+def init(grant_fd: int, limits: dict[str, int], home: str, server: list[str], host_pid_namespace: str) -> None:
     """As root inside: prepare, start the broker, become the action server as `user` (never returns)."""
     os.chown(home, USER_ID, USER_ID)
     for path, (mode, owner) in USER_DIRS.items():
@@ -75,19 +79,26 @@ def init(grant_fd: int, limits: dict[str, int], home: str, server: list[str]) ->
     listener.bind(BROKER_SOCKET)
     os.chmod(BROKER_SOCKET, 0o666)
     listener.listen(16)
+    for_broker, for_server = socket.socketpair()
     broker = os.fork()
     if broker == 0:
         try:
-            _close_all_but(0, 1, 2, listener.fileno(), grant_fd)  # the server's listening socket among them
-            Broker(listener, grant_fd, limits).serve()
+            from desktop_sandbox import processes
+
+            processes.HOST_PID_NAMESPACE = host_pid_namespace  # its kill(-1) is refused there
+            for_server.close()
+            _close_all_but(0, 1, 2, listener.fileno(), grant_fd, for_broker.fileno())  # the server's listening socket among them
+            Broker(listener, grant_fd, limits, for_broker).serve()
         finally:
             os._exit(1)
     listener.close()
+    for_broker.close()
     os.close(grant_fd)
+    os.set_inheritable(for_server.fileno(), True)
     os.setgroups([])
     os.setresgid(USER_ID, USER_ID, USER_ID)
     os.setresuid(USER_ID, USER_ID, USER_ID)  # every capability goes with root
-    os.execv(server[0], [*server, "--keep-pid", str(broker)])
+    os.execv(server[0], [*server, "--keep-pid", str(broker), "--broker-fd", str(for_server.fileno())])
 
 
 # ---- broker -------------------------------------------------------------------------------------
@@ -95,21 +106,53 @@ def init(grant_fd: int, limits: dict[str, int], home: str, server: list[str]) ->
 class Broker:
     """Runs `sudo`'s commands as root (see the module docstring)."""
 
-    def __init__(self, listener: socket.socket, grant_fd: int, limits: dict[str, int]) -> None:
+    def __init__(self, listener: socket.socket, grant_fd: int, limits: dict[str, int], server: socket.socket) -> None:
         from desktop_sandbox.processes import no_dump, set_limits
 
         no_dump()
         set_limits(limits)
         os.set_blocking(grant_fd, False)
-        self.listener, self.grant_fd = listener, grant_fd
+        self.listener, self.grant_fd, self.server = listener, grant_fd, server
 
     def serve(self) -> None:
+        """sudo's callers, each in a thread of its own, and the server's requests, answered here:
+        a fork bomb of root's may leave no thread to start."""
+        selector = selectors.DefaultSelector()
+        selector.register(self.listener, selectors.EVENT_READ)
+        selector.register(self.server, selectors.EVENT_READ)
         while True:
-            connection, _ = self.listener.accept()
-            try:
-                threading.Thread(target=self._answer, args=(connection,), daemon=True).start()
-            except RuntimeError:  # no thread can start (root's processes are at their limit)
-                connection.close()
+            for key, _ in selector.select():
+                if key.fileobj is self.server:
+                    if not self._answer_server():
+                        selector.unregister(self.server)  # the server is gone: so is the desktop
+                    continue
+                connection, _ = self.listener.accept()
+                try:
+                    threading.Thread(target=self._answer, args=(connection,), daemon=True).start()
+                except RuntimeError:  # no thread can start (root's processes are at their limit)
+                    connection.close()
+
+    def _answer_server(self) -> bool:
+        """One request of the action server's: end every process of the episode but those it
+        keeps (`{"end": [pids to keep], "deadline_s": s}`), answered `{"ended": n}` or `{"error"}`.
+        False when the server closed its end."""
+        from desktop_sandbox.processes import end_all_but
+
+        try:
+            data = _receive_line(self.server)
+        except OSError:
+            return False
+        try:
+            request = json.loads(data)
+            answer: dict[str, Any] = {"ended": end_all_but({int(pid) for pid in request["end"]},
+                                                           float(request["deadline_s"]))}
+        except Exception as e:  # noqa: BLE001 - said to the server, which reports it
+            answer = {"error": str(e)}
+        try:
+            _send(self.server, answer)
+        except OSError:
+            return False
+        return True
 
     def _answer(self, connection: socket.socket) -> None:
         streams: list[int] = []
@@ -278,6 +321,45 @@ def _send(connection: socket.socket, message: dict[str, Any]) -> None:
     connection.sendall(json.dumps(message).encode() + b"\n")
 
 
+def _receive_line(connection: socket.socket) -> bytes:
+    """One message (a JSON line) of a peer that sends one at a time and waits for the answer."""
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = connection.recv(65536)
+        if not chunk:
+            raise ConnectionError("the other end closed the connection")
+        data += chunk
+    return data
+
+
+# ---- the action server's channel ----------------------------------------------------------------
+
+class BrokerChannel:
+    """The action server's end of the socket pair init made before it became the server (the
+    broker holds the other): how the server, running as `user`, has root's processes ended."""
+
+    def __init__(self, fd: int) -> None:
+        self._socket = socket.socket(fileno=fd)
+        self._socket.set_inheritable(False)  # no program the server starts may hold it
+        self._lock = threading.Lock()
+
+    def end_all_but(self, keep: set[int], deadline_s: float) -> int:
+        """Have the broker end every process of the sandbox but `keep` (processes.end_all_but, as
+        root); how many it ended. RuntimeError when some survived; OSError when the broker is
+        gone or did not answer (the channel is then closed: a late answer would be misread)."""
+        with self._lock:
+            try:
+                self._socket.settimeout(deadline_s + 30)
+                _send(self._socket, {"end": sorted(keep), "deadline_s": deadline_s})
+                answer = json.loads(_receive_line(self._socket))
+            except OSError:
+                self._socket.close()
+                raise
+        if "error" in answer:
+            raise RuntimeError(f"the root broker: {answer['error']}")
+        return int(answer["ended"])
+
+
 # ---- client -------------------------------------------------------------------------------------
 
 def client(argv: list[str], user: str, login: bool, shell: bool, keep_env: bool, password: str) -> int:
@@ -327,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     start.add_argument("--grant-fd", type=int, required=True)
     start.add_argument("--limits", required=True, help="JSON: confinement.Limits fields")
     start.add_argument("--home", required=True)
+    start.add_argument("--host-pid-namespace", required=True, help="the host's PID namespace (processes.py)")
     start.add_argument("server", nargs=argparse.REMAINDER, help="-- the action server's command")
     ask = sub.add_parser("client")
     ask.add_argument("--user", default="root")
@@ -338,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.role == "init":
         server = args.server[1:] if args.server[:1] == ["--"] else args.server
-        init(args.grant_fd, json.loads(args.limits), args.home, server)
+        init(args.grant_fd, json.loads(args.limits), args.home, server, args.host_pid_namespace)
         return 1
     try:
         with os.fdopen(args.password_fd, "r", errors="replace") as secret:

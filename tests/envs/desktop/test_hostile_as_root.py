@@ -33,7 +33,8 @@ from desktop_sandbox import superuser, usernet
 from desktop_sandbox.sandbox import Sandbox, desktop_unavailable
 from tests.desktop_sandbox.test_usernet import _PROBE, host_services, test_host  # noqa: F401 (fixtures)
 from tests.envs.desktop.test_hostile import (  # noqa: F401 (canaries: a fixture)
-    DESKTOPS, PROBE_SOCKETS, PROBE_SYSCALLS, REPO, SCREEN, canaries, put_file, still_scores, typed,
+    DESKTOPS, PROBE_SOCKETS, PROBE_SYSCALLS, REPO, SCREEN, _host_tasks, _wait_for_incident, canaries, put_file,
+    still_scores, typed,
 )
 
 REASON = desktop_unavailable() or superuser.unavailable()
@@ -283,6 +284,49 @@ def test_a_reset_after_root_undoes_everything_root_did(root_terminal):
     root_terminal.reset()  # no root in that episode: a plain reset, the same sandbox
     assert root_terminal.sandbox.process.pid == quiet
     still_scores(root_terminal)
+
+
+# ---- limits -----------------------------------------------------------------------------------------
+
+def test_a_fork_bomb_started_with_sudo_ends_its_own_episode_not_the_machine():
+    """The action server runs as `user` and cannot signal root's processes: before, a fork bomb
+    started with sudo outlived every round of the limits' watcher (each gave up after 20 s, "N
+    processes of the episode survived"), bounded only by the kernel. Now the server asks the root
+    broker, over a channel only the server holds, to end the episode's processes: the bomb ends at
+    once, the desktop (the same sandbox) stays, the incident is reported."""
+    pids = 256
+    env = make_env("desktop/terminal-mkdir", screen=SCREEN, max_steps=50, sudo="root", limits={"pids": pids})
+    peak, stop = [0], threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            peak[0] = max(peak[0], _host_tasks())
+            time.sleep(0.05)
+
+    try:
+        env.reset()
+        box = env.sandbox
+        process, baseline = box.process.pid, _host_tasks()
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        started = time.monotonic()
+        env.step(Action(kind="type", text="echo password | sudo -S bash -c 'b(){ b|b& };b'\n"))
+        incidents = _wait_for_incident(box)
+        took = time.monotonic() - started
+        time.sleep(1.0)
+        stop.set()
+        sampler.join()
+        assert incidents and incidents[0].startswith("pids limit"), incidents
+        assert "survived" not in " ".join(incidents) and took < 15, (took, incidents)
+        assert box.grants.granted() and box.process.pid == process and box.alive()  # the same desktop
+        left = box.execute(["sh", "-c", "pgrep -u root -x bash | wc -l; pgrep -u user -x bash | wc -l"])["output"].split()
+        assert left == ["0", "0"], f"the bomb's processes outlived the incident: {left}"
+        pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+        assert peak[0] - baseline < pids + 5000 and peak[0] < pid_max // 2, f"the bomb reached {peak[0] - baseline} tasks"
+        still_scores(env)
+    finally:
+        stop.set()
+        env.close()
 
 
 # ---- nothing left on the host -----------------------------------------------------------------------
