@@ -589,8 +589,8 @@ class Sandbox:
     def reset_session(self) -> int:
         """End every application and empty the home directory; returns how many processes ended.
         With root inside, after an episode in which root was granted: a new sandbox instead, from
-        a fresh system layer (what root did may be anywhere in the system, and root's processes
-        are out of the server's reach); its desktop starts as a reset leaves one (0 returned)."""
+        a fresh system layer (what root did may be anywhere in the system); its desktop starts as
+        a reset leaves one (0 returned)."""
         if self.grants is not None and self.grants.granted():
             self._relaunch()
             return 0
@@ -643,8 +643,8 @@ class Sandbox:
 
     def _stop_process(self) -> None:
         if self.sudo == "root" and getattr(self, "process", None) is not None and self.process.poll() is None:
-            # Nothing of it is kept, and the server could not end root's processes: the outer
-            # bubblewrap's end ends its PID namespace, and everything in it, at once.
+            # Nothing of it is kept: the outer bubblewrap's end ends its PID namespace, and
+            # everything in it, at once.
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(timeout=10)
         if getattr(self, "process", None) is not None and self.process.poll() is None:
