@@ -17,7 +17,8 @@ read -r -a START_ARGS <<<"${ARPO_RAY_START_ARGS:-}"
 # ray.init() makes, RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN) requires it of every node, but a node joining
 # looks for none unless told: with a token at hand, head and nodes both use it (the same token must be
 # on every node: a shared home has it), unless RAY_AUTH_MODE says otherwise.
-if [ -z "${RAY_AUTH_MODE:-}" ] && { [ -n "${RAY_AUTH_TOKEN:-}" ] || [ -s "${RAY_AUTH_TOKEN_PATH:-$HOME/.ray/auth_token}" ]; }; then
+token_file="${RAY_AUTH_TOKEN_PATH:-$HOME/.ray/auth_token}"
+if [ -z "${RAY_AUTH_MODE:-}" ] && { [ -n "${RAY_AUTH_TOKEN:-}" ] || [ -s "$token_file" ]; }; then
   export RAY_AUTH_MODE=token
 fi
 START_TIMEOUT_S="${ARPO_RAY_START_TIMEOUT_S:-120}"

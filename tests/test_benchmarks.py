@@ -359,3 +359,23 @@ def test_the_async_projection_is_a_schedule_not_a_guess(tmp_path):
     result = json.loads((tmp_path / "async_projection.json").read_text())
     assert result["kind"].startswith("a simulation") and result["setting"]["envs"] == 8
     assert set(result["steps_per_hour_ratio"]) == {"async_s1", "async_s2"}
+
+
+@pytest.mark.slow
+@pytest.mark.long
+def test_ray_cluster_benchmark_runs_small(tmp_path, chromium_available):
+    """benchmarks/bench_ray_cluster.py at its small size: one step of the tiny model with local
+    workers and with actors on the two worker nodes of a Ray test cluster, then a node lost."""
+    from benchmarks import bench_ray_cluster
+
+    result = bench_ray_cluster.main(["--small", "--arms", "local_lockstep", "cluster_lockstep", "--calls", "20",
+                                     "--out", str(tmp_path)])
+    local, cluster = result["arms"]
+    assert (local["arm"], cluster["arm"]) == ("local_lockstep", "cluster_lockstep")
+    assert local["steps"] == cluster["steps"] == 1 and local["env_errors"] == cluster["env_errors"] == 0
+    assert cluster["actors_per_node"] == [2, 2] and local["actors_per_node"] is None
+    lost = result["node_loss"]
+    assert lost["error"].startswith("environment node lost") and lost["left_running"] == 0
+    assert lost["actors_per_node_after"] == [2] and lost["processes_of_the_lost_actor"] >= 3
+    assert set(result["call_round_trip"]) == {"local_worker_ms", "actor_on_a_worker_node_ms"}
+    assert (tmp_path / "ray_cluster_small.json").is_file()
