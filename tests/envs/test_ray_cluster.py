@@ -213,11 +213,12 @@ def local_step(warm_tiny_qwen2vl, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["lockstep", "async"])
+@pytest.mark.parametrize("mode", ["lockstep", pytest.param("async", marks=pytest.mark.long)])
 def test_an_arpo_step_over_the_cluster_gives_the_episodes_of_local_workers(env_cluster, local_step,
                                                                             warm_tiny_qwen2vl, tmp_path, mode):
     """The same step with its 4 environments as actors spread over the two worker nodes: the same
-    episodes (actions, responses, every screen, every token), rewards and update."""
+    episodes (actions, responses, every screen, every token), rewards and update. (Async in CI:
+    the batches sharing the actors below, and tests/rollout/test_engine_async.py's tokens.)"""
     expected_metrics, expected = local_step
     metrics = _one_step(_cfg(tmp_path, warm_tiny_qwen2vl, "ray", *ON_RAY, f"rollout.mode={mode}"))
     assert metrics["placement"] == [2, 2]
