@@ -348,6 +348,54 @@ def test_a_node_lost_mid_step_loses_its_episodes_and_a_node_added_back_takes_the
 
 
 @pytest.mark.slow
+def test_an_arpo_step_over_sandbox_desktops_on_two_nodes_survives_losing_one(env_cluster, warm_tiny_qwen2vl,
+                                                                             tmp_path):
+    """One ARPO step over sandbox desktops (the openbox desktop, two desktop tasks x 2 rollouts)
+    spread over the two worker nodes; one node removed at the batch's first generation: its two
+    episodes are infrastructure failures counted as `node_lost` and kept out of their groups, the
+    step completes on the desktops of the node left, and nothing of the lost node's desktops runs
+    on (X server, bubblewrap, window manager, the tasks' applications, the sandbox's server)."""
+    from arpo_lib import build
+    from arpo_lib.run.layout import read_groups
+    from arpo_lib.run.records import read_jsonl
+
+    from tests.envs.desktop.test_desktop import REASON
+
+    if REASON is not None:
+        pytest.fail(f"the desktop sandbox cannot run here: {REASON} (./workbench setup installs it)")
+    cfg = _cfg(tmp_path, warm_tiny_qwen2vl, "desktops", *ON_RAY, "env.tasks=[desktop/terminal-mkdir,desktop/editor-clear]",
+               "env.options={screen: [960, 600], settle_s: 0.2}")
+    snapshot: dict[str, Any] = {}
+    with build.trainer(cfg) as trainer:
+        pool = trainer.rollouts.pool
+        generate = trainer.policy.generate
+
+        def generate_and_lose_a_node(*args, **kwargs):
+            if not snapshot:
+                lost = pool.workers[0].node_id
+                pids = [w.ping()["pid"] for w in pool.workers if w.node_id == lost]
+                snapshot.update(node=lost, processes=_processes(pids))
+                env_cluster.remove(lost)
+            return generate(*args, **kwargs)
+
+        trainer.policy.generate = generate_and_lose_a_node
+        (metrics,) = trainer.train(steps=1)
+
+    names = {name for name, _ in snapshot["processes"].values()}
+    assert {"bwrap", "Xvfb", "openbox"} <= names, names
+    assert _left(snapshot["processes"], within_s=20) == []
+    assert metrics["env_errors"] == 2 and metrics["env_error_causes"] == {"node_lost": 2}
+    assert [m["env_error_causes"] for m in read_jsonl(tmp_path / "desktops" / "metrics.jsonl")] == [{"node_lost": 2}]
+    step = tmp_path / "desktops" / "rollouts" / "step_000000"
+    metas = {p.parent: json.loads(p.read_text()) for p in step.rglob("meta.json")}
+    lost = {d for d, m in metas.items() if m["status"] == "env_error"}
+    assert len(metas) == 4 and len(lost) == 2
+    trained_on = {Path(m["dir"]) for g in read_groups(step / "groups.json") for m in g["members"]}
+    assert not trained_on & lost
+
+
+@pytest.mark.slow
+@pytest.mark.long  # the ARPO step over desktops above covers the same in CI
 def test_a_desktop_whose_node_is_lost_leaves_no_process_behind(env_cluster, tmp_path):
     """Two sandbox desktops (the openbox desktop and a terminal) spread over the two nodes; one
     node removed while its worker carries out a step: that episode is an EnvError naming the
