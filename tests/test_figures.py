@@ -68,3 +68,18 @@ def test_the_osworld_arpo_run_in_osworld_md_is_the_committed_run():
     assert run["notebook_errors"] == []
     cells = json.loads((RESULTS / "osworld_arpo_subset_training.ipynb").read_text())["cells"]
     assert not [o for c in cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
+
+
+def test_the_prestart_and_density_tables_in_cluster_md_are_the_committed_runs():
+    doc = (ROOT / "docs" / "cluster.md").read_text()
+    for row in json.loads((RESULTS / "osworld_sandbox_prestart.json").read_text())["rows"]:
+        desktop_s = f"{row['reset_desktop_s']:.2f}" if row["prestart"] else f"{row['reset_desktop_s']:.1f}"
+        line = f"| {row['envs']} | {'on' if row['prestart'] else 'off'} | {row['reset_s']:.1f} | {desktop_s} |"
+        assert line in doc, f"docs/cluster.md's prestart table differs from the results file: {line}"
+    density = {(r["desktop"], r["envs"]): r for r in
+               json.loads((RESULTS / "osworld_sandbox_density.json").read_text())["rows"]}
+    for desktop, envs in (("gnome", 1), ("gnome", 4), ("gnome", 8), ("openbox", 1), ("openbox", 8)):
+        row = density[(desktop, envs)]
+        name = "GNOME" if desktop == "gnome" else "openbox"
+        line = f"| {name} | {envs} | {row['step_s']:.2f} | {row['pss_mib']:.0f} | {row['reset_s']:.1f} |"
+        assert line in doc, f"docs/cluster.md's density table differs from the results file: {line}"
