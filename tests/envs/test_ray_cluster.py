@@ -289,6 +289,22 @@ def test_batches_ahead_play_on_the_actors_of_both_nodes_during_the_update(env_cl
 
 # ---- a node lost mid-run -----------------------------------------------------------------------
 
+def _lose_a_node_at_the_first_generation(trainer: Any, env_cluster: EnvCluster, snapshot: dict[str, Any]) -> None:
+    """Make the trainer's first generation remove the node of its first environment (its episodes
+    running), after noting in `snapshot` the node and every process of its environments."""
+    pool, generate = trainer.rollouts.pool, trainer.policy.generate
+
+    def generate_and_lose_a_node(*args: Any, **kwargs: Any) -> Any:
+        if not snapshot:
+            lost = pool.workers[0].node_id
+            pids = [w.ping()["pid"] for w in pool.workers if w.node_id == lost]
+            snapshot.update(node=lost, processes=_processes(pids))
+            env_cluster.remove(lost)
+        return generate(*args, **kwargs)
+
+    trainer.policy.generate = generate_and_lose_a_node
+
+
 @pytest.mark.slow
 def test_a_node_lost_mid_step_loses_its_episodes_and_a_node_added_back_takes_the_next_batch(
         env_cluster, warm_tiny_qwen2vl, tmp_path):
@@ -306,22 +322,14 @@ def test_a_node_lost_mid_step_loses_its_episodes_and_a_node_added_back_takes_the
     snapshot: dict[str, Any] = {}
     with build.trainer(cfg) as trainer:
         pool = trainer.rollouts.pool
-        generate, update = trainer.policy.generate, trainer.update
-
-        def generate_and_lose_a_node(*args, **kwargs):
-            if not snapshot:
-                lost = pool.workers[0].node_id
-                pids = [w.ping()["pid"] for w in pool.workers if w.node_id == lost]
-                snapshot.update(node=lost, processes=_processes(pids))
-                env_cluster.remove(lost)
-            return generate(*args, **kwargs)
+        update = trainer.update
+        _lose_a_node_at_the_first_generation(trainer, env_cluster, snapshot)
 
         def update_and_add_a_node(groups):
             if "added" not in snapshot:
                 snapshot["added"] = env_cluster.add().node_id
             return update(groups)
 
-        trainer.policy.generate = generate_and_lose_a_node
         trainer.update = update_and_add_a_node
         first = trainer.train(steps=1)[0]
         after_loss = pool.placement()
@@ -367,18 +375,7 @@ def test_an_arpo_step_over_sandbox_desktops_on_two_nodes_survives_losing_one(env
                "env.options={screen: [960, 600], settle_s: 0.2}")
     snapshot: dict[str, Any] = {}
     with build.trainer(cfg) as trainer:
-        pool = trainer.rollouts.pool
-        generate = trainer.policy.generate
-
-        def generate_and_lose_a_node(*args, **kwargs):
-            if not snapshot:
-                lost = pool.workers[0].node_id
-                pids = [w.ping()["pid"] for w in pool.workers if w.node_id == lost]
-                snapshot.update(node=lost, processes=_processes(pids))
-                env_cluster.remove(lost)
-            return generate(*args, **kwargs)
-
-        trainer.policy.generate = generate_and_lose_a_node
+        _lose_a_node_at_the_first_generation(trainer, env_cluster, snapshot)
         (metrics,) = trainer.train(steps=1)
 
     names = {name for name, _ in snapshot["processes"].values()}

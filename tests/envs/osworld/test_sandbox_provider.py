@@ -246,7 +246,7 @@ def test_an_osworld_episode_on_the_sandbox_in_an_environment_worker(osworld_pyth
         assert (reward, terminated) == (0.0, True)
 
 
-_CRASH = r"""
+_EPISODE = r"""
 import json, sys, time
 from arpo_lib.actions import Action
 from arpo_lib.envs.base import EnvError
@@ -255,6 +255,10 @@ task = json.load(open(sys.argv[1]))
 env = OSWorldEnv(task, provider="sandbox", screen_size=(1280, 800), pause_s=0.3, cache_root=sys.argv[2],
                  download_cache=None, max_steps=5)
 out = {}
+"""
+"""The start of a script in OSWorld's interpreter: an episode of the task file argv[1] on the GNOME
+sandbox (argv[2]: its cache root), and `out`, which the script prints on its RESULT line."""
+_CRASH = _EPISODE + r"""
 try:
     env.reset()
     env.step(Action("click", point=(640, 400)))
@@ -349,15 +353,7 @@ def test_the_agents_text_arrives_as_written_in_a_text_field_and_in_a_terminal(os
     assert out["terminal"] == f"{printable}\n{OTHER_TEXT}\n", out["terminal"]
 
 
-_SHELL_GONE = r"""
-import json, sys, time
-from arpo_lib.actions import Action
-from arpo_lib.envs.base import EnvError
-from arpo_lib.envs.osworld.env import OSWorldEnv
-task = json.load(open(sys.argv[1]))
-env = OSWorldEnv(task, provider="sandbox", screen_size=(1280, 800), pause_s=0.3, cache_root=sys.argv[2],
-                 download_cache=None, max_steps=5)
-out = {}
+_SHELL_GONE = _EPISODE + r"""
 try:
     env.reset()
     env.step(Action("click", point=(640, 400)))
