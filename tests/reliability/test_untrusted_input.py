@@ -126,8 +126,9 @@ SECRETS = {
     "OPENAI_API_KEY": "sk-arpoAuditSecret1234567890abcdefXYZ",
     "HUGGING_FACE_HUB_TOKEN": "hf_AnotherSecretForArpoAudit0987654321",
 }
-# Shapes of real credentials, for the repository scan.
-SECRET_PATTERNS = [re.compile(p) for p in (r"hf_[A-Za-z0-9]{30,}", r"sk-[A-Za-z0-9_-]{20,}",
+# Shapes of real credentials, for the repository scan (a key starts a word: "task-data-..." in a
+# link's anchor is not one).
+SECRET_PATTERNS = [re.compile(p) for p in (r"(?<![A-Za-z0-9])hf_[A-Za-z0-9]{30,}", r"(?<![A-Za-z0-9])sk-[A-Za-z0-9_-]{20,}",
                                            r"(?i)wandb[^\n]{0,40}[0-9a-f]{40}", r"AKIA[0-9A-Z]{16}",
                                            r"-----BEGIN [A-Z ]*PRIVATE KEY-----")]
 
