@@ -203,7 +203,7 @@ def step_actions(env: Any, payload: list[dict[str, Any]]) -> tuple:
 
 def worker_facts() -> dict[str, Any]:
     """What the `ping` command answers: which interpreter and process serve this environment, its
-    memory limit and OOM score (`confine_worker`), and the most memory it has held so far."""
+    memory limit and OOM score (`confine_worker`), the memory it holds now and the most it has held."""
     return {
         "executable": sys.executable,
         "prefix": sys.prefix,
@@ -216,7 +216,17 @@ def worker_facts() -> dict[str, Any]:
         "memory_limit_mib": _data_limit_mib(),
         "oom_score_adj": _oom_score_adj(),
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,  # Linux: KiB
+        "rss_mib": _rss_mib(),
     }
+
+
+def _rss_mib() -> int | None:
+    """The memory this process holds now (its start-up peak, in `peak_rss_mib`, can be far above)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize() // 2**20
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _data_limit_mib() -> int | None:
