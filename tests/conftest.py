@@ -105,8 +105,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     skip = pytest.mark.skip(reason="a long test: ARPO_LONG_TESTS=1 runs it")
     for item in items:
-        if item.get_closest_marker("long") is not None:
+        if item.get_closest_marker("long") is not None or _a_long_variant(item):
             item.add_marker(skip)
+
+
+def _a_long_variant(item: pytest.Item) -> bool:
+    """`@pytest.mark.long_variants("gnome")`: the test's variants with that parameter id are long
+    (the same attack on GNOME where the openbox variant covers its mechanism in CI)."""
+    marker = item.get_closest_marker("long_variants")
+    callspec = getattr(item, "callspec", None)
+    return marker is not None and callspec is not None and bool(set(callspec.id.split("-")) & set(marker.args))
 
 
 def _scale(short: Any, long: Any) -> Any:

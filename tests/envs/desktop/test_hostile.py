@@ -47,6 +47,10 @@ DESKTOPS = ["openbox", pytest.param("gnome", marks=pytest.mark.skipif(
     gnome.unavailable() is not None, reason=gnome.unavailable() or ""))]
 """Every attack through the terminal runs on both desktops: our own (openbox) and OSWorld's
 computer (GNOME Shell, its session's buses and daemons, desktop_sandbox/gnome.py)."""
+GNOME_LONG = pytest.mark.long_variants("gnome")
+"""On an attack whose mechanism is the sandbox's, not the desktop's (the same mounts, namespaces,
+seccomp filter and reset on both), the GNOME variant runs under ARPO_LONG_TESTS=1 and the openbox
+one in CI; host files, host sockets and what GNOME adds run on GNOME in CI too."""
 
 
 @pytest.fixture(scope="module", params=DESKTOPS)
@@ -146,6 +150,7 @@ def test_finding1_no_host_file_is_readable(terminal, canaries):
     still_scores(terminal)
 
 
+@GNOME_LONG
 @pytest.mark.skipif(not AS_ROOT, reason="started by an ordinary user, the sandbox's user is that user")
 def test_started_by_root_the_sandboxs_user_is_no_one_on_the_host(terminal, canaries):
     """Started by root, the sandbox's user maps to an unprivileged uid of its own (its staged Python
@@ -181,6 +186,7 @@ def _nothing_written_to_the_host(workdir: Path, before: dict[str, int], marker: 
     assert str(workdir) not in out, out  # PID 1 holds no file of the host
 
 
+@GNOME_LONG
 def test_the_agent_cannot_write_to_the_host_through_pid_1s_output(terminal, tmp_path):
     """PID 1 inside (bubblewrap) holds the sandbox's standard output and error. Before, they were
     the host's `<workdir>/control/server.log`, and `echo x >> /proc/1/fd/1` typed into the terminal
@@ -214,6 +220,7 @@ def _host_paths() -> list[str]:
     return sorted(p for p in paths if p not in ("/", "/usr", "/usr/local"))
 
 
+@GNOME_LONG
 def test_the_agent_sees_no_host_path_in_pid_1_the_mounts_or_the_shims(terminal):
     """PID 1 inside is bubblewrap: its command line and environment, every process's command line,
     the mount table and the trusted shims the agent can read name no host directory (the checkout,
@@ -385,6 +392,7 @@ PROBE_SOCKETS = textwrap.dedent("""\
     """)
 
 
+@GNOME_LONG
 def test_finding4_the_trusted_commands_shims_cannot_be_replaced_from_the_terminal(terminal):
     """OSWorld's set-up steps and getters run `python`, `sudo` and `google-chrome` by name: typed into
     the terminal, the agent tries to overwrite them, to put its own earlier on the PATH, and to
@@ -408,6 +416,7 @@ def test_finding4_the_trusted_commands_shims_cannot_be_replaced_from_the_termina
         "/opt/arpo/bin/python", "/opt/arpo/bin/sudo", "/opt/arpo/bin/google-chrome"]
 
 
+@GNOME_LONG
 def test_finding5_the_control_api_is_out_of_reach(terminal):
     terminal.reset()
     put_file(terminal, "/home/user/probe.py", PROBE_SOCKETS)
@@ -489,6 +498,7 @@ PROBE_SYSCALLS = textwrap.dedent("""\
     """)
 
 
+@GNOME_LONG
 def test_finding7_no_nested_namespaces_and_the_kernel_surface_is_filtered(terminal):
     terminal.reset()
     out = typed(terminal, "unshare -Ur id; unshare -m id; unshare -p -f id; echo; grep Cap /proc/self/status")
@@ -673,6 +683,7 @@ def test_finding8_every_malformed_or_abusive_request_is_a_json_error():
 
 # ---- 9. reset and clean-up --------------------------------------------------------------------------
 
+@GNOME_LONG
 def test_finding9_a_reset_ends_every_process_even_while_they_fork(terminal):
     for trial in range(3):
         terminal.reset()

@@ -38,7 +38,10 @@ from tests.envs.desktop.test_hostile import (  # noqa: F401 (canaries: a fixture
 )
 
 REASON = desktop_unavailable() or superuser.unavailable()
-pytestmark = [pytest.mark.skipif(REASON is not None, reason=REASON or ""), pytest.mark.slow]
+pytestmark = [pytest.mark.skipif(REASON is not None, reason=REASON or ""), pytest.mark.slow,
+              # root's attacks go through the same user namespace, overlay and broker on both
+              # desktops: the openbox variants run in CI, the GNOME ones under ARPO_LONG_TESTS=1
+              pytest.mark.long_variants("gnome")]
 
 
 @pytest.fixture(scope="module", params=DESKTOPS)
