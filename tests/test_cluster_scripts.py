@@ -66,6 +66,7 @@ def script_env(tmp_path):
 
 @needs_ray_cli
 @pytest.mark.slow
+@pytest.mark.long  # both SLURM recipes below start and stop the same two scripts in CI
 def test_a_head_and_an_environment_node_make_a_cluster_with_the_slots_asked_for(script_env):
     tag, env = script_env
     # Ray's socket paths must stay short (AF_UNIX): a short directory of its own, not pytest's tmp_path
