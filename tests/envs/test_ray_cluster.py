@@ -42,6 +42,7 @@ class EnvCluster:
 
     cluster: Any
     nodes: list[Any] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
 
     def add(self) -> Any:
         node = self.cluster.add_node(num_cpus=2, resources={"env_slot": SLOTS}, **NODE_MEMORY)
@@ -53,6 +54,20 @@ class EnvCluster:
         node = self.node(node_id)
         self.cluster.remove_node(node, allow_graceful=False)
         self.nodes.remove(node)
+        self.removed.append(node_id)
+
+    def settle(self, within_s: float = 90) -> None:
+        """Wait until Ray's control store marks every removed node dead (its health check takes some
+        seconds): a test started before that could have actors placed on a node that is gone."""
+        import ray
+
+        deadline = time.monotonic() + within_s
+        while self.removed and time.monotonic() < deadline:
+            alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+            self.removed = [n for n in self.removed if n in alive]
+            if self.removed:
+                time.sleep(0.5)
+        assert not self.removed, f"Ray still lists the removed node(s) {self.removed} alive after {within_s} s"
 
     def node(self, node_id: str) -> Any:
         return next(n for n in self.nodes if n.node_id == node_id)
@@ -62,9 +77,10 @@ class EnvCluster:
         return self.cluster.head_node.node_id
 
     def restore(self, count: int = 2) -> None:
-        """Back to `count` worker nodes, waiting until Ray lists them alive."""
+        """Back to `count` worker nodes, waiting until Ray lists them alive and the removed ones dead."""
         while len(self.nodes) < count:
             self.add()
+        self.settle()
 
 
 @pytest.fixture(scope="module")
@@ -431,8 +447,10 @@ def test_a_run_whose_environment_nodes_are_all_gone_stops_with_a_clear_error(env
     """Both worker nodes removed during a batch: the episodes are lost, no replacement can be
     placed, and the run stops after the bounded placement wait, naming the lost nodes and what to
     do, instead of waiting for a node forever."""
-    with _ray_pool(2, placement_timeout_s=5) as pool:
+    with _ray_pool(2) as pool:  # started within the usual wait (a loaded machine can take over 5 s)
+        pool.placement_timeout_s = 5  # the wait for a replacement, which no node can take
         nodes = sorted(pool.placement())
+        assert nodes == sorted(n.node_id for n in env_cluster.nodes), pool.placement()  # one actor on each
         policy_generate = scripted.generate
         removed = []
 
