@@ -189,7 +189,8 @@ def test_check_parameters_unit():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, expect", [("smoke_test", "Smoke run summary"), ("evaluation", "task selection: kept")])
+@pytest.mark.parametrize("name, expect", [("smoke_test", "Smoke run summary"),  # the evaluation notebook: long
+                                          pytest.param("evaluation", "task selection: kept", marks=pytest.mark.long)])
 def test_smoke_and_evaluation_notebooks_run_on_the_desktop_config(tmp_path, tiny_qwen2vl, name, expect):
     """The desktop rung by parameters alone: real applications in the sandbox, the warm start on
     the suite's scripted solutions, ARPO steps, evaluation and task selection."""

@@ -350,6 +350,7 @@ def test_two_processes_roll_out_through_servers_that_rank_0_keeps_current(tiny_q
         assert (run / "server_1.log").is_file()
 
 
+@pytest.mark.long  # async over a server (one process) and two processes over servers run in CI
 def test_two_processes_play_the_next_batch_ahead_on_the_servers_that_rank_0_restarts(tiny_qwen2vl,
                                                                                       chromium_available, tmp_path):
     """Asynchronous ARPO on two ranks: rollout.max_staleness=1 with 2 training processes. Each rank plays its
