@@ -141,7 +141,7 @@ def test_osworld_sandbox_benchmark_runs_small(tmp_path, osworld_python):
     """benchmarks/bench_osworld_sandbox.py in the OSWorld interpreter, one environment, one episode
     of a real OSWorld task file, its desktop handed over prestarted; the reset split into the
     desktop's part and the task's set-up, and the density row. (A desktop reset in place, the
-    default, is measured by every other sandbox test; the prestarted hand-over is tested in
+    default, is what every other sandbox test resets with; the prestarted hand-over's own test is in
     tests/envs/osworld/test_sandbox_provider.py.)"""
     import subprocess
 
